@@ -1,0 +1,85 @@
+"""Frames to messages and back, checking in a fixed order before anything is trusted.
+
+Order: size, then envelope (a msgpack map with ``type`` and ``v``), then version, then type,
+then schema. Each failure is a ProtocolError carrying the wire error code, so the server
+turns any bad frame into a typed Error reply without special cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .messages import PROTOCOL_VERSION, ClientMessage, DaemonMessage
+
+DEFAULT_MAX_FRAME_BYTES = 8 << 20
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class _Envelope(msgspec.Struct):
+    # Unknown fields are the schema's business, not the envelope's.
+    type: str
+    v: int
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(_Envelope)
+_client = msgspec.msgpack.Decoder(ClientMessage)
+_daemon = msgspec.msgpack.Decoder(DaemonMessage)
+
+CLIENT_TYPES = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)
+DAEMON_TYPES = frozenset(t.__struct_config__.tag for t in DaemonMessage.__args__)
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str], max_bytes: int):
+    if len(frame) > max_bytes:
+        raise ProtocolError("frame_too_large", f"frame of {len(frame)} bytes exceeds the limit of {max_bytes}")
+    try:
+        env = _envelope.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError("bad_frame", f"not a msgpack map with 'type' (str) and 'v' (int): {exc}") from None
+    if env.v != PROTOCOL_VERSION:
+        raise ProtocolError("unsupported_version", f"protocol version {env.v} is not supported; this side speaks {PROTOCOL_VERSION}")
+    if env.type not in known:
+        raise ProtocolError("unknown_type", f"unknown message type {env.type[:64]!r}; expected one of {sorted(known)}")
+    try:
+        return decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError("invalid_request", str(exc)) from None
+    except msgspec.DecodeError as exc:  # pragma: no cover - the envelope already parsed
+        raise ProtocolError("bad_frame", str(exc)) from None
+
+
+def decode_client(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ClientMessage:
+    """Decode a frame a council process sent; raise ProtocolError with the wire code."""
+    return _decode(frame, _client, CLIENT_TYPES, max_bytes)
+
+
+def decode_daemon(frame: bytes, max_bytes: int = 64 << 20) -> DaemonMessage:
+    """Decode a frame the daemon sent."""
+    return _decode(frame, _daemon, DAEMON_TYPES, max_bytes)
+
+
+def peek_request_id(frame: bytes) -> str | None:
+    """Best-effort request id of a frame that failed validation, so its error can be routed
+    to the right stream. Never raises."""
+    try:
+        value = msgspec.msgpack.decode(frame)
+    except Exception:
+        return None
+    if isinstance(value, dict):
+        rid = value.get("request_id")
+        if isinstance(rid, str) and 0 < len(rid) <= 128:
+            return rid
+    return None

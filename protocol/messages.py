@@ -1,0 +1,254 @@
+"""The wire contract: every message councild and a council process exchange.
+
+Each message is a msgspec Struct in one tagged union (tag field ``type``), and every one
+carries the protocol version ``v``. Field constraints live here, on the types, so that
+decoding a frame *is* validating it: a frame that decodes is a request the daemon can act on.
+PROTOCOL.md documents the same contract for implementers in other languages.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+# Request ids travel into logs and status output; keep them short and printable.
+RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")]
+SeatName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._\-]+$")]
+Priority = Literal["interactive", "normal", "background"]
+Speculation = Literal["off", "exact", "fast"]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+# Bounds that hold whatever the daemon's configuration says; the daemon's own (often
+# tighter) limits are announced in Welcome.limits and enforced after decoding.
+MAX_TOKENS_CEILING = 1 << 20
+MAX_PROMPT_CHARS = 4 << 20
+MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 1024
+
+
+class _Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    v: int = PROTOCOL_VERSION
+
+
+# ---------------------------------------------------------------- client -> daemon
+
+
+class Hello(_Message, tag="hello"):
+    """Names the connection's seat. Optional: without it a connection sits in seat ``default``."""
+
+    seat: SeatName = "default"
+    client: Annotated[str, Meta(max_length=128)] = ""
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+
+
+class Generate(_Message, tag="generate"):
+    """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``."""
+
+    request_id: RequestId
+    prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)] | None = None
+    prompt_tokens: Annotated[list[Annotated[int, Meta(ge=0, lt=1 << 31)]], Meta(max_length=1 << 20)] | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_CEILING)] = 256
+    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    seed: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Meta(min_length=1, max_length=256)]], Meta(max_length=MAX_STOP_STRINGS)] = []
+    stream: bool = True
+    priority: Priority | None = None
+    # Milliseconds from the daemon's receipt of this message; relative, so that client and
+    # daemon clocks never have to agree.
+    deadline_ms: Annotated[int, Meta(ge=1, le=7 * 24 * 3600 * 1000)] | None = None
+    # None: the daemon's configured default. "off": serial decode.
+    speculation: Speculation | None = None
+
+    def prompt_kind(self) -> str | None:
+        """Which prompt field is set, or None when zero or several are (a client error)."""
+        given = [
+            name
+            for name, value in (("prompt", self.prompt), ("messages", self.messages), ("prompt_tokens", self.prompt_tokens))
+            if value is not None
+        ]
+        return given[0] if len(given) == 1 else None
+
+
+class Cancel(_Message, tag="cancel"):
+    request_id: RequestId
+
+
+class Status(_Message, tag="status"):
+    pass
+
+
+class Ping(_Message, tag="ping"):
+    """Liveness both ways: the reply proves the daemon is up, the ping proves the client is."""
+
+    nonce: Annotated[int, Meta(ge=0, le=(1 << 63) - 1)] = 0
+
+
+class GovernorCommand(_Message, tag="governor"):
+    """Operator override: pin a depth, force the MTP head out or in, or hand back to auto."""
+
+    action: Literal["pin_depth", "evict_head", "load_head", "auto"]
+    depth: Annotated[int, Meta(ge=0, le=16)] | None = None
+
+
+# ---------------------------------------------------------------- daemon -> client
+
+
+class Limits(Struct, kw_only=True):
+    max_frame_bytes: int
+    max_tokens: int
+    max_prompt_tokens: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class Welcome(_Message, tag="welcome"):
+    seat: str
+    server: str
+    model: str
+    capabilities: list[str]
+    limits: Limits
+
+
+class Accepted(_Message, tag="accepted"):
+    request_id: str
+    queue_position: int
+    prompt_tokens: int
+
+
+class Tokens(_Message, tag="tokens"):
+    """A chunk of a stream. ``seq`` starts at 0 and rises by one per chunk of a request."""
+
+    request_id: str
+    seq: int
+    text: str
+    token_ids: list[int]
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timings(Struct, kw_only=True):
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    ttft_s: float
+    tokens_per_s: float
+
+
+class SpecStats(Struct, kw_only=True):
+    """Speculation telemetry of one request: what was drafted, what survived, by position."""
+
+    mode: str
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = []
+    drafted_by_position: list[int] = []
+    guarded: int = 0
+
+
+class Done(_Message, tag="done"):
+    """Terminal: the request ended normally, by a stop condition or by cancellation."""
+
+    request_id: str
+    finish_reason: FinishReason
+    text: str
+    usage: Usage
+    timings: Timings
+    speculation: SpecStats | None = None
+
+
+ErrorCode = Literal[
+    "bad_frame",
+    "frame_too_large",
+    "unsupported_version",
+    "unknown_type",
+    "invalid_request",
+    "duplicate_request",
+    "not_found",
+    "prompt_too_long",
+    "overloaded",
+    "deadline_exceeded",
+    "shutting_down",
+    "slow_consumer",
+    "client_gone",
+    "internal",
+]
+
+
+class Error(_Message, tag="error"):
+    """Terminal for ``request_id`` when it is set; otherwise a reply to an undecodable frame."""
+
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+    retry_after_s: float | None = None
+
+
+class StatusReply(_Message, tag="status_reply"):
+    """A snapshot of the daemon. ``detail`` is free-form and grows as features land."""
+
+    server: str
+    model: str
+    uptime_s: float
+    active: int
+    queued: int
+    detail: dict = {}
+
+
+class Pong(_Message, tag="pong"):
+    nonce: int = 0
+
+
+class GovernorReply(_Message, tag="governor_reply"):
+    ok: bool
+    message: str
+    state: dict = {}
+
+
+ClientMessage = Union[Hello, Generate, Cancel, Status, Ping, GovernorCommand]
+DaemonMessage = Union[Welcome, Accepted, Tokens, Done, Error, StatusReply, Pong, GovernorReply]
+AnyMessage = Union[ClientMessage, DaemonMessage]
+
+TERMINAL_TYPES = (Done, Error)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Hello",
+    "ChatMessage",
+    "Generate",
+    "Cancel",
+    "Status",
+    "Ping",
+    "GovernorCommand",
+    "Limits",
+    "Welcome",
+    "Accepted",
+    "Tokens",
+    "Usage",
+    "Timings",
+    "SpecStats",
+    "Done",
+    "Error",
+    "StatusReply",
+    "Pong",
+    "GovernorReply",
+    "ClientMessage",
+    "DaemonMessage",
+    "AnyMessage",
+    "TERMINAL_TYPES",
+    "msgspec",
+]
