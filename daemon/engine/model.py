@@ -1,0 +1,102 @@
+"""Loading a model with mlx-lm, and the two halves of its forward that speculation needs.
+
+mlx-lm's ``model(tokens, cache)`` returns logits only. Native MTP needs the base model's
+final-normed hidden states as well, so the forward is split: ``hidden(tokens, cache)`` runs
+the backbone, ``logits(hidden)`` applies the (possibly tied) output head. Both serial and
+speculative paths go through the same halves, so their numerics match.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# mlx-lm model types whose layers are GatedDeltaNet + gated attention and that carry an
+# MTP head in their checkpoints.
+HYBRID_MTP_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    path: Path
+    config: dict
+    model_type: str
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def text_module(self) -> nn.Module:
+        """The module that owns embed/layers/norm and lm_head (qwen3_5 wraps it)."""
+        return getattr(self.model, "language_model", self.model)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.text_module.model
+
+    @property
+    def text_args(self) -> Any:
+        return self.text_module.args
+
+    @property
+    def supports_mtp(self) -> bool:
+        return self.model_type in HYBRID_MTP_TYPES
+
+    def hidden(self, tokens: mx.array, cache: list | None) -> mx.array:
+        """Final-normed hidden states, shape [B, T, H]."""
+        return self.backbone(tokens, cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        text = self.text_module
+        if text.args.tie_word_embeddings:
+            return text.model.embed_tokens.as_linear(hidden)
+        return text.lm_head(hidden)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.backbone.embed_tokens(tokens)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None) -> list[int]:
+        if tokens is not None:
+            return list(tokens)
+        if messages is not None:
+            if getattr(self.tokenizer, "chat_template", None):
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return list(self.tokenizer.encode(prompt or ""))
+
+
+def load_model(path: str | Path) -> LoadedModel:
+    """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
+    the path in the message on a missing or unsupported model."""
+    import mlx_lm
+
+    path = Path(path).expanduser().resolve()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no model at {path}: config.json is missing")
+    model, tokenizer = mlx_lm.load(str(path))
+    config = json.loads((path / "config.json").read_text())
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        path=path,
+        config=config,
+        model_type=config.get("model_type", ""),
+        eos_token_ids=frozenset(eos),
+    )

@@ -1,0 +1,60 @@
+"""The serial decode path: one token per step, as a generator.
+
+Built on the same model halves as speculation (``LoadedModel.hidden`` + ``logits``) so that
+the fidelity gate compares like with like; the next step is queued with ``async_eval``
+before the current token is handed out, as mlx-lm's ``generate_step`` does, so Python's
+per-step overhead overlaps the device's work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+
+from .model import LoadedModel
+from .sampling import Sampler
+from .types import DecodeStep
+
+PREFILL_CHUNK = 2048
+
+
+def prefill(lm: LoadedModel, prompt: list[int], cache: list, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run all prompt tokens but the last through the model in chunks; return the last
+    token (as a [1] array) for the first decode step."""
+    ids = mx.array(prompt, dtype=mx.uint32)
+    while ids.size > 1:
+        n = min(chunk, ids.size - 1)
+        lm.hidden(ids[None, :n], cache)
+        mx.eval([c.state for c in cache])
+        ids = ids[n:]
+    return ids
+
+
+def serial_decode(lm: LoadedModel, prompt: list[int], sampler: Sampler, cache: list | None = None) -> Iterator[DecodeStep]:
+    """Yield one DecodeStep per token, forever; the caller decides when to stop."""
+    if not prompt:
+        raise ValueError("serial_decode needs at least one prompt token")
+    cache = cache if cache is not None else lm.make_cache()
+
+    def step(tokens: mx.array) -> mx.array:
+        logits = lm.logits(lm.hidden(tokens[None], cache))[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs).reshape(-1)
+
+    y = step(prefill(lm, prompt, cache))
+    mx.async_eval(y)
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        next_y = step(y)
+        mx.async_eval(next_y)
+        token = y.item()
+        now = time.perf_counter()
+        yield DecodeStep(tokens=[token], cycle_s=now - t0)
+        t0 = now
+        n += 1
+        if n % 256 == 0:
+            mx.clear_cache()
+        y = next_y

@@ -1,0 +1,33 @@
+"""Plain records the engine's generators yield and take. No mlx here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class DecodeStep:
+    """What one decode cycle committed.
+
+    A serial step commits one token at depth 0. A speculative cycle at depth k drafts k
+    tokens, accepts a prefix of them, and commits accepted + 1 tokens (the +1 is the base
+    model's own token at the first rejected position, or after the last draft).
+    """
+
+    tokens: list[int]
+    depth: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    # accepted_mask[i] is True when draft position i+1 was accepted (len == drafted).
+    accepted_mask: list[bool] = field(default_factory=list)
+    # Positions whose accept decision the exact configuration re-took with serial numerics.
+    guarded: int = 0
+    cycle_s: float = 0.0
