@@ -1,0 +1,135 @@
+"""Every threshold and window the governor uses, with its default and why.
+
+The daemon's config file carries a free-form ``governor`` table; ``load_config`` turns it
+into a ``GovernorConfig`` (unknown keys are an error, so a typo does not silently fall back
+to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+MiB = 1 << 20
+
+
+class LinuxThresholds(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Where the Linux signals turn warn / critical. Each signal is optional; the worst wins."""
+
+    # PSI "some" avg10 is the % of the last 10 s in which at least one task stalled on
+    # memory. 10% is when reclaim starts to show up in latency; 40% is thrashing.
+    psi_some_warn: float = 10.0
+    psi_some_critical: float = 40.0
+    # "full" means every runnable task stalled at once: far more serious per point.
+    psi_full_warn: float = 2.0
+    psi_full_critical: float = 10.0
+    # cgroup v2 headroom as a fraction of the effective limit (min of memory.high and
+    # memory.max). Past memory.high the kernel throttles us; past memory.max it OOM-kills.
+    # 10% of a 64 GB limit is ~6 GB: about one MTP head plus a long prompt's caches.
+    cgroup_warn_frac: float = 0.10
+    cgroup_critical_frac: float = 0.03
+    # MemAvailable as a fraction of MemTotal. Below 5% the kernel is about to reclaim hard
+    # (and with no swap, the OOM killer is next).
+    memavail_warn_frac: float = 0.10
+    memavail_critical_frac: float = 0.05
+    # Absolute MemAvailable thresholds; when set they replace the fractions. Needed where
+    # the other signals stay silent (no swap: PSI reads 0 until the end; cgroup v1), and by
+    # tests that set them relative to the memory free when they start.
+    memavail_warn_bytes: int | None = None
+    memavail_critical_bytes: int | None = None
+
+
+class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # ---------------------------------------------------------------- cadence
+    # 250 ms: four looks a second catches a pressure spike well before the kernel's
+    # 10 s PSI window fills, and costs nothing next to a decode cycle (tens of ms).
+    tick_s: float = 0.25
+
+    # ---------------------------------------------------------------- depth
+    # Matches daemon SpeculationConfig.max_depth: the seed measured depth 4 as a regression
+    # (0.85-0.97x), so deeper is never worth a slot.
+    max_depth: int = 4
+    # Depth used before there are measurements (daemon SpeculationConfig.depth).
+    initial_depth: int = 1
+    # Change depth only for a >= 10% better score: the measured gains are 6-20%, and the
+    # per-cycle noise of cost EWMAs is a few %, so a smaller margin flaps.
+    depth_margin: float = 0.10
+    # After a depth change, wait this long before the next one, so the new depth collects
+    # samples (20-50 cycles at 20-50 tok/s) before it is judged.
+    depth_dwell_s: float = 1.0
+    # With this many active streams, batch them at depth 0: speculation buys latency at
+    # batch 1, not throughput.
+    batch_streams: int = 2
+    # Probe a stale neighbouring depth at most this often, for probe_s. 30 s of council
+    # traffic is long enough for load to have changed the costs; 2 s is ~50-100 cycles,
+    # enough to re-anchor an EWMA, short enough that a bad probe costs < 2 s of 10-20%.
+    probe_interval_s: float = 30.0
+    probe_s: float = 2.0
+
+    # ---------------------------------------------------------------- head residency
+    # Warn sustained this long evicts the head (~850 MB for a 27B): shed fast.
+    warn_evict_s: float = 30.0
+    # A warn episode ends only after this much continuous normal, so a signal flapping
+    # between normal and warn counts as sustained warn rather than restarting the clock.
+    warn_clear_s: float = 10.0
+    # The head unused (depth 0) this long is evicted: five minutes of batching or of
+    # "speculation does not pay" is not a blip.
+    idle_evict_s: float = 300.0
+    # Restore slowly: reload only after this much continuous normal pressure.
+    restore_window_s: float = 60.0
+    # And never sooner than this after an eviction (anti-thrash: a load costs seconds of
+    # disk reads and ~850 MB; two per minute would cost more than speculation earns).
+    min_reload_gap_s: float = 120.0
+    # Headroom must cover the head plus this margin: 512 MB is room for the head's KV and
+    # for MLX's allocator rounding, on top of the weights.
+    head_margin_bytes: int = 512 * MiB
+    # A LoadHead that has not produced a resident head after this long is taken as failed.
+    load_timeout_s: float = 120.0
+    # When true, critical pressure beats operator overrides (pin/force_load). Off: the
+    # operator's word wins until released, as documented; the decision log shows the risk.
+    critical_beats_override: bool = False
+
+    # ---------------------------------------------------------------- admissions
+    # Under critical pressure new requests are refused with this retry hint: about the time
+    # an eviction plus a cache clear takes to show in the pressure signal.
+    shed_retry_after_s: float = 5.0
+    # Release shedding after this long below critical: long enough not to toggle on
+    # every tick of a noisy signal, short enough that clients barely notice.
+    shed_release_s: float = 5.0
+    # While critical, clear MLX's buffer cache at most this often (it refills as we run).
+    clear_cache_interval_s: float = 5.0
+
+    # ---------------------------------------------------------------- cost model
+    # EWMA weight of a new cycle's cost: ~10 cycles of memory (a fraction of a second), so a
+    # change of council load shows within the dwell time.
+    cost_alpha: float = 0.1
+    # Acceptance is a property of the head and the text, not of load: a longer memory.
+    accept_alpha: float = 0.05
+    # Below this many samples an estimate is blended with its prior, and not "trusted".
+    trust_samples: int = 8
+    # A depth's cost not sampled for this long, or sampled under a CPU load this different,
+    # is stale: the policy probes it when it is a neighbour.
+    stale_after_s: float = 30.0
+    stale_load_delta: float = 0.25
+    # Measurements older than this are forgotten in favour of the prior, so a head evicted
+    # because "speculation did not pay" gets another try once the council has changed.
+    forget_after_s: float = 900.0
+    # Prior when neither a tuned profile nor data exist: a depth-k cycle costs
+    # (1 + 0.5 k) serial steps (the seed: 1.15-1.20x at depth 1 with a1 = 0.83 means a
+    # depth-1 cycle is ~1.5 steps) and each position is accepted with 0.8 (seed: 0.83,
+    # 0.79, 0.77, 0.76).
+    prior_cost_per_depth: float = 0.5
+    prior_acceptance: float = 0.8
+
+    # ---------------------------------------------------------------- signals
+    linux: LinuxThresholds = LinuxThresholds()
+    # Arrival-rate EWMA time constant: 30 s smooths one council round without hiding a
+    # change of phase.
+    arrival_tau_s: float = 30.0
+
+
+def load_config(table: dict[str, Any] | None) -> GovernorConfig:
+    """The daemon's ``[governor]`` table -> GovernorConfig; raises msgspec.ValidationError."""
+    return msgspec.convert(table or {}, GovernorConfig)

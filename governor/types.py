@@ -1,0 +1,170 @@
+"""The governor's values: pressure levels, observations, state, actions, telemetry.
+
+All are frozen msgspec Structs, so the policy cannot mutate what it is given and every
+value serialises to JSON for the trace and the status reply as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from msgspec import Struct
+
+Level = Literal["normal", "warn", "critical"]
+NORMAL: Level = "normal"
+WARN: Level = "warn"
+CRITICAL: Level = "critical"
+_RANK = {NORMAL: 0, WARN: 1, CRITICAL: 2}
+
+
+def rank(level: Level) -> int:
+    return _RANK[level]
+
+
+def worst(levels) -> Level:
+    """The most severe of ``levels`` (normal when empty: no signal is no alarm)."""
+    out: Level = NORMAL
+    for lv in levels:
+        if _RANK[lv] > _RANK[out]:
+            out = lv
+    return out
+
+
+# ---------------------------------------------------------------- telemetry in
+
+
+class CycleTelemetry(Struct, frozen=True, kw_only=True):
+    """One decode cycle, reported by the engine after it commits.
+
+    ``accepted`` is the length of the accepted draft prefix (0..drafted); a serial step is
+    depth=0, drafted=0, accepted=0, emitted=1. ``accepted_by_position`` may be given
+    instead (True/False per drafted position); only its leading run of True counts.
+    ``batch`` > 1 marks a batched step of several streams: its cost is not a per-stream
+    cycle cost, so the cost model does not learn from it.
+    """
+
+    depth: int
+    cycle_s: float
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 1
+    accepted_by_position: tuple[bool, ...] | None = None
+    batch: int = 1
+
+    def accepted_prefix(self) -> int:
+        if self.accepted_by_position is None:
+            return max(0, min(self.accepted, self.drafted))
+        n = 0
+        for ok in self.accepted_by_position:
+            if not ok:
+                break
+            n += 1
+        return min(n, self.drafted)
+
+
+class DepthEstimate(Struct, frozen=True, kw_only=True):
+    """The cost model's view of one depth. ``score`` is None when nothing is known."""
+
+    depth: int
+    expected_tokens: float
+    cost_s: float | None
+    score: float | None
+    samples: int
+    # "measured" (trusted data), "blend" (some data, shrunk to the prior), "profile"
+    # (tuned profile), "prior" (config prior), or "none".
+    source: str
+    stale: bool
+
+
+# ---------------------------------------------------------------- observation
+
+
+class Observation(Struct, frozen=True, kw_only=True):
+    """Everything the policy may look at in one tick, already sampled."""
+
+    pressure: Level = NORMAL
+    # Which signals said what, for the decision log ("psi some=12.0 -> warn; ...").
+    pressure_detail: str = ""
+    # Bytes that could be allocated now without pressure (min over the sources); None when
+    # no probe knows.
+    available_bytes: int | None = None
+    # The model has an MTP head at all; it is resident; a load is in flight; its size.
+    head_available: bool = True
+    head_resident: bool = False
+    head_loading: bool = False
+    head_bytes: int = 0
+    active_streams: int = 0
+    queued: int = 0
+    arrival_rate: float = 0.0
+    cpu_load: float | None = None
+    # Indexed by depth, 0..max_depth.
+    estimates: tuple[DepthEstimate, ...] = ()
+
+
+# ---------------------------------------------------------------- state
+
+Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
+
+
+class State(Struct, frozen=True, kw_only=True):
+    """What the governor remembers between ticks. Times are the injected clock's seconds."""
+
+    depth: int = 0
+    # What the governor last asked of the head; None until the first tick adopts reality.
+    head_target: bool | None = None
+    override: Override = "auto"
+    pin_depth: int | None = None
+    shedding: bool = False
+    last_depth_change_at: float | None = None
+    # Current warn episode: its start, and the last tick that was not normal.
+    warn_since: float | None = None
+    last_not_normal_at: float | None = None
+    normal_since: float | None = None
+    not_critical_since: float | None = None
+    # Head resident and unused (depth 0) since.
+    idle_since: float | None = None
+    last_evict_at: float | None = None
+    last_load_at: float | None = None
+    last_clear_cache_at: float | None = None
+    # A probe in flight: the neighbour being measured, where to go back, and until when.
+    probe_depth: int | None = None
+    probe_return: int | None = None
+    probe_until: float | None = None
+    last_probe_at: float | None = None
+    probe_count: int = 0
+    ticks: int = 0
+
+
+# ---------------------------------------------------------------- actions out
+
+
+class SetDepth(Struct, frozen=True, tag=True):
+    depth: int
+
+
+class EvictHead(Struct, frozen=True, tag=True):
+    pass
+
+
+class LoadHead(Struct, frozen=True, tag=True):
+    pass
+
+
+class ShedAdmissions(Struct, frozen=True, tag=True):
+    on: bool
+    retry_after_s: float | None = None
+
+
+class ClearCache(Struct, frozen=True, tag=True):
+    pass
+
+
+Action = Union[SetDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache]
+
+
+def action_name(a: Action) -> str:
+    if isinstance(a, SetDepth):
+        return f"SetDepth({a.depth})"
+    if isinstance(a, ShedAdmissions):
+        return f"ShedAdmissions({'on' if a.on else 'off'})"
+    return type(a).__name__
