@@ -110,6 +110,8 @@ class State(Struct, frozen=True, kw_only=True):
     """What the governor remembers between ticks. Times are the injected clock's seconds."""
 
     depth: int = 0
+    # Pressure seen on the previous tick (to act on entering critical).
+    last_pressure: Level = NORMAL
     # What the governor last asked of the head; None until the first tick adopts reality.
     head_target: bool | None = None
     override: Override = "auto"

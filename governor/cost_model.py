@@ -1,0 +1,178 @@
+"""Online cost model: what one decode cycle costs and yields, per depth.
+
+  E(k)     = 1 + sum_{i<=k} prod_{j<=i} a_j     expected tokens per cycle at depth k
+  score(k) = E(k) / cost(k)                     tokens per second at depth k
+
+a_j is the conditional acceptance of draft position j (accepted, given 1..j-1 were).
+cost(k) is the EWMA of a depth-k cycle's seconds; cost(0) is one serial step.
+
+Council load shows up as cost, not as acceptance (DESIGN.md), so costs use a short memory
+and go stale (age, or CPU load moved) while acceptance uses a long one. Until a depth has
+``trust_samples`` samples its cost is shrunk towards a prior: a tuned profile's ratio to
+cost(0) when one was given, else (1 + prior_cost_per_depth * k) serial steps, scaled by the
+live cost of the nearest measured depth so the prior moves with load too.
+
+Profile format (from a tuning run): {"cost_s": {"0": 0.049, "1": 0.074, ...},
+"acceptance": [0.83, 0.79, 0.77, 0.76]}; both keys optional.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import GovernorConfig
+from .types import CycleTelemetry, DepthEstimate
+
+
+class _Ewma:
+    """EWMA with a bias-corrected start: the n-th sample weighs max(alpha, 1/n), so the
+    first samples average plainly and no arbitrary initial value leaks in."""
+
+    __slots__ = ("value", "n", "last_at", "load_at")
+
+    def __init__(self) -> None:
+        self.value: float = 0.0
+        self.n = 0
+        self.last_at: float | None = None
+        self.load_at: float | None = None
+
+    def add(self, x: float, alpha: float, now: float, load: float | None = None) -> None:
+        self.n += 1
+        w = max(alpha, 1.0 / self.n)
+        self.value += w * (x - self.value)
+        self.last_at = now
+        if load is not None:
+            self.load_at = load if self.load_at is None else self.load_at + w * (load - self.load_at)
+
+
+class CostModel:
+    def __init__(self, cfg: GovernorConfig | None = None, profile: dict[str, Any] | None = None):
+        self.cfg = cfg or GovernorConfig()
+        k = self.cfg.max_depth
+        self._cost = [_Ewma() for _ in range(k + 1)]
+        self._emitted = [_Ewma() for _ in range(k + 1)]
+        self._accept = [_Ewma() for _ in range(k + 1)]  # index 1..k; 0 unused
+        self._profile_cost: dict[int, float] = {}
+        self._profile_accept: list[float] = []
+        self.batched_cycles = 0
+        if profile:
+            self.seed(profile)
+
+    # ------------------------------------------------------------ input
+
+    def seed(self, profile: dict[str, Any]) -> None:
+        """Take a tuned profile as the prior (never as measurements: live data wins)."""
+        self._profile_cost = {int(d): float(s) for d, s in (profile.get("cost_s") or {}).items() if float(s) > 0}
+        self._profile_accept = [min(1.0, max(0.0, float(a))) for a in (profile.get("acceptance") or [])]
+
+    def record(self, t: CycleTelemetry, now: float, load: float | None = None) -> None:
+        k = min(max(t.depth, 0), self.cfg.max_depth)
+        if t.batch > 1:
+            # A batched step serves several streams: not a per-stream cycle cost.
+            self.batched_cycles += 1
+            return
+        if t.cycle_s > 0:
+            self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load)
+        self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
+        drafted = min(t.drafted or k, self.cfg.max_depth)
+        m = t.accepted_prefix() if t.drafted else min(t.accepted, drafted)
+        # Positions 1..m were accepted; m+1 was tried and rejected; later ones unseen.
+        for i in range(1, min(m, drafted) + 1):
+            self._accept[i].add(1.0, self.cfg.accept_alpha, now)
+        if m < drafted:
+            self._accept[m + 1].add(0.0, self.cfg.accept_alpha, now)
+
+    # ------------------------------------------------------------ estimates
+
+    def _fresh(self, e: _Ewma, now: float) -> bool:
+        return e.n > 0 and e.last_at is not None and now - e.last_at <= self.cfg.forget_after_s
+
+    def _blend(self, e: _Ewma, fresh: bool, prior: float | None) -> tuple[float | None, str]:
+        trust = self.cfg.trust_samples
+        if fresh and e.n >= trust:
+            return e.value, "measured"
+        if fresh and prior is not None:
+            return (e.n * e.value + (trust - e.n) * prior) / trust, "blend"
+        if fresh:
+            return e.value, "blend"
+        return prior, "none" if prior is None else "prior"
+
+    def _ratio(self, k: int) -> float:
+        p = self._profile_cost
+        if 0 in p and k in p:
+            return p[k] / p[0]
+        return 1.0 + self.cfg.prior_cost_per_depth * k
+
+    def _anchor(self, k: int, now: float) -> tuple[float | None, str]:
+        """The prior for cost(k): the live cost of the nearest measured depth j, scaled by
+        ratio(k)/ratio(j), so the prior moves with load; else the profile's absolute value."""
+        live = [j for j, e in enumerate(self._cost) if self._fresh(e, now)]
+        if live:
+            j = min(live, key=lambda j: (abs(j - k), j))
+            return self._cost[j].value * self._ratio(k) / self._ratio(j), "prior"
+        if k in self._profile_cost:
+            return self._profile_cost[k], "profile"
+        if 0 in self._profile_cost:
+            return self._profile_cost[0] * self._ratio(k), "prior"
+        return None, "none"
+
+    def acceptance(self, i: int, now: float = 0.0) -> float:
+        e = self._accept[i]
+        prior = self._profile_accept[i - 1] if i - 1 < len(self._profile_accept) else self.cfg.prior_acceptance
+        v, _ = self._blend(e, e.n > 0, prior)
+        return float(v)
+
+    def expected_tokens(self, k: int, now: float = 0.0) -> float:
+        total, run = 1.0, 1.0
+        for i in range(1, k + 1):
+            run *= self.acceptance(i, now)
+            total += run
+        return total
+
+    def cost(self, k: int, now: float) -> tuple[float | None, str]:
+        prior, src = self._anchor(k, now)
+        e = self._cost[k]
+        v, how = self._blend(e, self._fresh(e, now), prior)
+        return v, (src if how == "prior" else how)
+
+    def stale(self, k: int, now: float, load: float | None = None) -> bool:
+        e = self._cost[k]
+        if e.n == 0 or e.last_at is None or now - e.last_at > self.cfg.stale_after_s:
+            return True
+        return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
+
+    def estimate(self, k: int, now: float, load: float | None = None) -> DepthEstimate:
+        c, src = self.cost(k, now)
+        et = self.expected_tokens(k, now)
+        return DepthEstimate(
+            depth=k,
+            expected_tokens=et,
+            cost_s=c,
+            score=(et / c) if c else None,
+            samples=self._cost[k].n,
+            source=src,
+            stale=self.stale(k, now, load),
+        )
+
+    def estimates(self, now: float, load: float | None = None) -> tuple[DepthEstimate, ...]:
+        return tuple(self.estimate(k, now, load) for k in range(self.cfg.max_depth + 1))
+
+    def snapshot(self, now: float, load: float | None = None) -> dict[str, Any]:
+        return {
+            "depths": [
+                {
+                    "depth": e.depth,
+                    "cost_s": e.cost_s,
+                    "expected_tokens": round(e.expected_tokens, 4),
+                    "observed_tokens": round(self._emitted[e.depth].value, 4) if self._emitted[e.depth].n else None,
+                    "score": e.score,
+                    "samples": e.samples,
+                    "source": e.source,
+                    "stale": e.stale,
+                }
+                for e in self.estimates(now, load)
+            ],
+            "acceptance": [round(self.acceptance(i, now), 4) for i in range(1, self.cfg.max_depth + 1)],
+            "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
+            "batched_cycles": self.batched_cycles,
+        }

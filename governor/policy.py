@@ -1,0 +1,347 @@
+"""The governor's policy: one pure function.
+
+    decide(state, obs, now, cfg) -> (new_state, actions, reasons)
+
+No clock, no probes, no randomness, no I/O: the same inputs always give the same outputs,
+which is what makes a recorded trace replayable and every rule below testable with fakes.
+
+Order within a tick (the order the actions come out in, and the step loop applies them):
+  1. timers        pressure episodes (normal since, warn episode, not critical since)
+  2. head          shed fast (critical now, warn sustained, idle), restore slowly
+  3. admissions    shed under critical, clear MLX's cache, release once it passes
+  4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
+                   with a neighbour probed now and then
+Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec.structs import replace
+
+from .config import GovernorConfig
+from .types import (
+    CRITICAL,
+    NORMAL,
+    Action,
+    ClearCache,
+    EvictHead,
+    LoadHead,
+    Observation,
+    SetDepth,
+    ShedAdmissions,
+    State,
+)
+
+Reason = dict[str, Any]
+
+
+class _Out:
+    """The actions and reasons of one tick, in order."""
+
+    def __init__(self, obs: Observation):
+        self.obs = obs
+        self.actions: list[Action] = []
+        self.reasons: list[Reason] = []
+
+    def emit(self, action: Action | None, decision: str, sentence: str, **inputs: Any) -> None:
+        if action is not None:
+            self.actions.append(action)
+        self.reasons.append(
+            {
+                "decision": decision,
+                "sentence": sentence,
+                "pressure": self.obs.pressure,
+                "active_streams": self.obs.active_streams,
+                **inputs,
+            }
+        )
+
+
+def _scores(obs: Observation) -> list[float | None]:
+    return [e.score for e in obs.estimates]
+
+
+def _fmt(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f}"
+
+
+# ---------------------------------------------------------------- 1. timers
+
+
+def _timers(s: State, obs: Observation, now: float, cfg: GovernorConfig) -> State:
+    p = obs.pressure
+    normal_since = (s.normal_since if s.normal_since is not None else now) if p == NORMAL else None
+    not_crit = (s.not_critical_since if s.not_critical_since is not None else now) if p != CRITICAL else None
+    warn_since, last_bad = s.warn_since, s.last_not_normal_at
+    if p != NORMAL:
+        last_bad = now
+        warn_since = warn_since if warn_since is not None else now
+    elif warn_since is not None and last_bad is not None and now - last_bad >= cfg.warn_clear_s:
+        # Only a calm stretch ends the episode: a flapping signal stays one episode.
+        warn_since = None
+    return replace(
+        s, normal_since=normal_since, not_critical_since=not_crit, warn_since=warn_since, last_not_normal_at=last_bad
+    )
+
+
+# ---------------------------------------------------------------- 2. head
+
+
+def _evict(s: State, out: _Out, now: float, decision: str, sentence: str, **inputs: Any) -> State:
+    if s.depth != 0:
+        out.emit(SetDepth(0), "depth", "depth 0 before the head goes", depth_from=s.depth, depth_to=0)
+    out.emit(EvictHead(), decision, sentence, **inputs)
+    return replace(
+        s, depth=0, head_target=False, last_evict_at=now, last_depth_change_at=now, idle_since=None,
+        probe_depth=None, probe_return=None, probe_until=None,
+    )  # fmt: skip
+
+
+def _load(s: State, out: _Out, now: float, decision: str, sentence: str, **inputs: Any) -> State:
+    out.emit(LoadHead(), decision, sentence, **inputs)
+    return replace(s, head_target=True, last_load_at=now, idle_since=None)
+
+
+def _predicted_gain(obs: Observation, cfg: GovernorConfig) -> tuple[bool, str]:
+    sc = _scores(obs)
+    if not sc or sc[0] is None or all(x is None for x in sc[1:]):
+        return True, "no cost data yet: the prior says try"
+    best = max((x for x in sc[1:] if x is not None), default=None)
+    ok = best is not None and best >= sc[0] * (1 + cfg.depth_margin)
+    return ok, f"best speculative score {_fmt(best)} vs serial {_fmt(sc[0])}"
+
+
+def _reload_blocker(s: State, obs: Observation, now: float, cfg: GovernorConfig) -> str | None:
+    """Why the head may not come back yet, or None when every condition holds."""
+    if not obs.head_available:
+        return "the model has no MTP head"
+    if obs.head_loading:
+        return "a load is in flight"
+    if obs.pressure != NORMAL or s.normal_since is None:
+        return f"pressure is {obs.pressure}"
+    if now - s.normal_since < cfg.restore_window_s:
+        return f"normal for {now - s.normal_since:.0f}s of the {cfg.restore_window_s:.0f}s restore window"
+    if s.last_evict_at is not None and now - s.last_evict_at < cfg.min_reload_gap_s:
+        return f"evicted {now - s.last_evict_at:.0f}s ago (< {cfg.min_reload_gap_s:.0f}s anti-thrash gap)"
+    need = obs.head_bytes + cfg.head_margin_bytes
+    if obs.available_bytes is None:
+        return "headroom unknown"
+    if obs.available_bytes < need:
+        return f"headroom {obs.available_bytes >> 20}MiB < head + margin {need >> 20}MiB"
+    if obs.active_streams >= cfg.batch_streams:
+        return f"{obs.active_streams} active streams batch at depth 0"
+    gain, why = _predicted_gain(obs, cfg)
+    return None if gain else f"no predicted gain ({why})"
+
+
+def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
+    inputs = {"available_bytes": obs.available_bytes, "head_bytes": obs.head_bytes, "detail": obs.pressure_detail}
+    if s.head_target is None:  # first tick: adopt what the daemon has
+        s = replace(s, head_target=obs.head_resident or obs.head_loading)
+    if s.head_target and not obs.head_available:
+        return replace(s, head_target=False)
+    if (
+        s.head_target
+        and not obs.head_resident
+        and not obs.head_loading
+        and s.last_load_at is not None
+        and now - s.last_load_at >= cfg.load_timeout_s
+    ):
+        out.emit(None, "load_failed", f"head not resident {cfg.load_timeout_s:.0f}s after LoadHead", **inputs)
+        return replace(s, head_target=False, last_evict_at=now)
+
+    mode = s.override
+    if cfg.critical_beats_override and obs.pressure == CRITICAL and mode in ("pin_depth", "force_load"):
+        mode = "auto"
+    wants_head = mode == "force_load" or (mode == "pin_depth" and (s.pin_depth or 0) > 0)
+    if mode == "force_evict":
+        if s.head_target:
+            return _evict(s, out, now, "evict_head", "operator override: force_evict", **inputs)
+        return s
+    if wants_head:
+        if not s.head_target and obs.head_available and not obs.head_loading:
+            return _load(s, out, now, "load_head", f"operator override: {mode}", **inputs)
+        return s
+
+    if s.head_target:
+        if obs.pressure == CRITICAL:
+            return _evict(s, out, now, "evict_head", "critical memory pressure: head out now", **inputs)
+        if s.warn_since is not None and now - s.warn_since >= cfg.warn_evict_s:
+            return _evict(
+                s, out, now, "evict_head",
+                f"memory pressure not calm for {now - s.warn_since:.0f}s (>= {cfg.warn_evict_s:.0f}s)", **inputs,
+            )  # fmt: skip
+        if s.idle_since is not None and now - s.idle_since >= cfg.idle_evict_s:
+            return _evict(
+                s, out, now, "evict_head", f"head unused at depth 0 for {now - s.idle_since:.0f}s", **inputs
+            )
+        return s
+    if _reload_blocker(s, obs, now, cfg) is None:
+        _, why = _predicted_gain(obs, cfg)
+        return _load(
+            s, out, now, "load_head",
+            f"normal for {now - (s.normal_since or now):.0f}s, headroom covers the head, {why}", **inputs,
+        )  # fmt: skip
+    return s
+
+
+# ---------------------------------------------------------------- 3. admissions
+
+
+def _admissions(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
+    crit = obs.pressure == CRITICAL
+    if crit and (s.last_pressure != CRITICAL or s.last_clear_cache_at is None
+                 or now - s.last_clear_cache_at >= cfg.clear_cache_interval_s):  # fmt: skip
+        out.emit(ClearCache(), "clear_cache", "critical memory pressure: drop MLX's buffer cache")
+        s = replace(s, last_clear_cache_at=now)
+    if crit and not s.shedding:
+        out.emit(
+            ShedAdmissions(True, cfg.shed_retry_after_s), "shed_admissions",
+            "critical memory pressure: refuse new requests until it passes", detail=obs.pressure_detail,
+        )  # fmt: skip
+        return replace(s, shedding=True)
+    if s.shedding and not crit and s.not_critical_since is not None:
+        if now - s.not_critical_since >= cfg.shed_release_s:
+            out.emit(ShedAdmissions(False), "admit", f"below critical for {now - s.not_critical_since:.0f}s")
+            return replace(s, shedding=False)
+    return s
+
+
+# ---------------------------------------------------------------- 4. depth
+
+
+def _set_depth(s: State, out: _Out, now: float, k: int, decision: str, sentence: str, **inputs: Any) -> State:
+    if k == s.depth:
+        return s
+    out.emit(SetDepth(k), decision, sentence, depth_from=s.depth, depth_to=k, **inputs)
+    return replace(s, depth=k, last_depth_change_at=now)
+
+
+def _forced_depth(s: State, obs: Observation, cfg: GovernorConfig) -> tuple[int, str] | None:
+    usable = bool(s.head_target) and obs.head_resident
+    if s.override == "pin_depth" and s.pin_depth is not None:
+        k = min(s.pin_depth, cfg.max_depth)
+        if k == 0 or usable:
+            return k, f"operator pinned depth {k}"
+    if not usable:
+        return 0, "head not resident"
+    if s.override == "force_evict":
+        return 0, "operator override: force_evict"
+    if obs.pressure == CRITICAL:
+        return 0, "critical memory pressure"
+    if obs.active_streams >= cfg.batch_streams:
+        return 0, f"{obs.active_streams} active streams: batch at depth 0"
+    if s.depth > cfg.max_depth:
+        return cfg.max_depth, "above max_depth"
+    return None
+
+
+def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
+    sc = _scores(obs)
+    forced = _forced_depth(s, obs, cfg)
+    if forced is not None:
+        s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
+        return _set_depth(s, out, now, forced[0], "depth", forced[1])
+    if s.last_probe_at is None:  # the first probe waits a full interval
+        s = replace(s, last_probe_at=now)
+    cur = s.depth
+    score = (lambda k: sc[k] if k < len(sc) else None)  # noqa: E731
+    if s.probe_depth is not None:
+        if s.probe_until is not None and now < s.probe_until:
+            return s
+        back, probed = s.probe_return if s.probe_return is not None else cur, s.probe_depth
+        s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
+        sp, sb = score(probed), score(back)
+        if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin):
+            out.emit(None, "probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay", scores=sc)
+            return s
+        return _set_depth(
+            s, out, now, back, "probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)})",
+            scores=sc,
+        )  # fmt: skip
+    if s.last_depth_change_at is not None and now - s.last_depth_change_at < cfg.depth_dwell_s:
+        return s
+    cs = score(cur)
+    valid = [(x, k) for k, x in enumerate(sc) if x is not None and k <= cfg.max_depth]
+    if cs is not None and valid:
+        best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
+        if best != cur and best_score >= cs * (1 + cfg.depth_margin):
+            step = cur + (1 if best > cur else -1)
+            if step > cur and obs.pressure != NORMAL:
+                return s  # under warn, no deeper drafts (more memory); lower is still fine
+            return _set_depth(
+                s, out, now, step, "depth",
+                f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}: one step to {step}", scores=sc,
+            )  # fmt: skip
+    return _maybe_probe(s, obs, now, cfg, out)
+
+
+def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
+    if obs.pressure != NORMAL or obs.active_streams > 1 or not obs.estimates:
+        return s
+    if s.last_probe_at is not None and now - s.last_probe_at < cfg.probe_interval_s:
+        return s
+    cur = s.depth
+    # Alternate which side is tried first: deterministic, and both sides get their turn.
+    sides = (cur + 1, cur - 1) if s.probe_count % 2 == 0 else (cur - 1, cur + 1)
+    for n in sides:
+        if 0 <= n <= cfg.max_depth and n < len(obs.estimates) and obs.estimates[n].stale:
+            s = replace(s, probe_depth=n, probe_return=cur, probe_until=now + cfg.probe_s,
+                        last_probe_at=now, probe_count=s.probe_count + 1)  # fmt: skip
+            return _set_depth(s, out, now, n, "probe", f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s")
+    return replace(s, last_probe_at=now)
+
+
+# ---------------------------------------------------------------- decide
+
+
+def decide(
+    state: State, obs: Observation, now: float, cfg: GovernorConfig
+) -> tuple[State, list[Action], list[Reason]]:
+    out = _Out(obs)
+    s = _timers(state, obs, now, cfg)
+    s = _head(s, obs, now, cfg, out)
+    s = _admissions(s, obs, now, cfg, out)
+    s = _depth(s, obs, now, cfg, out)
+    # The idle clock runs while the head is resident and unused.
+    idle = s.head_target and obs.head_resident and s.depth == 0
+    s = replace(
+        s,
+        idle_since=(s.idle_since if s.idle_since is not None else now) if idle else None,
+        last_pressure=obs.pressure,
+        ticks=s.ticks + 1,
+    )
+    if not out.reasons:
+        why = None if s.head_target else _reload_blocker(s, obs, now, cfg)
+        out.emit(
+            None,
+            "hold",
+            f"depth {s.depth} kept" + (f"; head stays out: {why}" if why else ""),
+            depth=s.depth,
+            head=bool(s.head_target),
+            scores=_scores(obs),
+        )
+    return s, out.actions, out.reasons
+
+
+def apply_override(state: State, action: str, depth: int | None = None) -> State:
+    """An operator command (protocol GovernorCommand.action) -> the state that carries it.
+
+    pin_depth k (k > 0 also keeps the head in), evict_head, load_head, auto (release all).
+    """
+    if action == "pin_depth":
+        if depth is None or depth < 0:
+            raise ValueError("pin_depth needs a depth >= 0")
+        return replace(state, override="pin_depth", pin_depth=depth)
+    if action in ("evict_head", "force_evict"):
+        return replace(state, override="force_evict", pin_depth=None)
+    if action in ("load_head", "force_load"):
+        return replace(state, override="force_load", pin_depth=None)
+    if action == "auto":
+        return replace(state, override="auto", pin_depth=None)
+    raise ValueError(f"unknown governor override {action!r}")
+
+
+__all__ = ["decide", "apply_override", "Reason"]

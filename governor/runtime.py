@@ -1,0 +1,207 @@
+"""Governor: probes + cost model + policy, with an injected clock.
+
+The daemon owns one, calls ``tick()`` every ``cfg.tick_s`` beside the step loop and
+applies the returned actions at the next safe point, feeds ``record_cycle()`` after every
+decode cycle, and tells it about the head with ``note_head()``. Everything that happens
+can be written as JSON lines to a trace, which ``governor.replay`` runs back through the
+same policy.
+
+    gov = Governor(cfg, clock=time.monotonic,
+                   memory_probes=default_memory_probes(cfg),
+                   mlx_probe=MlxMemoryProbe(mx.get_active_memory, ...),
+                   load=tracker, head_bytes=head.nbytes, head_resident=True)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import IO, Any, Callable, Sequence
+
+import msgspec
+import structlog
+
+from .config import GovernorConfig
+from .cost_model import CostModel
+from .policy import Reason, apply_override, decide
+from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
+from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
+
+log = structlog.get_logger("councild.governor")
+
+
+class Governor:
+    def __init__(
+        self,
+        cfg: GovernorConfig | None = None,
+        *,
+        clock: Callable[[], float],
+        memory_probes: Sequence[MemoryProbe] = (),
+        mlx_probe: MlxProbe | None = None,
+        load: LoadProbe | None = None,
+        profile: dict[str, Any] | None = None,
+        head_available: bool = True,
+        head_resident: bool = False,
+        head_bytes: int = 0,
+        initial_depth: int | None = None,
+        trace: str | IO[str] | None = None,
+        logger: Any = None,
+    ):
+        self.cfg = cfg or GovernorConfig()
+        self.clock = clock
+        self.memory_probes = list(memory_probes)
+        self.mlx_probe = mlx_probe
+        self.load = load
+        self.cost = CostModel(self.cfg, profile)
+        self.log = logger or log
+        self._lock = threading.RLock()
+        self._head = {"head_available": head_available, "head_resident": head_resident, "head_loading": False,
+                      "head_bytes": int(head_bytes)}  # fmt: skip
+        depth = self.cfg.initial_depth if initial_depth is None else initial_depth
+        self.state = State(depth=min(depth, self.cfg.max_depth) if head_resident else 0)
+        self.last_observation: Observation | None = None
+        self.last_actions: list[Action] = []
+        self.last_reasons: list[Reason] = []
+        self._cpu_load: float | None = None
+        self._trace: IO[str] | None = None
+        self._own_trace = False
+        if trace is not None:
+            self._trace = open(trace, "a", encoding="utf-8") if isinstance(trace, str) else trace
+            self._own_trace = isinstance(trace, str)
+            self._write("config", cfg=msgspec.to_builtins(self.cfg), initial_depth=self.state.depth)
+            if profile:
+                self._write("profile", profile=profile)
+
+    # ------------------------------------------------------------ trace
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        if self._trace is None:
+            return
+        rec = {"t": self.clock(), "kind": kind, **fields}
+        self._trace.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        self._trace.flush()
+
+    def close(self) -> None:
+        if self._trace is not None and self._own_trace:
+            self._trace.close()
+        self._trace = None
+
+    # ------------------------------------------------------------ inputs from the daemon
+
+    def note_head(
+        self,
+        *,
+        resident: bool | None = None,
+        loading: bool | None = None,
+        available: bool | None = None,
+        head_bytes: int | None = None,
+    ) -> None:
+        """The daemon reports what the head really is (after applying Load/Evict)."""
+        with self._lock:
+            for key, v in (("head_resident", resident), ("head_loading", loading),
+                           ("head_available", available), ("head_bytes", head_bytes)):  # fmt: skip
+                if v is not None:
+                    self._head[key] = v
+
+    def record_cycle(self, t: CycleTelemetry) -> None:
+        with self._lock:
+            now = self.clock()
+            self.cost.record(t, now, self._cpu_load)
+            self._write("cycle", cycle=msgspec.to_builtins(t), load=self._cpu_load)
+
+    # ------------------------------------------------------------ sampling
+
+    def _memory(self) -> tuple[str, int | None, str]:
+        readings: list[MemoryReading] = []
+        for p in self.memory_probes:
+            try:
+                r = p.read()
+            except Exception as e:  # a probe must not raise; if one does, it is unavailable
+                r = MemoryReading(source=type(p).__name__, available=False, detail=f"raised {e!r}")
+            if r.available:
+                readings.append(r)
+        level = worst(r.level for r in readings)
+        avail = [r.available_bytes for r in readings if r.available_bytes is not None]
+        detail = [f"{r.source}: {r.detail}" for r in readings]
+        if self.mlx_probe is not None:
+            try:
+                m = self.mlx_probe.read()
+                room = m.headroom_bytes() if m.available else None
+            except Exception:
+                room = None
+            if room is not None:
+                avail.append(room)
+                detail.append(f"mlx: room under working set {room >> 20}MiB")
+        return level if readings else NORMAL, (min(avail) if avail else None), "; ".join(detail)
+
+    def observe(self) -> dict[str, Any]:
+        """Sample every probe: the raw observation (no cost estimates), as recorded."""
+        now = self.clock()
+        level, avail, detail = self._memory()
+        ld = None
+        if self.load is not None:
+            try:
+                ld = self.load.read(now)
+            except Exception:
+                ld = None
+        raw: dict[str, Any] = {"pressure": level, "pressure_detail": detail, "available_bytes": avail, **self._head}
+        if ld is not None:
+            raw.update(active_streams=ld.active_streams, queued=ld.queued, arrival_rate=ld.arrival_rate,
+                       cpu_load=ld.cpu_load)  # fmt: skip
+        return raw
+
+    # ------------------------------------------------------------ deciding
+
+    def _decide(self, raw: dict[str, Any], now: float) -> list[Action]:
+        self._cpu_load = raw.get("cpu_load")
+        obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load))
+        self.state, actions, reasons = decide(self.state, obs, now, self.cfg)
+        self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
+        names = [action_name(a) for a in actions]
+        for r in reasons:
+            # Ticks that change nothing log at debug: four a second would drown the log.
+            emit = self.log.debug if r["decision"] == "hold" else self.log.info
+            emit("governor.decision", **{"depth": self.state.depth, "actions": names, **r})
+        return actions
+
+    def tick(self) -> list[Action]:
+        """Sample the probes, decide, and return the actions to apply at the next safe point."""
+        with self._lock:
+            now = self.clock()
+            raw = self.observe()
+            self._write("obs", obs=raw)
+            return self._decide(raw, now)
+
+    def override(self, action: str, depth: int | None = None) -> list[Action]:
+        """Operator command (pin_depth / evict_head / load_head / auto); decides at once."""
+        with self._lock:
+            self.state = apply_override(self.state, action, depth)
+            self._write("override", action=action, depth=depth)
+            return self.tick()
+
+    # ------------------------------------------------------------ status
+
+    @property
+    def depth(self) -> int:
+        return self.state.depth
+
+    @property
+    def shedding(self) -> bool:
+        return self.state.shedding
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            now = self.clock()
+            return {
+                "depth": self.state.depth,
+                "head": {**self._head, "target": self.state.head_target},
+                "override": self.state.override,
+                "pin_depth": self.state.pin_depth,
+                "shedding": self.state.shedding,
+                "pressure": self.last_observation.pressure if self.last_observation else None,
+                "available_bytes": self.last_observation.available_bytes if self.last_observation else None,
+                "state": msgspec.to_builtins(self.state),
+                "cost_model": self.cost.snapshot(now, self._cpu_load),
+                "last_actions": [action_name(a) for a in self.last_actions],
+                "last_reasons": self.last_reasons,
+            }
