@@ -72,6 +72,10 @@ class CostModel:
             self.batched_cycles += 1
             return
         if t.cycle_s > 0:
+            if self._cost[k].n and self.stale(k, now, load):
+                # Measured long ago or under another load: that history describes another
+                # machine state, so the new samples start a fresh average.
+                self._cost[k] = _Ewma()
             self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load)
         self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
         drafted = min(t.drafted or k, self.cfg.max_depth)
@@ -103,12 +107,13 @@ class CostModel:
             return p[k] / p[0]
         return 1.0 + self.cfg.prior_cost_per_depth * k
 
-    def _anchor(self, k: int, now: float) -> tuple[float | None, str]:
-        """The prior for cost(k): the live cost of the nearest measured depth j, scaled by
-        ratio(k)/ratio(j), so the prior moves with load; else the profile's absolute value."""
+    def _anchor(self, k: int, now: float, load: float | None) -> tuple[float | None, str]:
+        """The prior for cost(k): the live cost of the nearest measured depth j (one measured
+        recently and under this load, when there is one), scaled by ratio(k)/ratio(j), so the
+        prior moves with load; else the profile's absolute value."""
         live = [j for j, e in enumerate(self._cost) if self._fresh(e, now)]
         if live:
-            j = min(live, key=lambda j: (abs(j - k), j))
+            j = min(live, key=lambda j: (self.stale(j, now, load), abs(j - k), j))
             return self._cost[j].value * self._ratio(k) / self._ratio(j), "prior"
         if k in self._profile_cost:
             return self._profile_cost[k], "profile"
@@ -129,8 +134,8 @@ class CostModel:
             total += run
         return total
 
-    def cost(self, k: int, now: float) -> tuple[float | None, str]:
-        prior, src = self._anchor(k, now)
+    def cost(self, k: int, now: float, load: float | None = None) -> tuple[float | None, str]:
+        prior, src = self._anchor(k, now, load)
         e = self._cost[k]
         v, how = self._blend(e, self._fresh(e, now), prior)
         return v, (src if how == "prior" else how)
@@ -142,7 +147,7 @@ class CostModel:
         return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
 
     def estimate(self, k: int, now: float, load: float | None = None) -> DepthEstimate:
-        c, src = self.cost(k, now)
+        c, src = self.cost(k, now, load)
         et = self.expected_tokens(k, now)
         return DepthEstimate(
             depth=k,
@@ -152,6 +157,7 @@ class CostModel:
             samples=self._cost[k].n,
             source=src,
             stale=self.stale(k, now, load),
+            load_at=self._cost[k].load_at if src in ("measured", "blend") else None,
         )
 
     def estimates(self, now: float, load: float | None = None) -> tuple[DepthEstimate, ...]:

@@ -75,8 +75,16 @@ class SimEngine:
     """Applies a governor's actions the way the step loop would (at once) and produces
     deterministic cycle telemetry: acceptance a per position, cost from ``cost_fn``."""
 
-    def __init__(self, gov, cost_fn: CostFn, acceptance: float = 0.85, load_fn: Callable[[], float] = lambda: 0.1):
+    def __init__(
+        self,
+        gov,
+        cost_fn: CostFn,
+        acceptance: float = 0.85,
+        load_fn: Callable[[], float] = lambda: 0.1,
+        streams_fn: Callable[[], int] = lambda: 1,
+    ):
         self.gov, self.cost_fn, self.acceptance, self.load_fn = gov, cost_fn, acceptance, load_fn
+        self.streams_fn = streams_fn
         self.depth = gov.depth
         self.resident = bool(gov._head["head_resident"])
         self.history: list[tuple[float, Action]] = []
@@ -96,7 +104,14 @@ class SimEngine:
 
     def cycle(self) -> CycleTelemetry:
         """One cycle at the current depth; acceptance is a deterministic low-discrepancy
-        sequence (no RNG), so the long-run accepted fraction per position is ``acceptance``."""
+        sequence (no RNG), so the long-run accepted fraction per position is ``acceptance``.
+        Several streams are one batched serial step (a batch of n costs 1 + 0.1(n-1) steps)."""
+        n = self.streams_fn()
+        if n > 1:
+            c = self.cost_fn(0, self.load_fn()) * (1.0 + 0.1 * (n - 1))
+            t = CycleTelemetry(depth=0, cycle_s=c, emitted=n, batch=n)
+            self.gov.record_cycle(t)
+            return t
         k = self.depth if self.resident else 0
         accepted = 0
         for _ in range(k):
@@ -118,5 +133,8 @@ class SimEngine:
             if clock.t >= next_tick:
                 self.apply(self.gov.tick())
                 next_tick += tick_s
+            if self.streams_fn() == 0:  # nobody asking: the step loop sleeps until the tick
+                clock.t = max(clock.t, next_tick)
+                continue
             t = self.cycle()
             clock.advance(t.cycle_s)

@@ -63,6 +63,11 @@ def _scores(obs: Observation) -> list[float | None]:
     return [e.score for e in obs.estimates]
 
 
+def _rounded(obs: Observation) -> list[float | None]:
+    """Scores for the decision log (tokens/s to 3 places)."""
+    return [None if e.score is None else round(e.score, 3) for e in obs.estimates]
+
+
 def _fmt(x: float | None) -> str:
     return "?" if x is None else f"{x:.1f}"
 
@@ -105,12 +110,22 @@ def _load(s: State, out: _Out, now: float, decision: str, sentence: str, **input
 
 
 def _predicted_gain(obs: Observation, cfg: GovernorConfig) -> tuple[bool, str]:
-    sc = _scores(obs)
-    if not sc or sc[0] is None or all(x is None for x in sc[1:]):
+    """Does speculation pay, as far as the cost model knows? Costs measured under another
+    CPU load say nothing about now (load moves costs), so they do not count against it."""
+    ests = obs.estimates
+    if not ests or ests[0].score is None:
         return True, "no cost data yet: the prior says try"
-    best = max((x for x in sc[1:] if x is not None), default=None)
-    ok = best is not None and best >= sc[0] * (1 + cfg.depth_margin)
-    return ok, f"best speculative score {_fmt(best)} vs serial {_fmt(sc[0])}"
+    here = [
+        e.score
+        for e in ests[1:]
+        if e.score is not None
+        and not (e.load_at is not None and obs.cpu_load is not None
+                 and abs(e.load_at - obs.cpu_load) > cfg.stale_load_delta)  # fmt: skip
+    ]
+    if not here:
+        return True, "speculation was measured under another load: worth a new try"
+    best, serial = max(here), ests[0].score
+    return best >= serial * (1 + cfg.depth_margin), f"best speculative score {_fmt(best)} vs serial {_fmt(serial)}"
 
 
 def _reload_blocker(s: State, obs: Observation, now: float, cfg: GovernorConfig) -> str | None:
@@ -182,7 +197,7 @@ def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out
         _, why = _predicted_gain(obs, cfg)
         return _load(
             s, out, now, "load_head",
-            f"normal for {now - (s.normal_since or now):.0f}s, headroom covers the head, {why}", **inputs,
+            f"normal for {now - (now if s.normal_since is None else s.normal_since):.0f}s, headroom covers the head, {why}", **inputs,
         )  # fmt: skip
     return s
 
@@ -255,31 +270,42 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
         sp, sb = score(probed), score(back)
         if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin):
-            out.emit(None, "probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay", scores=sc)
+            out.emit(None, "probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))
             return s
         return _set_depth(
             s, out, now, back, "probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)})",
-            scores=sc,
+            scores=_rounded(obs),
         )  # fmt: skip
     if s.last_depth_change_at is not None and now - s.last_depth_change_at < cfg.depth_dwell_s:
         return s
     cs = score(cur)
+    ests = obs.estimates
+    if cs is None or cur >= len(ests) or ests[cur].stale:
+        return s  # no fresh measurement of where we are (no traffic): nothing to judge by
     valid = [(x, k) for k, x in enumerate(sc) if x is not None and k <= cfg.max_depth]
-    if cs is not None and valid:
-        best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
-        if best != cur and best_score >= cs * (1 + cfg.depth_margin):
-            step = cur + (1 if best > cur else -1)
-            if step > cur and obs.pressure != NORMAL:
-                return s  # under warn, no deeper drafts (more memory); lower is still fine
-            return _set_depth(
-                s, out, now, step, "depth",
-                f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}: one step to {step}", scores=sc,
-            )  # fmt: skip
+    best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
+    if best != cur and best_score >= cs * (1 + cfg.depth_margin):
+        step = cur + (1 if best > cur else -1)
+        if step > cur and obs.pressure != NORMAL:
+            return s  # under warn, no deeper drafts (more memory); lower is still fine
+        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        if ests[step].stale:
+            # A stale or prior estimate is a reason to look, not to move: probe, and stay
+            # only if the measurement confirms it.
+            return _probe(s, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it")
+        return _set_depth(s, out, now, step, "depth", f"{why}: one step to {step}", scores=_rounded(obs))
     return _maybe_probe(s, obs, now, cfg, out)
 
 
+def _probe(s: State, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
+    s = replace(s, probe_depth=n, probe_return=s.depth, probe_until=now + cfg.probe_s,
+                last_probe_at=now, probe_count=s.probe_count + 1)  # fmt: skip
+    return _set_depth(s, out, now, n, "probe", sentence)
+
+
 def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
-    if obs.pressure != NORMAL or obs.active_streams > 1 or not obs.estimates:
+    """Now and then, measure a neighbour whose estimate is stale (load moves costs)."""
+    if obs.pressure != NORMAL or obs.active_streams > 1:
         return s
     if s.last_probe_at is not None and now - s.last_probe_at < cfg.probe_interval_s:
         return s
@@ -288,9 +314,7 @@ def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, ou
     sides = (cur + 1, cur - 1) if s.probe_count % 2 == 0 else (cur - 1, cur + 1)
     for n in sides:
         if 0 <= n <= cfg.max_depth and n < len(obs.estimates) and obs.estimates[n].stale:
-            s = replace(s, probe_depth=n, probe_return=cur, probe_until=now + cfg.probe_s,
-                        last_probe_at=now, probe_count=s.probe_count + 1)  # fmt: skip
-            return _set_depth(s, out, now, n, "probe", f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s")
+            return _probe(s, out, now, n, cfg, f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s")
     return replace(s, last_probe_at=now)
 
 
@@ -321,7 +345,7 @@ def decide(
             f"depth {s.depth} kept" + (f"; head stays out: {why}" if why else ""),
             depth=s.depth,
             head=bool(s.head_target),
-            scores=_scores(obs),
+            scores=_rounded(obs),
         )
     return s, out.actions, out.reasons
 

@@ -74,6 +74,8 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     # (tuned profile), "prior" (config prior), or "none".
     source: str
     stale: bool
+    # CPU load (per core) under which the cost was measured; None for priors.
+    load_at: float | None = None
 
 
 # ---------------------------------------------------------------- observation

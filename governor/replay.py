@@ -1,0 +1,142 @@
+"""Replay a governor trace through the policy: the decision timeline, as a table.
+
+    councild governor replay TRACE.jsonl
+    python -m governor.replay --synthetic critical
+
+The trace holds what the probes saw (one "obs" record per tick), every cycle's telemetry,
+overrides, and the config it ran with. Replaying it rebuilds the cost model from the
+cycles and calls the same pure ``decide``; with the trace's own config the timeline is
+exactly the live one, and with another config (``--config``) it answers "what would the
+governor have done with these thresholds".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Iterable
+
+import msgspec
+
+from .config import GovernorConfig, load_config
+from .cost_model import CostModel
+from .policy import apply_override, decide
+from .types import CycleTelemetry, Observation, State, action_name
+
+
+def _lines(trace: str | Iterable[str]) -> Iterable[str]:
+    if isinstance(trace, str):
+        with open(trace, encoding="utf-8") as f:
+            yield from f
+    else:
+        yield from trace
+
+
+def replay(trace: str | Iterable[str], cfg: GovernorConfig | None = None, *, all_ticks: bool = False) -> list[dict]:
+    """Decision timeline rows: one per tick that acted (every tick with ``all_ticks``).
+
+    Row keys: t, pressure, available_mib, streams, cpu_load, depth, head, actions, reasons
+    (the reason sentences joined), and decisions (the structured reasons).
+    """
+    rows: list[dict] = []
+    model: CostModel | None = None
+    state: State | None = None
+    for n, line in enumerate(_lines(trace), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            kind, t = rec["kind"], float(rec["t"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"trace line {n}: {e}") from None
+        if kind == "config":
+            cfg = cfg or msgspec.convert(rec["cfg"], GovernorConfig)
+            state = State(depth=int(rec.get("initial_depth", cfg.initial_depth)))
+            model = CostModel(cfg)
+            continue
+        if cfg is None:
+            cfg = GovernorConfig()
+        if model is None:
+            model = CostModel(cfg)
+        if state is None:
+            state = State(depth=cfg.initial_depth)
+        if kind == "profile":
+            model.seed(rec["profile"])
+        elif kind == "cycle":
+            model.record(msgspec.convert(rec["cycle"], CycleTelemetry), t, rec.get("load"))
+        elif kind == "override":
+            state = apply_override(state, rec["action"], rec.get("depth"))
+        elif kind == "obs":
+            raw = rec["obs"]
+            obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")))
+            state, actions, reasons = decide(state, obs, t, cfg)
+            if actions or all_ticks or any(r["decision"] != "hold" for r in reasons):
+                rows.append(
+                    {
+                        "t": t,
+                        "pressure": obs.pressure,
+                        "available_mib": None if obs.available_bytes is None else obs.available_bytes >> 20,
+                        "streams": obs.active_streams,
+                        "cpu_load": obs.cpu_load,
+                        "depth": state.depth,
+                        "head": bool(state.head_target),
+                        "actions": [action_name(a) for a in actions],
+                        "reasons": "; ".join(r["sentence"] for r in reasons),
+                        "decisions": reasons,
+                    }
+                )
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'time':>8}  {'pressure':<8} {'avail':>7} {'str':>3} {'load':>5} {'dep':>3} {'head':<4}  actions / reason"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        load = "-" if r["cpu_load"] is None else f"{r['cpu_load']:.2f}"
+        avail = "-" if r["available_mib"] is None else f"{r['available_mib']}M"
+        acts = ", ".join(r["actions"]) or "-"
+        out.append(
+            f"{r['t']:8.2f}  {r['pressure']:<8} {avail:>7} {r['streams']:>3} {load:>5} {r['depth']:>3} "
+            f"{'in' if r['head'] else 'out':<4}  {acts} | {r['reasons']}"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="councild governor replay", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("trace", nargs="?", help="a JSON-lines trace recorded by the governor")
+    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical")
+    ap.add_argument("--config", metavar="JSON", help="governor config table as JSON (default: the trace's own)")
+    ap.add_argument("--all", action="store_true", help="one row per tick, not only ticks that acted")
+    ap.add_argument("--save", metavar="PATH", help="with --synthetic: also write the generated trace here")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(json.loads(args.config)) if args.config else None
+    except (ValueError, msgspec.ValidationError) as e:
+        print(f"bad --config: {e}", file=sys.stderr)
+        return 2
+    if args.synthetic:
+        from .traces import SCENARIOS, generate
+
+        if args.synthetic not in SCENARIOS:
+            print(f"unknown scenario {args.synthetic!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+            return 2
+        lines: Any = generate(args.synthetic)
+        if args.save:
+            with open(args.save, "w", encoding="utf-8") as f:
+                f.write("\n".join(lines) + "\n")
+    else:
+        lines = args.trace
+    try:
+        rows = replay(lines, cfg, all_ticks=args.all)
+    except (OSError, ValueError) as e:
+        print(f"cannot replay: {e}", file=sys.stderr)
+        return 1
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
