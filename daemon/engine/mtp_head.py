@@ -1,0 +1,356 @@
+"""The native multi-token-prediction (MTP) head of Qwen3.5 / Qwen3-Next checkpoints.
+
+mlx-lm's ``sanitize`` drops every ``mtp.*`` tensor, so the head is loaded here, separately:
+from the checkpoint's own safetensors (reading only the ``mtp.`` tensors, shard by shard)
+or from a sidecar ``mtp.safetensors``.
+
+Forward for the pair (base hidden at t, token t+1)::
+
+    e = pre_fc_norm_embedding(embed(token t+1))     # embedding first
+    h = pre_fc_norm_hidden(base hidden at t)        # final-normed base hidden
+    x = fc(concat[e, h])                            # [2H] -> [H]
+    x = decoder layer (gated full attention + MLP/MoE) with the head's own KV cache
+    out = norm(x)                                   # fed back at depth > 1
+    logits = the base model's (possibly tied) lm_head(out)
+
+The head's attention is mlx-lm's ``Qwen3NextAttention``: its q_proj is twice as wide and the
+class splits it per head into query channels then gate channels (``reshape(B, L, H, -1)``
+then ``split(2)``), applying ``sigmoid(gate)`` before ``o_proj``. HF checkpoints store norm
+weights zero-centred (scale = 1 + w); loading applies the same +1 that mlx-lm applies to the
+base's input/post-attention/q/k/final norms, to all five head norms. fc and norms are never
+quantized; the rest follows the base's quantization, module by module.
+
+The head holds weights only. Its KV cache is per request (``make_cache``), so interleaved
+requests never share head history.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .model import HYBRID_MTP_TYPES, LoadedModel
+
+SIDECAR = "mtp.safetensors"
+_NORM_SUFFIXES = (
+    "pre_fc_norm_embedding.weight",
+    "pre_fc_norm_hidden.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+)
+
+
+class NoMTPHead(Exception):
+    """The model has no MTP head (wrong family, or no ``mtp.*`` tensors anywhere)."""
+
+
+class MTPLayer(nn.Module):
+    """One gated full-attention decoder layer, as the base's attention layers are built."""
+
+    def __init__(self, args: Any, moe: bool):
+        super().__init__()
+        from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextSparseMoeBlock
+
+        self.self_attn = Qwen3NextAttention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.mlp = Qwen3NextSparseMoeBlock(args) if moe else Qwen3NextMLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPHead(nn.Module):
+    def __init__(self, args: Any, moe: bool = False, num_layers: int = 1):
+        super().__init__()
+        hsz, eps = args.hidden_size, args.rms_norm_eps
+        self.fc = nn.Linear(2 * hsz, hsz, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hsz, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hsz, eps=eps)
+        self.layers = [MTPLayer(args, moe) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(hsz, eps=eps)
+        self._lm: LoadedModel | None = None
+        self.moe = moe
+        self.unloaded = False
+
+    # -- forward -------------------------------------------------------------------------
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
+        """hidden [B, T, H] (final-normed base hidden, or the head's own output at depth > 1),
+        tokens [B, T] (token t+1 for hidden t). Returns the head's output hidden [B, T, H]
+        (after mtp.norm). Writes T slots to ``cache``."""
+        if self.unloaded:
+            raise RuntimeError("MTP head was unloaded")
+        from mlx_lm.models.base import create_attention_mask
+
+        e = self.pre_fc_norm_embedding(self._lm.embed(tokens))
+        h = self.pre_fc_norm_hidden(hidden)
+        x = self.fc(mx.concatenate([e, h], axis=-1))
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask, c)
+        return self.norm(x)
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self._lm.logits(out)
+
+    # -- residency -----------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(self.parameters()))
+
+    def unload(self) -> None:
+        """Drop every weight this head holds and return MLX's cached buffers. The caller
+        must drop its own references too (and its per-request head caches)."""
+        for key in list(self.keys()):
+            del self[key]
+        self._lm = None
+        self.unloaded = True
+        mx.clear_cache()
+
+
+# -- loading --------------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F32": (np.float32, mx.float32),
+    "F16": (np.float16, mx.float16),
+    "BF16": (np.uint16, mx.bfloat16),
+    "F64": (np.float64, mx.float32),
+    "I64": (np.int64, mx.int64),
+    "I32": (np.int32, mx.int32),
+    "I16": (np.int16, mx.int16),
+    "I8": (np.int8, mx.int8),
+    "U32": (np.uint32, mx.uint32),
+    "U16": (np.uint16, mx.uint16),
+    "U8": (np.uint8, mx.uint8),
+    "BOOL": (np.bool_, mx.bool_),
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    return header, 8 + n
+
+
+def read_tensors(path: Path, select) -> tuple[dict[str, mx.array], dict]:
+    """Read only the tensors whose names satisfy ``select`` from one safetensors file
+    (header parse + seek; the rest of the shard is never read). Returns (tensors, metadata)."""
+    header, base = read_safetensors_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    out: dict[str, mx.array] = {}
+    with open(path, "rb") as fh:
+        for name, info in header.items():
+            if not select(name):
+                continue
+            np_dtype, mx_dtype = _ST_DTYPES[info["dtype"]]
+            start, end = info["data_offsets"]
+            fh.seek(base + start)
+            buf = np.frombuffer(fh.read(end - start), dtype=np_dtype).reshape(info["shape"])
+            arr = mx.array(buf)
+            if info["dtype"] == "BF16":
+                arr = arr.view(mx.bfloat16)
+            elif info["dtype"] == "F64":
+                arr = arr.astype(mx.float32)
+            out[name] = arr
+    return out, meta
+
+
+def _is_mtp_key(name: str) -> bool:
+    return name.startswith("mtp.") or ".mtp." in name
+
+
+def _strip(name: str) -> str:
+    return name[name.index("mtp.") + 4 :]
+
+
+def find_mtp_tensors(folder: Path) -> tuple[dict[str, mx.array], str, dict]:
+    """Return (tensors without the ``mtp.`` prefix, source description, metadata).
+    Looks in the checkpoint's shards first (via the index where there is one), then in
+    the sidecar. Raises NoMTPHead when neither holds any."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    shards: list[Path]
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        shards = sorted({folder / f for k, f in weight_map.items() if _is_mtp_key(k)})
+    else:
+        shards = sorted(p for p in folder.glob("*.safetensors") if p.name != SIDECAR)
+    tensors: dict[str, mx.array] = {}
+    meta: dict = {}
+    for shard in shards:
+        got, m = read_tensors(shard, _is_mtp_key)
+        if got:
+            meta = meta or m
+            tensors.update({_strip(k): v for k, v in got.items()})
+    if tensors:
+        return tensors, f"checkpoint ({', '.join(s.name for s in shards)})", meta
+    sidecar = folder / SIDECAR
+    if sidecar.exists():
+        got, meta = read_tensors(sidecar, lambda k: True)
+        if got:
+            return {(_strip(k) if "mtp." in k else k): v for k, v in got.items()}, f"sidecar {SIDECAR}", meta
+    raise NoMTPHead(
+        f"no MTP head for {folder}: no 'mtp.*' tensors in the checkpoint's safetensors and no "
+        f"{SIDECAR} sidecar; speculation is unavailable, serve serial decode"
+    )
+
+
+def _zero_centred(weights: dict[str, mx.array], meta: dict, checkpoint_is_hf: bool) -> bool:
+    """Whether the head's norm weights are stored HF-style (scale = 1 + w)."""
+    if meta.get("format") != "mlx" or checkpoint_is_hf:
+        return True
+    # An mlx-format file with mtp tensors: decide by value (shifted norms sit near 1).
+    norms = [v for k, v in weights.items() if k.endswith(_NORM_SUFFIXES) or k == "norm.weight"]
+    mean = mx.mean(mx.concatenate([n.astype(mx.float32).reshape(-1) for n in norms])).item()
+    return abs(mean) < 0.5
+
+
+def sanitize_mtp(weights: dict[str, mx.array], zero_centred: bool, num_experts: int) -> dict[str, mx.array]:
+    out = dict(weights)
+    # MoE: stack per-expert weights (or split a fused gate_up) into switch_mlp, as mlx-lm does.
+    layer_ids = sorted({int(k.split(".")[1]) for k in out if k.startswith("layers.")})
+    for li in layer_ids:
+        prefix = f"layers.{li}.mlp"
+        if f"{prefix}.experts.gate_up_proj" in out:
+            gate_up = out.pop(f"{prefix}.experts.gate_up_proj")
+            mid = gate_up.shape[-2] // 2
+            out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+            out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+            out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+        elif f"{prefix}.experts.0.up_proj.weight" in out:
+            for n in ("up_proj", "down_proj", "gate_proj"):
+                out[f"{prefix}.switch_mlp.{n}.weight"] = mx.stack(
+                    [out.pop(f"{prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
+                )
+    if zero_centred:
+        for k, v in out.items():
+            if (k.endswith(_NORM_SUFFIXES) or k == "norm.weight") and v.ndim == 1:
+                out[k] = v + 1.0
+    return out
+
+
+def _base_attention_layer(lm: LoadedModel) -> nn.Module:
+    for layer in lm.backbone.layers:
+        if not getattr(layer, "is_linear", False):
+            return layer
+    raise NoMTPHead(f"{lm.path}: the base model has no full-attention layer to mirror")
+
+
+def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str]) -> None:
+    """Quantize every head Linear whose counterpart in the base's attention layer is
+    quantized, with that module's group size / bits / mode. fc and norms stay as they are."""
+    ref = _base_attention_layer(lm)
+    ref_modules = dict(ref.named_modules())
+    default = None
+    for _, m in ref_modules.items():
+        if isinstance(m, (nn.QuantizedLinear,)) or hasattr(m, "bits") and hasattr(m, "group_size"):
+            default = m
+            break
+    if default is None and not prequantized:
+        return
+
+    def params_of(m: nn.Module) -> dict:
+        return {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
+
+    def predicate(path: str, module: nn.Module):
+        if path == "fc" or not hasattr(module, "to_quantized"):
+            return False
+        if path in prequantized:
+            return params_of(default) if default is not None else True
+        # layers.0.self_attn.q_proj -> self_attn.q_proj in the base's attention layer
+        sub = path.split(".", 2)[2] if path.startswith("layers.") else path
+        base_m = ref_modules.get(sub)
+        if base_m is not None and hasattr(base_m, "bits") and hasattr(base_m, "group_size"):
+            return params_of(base_m)
+        return False
+
+    nn.quantize(head, class_predicate=predicate)
+
+
+def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centred: bool | None = None) -> MTPHead:
+    """Load the MTP head of ``lm`` (from ``folder``, default the model's own folder)."""
+    if lm.model_type not in HYBRID_MTP_TYPES:
+        raise NoMTPHead(f"{lm.path}: model type {lm.model_type!r} has no native MTP head (serial only)")
+    folder = Path(folder) if folder is not None else lm.path
+    weights, source, meta = find_mtp_tensors(folder)
+    args = lm.text_args
+    moe = any(".mlp.experts." in k or ".mlp.switch_mlp." in k for k in weights)
+    num_layers = 1 + max((int(k.split(".")[1]) for k in weights if k.startswith("layers.")), default=0)
+
+    # HF checkpoints keep conv1d as [C, 1, K]; mlx-lm's layout is [C, K, 1].
+    checkpoint_is_hf = False
+    if not source.startswith("sidecar"):
+        checkpoint_is_hf = any(
+            "conv1d.weight" in k and info["shape"][-1] != 1
+            for shard in sorted(folder.glob("*.safetensors"))
+            if shard.name != SIDECAR
+            for k, info in read_safetensors_header(shard)[0].items()
+            if k != "__metadata__"
+        )
+    if zero_centred is None:
+        zero_centred = _zero_centred(weights, meta, checkpoint_is_hf)
+    weights = sanitize_mtp(weights, zero_centred, getattr(args, "num_experts", 0))
+
+    head = MTPHead(args, moe=moe, num_layers=num_layers)
+    prequantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    if prequantized:  # the file holds quantized tensors: shape the modules first
+        _quantize_like_base(head, lm, prequantized)
+    head.load_weights(list(weights.items()), strict=True)
+    # Float weights follow the base's activation dtype (norm +1 in that dtype, as mlx-lm).
+    dtype = lm.backbone.embed_tokens.weight.dtype
+    if dtype not in (mx.float32, mx.float16, mx.bfloat16):
+        dtype = lm.backbone.norm.weight.dtype
+    head.apply(lambda x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) and x.dtype != dtype else x)
+    if not prequantized:
+        _quantize_like_base(head, lm, set())
+    mx.eval(head.parameters())
+    head._lm = lm
+    head.source = source
+    return head
+
+
+def copy_head_tensors(text_cfg: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str, mx.array]:
+    """HF-named tensors of a synthetic head that drafts (roughly) its own input token:
+    fc = [I, 0] passes the normed embedding through, o_proj and down_proj are zero so the
+    decoder layer is the identity, and the tied lm_head scores the token's own embedding
+    highest. On a random model, whose greedy output loops, it is accepted often; tests and
+    the CPU bench use it to drive every accept length through the real code path."""
+    h = text_cfg["hidden_size"]
+    nh, nkv, hd = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"], text_cfg["head_dim"]
+    inter = text_cfg["intermediate_size"]
+    z = lambda *s: mx.zeros(s, dtype=dtype)  # noqa: E731
+    p = "mtp.layers.0."
+    return {
+        "mtp.fc.weight": mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1).astype(dtype),
+        "mtp.pre_fc_norm_embedding.weight": z(h),
+        "mtp.pre_fc_norm_hidden.weight": z(h),
+        p + "input_layernorm.weight": z(h),
+        p + "post_attention_layernorm.weight": z(h),
+        p + "self_attn.q_proj.weight": z(2 * nh * hd, h),
+        p + "self_attn.k_proj.weight": z(nkv * hd, h),
+        p + "self_attn.v_proj.weight": z(nkv * hd, h),
+        p + "self_attn.o_proj.weight": z(h, nh * hd),
+        p + "self_attn.q_norm.weight": z(hd),
+        p + "self_attn.k_norm.weight": z(hd),
+        p + "mlp.gate_proj.weight": z(inter, h),
+        p + "mlp.up_proj.weight": z(inter, h),
+        p + "mlp.down_proj.weight": z(h, inter),
+        "mtp.norm.weight": z(h),
+    }
