@@ -138,3 +138,29 @@ class SimEngine:
                 continue
             t = self.cycle()
             clock.advance(t.cycle_s)
+
+
+class RecordingLogger:
+    """Stands in for the structlog logger: keeps (level, event, fields) for assertions."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict]] = []
+
+    def debug(self, event: str, **kw) -> None:
+        self.events.append(("debug", event, kw))
+
+    def info(self, event: str, **kw) -> None:
+        self.events.append(("info", event, kw))
+
+
+def make_estimates(scores, stale=False, samples: int = 50) -> tuple:
+    """DepthEstimates with the given scores (tokens/s per depth, None = unknown), as if a
+    cycle cost 1/score seconds per token; ``stale`` is one flag or one per depth."""
+    from .types import DepthEstimate
+
+    flags = stale if isinstance(stale, (list, tuple)) else [stale] * len(scores)
+    return tuple(
+        DepthEstimate(depth=k, expected_tokens=1.0, cost_s=None if sc is None else 1.0 / sc, score=sc,
+                      samples=samples, source="measured", stale=flags[k])  # fmt: skip
+        for k, sc in enumerate(scores)
+    )
