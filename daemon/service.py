@@ -402,7 +402,14 @@ def _run_steps(ctx: Context, tool_path: str, steps: Sequence[Step]) -> None:
     for step in steps:
         proc = ctx.run(step, tool_path)
         if proc.returncode != 0 and not step.may_fail:
-            raise ServiceError(f"`{step}` failed with status {proc.returncode}")
+            message = f"`{step}` failed with status {proc.returncode}"
+            if "bus" in (proc.stderr or "").lower():
+                message += (
+                    " (no user manager reachable: `systemctl --user` needs a login session; "
+                    "under su/sudo/ssh set XDG_RUNTIME_DIR=/run/user/$UID, or run "
+                    "`loginctl enable-linger $USER` once)"
+                )
+            raise ServiceError(message)
 
 
 def _launchd_loaded(ctx: Context, tool_path: str) -> bool:
@@ -576,7 +583,10 @@ def cmd_install(args: argparse.Namespace, ctx: Context) -> int:
                 Step(["launchctl", "enable", f"{_domain()}/{LABEL}"]),
                 Step(["launchctl", "bootstrap", _domain(), plist]),
             ]
-    _run_steps(ctx, tool_path, steps)
+    try:
+        _run_steps(ctx, tool_path, steps)
+    except ServiceError as exc:
+        raise ServiceError(f"{exc}. {target} is installed; start it by hand once that is fixed") from None
     ctx.say(f"{SERVICE} started; `councild service status` shows it")
     return EXIT_OK
 
