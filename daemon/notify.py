@@ -249,3 +249,6 @@ class WatchdogPacer:
             self.sent += 1
             return True
         return False
+
+    # What the server's engine hooks call on each unit of progress.
+    progress = tick

@@ -153,6 +153,10 @@ def test_pacer_rate_limits_to_half_the_interval(manager):
     now[0] += 100
     assert pacer.tick() is True
     assert m.recv() == {"WATCHDOG": "1"}
+    # progress() is the same call (the server's engine hook uses that name).
+    now[0] += 15
+    assert pacer.progress() is True and pacer.progress() is False
+    assert m.recv() == {"WATCHDOG": "1"}
 
 
 def test_pacer_with_real_clock(manager):
