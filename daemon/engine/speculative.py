@@ -1,0 +1,280 @@
+"""Native-MTP self-speculative decode, as a generator with serial_decode's contract.
+
+State between cycles (P = the base cache's position, read from an attention layer):
+- the base cache holds positions 0..P-1; ``primary`` is the last committed token, at
+  position P, not yet forwarded (initially the prompt's last token);
+- the head's KV cache holds committed slots; slot S is the pair (base hidden at S, real
+  token S+1). Pairs not yet fed to the head wait in ``pending``; it always ends with
+  (base hidden at P-1, primary), the input of the next first draft.
+
+One cycle at depth k:
+1. draft: one head forward over all pending pairs (they become committed slots; the last
+   output drafts d1), then k-1 single steps feeding the head's own output hidden back with
+   the token it just drafted (speculative slots);
+2. verify: ONE base forward over [primary, d1..dk];
+3. accept the longest prefix.
+   temperature 0: d_{i+1} is accepted when it equals argmax at verify position i.
+   temperature > 0: accept d with probability min(1, p(d)/q(d)); at the first reject sample
+   from normalize(max(p - q, 0)); if all k are accepted, sample the bonus token from p at
+   the last position (p, q: the request's sampler transforms of the base/head logprobs);
+4. commit accepted + 1 tokens; roll the base cache back to the kept prefix (rollback.py);
+   trim the head's speculative slots (back to the cycle start + 1) and queue the committed
+   pairs (verify hidden at P+i, committed token P+i+1) for the next draft.
+
+exact (temperature 0 only): where a verify position's top-2 logprob margin is within the
+guard, that position is decided with serial numerics: keep the verify prefix before it,
+run it as a one-token (M=1) forward like serial_decode, and commit what that says. So
+every committed token was decided either with a margin no kernel rounding can flip or by
+the serial computation itself. fast: takes the verify's argmax everywhere.
+
+Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to
+serial_decode's; its pair is queued so the head's history stays whole and depth can rise
+again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from .model import LoadedModel
+from .rollback import attention_offset, check_cache, make_rollback
+from .sampling import Sampler
+from .serial import PREFILL_CHUNK
+from .types import DecodeStep
+
+# Guard for exact mode: a verify position is re-decided serially when
+# top1 - top2 <= DEFAULT_GUARD * max(1, |top1 logit|). 2**-5 is four bf16 ulps relative
+# (bf16 keeps 8 significant bits), well above the one-or-two-ulp M=1 vs M>=2 differences.
+DEFAULT_GUARD = 2.0**-5
+# Measured on CPU (bench/results/spec_cpu_random.md): capture beats snapshot. On Metal the
+# capture path runs the GDN ops path instead of the fused kernel: measure there before
+# relying on it (``rollback="snapshot"``).
+DEFAULT_ROLLBACK = "capture"
+# Queued head pairs are fed to the head once this many accumulate at depth 0.
+FLUSH_PENDING = 64
+
+
+class HeadHistory:
+    """The head's per-request KV cache plus the committed pairs not yet fed to it."""
+
+    def __init__(self, head):
+        self.head = head
+        self.cache = head.make_cache() if head is not None else None
+        self.h: list[mx.array] = []  # [1, n, H] base hiddens
+        self.t: list[mx.array] = []  # [n] next tokens
+        self.n = 0
+
+    def add(self, hidden: mx.array, tokens: mx.array) -> None:
+        self.h.append(hidden)
+        self.t.append(tokens.reshape(-1).astype(mx.uint32))
+        self.n += tokens.size
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset if self.cache else 0
+
+    def feed(self, keep_last: bool) -> mx.array | None:
+        """Run pending pairs through the head (committed slots); return the head's output
+        hidden at the last fed position ([1, 1, H]), or None when nothing was fed."""
+        if self.head is None or self.n == 0 or (keep_last and self.n == 1):
+            return None
+        h = mx.concatenate(self.h, axis=1) if len(self.h) > 1 else self.h[0]
+        t = mx.concatenate(self.t) if len(self.t) > 1 else self.t[0]
+        if keep_last:
+            self.h, self.t, self.n = [h[:, -1:]], [t[-1:]], 1
+            h, t = h[:, :-1], t[:-1]
+        else:
+            self.h, self.t, self.n = [], [], 0
+        out = self.head(h, t[None], self.cache)
+        return out[:, -1:, :]
+
+    def trim(self, n: int) -> None:
+        for c in self.cache:
+            c.trim(n)
+
+    def state(self) -> list:
+        return [x for c in (self.cache or []) for x in (c.keys, c.values) if x is not None]
+
+
+def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history: HeadHistory, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """serial.prefill's chunks, op for op (so the caches match serial decode's), plus the
+    head's priming: pair each chunk's base hiddens with the next prompt tokens and feed all
+    but the very last pair (it drafts the first cycle). Returns the last prompt token."""
+    ids = mx.array(prompt, dtype=mx.uint32)
+    while ids.size > 1:
+        n = min(chunk, ids.size - 1)
+        h = lm.hidden(ids[None, :n], cache)
+        history.add(h, ids[1 : n + 1])
+        history.feed(keep_last=True)
+        mx.eval([h] + [c.state for c in cache] + history.state())
+        ids = ids[n:]
+    return ids
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def speculative_decode(
+    lm: LoadedModel,
+    head,
+    prompt: list[int],
+    sampler: Sampler,
+    depth: Callable[[], int] | int,
+    exact: bool = True,
+    guard_margin: float = DEFAULT_GUARD,
+    cache: list | None = None,
+    rollback: str = DEFAULT_ROLLBACK,
+    logit_jitter: float = 0.0,
+    history: HeadHistory | None = None,
+) -> Iterator[DecodeStep]:
+    """Yield one DecodeStep per cycle, forever (the caller stops it).
+
+    depth() is read at the start of every cycle. ``rollback`` is "capture" or "snapshot".
+    ``logit_jitter`` is a test hook: uniform noise of that amplitude on the verify's
+    logprobs (never on serial steps), standing in for batch-height-dependent kernels.
+    ``history``: pass a fresh ``HeadHistory(head)`` to inspect the head's state afterwards.
+    """
+    if not prompt:
+        raise ValueError("speculative_decode needs at least one prompt token")
+    depth_fn = depth if callable(depth) else (lambda d=int(depth): d)
+    cache = cache if cache is not None else lm.make_cache()
+    check_cache(cache)
+    rb = make_rollback(rollback, lm, cache)
+    hist = history if history is not None else HeadHistory(head)
+    greedy = sampler.greedy
+    jitter_key = mx.random.key(0x5EED)
+
+    primary = prefill_with_hidden(lm, prompt, cache, hist)  # [1]
+    n_cycles = 0
+
+    def serial_step(token: mx.array) -> tuple[mx.array, mx.array]:
+        """serial_decode's step, op for op. Returns (next token [1], hidden [1, 1, H])."""
+        h = lm.hidden(token.reshape(1, 1), cache)
+        logits = lm.logits(h)[:, -1, :]
+        return sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32), h
+
+    while True:
+        t0 = time.perf_counter()
+        k = max(0, int(depth_fn()))
+        if head is None or getattr(head, "unloaded", False) or hist.n == 0:
+            k = 0
+        n_cycles += 1
+        if n_cycles % 256 == 0:
+            mx.clear_cache()
+
+        if k == 0:
+            nxt, h = serial_step(primary)
+            hist.add(h, nxt)
+            if hist.n >= FLUSH_PENDING and head is not None and not getattr(head, "unloaded", False):
+                hist.feed(keep_last=True)
+            mx.eval(nxt, h, hist.state())
+            primary = nxt
+            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0)
+            continue
+
+        # 1. draft d1..dk
+        committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
+        g = hist.feed(keep_last=False)
+        drafts, logq = [], []
+        for i in range(k):
+            if i > 0:
+                g = head(g, drafts[-1][None], hist.cache)
+            lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
+            if greedy:
+                d = mx.argmax(lp, axis=-1)
+            else:
+                ql = sampler.log_distribution(lp)
+                logq.append(ql)
+                d = mx.random.categorical(ql, key=sampler.next_key())
+            drafts.append(d.reshape(-1).astype(mx.uint32))
+
+        # 2. verify [primary, d1..dk] in one base forward
+        verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
+        hid = rb.forward(verify_in)
+        logits = lm.logits(hid)[0]  # [k+1, V]
+        lp = _logprobs(logits)
+        if logit_jitter > 0.0:
+            jitter_key, sub = mx.random.split(jitter_key)
+            lp = lp.astype(mx.float32) + mx.random.uniform(-logit_jitter, logit_jitter, lp.shape, key=sub)
+        d_all = mx.concatenate(drafts)
+
+        guarded = 0
+        if greedy:
+            targets = mx.argmax(lp, axis=-1)
+            to_eval = [targets, d_all, hid]
+            if exact:
+                top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
+                hi, lo = top2.max(axis=-1), top2.min(axis=-1)
+                scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
+                guard = (hi - lo) <= guard_margin * scale
+                to_eval.append(guard)
+            mx.eval(to_eval)
+            t_l, d_l = targets.tolist(), d_all.tolist()
+            g_l = guard.tolist() if exact else [False] * (k + 1)
+            a = 0
+            stop_guard = False
+            while True:
+                if g_l[a]:
+                    stop_guard = True
+                    break
+                if a < k and t_l[a] == d_l[a]:
+                    a += 1
+                    continue
+                break
+            if stop_guard:
+                # Keep the verify's first `a` tokens; decide position a with serial numerics.
+                rb.commit(a)
+                nxt, h_last = serial_step(verify_in[:, a])
+                hidden_pairs = mx.concatenate([hid[:, :a], h_last], axis=1) if a else h_last
+                guarded = 1
+                committed_arr = mx.concatenate([d_all[:a], nxt]) if a else nxt
+                mx.eval(committed_arr)
+                committed = committed_arr.tolist()
+            else:
+                rb.commit(a + 1)
+                committed = d_l[:a] + [t_l[a]]
+                hidden_pairs = hid[:, : a + 1]
+                nxt = targets[a : a + 1].astype(mx.uint32)
+        else:
+            # Rejection sampling (Leviathan et al. / Chen et al.): output ~ p exactly.
+            logp = sampler.log_distribution(lp).astype(mx.float32)  # [k+1, V]
+            logq_a = mx.concatenate(logq, axis=0).astype(mx.float32)  # [k, V]
+            idx = d_all[:, None].astype(mx.int32)
+            p_d = mx.exp(mx.take_along_axis(logp[:k], idx, axis=-1))[:, 0]
+            q_d = mx.exp(mx.take_along_axis(logq_a, idx, axis=-1))[:, 0]
+            u = mx.random.uniform(shape=(k,), key=sampler.next_key())
+            accept = u * q_d < p_d  # u < min(1, p/q)
+            resid = mx.maximum(mx.exp(logp[:k]) - mx.exp(logq_a), 0.0)
+            has_mass = resid.sum(axis=-1, keepdims=True) > 0
+            log_resid = mx.where(has_mass, mx.log(resid), logp[:k])
+            fallback = mx.concatenate([log_resid, logp[k:]], axis=0)  # row k: bonus from p
+            samples = mx.random.categorical(fallback, key=sampler.next_key())  # [k+1]
+            mx.eval(accept, samples, d_all, hid)
+            acc_l, s_l, d_l = accept.tolist(), samples.tolist(), d_all.tolist()
+            a = 0
+            while a < k and acc_l[a]:
+                a += 1
+            rb.commit(a + 1)
+            committed = d_l[:a] + [s_l[a]]
+            hidden_pairs = hid[:, : a + 1]
+            nxt = samples[a : a + 1].astype(mx.uint32)
+
+        # 4. head history: drop speculative slots, queue the committed pairs.
+        hist.trim(hist.offset - committed_slots)
+        hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
+        primary = nxt
+        mx.eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state())
+        yield DecodeStep(
+            tokens=committed,
+            depth=k,
+            drafted=k,
+            accepted=a,
+            accepted_mask=[True] * a + [False] * (k - a),
+            guarded=guarded,
+            cycle_s=time.perf_counter() - t0,
+        )
+

@@ -1,0 +1,136 @@
+"""speculative_decode: token identity with serial decode, head history, depth changes."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import mlx.core as mx
+import pytest
+
+from daemon.engine.model import load_model
+from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
+from daemon.engine.rollback import STRATEGIES, attention_offset
+from daemon.engine.sampling import Sampler
+from daemon.engine.serial import serial_decode
+from daemon.engine.speculative import HeadHistory, speculative_decode
+from daemon.engine.types import SamplingParams
+
+PROMPTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x"]
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    return load_model(random_model_path)
+
+
+@pytest.fixture(scope="module")
+def head(lm):
+    return load_mtp_head(lm)
+
+
+@pytest.fixture(scope="module")
+def copy_head(lm, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("copyhead")
+    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
+    return load_mtp_head(lm, folder=folder)
+
+
+def serial(lm, prompt, n, params=SamplingParams()):
+    steps = itertools.islice(serial_decode(lm, prompt, Sampler(params)), n)
+    return [t for s in steps for t in s.tokens]
+
+
+def spec(lm, head, prompt, n, depth, params=SamplingParams(), **kw):
+    out, steps = [], []
+    for s in speculative_decode(lm, head, prompt, Sampler(params), depth, **kw):
+        out += s.tokens
+        steps.append(s)
+        assert len(s.tokens) == s.accepted + 1 and len(s.accepted_mask) == s.drafted
+        if len(out) >= n:
+            return out[:n], steps
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_exact_is_token_identical_with_the_real_head(lm, head, strategy):
+    for text in PROMPTS[:2]:
+        prompt = lm.tokenizer.encode(text)
+        ref = serial(lm, prompt, 24)
+        for k in (1, 2, 3, 4):
+            got, _ = spec(lm, head, prompt, 24, k, rollback=strategy)
+            assert got == ref, (text, k)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_accepting_head_is_token_identical_and_accepts(lm, copy_head, strategy):
+    partial = full = 0
+    for text in PROMPTS:
+        prompt = lm.tokenizer.encode(text)
+        ref = serial(lm, prompt, 40)
+        for k in (1, 2, 3, 4):
+            for exact in (True, False):
+                got, steps = spec(lm, copy_head, prompt, 40, k, exact=exact, rollback=strategy)
+                assert got == ref, (text, k, exact)
+                partial += sum(0 < s.accepted < s.drafted for s in steps)
+                full += sum(s.accepted == s.drafted for s in steps)
+    assert partial > 0 and full > 0
+
+
+def test_depth_may_change_every_cycle_and_head_history_stays_paired(lm, copy_head):
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    ref = serial(lm, prompt, 60)
+    rng = random.Random(7)
+    depths = iter([rng.choice([0, 0, 1, 2, 3, 4]) for _ in range(200)])
+    cache = lm.make_cache()
+    hist = HeadHistory(copy_head)
+    got, steps = spec(lm, copy_head, prompt, 60, lambda: next(depths), cache=cache, history=hist)
+    assert got == ref
+    assert {s.depth for s in steps} >= {0, 1, 2, 3, 4}
+    # Invariant: committed head slots + queued pairs cover every base position.
+    P = attention_offset(cache)
+    assert hist.offset + hist.n == P
+    # Slot S holds (base hidden at S, real token S+1): recompute the whole history.
+    produced = [t for s in steps for t in s.tokens]
+    tokens = prompt + produced
+    hist.feed(keep_last=False)
+    mx.eval(hist.state())
+    base_h = lm.hidden(mx.array([tokens[:P]]), lm.make_cache())
+    ref_cache = copy_head.make_cache()
+    copy_head(base_h, mx.array([tokens[1 : P + 1]]), ref_cache)
+    for a, b in zip(hist.cache, ref_cache):
+        assert a.offset == b.offset == P
+        ka, kb = a.keys[..., :P, :].astype(mx.float32), b.keys[..., :P, :].astype(mx.float32)
+        assert mx.allclose(ka, kb, atol=5e-2), mx.abs(ka - kb).max().item()
+
+
+def test_exact_guard_absorbs_kernel_rounding_fast_does_not(lm, copy_head):
+    """logit_jitter stands in for M=1 vs M>=2 rounding differences in the verify."""
+    exact_guarded = 0
+    fast_diverged = 0
+    for text in PROMPTS:
+        prompt = lm.tokenizer.encode(text)
+        ref = serial(lm, prompt, 40)
+        for k in (1, 3):
+            got, steps = spec(lm, copy_head, prompt, 40, k, exact=True, logit_jitter=0.01)
+            assert got == ref
+            exact_guarded += sum(s.guarded for s in steps)
+            got_fast, _ = spec(lm, copy_head, prompt, 40, k, exact=False, logit_jitter=0.5)
+            fast_diverged += got_fast != ref
+    assert exact_guarded > 0 and fast_diverged > 0
+
+
+def test_one_token_prompt_and_no_head(lm, head):
+    ref = serial(lm, [17], 12)
+    got, steps = spec(lm, head, [17], 12, 2)
+    assert got == ref and steps[0].depth == 0 and steps[1].depth == 2
+    got, steps = spec(lm, None, lm.tokenizer.encode(PROMPTS[1]), 12, 3)
+    assert got == serial(lm, lm.tokenizer.encode(PROMPTS[1]), 12) and all(s.depth == 0 for s in steps)
+
+
+def test_sampling_runs_and_commits_accept_plus_one(lm, copy_head):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    out, steps = spec(lm, copy_head, prompt, 40, 3, params=params)
+    assert len(out) == 40 and all(0 <= t < lm.text_args.vocab_size for t in out)
+    again, _ = spec(lm, copy_head, prompt, 40, 3, params=params)
+    assert again == out  # the request's seed reproduces it
