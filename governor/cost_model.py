@@ -108,10 +108,10 @@ class CostModel:
         return 1.0 + self.cfg.prior_cost_per_depth * k
 
     def _anchor(self, k: int, now: float, load: float | None) -> tuple[float | None, str]:
-        """The prior for cost(k): the live cost of the nearest measured depth j (one measured
+        """The prior for cost(k): the live cost of the nearest other measured depth j (one measured
         recently and under this load, when there is one), scaled by ratio(k)/ratio(j), so the
         prior moves with load; else the profile's absolute value."""
-        live = [j for j, e in enumerate(self._cost) if self._fresh(e, now)]
+        live = [j for j, e in enumerate(self._cost) if j != k and self._fresh(e, now)]
         if live:
             j = min(live, key=lambda j: (self.stale(j, now, load), abs(j - k), j))
             return self._cost[j].value * self._ratio(k) / self._ratio(j), "prior"
