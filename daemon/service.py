@@ -273,6 +273,7 @@ def render(kind: str, paths: ServicePaths, *, record: Sequence[str] | None = Non
             "LOG_DIR": str(paths.log_dir),
             "PATH": paths.path_env,
             "RUNTIME_DIR": paths.runtime_dir,
+            "HF_HOME": str(paths.hf_home),
         }
         values = {k: xml_escape(_check_value(v)) for k, v in values.items()}
         values["HEADER"] = _header(kind, record)

@@ -126,6 +126,7 @@ def test_plist_parses_with_the_right_keys_and_types(home):
     envv = data["EnvironmentVariables"]
     assert isinstance(envv, dict) and all(isinstance(v, str) for v in envv.values())
     assert envv["PYTHONUNBUFFERED"] == "1"
+    assert envv["HF_HOME"] == str(home / ".cache" / "huggingface")
     assert envv["PATH"].split(":")[0] == str(Path(PY).parent) and "/usr/sbin" in envv["PATH"].split(":")
     # The folder clients compute from TMPDIR in a shell, pinned for launchd.
     assert envv["COUNCILD_RUNTIME_DIR"] == f"/var/folders/xy/T/councild-{os.getuid()}"
