@@ -1,0 +1,272 @@
+"""`councild`: the daemon and the tools around it, one subcommand each.
+
+The subcommands that only talk to a running daemon (generate, status, governor override)
+import no mlx, so they start fast and work from any council process's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+councild hosts one local model for a council of agent processes over ZeroMQ.
+
+Start the daemon with `councild serve` (it serves the bundled model unless --model or the
+config names another), then talk to it with `councild generate "prompt"` or any program
+using the `protocol` package. `councild status` shows what it is doing.
+"""
+
+EPILOG = """\
+configuration: defaults < TOML file (--config) < COUNCILD_* environment < flags.
+endpoint: by default ipc://$XDG_RUNTIME_DIR/councild/councild.sock (Linux) or a per-user
+folder in the temp dir (macOS); the folder is created 0700. Override with --endpoint or
+COUNCILD_ENDPOINT; clients read the same variable.
+exit codes: 0 ok, 1 a gate or request failed, 2 bad usage, 70 internal error or the model
+failed to load, 75 another daemon serves the endpoint, 78 bad configuration.
+"""
+
+
+def _add_endpoint(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", help="daemon endpoint (default: $COUNCILD_ENDPOINT or the per-user ipc socket)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="councild", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground (what launchd/systemd start)",
+                           description="Load the model, bind the endpoint and serve until SIGTERM. "
+                                       "SIGTERM drains in-flight work (up to drain_deadline_s), a second "
+                                       "SIGTERM/SIGINT exits at once, SIGHUP reloads scheduling and governor settings.",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("--config", help="TOML config file (see docs/OPERATIONS.md for the keys)")
+    serve.add_argument("--model", help="model folder (HF or mlx format); default: the bundled tiny-qwen35")
+    _add_endpoint(serve)
+    serve.add_argument("--log-format", choices=["auto", "json", "console"], help="default: json unless stderr is a terminal")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--speculation", choices=["off", "exact", "fast"], help="default speculation mode for requests that do not say")
+    serve.add_argument("--insecure-tcp", action="store_true", help="allow a tcp:// endpoint without CURVE (logs a warning)")
+
+    gen = sub.add_parser("generate", help="send one prompt to a running daemon and stream the answer",
+                         description="Stream a completion from a running daemon to stdout; usage and timings go to stderr.")
+    gen.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+    _add_endpoint(gen)
+    gen.add_argument("--seat", default="cli", help="seat name to speak as (default: cli)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--priority", choices=["interactive", "normal", "background"])
+    gen.add_argument("--speculation", choices=["off", "exact", "fast"])
+    gen.add_argument("--deadline-ms", type=int)
+    gen.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon to say anything")
+
+    st = sub.add_parser("status", help="show what a running daemon is doing",
+                        description="Model, MTP head, depth, memory, seats, queues, throughput and uptime.")
+    _add_endpoint(st)
+    st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
+    st.add_argument("--timeout", type=float, default=5.0)
+
+    gate = sub.add_parser("gate", help="correctness and performance gates")
+    gate_sub = gate.add_subparsers(dest="gate", metavar="GATE")
+    gate_sub.add_parser("fidelity", help="speculative vs serial, token for token (exit 1 on a divergence in exact mode)",
+                        add_help=False)
+
+    bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    bench_sub.add_parser("serial", help="daemon over the socket vs in-process vs mlx_lm.generate, interleaved",
+                         add_help=False)
+    bench_sub.add_parser("spec", help="speculation by depth against serial, interleaved", add_help=False)
+
+    gov = sub.add_parser("governor", help="governor tools: replay a trace, or override a running daemon")
+    gov_sub = gov.add_subparsers(dest="governor", metavar="ACTION")
+    gov_sub.add_parser("replay", help="run the policy over a trace and print the decision timeline", add_help=False)
+    for action, text in (("pin", "pin the speculation depth"), ("evict", "evict the MTP head now"),
+                         ("load", "load the MTP head now"), ("auto", "hand control back to the governor")):
+        p = gov_sub.add_parser(action, help=text)
+        if action == "pin":
+            p.add_argument("depth", type=int)
+        _add_endpoint(p)
+
+    sub.add_parser("service", help="install/uninstall/print/status the launchd or systemd service", add_help=False)
+    sub.add_parser("keys", help="generate a CURVE key pair for a TCP endpoint", add_help=False)
+    return parser
+
+
+def resolve_model(explicit: str | None) -> str:
+    """--model / config, else the bundled model, else a cached random-weight model."""
+    from .paths import BUNDLED_MODEL
+
+    if explicit:
+        return str(Path(explicit).expanduser())
+    if (BUNDLED_MODEL / "config.json").exists():
+        return str(BUNDLED_MODEL)
+    from .engine.random_model import cached_random_model
+
+    print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
+          file=sys.stderr)
+    return str(cached_random_model())
+
+
+def cmd_serve(args) -> int:
+    from .config import ConfigError, load_config
+    from .logs import configure_logging, get_logger
+    from .paths import ensure_runtime_dir
+    from .server import EXIT_CONFIG, Server, StartupError
+    from protocol.paths import default_endpoint
+
+    overrides = {k: v for k, v in {
+        "model": args.model, "endpoint": args.endpoint, "log_format": args.log_format,
+        "log_level": args.log_level, "insecure_tcp": args.insecure_tcp or None,
+    }.items() if v is not None}
+    if args.speculation:
+        overrides["speculation"] = {"mode": args.speculation}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"councild: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(cfg.log_format, cfg.log_level)
+    log = get_logger("councild")
+    endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+    try:
+        model = resolve_model(cfg.model)
+        return Server(cfg, model, endpoint).run(args.config)
+    except StartupError as exc:
+        log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
+        print(f"councild: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def cmd_generate(args) -> int:
+    from protocol.client import Client, CouncilError, DaemonUnavailable
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  seed=args.seed, stop=args.stop, priority=args.priority, speculation=args.speculation,
+                  deadline_ms=args.deadline_ms)
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        kwargs["prompt"] = prompt
+    try:
+        with Client(args.endpoint, seat=args.seat, timeout_s=args.timeout) as client:
+            stream = client.generate(**kwargs)
+            for chunk in stream:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+            done = stream.done
+    except (CouncilError, DaemonUnavailable) as exc:
+        print(f"\ncouncild: {exc}", file=sys.stderr)
+        return 1
+    t = done.timings
+    print(f"\n[{done.finish_reason}] {done.usage.completion_tokens} tokens, {t.tokens_per_s:.1f} tok/s, "
+          f"ttft {t.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    return 0
+
+
+def format_status(reply) -> str:
+    d = reply.detail
+    rows = [
+        ("server", reply.server),
+        ("model", f"{reply.model} ({d.get('model_type', '?')})"),
+        ("uptime", f"{reply.uptime_s:.0f} s"),
+        ("endpoint", d.get("endpoint", "?")),
+        ("MTP head", ("resident, %.1f MB" % (d.get("head_bytes", 0) / 1e6)) if d.get("head_resident") else "not resident"),
+        ("depth", str(d.get("depth", 0))),
+        ("in flight", f"{reply.active} active, {reply.queued} queued"),
+        ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
+    ]
+    mem = d.get("memory")
+    if mem:
+        rows.append(("memory", ", ".join(f"{k} {v}" for k, v in mem.items())))
+    gov = d.get("governor")
+    if gov:
+        rows.append(("governor", ", ".join(f"{k}={v}" for k, v in gov.items() if not isinstance(v, (dict, list)))))
+    if d.get("draining"):
+        rows.append(("state", "draining"))
+    width = max(len(k) for k, _ in rows)
+    out = [f"{k:<{width}}  {v}" for k, v in rows]
+    seats = d.get("seats") or {}
+    if seats:
+        out.append("")
+        out.append(f"{'seat':<16} {'active':>6} {'queued':>6} {'tokens':>8}")
+        for seat, s in sorted(seats.items()):
+            out.append(f"{seat:<16} {s.get('active', 0):>6} {s.get('queued', 0):>6} {s.get('tokens', 0):>8}")
+    return "\n".join(out)
+
+
+def cmd_status(args) -> int:
+    import msgspec
+
+    from protocol.client import Client, DaemonUnavailable
+
+    try:
+        with Client(args.endpoint, seat="status", timeout_s=args.timeout) as client:
+            reply = client.status()
+    except DaemonUnavailable as exc:
+        print(f"councild: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(reply), indent=2))
+    else:
+        print(format_status(reply))
+    return 0
+
+
+def cmd_governor_override(args) -> int:
+    from protocol.client import Client, DaemonUnavailable
+
+    action = {"pin": "pin_depth", "evict": "evict_head", "load": "load_head", "auto": "auto"}[args.governor]
+    try:
+        with Client(args.endpoint, seat="operator", timeout_s=10.0) as client:
+            reply = client.governor(action, depth=getattr(args, "depth", None))
+    except DaemonUnavailable as exc:
+        print(f"councild: {exc}", file=sys.stderr)
+        return 1
+    print(reply.message)
+    return 0 if reply.ok else 1
+
+
+# Subcommands implemented in their own modules, each with its own argparse and help.
+DELEGATED = {
+    ("gate", "fidelity"): "daemon.engine.fidelity",
+    ("bench", "serial"): "daemon.bench_serial",
+    ("bench", "spec"): "daemon.engine.decode_bench",
+    ("governor", "replay"): "governor.replay",
+    ("service",): "daemon.service",
+    ("keys",): "daemon.keys",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for prefix, module in DELEGATED.items():
+        if tuple(argv[: len(prefix)]) == prefix:
+            import importlib
+
+            mod = importlib.import_module(module)
+            return int(mod.main(argv[len(prefix):]) or 0)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "governor" and args.governor in ("pin", "evict", "load", "auto"):
+        return cmd_governor_override(args)
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

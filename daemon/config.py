@@ -1,0 +1,125 @@
+"""Typed configuration: defaults, then a TOML file, then COUNCILD_* environment, then flags.
+
+Everything is decoded by msgspec into one Struct tree, so a bad value or an unknown key
+fails at start-up with the key's path in the message (``$.scheduler.max_queued``).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+PositiveFloat = Annotated[float, Meta(gt=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class ConfigError(Exception):
+    """A configuration the daemon refuses to start with (exit code 78, EX_CONFIG)."""
+
+
+class SeatConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    priority: Literal["interactive", "normal", "background"] = "normal"
+    weight: Annotated[float, Meta(gt=0, le=1000)] = 1.0
+
+
+class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Requests decoded in turn (time-sliced, each keeping its cache). More means more
+    # memory held by caches; 4 covers a typical council.
+    max_active: PositiveInt = 4
+    # Accepted-but-unfinished requests, in total and per seat; past them, Overloaded.
+    max_queued: PositiveInt = 64
+    max_queued_per_seat: PositiveInt = 16
+    # A queued request of a lower class is promoted one class after waiting this long, so
+    # background work is delayed but never starved.
+    starvation_bound_s: PositiveFloat = 30.0
+    seats: dict[str, SeatConfig] = {}
+    default_seat: SeatConfig = SeatConfig()
+
+
+class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Default for requests that do not say: "exact" is token-identical to serial at
+    # temperature 0; "fast" accepts rare near-tie flips; "off" is serial decode.
+    mode: Literal["off", "exact", "fast"] = "exact"
+    # Starting depth until the governor has measurements (0 = no speculation).
+    depth: Annotated[int, Meta(ge=0, le=8)] = 1
+    max_depth: Annotated[int, Meta(ge=1, le=8)] = 4
+    # Load the MTP head at start-up when the model has one.
+    load_head: bool = True
+
+
+class Config(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    endpoint: str | None = None
+    # TCP endpoints need CURVE unless this is set (it logs a warning).
+    insecure_tcp: bool = False
+    curve_secret_key_file: str | None = None
+    max_frame_bytes: PositiveInt = 8 << 20
+    max_tokens: PositiveInt = 4096
+    max_prompt_tokens: PositiveInt = 32768
+    heartbeat_interval_s: PositiveFloat = 2.0
+    # A client that says nothing for this long while it has work in flight is gone.
+    heartbeat_timeout_s: PositiveFloat = 10.0
+    # Below launchd's ExitTimeOut and systemd's TimeoutStopSec (45 s in our templates).
+    drain_deadline_s: PositiveFloat = 30.0
+    # Per-client send queue: a consumer that stops reading is cut off here, not buffered.
+    client_send_hwm: PositiveInt = 1000
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    scheduler: SchedulerConfig = SchedulerConfig()
+    speculation: SpeculationConfig = SpeculationConfig()
+    governor: dict[str, Any] = {}
+
+    def seat(self, name: str) -> SeatConfig:
+        return self.scheduler.seats.get(name, self.scheduler.default_seat)
+
+
+# Environment variables that map onto top-level keys; nested settings live in the file.
+_ENV_KEYS = {
+    "COUNCILD_MODEL": "model",
+    "COUNCILD_ENDPOINT": "endpoint",
+    "COUNCILD_LOG_FORMAT": "log_format",
+    "COUNCILD_LOG_LEVEL": "log_level",
+    "COUNCILD_MAX_TOKENS": "max_tokens",
+    "COUNCILD_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
+    "COUNCILD_DRAIN_DEADLINE_S": "drain_deadline_s",
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: dict | None = None, env: dict | None = None) -> Config:
+    """Build the Config; raise ConfigError naming the file and the key on any problem."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+    env = os.environ if env is None else env
+    env_data: dict = {}
+    for var, key in _ENV_KEYS.items():
+        if var in env and env[var] != "":
+            env_data[key] = env[var]
+    data = _merge(_merge(data, env_data), overrides or {})
+    try:
+        # strict=False lets "4096" from the environment become an int.
+        return msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        where = f" in {path}" if path else ""
+        raise ConfigError(f"invalid configuration{where}: {exc}") from None

@@ -1,0 +1,163 @@
+"""One accepted request's life on the engine thread: tokens in, text chunks out.
+
+A Job turns committed token ids into text with the tokenizer's streaming detokenizer,
+holds back any tail that could still become a stop string, and decides when the request is
+finished (eos, stop string, max tokens). It also aggregates speculation telemetry for the
+Done message. No sockets here: the worker sends what the Job returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from protocol import messages as m
+
+from .engine.types import DecodeStep
+
+
+@dataclass
+class SpecTally:
+    mode: str = "off"
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    guarded: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)
+    drafted_by_position: list[int] = field(default_factory=list)
+
+    def add(self, step: DecodeStep) -> None:
+        self.cycles += 1
+        self.drafted += step.drafted
+        self.accepted += step.accepted
+        self.guarded += step.guarded
+        for i, ok in enumerate(step.accepted_mask):
+            while len(self.drafted_by_position) <= i:
+                self.drafted_by_position.append(0)
+                self.accepted_by_position.append(0)
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += int(ok)
+
+    def message(self) -> m.SpecStats:
+        return m.SpecStats(
+            mode=self.mode,
+            cycles=self.cycles,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            accepted_by_position=list(self.accepted_by_position),
+            drafted_by_position=list(self.drafted_by_position),
+            guarded=self.guarded,
+        )
+
+
+class Job:
+    """State of one request. Attributes the scheduler reads: seat, priority, enqueued_at,
+    weight."""
+
+    def __init__(self, *, msg: m.Generate, identity: bytes, seat: str, priority: str, weight: float,
+                 deadline: float | None, received_at: float):
+        self.msg = msg
+        self.identity = identity
+        self.seat = seat
+        self.priority = priority
+        self.weight = weight
+        self.deadline = deadline
+        self.received_at = received_at
+        self.enqueued_at = received_at
+        self.request_id = msg.request_id
+        self.key = (seat, msg.request_id)
+        self.prompt: list[int] = []
+        self.generator = None
+        self.detok = None
+        self.cancelled = False
+        self.cancel_reason = "cancelled"
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.sent_chars = 0
+        self.seq = 0
+        self.started_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_reason: str | None = None
+        self.spec = SpecTally()
+
+    # ------------------------------------------------------------------ output
+    def start(self, generator, detokenizer, spec_mode: str) -> None:
+        self.generator = generator
+        self.detok = detokenizer
+        self.detok.reset()
+        self.started_at = time.monotonic()
+        self.spec.mode = spec_mode
+
+    def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:
+        """Take one decode cycle's tokens; return those that belong to the output (cut at
+        eos or max_tokens), and set ``finished_reason`` when the request is complete."""
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if step.depth or step.drafted:
+            self.spec.add(step)
+        kept: list[int] = []
+        for tok in step.tokens:
+            if tok in eos_ids:
+                self.finished_reason = "stop"
+                break
+            kept.append(tok)
+            if len(self.token_ids) + len(kept) >= self.msg.max_tokens:
+                self.finished_reason = "length"
+                break
+        for tok in kept:
+            self.detok.add_token(tok)
+        self.token_ids.extend(kept)
+        self.text = self.detok.text if self.finished_reason is None else self._final_text()
+        self._apply_stop_strings()
+        return kept
+
+    def _final_text(self) -> str:
+        self.detok.finalize()
+        return self.detok.text
+
+    def _apply_stop_strings(self) -> None:
+        if not self.msg.stop:
+            return
+        hits = [i for i in (self.text.find(s) for s in self.msg.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.finished_reason = "stop"
+
+    def pending_text(self) -> str:
+        """Text that is safe to send now: everything unless a stop string could still be
+        forming at the end, in which case that tail is held back."""
+        end = len(self.text)
+        if self.finished_reason is None and self.msg.stop:
+            hold = max(len(s) for s in self.msg.stop) - 1
+            end = max(self.sent_chars, end - hold)
+        return self.text[self.sent_chars : end]
+
+    def chunk(self, token_ids: list[int]) -> m.Tokens | None:
+        text = self.pending_text()
+        if not text and not token_ids:
+            return None
+        self.sent_chars += len(text)
+        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids)
+        self.seq += 1
+        return msg
+
+    def done(self, reason: str | None = None) -> m.Done:
+        now = time.monotonic()
+        started = self.started_at or now
+        first = self.first_token_at or now
+        decode_s = max(now - first, 1e-9)
+        n = len(self.token_ids)
+        return m.Done(
+            request_id=self.request_id,
+            finish_reason=reason or self.finished_reason or "stop",
+            text=self.text,
+            usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n),
+            timings=m.Timings(
+                queue_s=started - self.received_at,
+                prefill_s=first - started,
+                decode_s=now - first,
+                ttft_s=first - self.received_at,
+                tokens_per_s=(n - 1) / decode_s if n > 1 else 0.0,
+            ),
+            speculation=self.spec.message() if self.spec.mode != "off" else None,
+        )

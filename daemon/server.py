@@ -1,0 +1,409 @@
+"""The socket loop: a ROUTER socket, validation, admission, and routing replies back.
+
+It never blocks on the model: every poll has a timeout, requests go to the engine thread
+through a queue, replies come back over an inproc socket. Every bad frame becomes a typed
+Error; no exception from one client's input reaches the loop itself. Signals are turned
+into flags the loop reads, so there is exactly one shutdown path.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import signal
+import time
+from pathlib import Path
+
+import zmq
+
+import daemon
+from protocol import PROTOCOL_VERSION, ProtocolError, decode_client, encode
+from protocol import messages as m
+from protocol.codec import peek_request_id
+
+from .config import Config
+from .logs import get_logger
+from .requests import Job
+from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, Stop, Submit
+
+log = get_logger("councild.server")
+
+# sysexits-style codes, so launchd/systemd (and people) can tell failures apart.
+EXIT_OK = 0
+EXIT_SOFTWARE = 70  # crash or the model failed to load
+EXIT_TEMPFAIL = 75  # another daemon already serves this endpoint
+EXIT_CONFIG = 78  # bad configuration: restarting will not help
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Hooks:
+    """Engine-thread callbacks (sd_notify watchdog follows real decode progress)."""
+
+    def __init__(self, server: "Server"):
+        self.server = server
+
+    def on_step(self) -> None:
+        self.server.notifier_progress()
+
+
+class Server:
+    def __init__(self, cfg: Config, model_path: str, endpoint: str):
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.model_path = model_path
+        self.ctx = zmq.Context()
+        self.started = time.monotonic()
+        self.seats: dict[bytes, str] = {}
+        self.last_seen: dict[bytes, float] = {}
+        self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
+        self.draining_since: float | None = None
+        self.stop_now = False
+        self.reload_requested = False
+        self._lock_file = None
+        self.notifier = None
+        self._watchdog = None
+        self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
+
+    # ------------------------------------------------------------------ start-up
+    def _claim_endpoint(self) -> None:
+        """One daemon per endpoint: an ipc endpoint is guarded by a lock file beside the
+        socket (a crashed daemon's stale socket is then safe to remove)."""
+        if not self.endpoint.startswith("ipc://"):
+            return
+        sock = Path(self.endpoint[len("ipc://"):])
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock_path = sock.with_name(sock.name + ".lock")
+        self._lock_file = open(lock_path, "a+")
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise StartupError(
+                f"another councild is already serving {self.endpoint} (lock {lock_path} is held); "
+                "stop it first or choose another --endpoint",
+                EXIT_TEMPFAIL,
+            ) from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(str(os.getpid()))
+        self._lock_file.flush()
+        if sock.exists():
+            sock.unlink()  # stale: its owner no longer holds the lock
+
+    def _bind(self) -> zmq.Socket:
+        router = self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 100)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes + 1024)
+        router.setsockopt(zmq.SNDHWM, self.cfg.client_send_hwm)
+        router.setsockopt(zmq.RCVHWM, 10000)
+        if self.endpoint.startswith("tcp://"):
+            self._secure_tcp(router)
+        try:
+            router.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            code = EXIT_TEMPFAIL if exc.errno == errno.EADDRINUSE else EXIT_CONFIG
+            raise StartupError(f"cannot bind {self.endpoint}: {exc}", code) from None
+        if self.endpoint.startswith("ipc://"):
+            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+        return router
+
+    def _secure_tcp(self, router: zmq.Socket) -> None:
+        if self.cfg.curve_secret_key_file:
+            from .keys import load_secret_key
+
+            public, secret = load_secret_key(self.cfg.curve_secret_key_file)
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            return
+        if not self.cfg.insecure_tcp:
+            raise StartupError(
+                f"{self.endpoint} is a TCP endpoint: give curve_secret_key_file (make one with "
+                "`councild keys`) or start with --insecure-tcp to serve it unencrypted",
+                EXIT_CONFIG,
+            )
+        log.warning("server.insecure_tcp", endpoint=self.endpoint,
+                     message="serving TCP without CURVE: anyone who can reach the port can use the model")
+
+    # ------------------------------------------------------------------ signals
+    def _install_signals(self) -> None:
+        def term(signum, _frame):
+            # The first TERM/INT drains; a second one exits at once.
+            if self.draining_since is not None:
+                self.stop_now = True
+            else:
+                self.draining_since = time.monotonic()
+
+        def hup(_signum, _frame):
+            self.reload_requested = True
+
+        signal.signal(signal.SIGTERM, term)
+        signal.signal(signal.SIGINT, term)
+        signal.signal(signal.SIGHUP, hup)
+
+    def notifier_progress(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.progress()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self, config_path: str | None = None) -> int:
+        self.config_path = config_path
+        self._claim_endpoint()
+        engine_out = self.ctx.socket(zmq.PULL)
+        engine_out.bind(OUT_ENDPOINT)
+        self.worker.start()
+        log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
+        self.worker.loaded.wait()
+        if self.worker.load_error is not None:
+            exc = self.worker.load_error
+            code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
+            raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
+        router = self._bind()
+        self._install_signals()
+        self._start_notifier()
+        log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
+                 version=daemon.__version__, protocol=PROTOCOL_VERSION)
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(engine_out, zmq.POLLIN)
+        last_housekeeping = 0.0
+        stop_sent = False
+        try:
+            while not self.stop_now:
+                events = dict(poller.poll(50))
+                if router in events:
+                    self._read_clients(router)
+                if engine_out in events:
+                    self._forward_replies(engine_out, router)
+                now = time.monotonic()
+                if now - last_housekeeping > 0.25:
+                    last_housekeeping = now
+                    self._housekeeping(now)
+                if self.draining_since is not None:
+                    if not stop_sent:
+                        log.info("daemon.draining", in_flight=len(self.live), deadline_s=self.cfg.drain_deadline_s)
+                        if self.notifier:
+                            self.notifier.stopping()
+                        self.worker.commands.put(Stop())
+                        stop_sent = True
+                    if now - self.draining_since > self.cfg.drain_deadline_s and self.live:
+                        self.worker.commands.put(CancelAll("shutting_down", "the drain deadline passed"))
+                        self.draining_since = now - self.cfg.drain_deadline_s + 5.0  # give it 5 s to flush
+                    if not self.worker.is_alive():
+                        self._forward_replies(engine_out, router)
+                        break
+                elif not self.worker.is_alive():
+                    log.error("daemon.engine_died")
+                    return EXIT_SOFTWARE
+        finally:
+            router.close(linger=200)
+            engine_out.close(linger=0)
+            self.ctx.term()
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        log.info("daemon.stop", reason="signal", forced=self.stop_now)
+        return EXIT_OK
+
+    def _start_notifier(self) -> None:
+        try:
+            from .notify import Notifier, WatchdogPacer
+        except ImportError:  # the service integration is optional
+            return
+        self.notifier = Notifier()
+        self.notifier.ready()
+        self.notifier.status(f"serving {Path(self.model_path).name} on {self.endpoint}")
+        self._watchdog = WatchdogPacer(self.notifier)
+
+    # ------------------------------------------------------------------ client input
+    def _read_clients(self, router: zmq.Socket) -> None:
+        for _ in range(256):  # bounded, so replies keep flowing under a flood
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            identity = frames[0]
+            self.last_seen[identity] = time.monotonic()
+            if len(frames) != 2:
+                self._reply(router, identity, m.Error(code="bad_frame", message=f"expected one frame per message, got {len(frames) - 1}"))
+                continue
+            try:
+                msg = decode_client(frames[1], self.cfg.max_frame_bytes)
+            except ProtocolError as exc:
+                self._reply(router, identity, m.Error(code=exc.code, message=exc.message,
+                                                       request_id=peek_request_id(frames[1]) if exc.code == "invalid_request" else None))
+                log.info("request.rejected", code=exc.code, message=exc.message[:200])
+                continue
+            try:
+                self._handle(router, identity, msg)
+            except Exception as exc:  # a bug in handling one message must not end the daemon
+                log.error("server.handler_failed", error=repr(exc), type=type(msg).__name__)
+                self._reply(router, identity, m.Error(code="internal", message=f"{type(exc).__name__}: {exc}",
+                                                       request_id=getattr(msg, "request_id", None)))
+
+    def _handle(self, router: zmq.Socket, identity: bytes, msg) -> None:
+        if isinstance(msg, m.Generate):
+            self._generate(router, identity, msg)
+        elif isinstance(msg, m.Cancel):
+            key = (self.seats.get(identity, "default"), msg.request_id)
+            if key in self.live:
+                self.worker.commands.put(CancelJob(key))
+            else:
+                self._reply(router, identity, m.Error(code="not_found", request_id=msg.request_id,
+                                                       message="no request with this id is in flight for this seat"))
+        elif isinstance(msg, m.Ping):
+            self._reply(router, identity, m.Pong(nonce=msg.nonce))
+        elif isinstance(msg, m.Hello):
+            self.seats[identity] = msg.seat
+            self._reply(router, identity, self._welcome(msg.seat))
+        elif isinstance(msg, m.Status):
+            self._reply(router, identity, self.status_reply())
+        elif isinstance(msg, m.GovernorCommand):
+            self._reply(router, identity, m.GovernorReply(ok=False, message="the governor is not running in this daemon"))
+
+    def _welcome(self, seat: str) -> m.Welcome:
+        c = self.cfg
+        return m.Welcome(
+            seat=seat,
+            server=f"councild {daemon.__version__}",
+            model=Path(self.model_path).name,
+            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority"],
+            limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
+                            max_prompt_tokens=c.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
+                            heartbeat_timeout_s=c.heartbeat_timeout_s),
+        )
+
+    def _generate(self, router: zmq.Socket, identity: bytes, msg: m.Generate) -> None:
+        def reject(code: str, message: str, retry_after: float | None = None) -> None:
+            self._reply(router, identity, m.Error(code=code, message=message, request_id=msg.request_id,
+                                                   retry_after_s=retry_after))
+            log.info("request.rejected", request_id=msg.request_id, seat=seat, code=code, message=message)
+
+        seat = self.seats.get(identity, "default")
+        key = (seat, msg.request_id)
+        if self.draining_since is not None:
+            return reject("shutting_down", "the daemon is draining and accepts no new work")
+        if msg.prompt_kind() is None:
+            return reject("invalid_request", "give exactly one of prompt, messages, prompt_tokens")
+        if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
+            return reject("invalid_request", "the prompt is empty")
+        if msg.max_tokens > self.cfg.max_tokens:
+            return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
+        if key in self.live:
+            return reject("duplicate_request", f"request {msg.request_id!r} is already in flight for seat {seat!r}")
+        sc = self.cfg.scheduler
+        seat_live = sum(1 for k in self.live if k[0] == seat)
+        if len(self.live) >= sc.max_queued or seat_live >= sc.max_queued_per_seat:
+            return reject("overloaded", f"{len(self.live)} requests in flight ({seat_live} for seat {seat!r}); try again later",
+                          retry_after=self._retry_after())
+        seat_cfg = self.cfg.seat(seat)
+        now = time.monotonic()
+        job = Job(msg=msg, identity=identity, seat=seat, priority=msg.priority or seat_cfg.priority,
+                  weight=seat_cfg.weight, deadline=now + msg.deadline_ms / 1000 if msg.deadline_ms else None,
+                  received_at=now)
+        self.live[key] = identity
+        self.worker.commands.put(Submit(job))
+
+    def _retry_after(self) -> float:
+        rate = self.worker.read_snapshot().recent_tokens_per_s
+        # Time for the queue ahead to drain at the recent rate, bounded to something useful.
+        backlog_tokens = 64 * max(1, len(self.live))
+        return round(min(30.0, max(0.5, backlog_tokens / rate if rate > 0 else 2.0)), 2)
+
+    # ------------------------------------------------------------------ replies
+    def _forward_replies(self, engine_out: zmq.Socket, router: zmq.Socket) -> None:
+        for _ in range(1024):
+            try:
+                identity, payload, key = engine_out.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if key:
+                seat, rid = key.decode().split("\x00", 1)
+                self.live.pop((seat, rid), None)
+            self._send(router, identity, payload)
+
+    def _reply(self, router: zmq.Socket, identity: bytes, msg) -> None:
+        self._send(router, identity, encode(msg))
+
+    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+        try:
+            router.send_multipart([identity, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            # The client stopped reading and its queue is full: cut its streams rather
+            # than buffer without bound or block every other client.
+            self._drop_client(identity, "slow_consumer")
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._drop_client(identity, "client_gone")
+            else:
+                raise
+
+    def _drop_client(self, identity: bytes, why: str) -> None:
+        keys = [k for k, ident in self.live.items() if ident == identity]
+        if keys:
+            log.warning("client.dropped", reason=why, requests=[k[1] for k in keys], seat=keys[0][0])
+        for key in keys:
+            self.worker.commands.put(CancelJob(key, "client_gone"))
+
+    # ------------------------------------------------------------------ periodic
+    def _housekeeping(self, now: float) -> None:
+        timeout = self.cfg.heartbeat_timeout_s
+        owners = set(self.live.values())
+        for identity, seen in list(self.last_seen.items()):
+            if now - seen > timeout:
+                if identity in owners:
+                    log.warning("client.timeout", seat=self.seats.get(identity, "default"), silent_s=round(now - seen, 1))
+                    self._drop_client(identity, "client_gone")
+                del self.last_seen[identity]
+                self.seats.pop(identity, None)
+        if self.reload_requested:
+            self.reload_requested = False
+            self._reload()
+
+    def _reload(self) -> None:
+        from .config import ConfigError, load_config
+
+        try:
+            new = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("config.reload_rejected", error=str(exc), message="kept the running configuration")
+            return
+        # Scheduling and governor settings apply live; model and endpoint need a restart.
+        self.cfg.scheduler = new.scheduler
+        self.worker.scheduler.cfg = new.scheduler
+        self.cfg.governor = new.governor
+        self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
+        self.cfg.drain_deadline_s = new.drain_deadline_s
+        log.info("config.reloaded", path=self.config_path)
+
+    def status_reply(self) -> m.StatusReply:
+        snap = self.worker.read_snapshot()
+        return m.StatusReply(
+            server=f"councild {daemon.__version__}",
+            model=snap.model,
+            uptime_s=round(time.monotonic() - self.started, 3),
+            active=len(snap.active),
+            queued=sum(snap.queued.values()),
+            detail={
+                "pid": os.getpid(),
+                "endpoint": self.endpoint,
+                "model_type": snap.model_type,
+                "draining": self.draining_since is not None,
+                "head_resident": snap.head_resident,
+                "head_bytes": snap.head_bytes,
+                "depth": snap.depth,
+                "in_flight": len(self.live),
+                "active_requests": snap.active,
+                "seats": snap.seats,
+                "tokens_total": snap.tokens_total,
+                "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
+                "clients": len(self.last_seen),
+            },
+        )

@@ -1,0 +1,326 @@
+"""The engine thread: owns the model and every mlx call, and runs the step loop.
+
+The socket loop hands it commands through a queue and it hands back encoded replies over
+an inproc PUSH socket, so neither thread ever waits on the other's work. Between two decode
+cycles (the only safe points) it applies commands, expires deadlines, admits queued work
+and lets the governor act; then it advances one active request by one cycle.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from protocol import encode
+from protocol import messages as m
+
+from .config import Config
+from .logs import get_logger
+from .requests import Job
+from .scheduler import Scheduler
+
+log = get_logger("councild.engine")
+
+OUT_ENDPOINT = "inproc://councild-engine-out"
+
+
+@dataclass
+class Submit:
+    job: Job
+
+
+@dataclass
+class CancelJob:
+    key: tuple[str, str]
+    reason: str = "cancelled"  # or "client_gone", "shutting_down"
+
+
+@dataclass
+class CancelAll:
+    code: str
+    message: str
+
+
+@dataclass
+class Stop:
+    pass
+
+
+@dataclass
+class EngineSnapshot:
+    """What the socket loop may read without touching the engine's state."""
+
+    ready: bool = False
+    model: str = ""
+    model_type: str = ""
+    head_resident: bool = False
+    head_bytes: int = 0
+    head_error: str | None = None
+    depth: int = 0
+    active: list[dict] = field(default_factory=list)
+    queued: dict[str, int] = field(default_factory=dict)
+    tokens_total: int = 0
+    recent_tokens_per_s: float = 0.0
+    steps_total: int = 0
+    last_step_at: float = 0.0
+    seats: dict[str, dict] = field(default_factory=dict)
+
+
+class EngineWorker(threading.Thread):
+    def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None):
+        super().__init__(name="councild-engine", daemon=True)
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model_path = model_path
+        self.commands: queue.Queue = queue.Queue()
+        self.snapshot = EngineSnapshot()
+        self.snapshot_lock = threading.Lock()
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self.hooks = hooks
+        self.lm = None
+        self.head = None
+        self.scheduler = Scheduler(cfg.scheduler)
+        self.jobs: dict[tuple[str, str], Job] = {}
+        self._out: zmq.Socket | None = None
+        self._rate_window: deque = deque()
+        self._seat_tokens: dict[str, int] = {}
+        self._stopping = False
+
+    # ------------------------------------------------------------------ thread body
+    def run(self) -> None:
+        self._out = self.ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 1000)
+        self._out.connect(OUT_ENDPOINT)
+        try:
+            self._load()
+        except BaseException as exc:  # reported to the socket loop, which exits
+            self.load_error = exc
+            self.loaded.set()
+            self._out.close()
+            return
+        self.loaded.set()
+        try:
+            self._loop()
+        except BaseException:
+            log.error("engine.crashed", error=traceback.format_exc())
+            self._fail_all("internal", "the engine thread crashed; see the daemon log")
+            raise
+        finally:
+            self._out.close()
+
+    def _load(self) -> None:
+        from .engine.model import load_model
+
+        t0 = time.perf_counter()
+        self.lm = load_model(self.model_path)
+        log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
+                 seconds=round(time.perf_counter() - t0, 3))
+        with self.snapshot_lock:
+            self.snapshot.model = self.lm.name
+            self.snapshot.model_type = self.lm.model_type
+            self.snapshot.ready = True
+
+    def _loop(self) -> None:
+        while True:
+            idle = not self.scheduler.has_work()
+            if not self._drain_commands(block=idle):
+                return
+            self._expire_deadlines()
+            for job in self.scheduler.admit():
+                self._start(job)
+            job = self.scheduler.pick()
+            if job is not None:
+                self._advance(job)
+            elif self._stopping:
+                return
+            self._publish()
+
+    # ------------------------------------------------------------------ commands
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False when the thread must stop."""
+        timeout = 0.1 if block else 0.0
+        while True:
+            try:
+                cmd = self.commands.get(timeout=timeout) if timeout else self.commands.get_nowait()
+            except queue.Empty:
+                return True
+            timeout = 0.0
+            if isinstance(cmd, Submit):
+                self._submit(cmd.job)
+            elif isinstance(cmd, CancelJob):
+                self._cancel(cmd.key, cmd.reason)
+            elif isinstance(cmd, CancelAll):
+                self._fail_all(cmd.code, cmd.message)
+            elif isinstance(cmd, Stop):
+                self._stopping = True
+                if not self.scheduler.has_work():
+                    return False
+
+    def _submit(self, job: Job) -> None:
+        msg = job.msg
+        try:
+            kind = msg.prompt_kind()
+            job.prompt = self.lm.encode_prompt(
+                msg.prompt,
+                [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
+                msg.prompt_tokens,
+            )
+        except Exception as exc:
+            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
+                                      message=f"could not tokenize the {kind}: {exc}"), registered=False)
+            return
+        vocab = self.lm.text_args.vocab_size
+        if not job.prompt:
+            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
+                                      message="the prompt is empty after tokenization"), registered=False)
+            return
+        if any(t >= vocab for t in job.prompt):
+            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
+                                      message=f"prompt_tokens holds ids outside the vocabulary (size {vocab})"),
+                         registered=False)
+            return
+        limit = self.cfg.max_prompt_tokens
+        if len(job.prompt) > limit:
+            self._finish(job, m.Error(request_id=job.request_id, code="prompt_too_long",
+                                      message=f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"),
+                         registered=False)
+            return
+        self.jobs[job.key] = job
+        self.scheduler.submit(job)
+        self._send(job.identity, m.Accepted(request_id=job.request_id,
+                                            queue_position=self.scheduler.position(job),
+                                            prompt_tokens=len(job.prompt)))
+        log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
+                 prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
+
+    def _cancel(self, key: tuple[str, str], reason: str) -> None:
+        job = self.jobs.get(key)
+        if job is None:
+            return
+        if reason == "cancelled":
+            self._finish(job, job.done("cancelled"))
+        elif reason == "client_gone":
+            self._finish(job, m.Error(request_id=job.request_id, code="client_gone",
+                                      message="no heartbeat from the client within the timeout; work cancelled"))
+        else:
+            self._finish(job, m.Error(request_id=job.request_id, code="shutting_down",
+                                      message="the daemon is shutting down and the drain deadline passed"))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        for job in list(self.jobs.values()):
+            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message))
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in [j for j in self.jobs.values() if j.deadline is not None and now >= j.deadline]:
+            where = "in the queue" if job.generator is None else "mid-generation"
+            self._finish(job, m.Error(request_id=job.request_id, code="deadline_exceeded",
+                                      message=f"deadline of {job.msg.deadline_ms} ms passed {where}"))
+
+    # ------------------------------------------------------------------ decoding
+    def _start(self, job: Job) -> None:
+        from .engine.sampling import Sampler
+        from .engine.serial import serial_decode
+        from .engine.types import SamplingParams
+
+        p = job.msg
+        sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        job.start(serial_decode(self.lm, job.prompt, sampler), self.lm.tokenizer.detokenizer, "off")
+
+    def _advance(self, job: Job) -> None:
+        try:
+            step = next(job.generator)
+        except Exception as exc:
+            log.error("request.failed", request_id=job.request_id, seat=job.seat, error=repr(exc),
+                      traceback=traceback.format_exc())
+            self._finish(job, m.Error(request_id=job.request_id, code="internal",
+                                      message=f"decode failed: {type(exc).__name__}: {exc}"))
+            return
+        kept = job.absorb(step, self.lm.eos_token_ids)
+        self.scheduler.charge(job, max(1, len(step.tokens)))
+        self._count_tokens(job.seat, len(kept))
+        if job.msg.stream:
+            chunk = job.chunk(kept)
+            if chunk is not None:
+                self._send(job.identity, chunk)
+        if job.finished_reason is not None:
+            self._finish(job, job.done())
+
+    def _finish(self, job: Job, terminal: m.Done | m.Error, registered: bool = True) -> None:
+        """Send the request's one terminal message and forget it."""
+        if registered:
+            if self.jobs.pop(job.key, None) is None:
+                return  # already finished: never a second terminal message
+            self.scheduler.remove(job)
+        if job.generator is not None:
+            job.generator.close()
+            job.generator = None
+        if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
+            # Flush any held-back tail before the terminal message.
+            rest = job.chunk([])
+            if rest is not None and rest.text:
+                self._send(job.identity, rest)
+        self._send(job.identity, terminal, terminal_key=job.key)
+        if isinstance(terminal, m.Done):
+            log.info("request.done", request_id=job.request_id, seat=job.seat,
+                     finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
+                     prompt_tokens=terminal.usage.prompt_tokens,
+                     tokens_per_s=round(terminal.timings.tokens_per_s, 2),
+                     ttft_s=round(terminal.timings.ttft_s, 4),
+                     speculation=terminal.speculation and {
+                         "mode": terminal.speculation.mode, "cycles": terminal.speculation.cycles,
+                         "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted})
+        else:
+            log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
+                     message=terminal.message)
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, identity: bytes, msg, terminal_key: tuple[str, str] | None = None) -> None:
+        key = b"" if terminal_key is None else f"{terminal_key[0]}\x00{terminal_key[1]}".encode()
+        self._out.send_multipart([identity, encode(msg), key])
+
+    def _count_tokens(self, seat: str, n: int) -> None:
+        now = time.monotonic()
+        self._rate_window.append((now, n))
+        while self._rate_window and now - self._rate_window[0][0] > 10.0:
+            self._rate_window.popleft()
+        self._seat_tokens[seat] = self._seat_tokens.get(seat, 0) + n
+        with self.snapshot_lock:
+            self.snapshot.tokens_total += n
+            self.snapshot.steps_total += 1
+            self.snapshot.last_step_at = now
+        if self.hooks is not None:
+            self.hooks.on_step()
+
+    def _publish(self) -> None:
+        now = time.monotonic()
+        window = [n for t, n in self._rate_window if now - t <= 10.0]
+        span = min(10.0, now - self._rate_window[0][0]) if self._rate_window else 0.0
+        active = [
+            {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
+            for j in self.scheduler.active
+        ]
+        seats: dict[str, dict] = {}
+        for job in self.jobs.values():
+            s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
+            s["active" if job in self.scheduler.active else "queued"] += 1
+        for seat, n in self._seat_tokens.items():
+            seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})["tokens"] = n
+        with self.snapshot_lock:
+            self.snapshot.active = active
+            self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
+            self.snapshot.recent_tokens_per_s = sum(window) / span if span > 0.5 else 0.0
+            self.snapshot.seats = seats
+
+    def read_snapshot(self) -> EngineSnapshot:
+        with self.snapshot_lock:
+            snap = EngineSnapshot(**vars(self.snapshot))
+        return snap
