@@ -1,0 +1,170 @@
+"""The Governor runtime on fakes: sampling, logging, the cost loop, overrides, traces."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import structlog
+
+from governor.config import GovernorConfig
+from governor.fakes import (
+    FakeClock,
+    FakeLoad,
+    FakeMemoryProbe,
+    FakeMlxProbe,
+    RaisingProbe,
+    RecordingLogger,
+    SimEngine,
+)
+from governor.replay import replay
+from governor.runtime import Governor
+from governor.types import ClearCache, CycleTelemetry, EvictHead, LoadHead, SetDepth, ShedAdmissions, action_name
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def make(cfg=None, **kw):
+    clock, mem, load, logger = FakeClock(0.0), FakeMemoryProbe(), FakeLoad(), RecordingLogger()
+    kw.setdefault("head_resident", True)
+    gov = Governor(cfg or GovernorConfig(), clock=clock, memory_probes=[mem], load=load, head_bytes=850 * MiB,
+                   logger=logger, **kw)  # fmt: skip
+    return gov, clock, mem, load, logger
+
+
+def test_tick_returns_actions_and_logs_one_event_per_decision():
+    gov, clock, mem, load, logger = make()
+    assert gov.tick() == []
+    assert logger.events[-1][:2] == ("debug", "governor.decision")  # holds are debug
+    mem.level, mem.available_bytes = "critical", 100 * MiB
+    clock.advance(0.25)
+    acts = gov.tick()
+    assert acts == [SetDepth(0), EvictHead(), ClearCache(), ShedAdmissions(True, 5.0)]
+    infos = [e for e in logger.events if e[0] == "info"]
+    assert [e[2]["decision"] for e in infos] == ["depth", "evict_head", "clear_cache", "shed_admissions"]
+    ev = infos[1][2]
+    assert ev["pressure"] == "critical" and ev["available_bytes"] == 100 * MiB and ev["sentence"]
+    assert ev["actions"] == ["SetDepth(0)", "EvictHead", "ClearCache", "ShedAdmissions(on)"]
+    assert gov.shedding and gov.depth == 0
+
+
+def test_default_logger_is_councild_governor_structlog():
+    gov, clock, mem, *_ = make()
+    gov.log = structlog.get_logger("councild.governor")
+    mem.level = "critical"
+    with structlog.testing.capture_logs() as logs:
+        gov.tick()
+    assert logs and all(e["event"] == "governor.decision" for e in logs)
+    assert any(e.get("decision") == "evict_head" for e in logs)
+
+
+def test_probes_combine_worst_level_and_least_headroom_and_survive_raising():
+    clock = FakeClock(0.0)
+    a, b = FakeMemoryProbe("normal", 12 * GiB), FakeMemoryProbe("warn", 20 * GiB)
+    off = FakeMemoryProbe("critical", 1, available=False)  # unavailable: ignored
+    gov = Governor(clock=clock, memory_probes=[a, RaisingProbe(), off, b],
+                   mlx_probe=FakeMlxProbe(active=10 * GiB, recommended=18 * GiB), logger=RecordingLogger())  # fmt: skip
+    raw = gov.observe()
+    assert raw["pressure"] == "warn"
+    assert raw["available_bytes"] == 8 * GiB  # MLX's working set is the tightest
+    gov.tick()  # and a raising probe does not take the tick down
+    assert gov.last_observation.pressure == "warn"
+
+
+def test_no_memory_probe_means_normal_and_unknown_headroom():
+    gov = Governor(clock=FakeClock(), logger=RecordingLogger())
+    raw = gov.observe()
+    assert raw["pressure"] == "normal" and raw["available_bytes"] is None
+
+
+def test_depth_follows_cost_as_load_rises_at_constant_acceptance():
+    """Acceptance fixed at 0.85; the council's load makes the wide verify dearer. Quiet:
+    speculation pays. Loaded: a depth-1 cycle costs more than its 1.85 tokens are worth."""
+    gov, clock, mem, load, _ = make()
+
+    def cost(k, ld):
+        return 0.05 * (1.0 + ld) * (1.0 + k * (0.15 + 1.0 * ld))
+
+    eng = SimEngine(gov, cost, acceptance=0.85, load_fn=lambda: load.cpu_load)
+    load.cpu_load = 0.1
+    eng.run(120.0, clock)
+    assert gov.depth >= 1
+    load.cpu_load = 1.2
+    eng.run(180.0, clock)
+    assert gov.depth == 0
+    tail = [a for t, a in eng.history if t > clock.t - 60 and isinstance(a, SetDepth)]
+    assert all(a.depth <= 1 for a in tail)  # at most the occasional probe
+    load.cpu_load = 0.1
+    eng.run(120.0, clock)
+    assert gov.depth >= 1
+    snap = gov.snapshot()
+    assert snap["cost_model"]["depths"][0]["source"] == "measured"
+    json.dumps(snap)  # the status reply carries it as is
+
+
+def test_override_decides_at_once_and_releases():
+    gov, clock, *_ = make()
+    assert gov.override("pin_depth", 3) == [SetDepth(3)]
+    assert gov.snapshot()["override"] == "pin_depth" and gov.snapshot()["pin_depth"] == 3
+    clock.advance(1.0)
+    acts = gov.override("evict_head")
+    assert acts == [SetDepth(0), EvictHead()]
+    gov.note_head(resident=False)
+    clock.advance(1.0)
+    gov.override("auto")
+    assert gov.state.override == "auto"
+
+
+def test_loading_head_is_not_loaded_twice():
+    cfg = GovernorConfig(restore_window_s=1.0, min_reload_gap_s=0.0)
+    gov, clock, *_ = make(cfg, head_resident=False)
+    gov.record_cycle(CycleTelemetry(depth=0, cycle_s=0.05))
+    acts = []
+    for _ in range(20):
+        acts += gov.tick()
+        clock.advance(0.25)
+    assert acts.count(LoadHead()) == 1
+    gov.note_head(loading=True)
+    for _ in range(20):
+        acts += gov.tick()
+        clock.advance(0.25)
+    gov.note_head(loading=False, resident=True)
+    for _ in range(20):
+        acts += gov.tick()
+        clock.advance(0.25)
+    assert acts.count(LoadHead()) == 1
+
+
+def test_trace_replays_to_the_same_decisions(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    clock, mem, load = FakeClock(0.0), FakeMemoryProbe(), FakeLoad()
+    gov = Governor(GovernorConfig(), clock=clock, memory_probes=[mem], load=load, head_resident=True,
+                   head_bytes=850 * MiB, trace=str(path), logger=RecordingLogger(), profile={"acceptance": [0.8]})  # fmt: skip
+    eng = SimEngine(gov, lambda k, ld: 0.05 * (1 + 0.3 * k * (1 + ld)), load_fn=lambda: load.cpu_load)
+    eng.run(40.0, clock)
+    mem.level = "critical"
+    eng.run(5.0, clock)
+    mem.level = "normal"
+    eng.run(10.0, clock)
+    eng.apply(gov.override("pin_depth", 2))  # head is out: the pin loads it
+    eng.run(10.0, clock)
+    eng.apply(gov.override("auto"))
+    load.cpu_load = 0.9
+    eng.run(60.0, clock)
+    gov.close()
+    live = [(round(t, 9), action_name(a)) for t, a in eng.history]
+    rows = replay(str(path))
+    replayed = [(round(r["t"], 9), a) for r in rows for a in r["actions"]]
+    assert replayed == live
+    assert ("LoadHead" in dict(map(reversed, live))) and ("EvictHead" in dict(map(reversed, live)))
+
+
+def test_trace_to_a_stream_has_config_obs_and_cycles():
+    buf = io.StringIO()
+    clock = FakeClock(5.0)
+    gov = Governor(clock=clock, trace=buf, logger=RecordingLogger())
+    gov.record_cycle(CycleTelemetry(depth=0, cycle_s=0.05))
+    gov.tick()
+    kinds = [json.loads(line)["kind"] for line in buf.getvalue().splitlines()]
+    assert kinds == ["config", "cycle", "obs"]
+    assert all(json.loads(line)["t"] == 5.0 for line in buf.getvalue().splitlines())
