@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
@@ -42,6 +43,8 @@ EXIT_FAILED = 1  # a service-manager command failed, or `status`: not installed
 EXIT_USAGE = 2  # bad flags (argparse's own status)
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: --now, but systemctl/launchctl is not on PATH
 EXIT_CONFIG = 78  # EX_CONFIG: --now, but the config file does not exist
+
+RETRY_DELAY_S = 1.0
 
 _SOURCE_ROOT = Path(__file__).resolve().parent.parent
 _RECORD_KEY = "councild-install-record:"
@@ -342,6 +345,9 @@ def _without_record(content: str) -> str:
 class Step:
     argv: list[str]
     may_fail: bool = False  # e.g. reset-failed on a unit that never failed
+    # launchctl bootstrap right after a bootout can fail ("5: Input/output error") while
+    # the old instance is still on its way out; retry a few times, a second apart.
+    retries: int = 0
 
     def __str__(self) -> str:
         return shlex.join(self.argv)
@@ -402,6 +408,11 @@ def _domain() -> str:
 def _run_steps(ctx: Context, tool_path: str, steps: Sequence[Step]) -> None:
     for step in steps:
         proc = ctx.run(step, tool_path)
+        for _ in range(step.retries):
+            if proc.returncode == 0:
+                break
+            time.sleep(RETRY_DELAY_S)
+            proc = ctx.run(step, tool_path)
         if proc.returncode != 0 and not step.may_fail:
             message = f"`{step}` failed with status {proc.returncode}"
             if "bus" in (proc.stderr or "").lower():
@@ -575,7 +586,7 @@ def cmd_install(args: argparse.Namespace, ctx: Context) -> int:
         if loaded and changed:
             steps = [
                 Step(["launchctl", "bootout", f"{_domain()}/{LABEL}"]),
-                Step(["launchctl", "bootstrap", _domain(), plist]),
+                Step(["launchctl", "bootstrap", _domain(), plist], retries=10),
             ]
         elif loaded:
             steps = [Step(["launchctl", "kickstart", f"{_domain()}/{LABEL}"])]
