@@ -166,7 +166,8 @@ class Notifier:
         try:
             with self._lock:
                 if self._sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+                    # Not inherited by children: Python sockets are non-inheritable (PEP 446).
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     # Never block the step loop: a full receive queue drops the message.
                     sock.setblocking(False)
                     self._sock = sock
