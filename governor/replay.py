@@ -7,7 +7,9 @@ The trace holds what the probes saw (one "obs" record per tick), every cycle's t
 overrides, and the config it ran with. Replaying it rebuilds the cost model from the
 cycles and calls the same pure ``decide``; with the trace's own config the timeline is
 exactly the live one, and with another config (``--config``) it answers "what would the
-governor have done with these thresholds".
+governor have done with these thresholds". The recorded head state is the live run's; when
+the decisions differ from it, the replay simulates the head instead (loads and evictions
+land at once), which it does by default whenever the config differs from the trace's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import msgspec
 from .config import GovernorConfig, load_config
 from .cost_model import CostModel
 from .policy import apply_override, decide
-from .types import CycleTelemetry, Observation, State, action_name
+from .types import CycleTelemetry, EvictHead, LoadHead, Observation, State, action_name
 
 
 def _lines(trace: str | Iterable[str]) -> Iterable[str]:
@@ -33,8 +35,16 @@ def _lines(trace: str | Iterable[str]) -> Iterable[str]:
         yield from trace
 
 
-def replay(trace: str | Iterable[str], cfg: GovernorConfig | None = None, *, all_ticks: bool = False) -> list[dict]:
+def replay(
+    trace: str | Iterable[str],
+    cfg: GovernorConfig | None = None,
+    *,
+    all_ticks: bool = False,
+    simulate_head: bool | None = None,
+) -> list[dict]:
     """Decision timeline rows: one per tick that acted (every tick with ``all_ticks``).
+
+    ``simulate_head``: None = simulate when ``cfg`` differs from the trace's own config.
 
     Row keys: t, pressure, available_mib, streams, cpu_load, depth, head, actions, reasons
     (the reason sentences joined), and decisions (the structured reasons).
@@ -42,6 +52,7 @@ def replay(trace: str | Iterable[str], cfg: GovernorConfig | None = None, *, all
     rows: list[dict] = []
     model: CostModel | None = None
     state: State | None = None
+    sim: bool | None = None  # the simulated head's residency, once known
     for n, line in enumerate(_lines(trace), 1):
         if not line.strip():
             continue
@@ -51,7 +62,10 @@ def replay(trace: str | Iterable[str], cfg: GovernorConfig | None = None, *, all
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"trace line {n}: {e}") from None
         if kind == "config":
-            cfg = cfg or msgspec.convert(rec["cfg"], GovernorConfig)
+            recorded = msgspec.convert(rec["cfg"], GovernorConfig)
+            if simulate_head is None:
+                simulate_head = cfg is not None and cfg != recorded
+            cfg = cfg or recorded
             state = State(depth=int(rec.get("initial_depth", cfg.initial_depth)))
             model = CostModel(cfg)
             continue
@@ -69,8 +83,14 @@ def replay(trace: str | Iterable[str], cfg: GovernorConfig | None = None, *, all
             state = apply_override(state, rec["action"], rec.get("depth"))
         elif kind == "obs":
             raw = rec["obs"]
+            if simulate_head:
+                sim = bool(raw.get("head_resident", False)) if sim is None else sim
+                raw = {**raw, "head_resident": sim, "head_loading": False}
             obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")))
             state, actions, reasons = decide(state, obs, t, cfg)
+            for a in actions:
+                if isinstance(a, (LoadHead, EvictHead)):
+                    sim = isinstance(a, LoadHead)
             if actions or all_ticks or any(r["decision"] != "hold" for r in reasons):
                 rows.append(
                     {
@@ -110,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical")
     ap.add_argument("--config", metavar="JSON", help="governor config table as JSON (default: the trace's own)")
     ap.add_argument("--all", action="store_true", help="one row per tick, not only ticks that acted")
+    ap.add_argument("--simulate-head", action="store_true", default=None,
+                    help="apply the replay's own loads/evictions (default: only with --config)")
     ap.add_argument("--save", metavar="PATH", help="with --synthetic: also write the generated trace here")
     args = ap.parse_args(argv)
     try:
@@ -130,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lines = args.trace
     try:
-        rows = replay(lines, cfg, all_ticks=args.all)
+        rows = replay(lines, cfg, all_ticks=args.all, simulate_head=args.simulate_head)
     except (OSError, ValueError) as e:
         print(f"cannot replay: {e}", file=sys.stderr)
         return 1
