@@ -1,0 +1,342 @@
+"""The fidelity gate: speculative decode against serial decode.
+
+Temperature 0, for each depth and mode over a fixed prompt set:
+- exact must be token-identical to serial on every prompt (else the gate fails, exit 1,
+  and the first divergence is printed);
+- fast is reported as flips per 1000 tokens (a flip: the first token where the
+  speculative sequence leaves the serial one; the comparison of that prompt stops there).
+
+Temperature > 0: a statistical test that speculation samples from the base model's own
+distribution. At a fixed context, many independent single-cycle draws (a fresh request per
+draw, its own seed) give the first committed token; a chi-square goodness-of-fit test
+compares their histogram with p, the base model's next-token distribution under the same
+sampler transforms, computed by a serial (M=1) step. Bins: every token with expected count
+>= 5, the rest pooled. p-value by the Wilson-Hilferty normal approximation of the
+chi-square tail (scipy is not a dependency); fails when p < alpha (default 0.001).
+
+CLI: ``councild gate fidelity [--model PATH] [--depths 1,2,3,4] [--tokens N] [--json OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .model import LoadedModel
+from .sampling import Sampler
+from .serial import serial_decode
+from .speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, speculative_decode
+from .types import SamplingParams
+
+PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
+
+
+def load_prompts(path: str | Path | None = None) -> list[str]:
+    data = json.loads(Path(path or PROMPTS_FILE).read_text())
+    return list(data["prompts"] if isinstance(data, dict) else data)
+
+
+@dataclass
+class ArmResult:
+    mode: str
+    depth: int
+    prompts: int = 0
+    identical: int = 0
+    tokens_compared: int = 0
+    flips: int = 0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    guarded: int = 0
+    first_divergence: dict | None = None
+    seconds: float = 0.0
+
+    @property
+    def flips_per_1000(self) -> float:
+        return 1000.0 * self.flips / max(1, self.tokens_compared)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+
+@dataclass
+class DistributionResult:
+    depth: int
+    draws: int
+    bins: int
+    chi2: float
+    df: int
+    p_value: float
+    alpha: float
+    passed: bool
+    accepted_fraction: float
+    observed: dict = field(default_factory=dict)
+    expected: dict = field(default_factory=dict)
+
+
+@dataclass
+class FidelityReport:
+    model: str
+    rollback: str
+    guard_margin: float
+    max_tokens: int
+    arms: list[ArmResult] = field(default_factory=list)
+    distribution: list[DistributionResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        exact_ok = all(a.identical == a.prompts for a in self.arms if a.mode == "exact")
+        return exact_ok and all(d.passed for d in self.distribution)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        for arm, d in zip(self.arms, out["arms"]):
+            d["flips_per_1000"] = arm.flips_per_1000
+            d["acceptance"] = arm.acceptance
+        out["passed"] = self.passed
+        return out
+
+
+def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
+    gen = serial_decode(lm, prompt, Sampler(SamplingParams()))
+    return [t for s in itertools.islice(gen, n) for t in s.tokens]
+
+
+def run_fidelity_gate(
+    lm: LoadedModel,
+    head,
+    prompts: list[str] | list[list[int]],
+    depths=(1, 2, 3, 4),
+    max_tokens: int = 48,
+    modes=("exact", "fast"),
+    rollback: str = DEFAULT_ROLLBACK,
+    guard_margin: float = DEFAULT_GUARD,
+    logit_jitter: float = 0.0,
+) -> FidelityReport:
+    """Serial vs speculative at temperature 0, for each depth and mode."""
+    report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
+    encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
+    refs = [_serial_tokens(lm, p, max_tokens) for p in encoded]
+    for mode in modes:
+        for depth in depths:
+            arm = ArmResult(mode=mode, depth=depth)
+            t0 = time.perf_counter()
+            for pi, (prompt, ref) in enumerate(zip(encoded, refs)):
+                got: list[int] = []
+                gen = speculative_decode(
+                    lm, head, prompt, Sampler(SamplingParams()), depth, exact=(mode == "exact"),
+                    guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter,
+                )
+                for step in gen:
+                    got += step.tokens
+                    arm.cycles += 1
+                    arm.drafted += step.drafted
+                    arm.accepted += step.accepted
+                    arm.guarded += step.guarded
+                    if len(got) >= max_tokens:
+                        break
+                gen.close()
+                got = got[:max_tokens]
+                arm.prompts += 1
+                diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+                if diverge is None:
+                    arm.identical += 1
+                    arm.tokens_compared += max_tokens
+                else:
+                    arm.flips += 1
+                    arm.tokens_compared += diverge + 1
+                    if arm.first_divergence is None:
+                        arm.first_divergence = {
+                            "prompt": pi,
+                            "token": diverge,
+                            "serial": ref[diverge],
+                            "speculative": got[diverge],
+                            "context": ref[max(0, diverge - 8) : diverge],
+                        }
+            arm.seconds = time.perf_counter() - t0
+            report.arms.append(arm)
+    return report
+
+
+# -- temperature > 0 ---------------------------------------------------------------------------
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """Upper tail of the chi-square distribution, Wilson-Hilferty approximation."""
+    if df <= 0:
+        return 1.0
+    if x <= 0:
+        return 1.0
+    c = 2.0 / (9.0 * df)
+    z = ((x / df) ** (1.0 / 3.0) - (1.0 - c)) / math.sqrt(c)
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams) -> list[float]:
+    """p at the end of ``prompt``: serial step numerics, the request's sampler transforms."""
+    gen_sampler = Sampler(params)
+    cache = lm.make_cache()
+    from .serial import prefill
+
+    last = prefill(lm, prompt, cache)
+    logits = lm.logits(lm.hidden(last[None], cache))[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = mx.exp(gen_sampler.log_distribution(logprobs).astype(mx.float32))[0]
+    return p.tolist()
+
+
+def chi_square_bins(counts: dict[int, int], p: list[float], draws: int, min_expected: float = 5.0):
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    bins = [i for i in order if p[i] * draws >= min_expected]
+    rest_p = 1.0 - sum(p[i] for i in bins)
+    rest_obs = draws - sum(counts.get(i, 0) for i in bins)
+    obs = [counts.get(i, 0) for i in bins]
+    exp = [p[i] * draws for i in bins]
+    if rest_p * draws >= min_expected:
+        obs.append(rest_obs)
+        exp.append(rest_p * draws)
+    elif bins:  # too little mass for its own bin: pool it into the smallest
+        obs[-1] += rest_obs
+        exp[-1] += rest_p * draws
+    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
+    return bins, obs, exp, chi2, len(obs) - 1
+
+
+def distribution_test(
+    lm: LoadedModel,
+    head,
+    prompt: list[int],
+    params: SamplingParams,
+    depth: int,
+    draws: int = 2000,
+    alpha: float = 1e-3,
+    seed: int = 0,
+    rollback: str = DEFAULT_ROLLBACK,
+) -> DistributionResult:
+    """First committed token of one speculative cycle, ``draws`` times, vs p (chi-square)."""
+    p = base_distribution(lm, prompt, params)
+    counts: dict[int, int] = {}
+    accepted = 0
+    for i in range(draws):
+        sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed * 1_000_003 + i))
+        gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback)
+        step = next(gen)
+        gen.close()
+        counts[step.tokens[0]] = counts.get(step.tokens[0], 0) + 1
+        accepted += step.accepted > 0
+    bins, obs, exp, chi2, df = chi_square_bins(counts, p, draws)
+    pv = chi2_sf(chi2, df)
+    labels = [str(b) for b in bins] + (["rest"] if len(obs) > len(bins) else [])
+    return DistributionResult(
+        depth=depth, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
+        passed=pv >= alpha, accepted_fraction=accepted / draws,
+        observed=dict(zip(labels, obs)), expected={k: round(v, 2) for k, v in zip(labels, exp)},
+    )
+
+
+# -- CLI --------------------------------------------------------------------------------------------
+
+
+def format_report(report: FidelityReport) -> str:
+    lines = [
+        f"fidelity gate: {report.model}  (rollback={report.rollback}, guard={report.guard_margin:g}, "
+        f"{report.max_tokens} tokens/prompt)",
+        "",
+        "| mode | depth | identical | tokens | flips/1000 | acceptance | guarded | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for a in report.arms:
+        lines.append(
+            f"| {a.mode} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | {a.flips_per_1000:.2f} | "
+            f"{a.acceptance:.3f} | {a.guarded} | {a.seconds:.1f} |"
+        )
+    for a in report.arms:
+        if a.first_divergence and a.mode == "exact":
+            d = a.first_divergence
+            lines.append(
+                f"FAIL exact depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
+                f"!= speculative {d['speculative']} (after {d['context']})"
+            )
+    if report.distribution:
+        lines += ["", "| temperature>0 depth | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for d in report.distribution:
+            lines.append(
+                f"| {d.depth} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
+                f"{d.accepted_fraction:.3f} | {'pass' if d.passed else 'FAIL'} |"
+            )
+    lines.append("")
+    lines.append("PASS" if report.passed else "FAIL")
+    return "\n".join(lines)
+
+
+def default_model_path() -> Path:
+    from daemon.paths import BUNDLED_MODEL
+
+    if (BUNDLED_MODEL / "config.json").exists():
+        return BUNDLED_MODEL
+    from .random_model import cached_random_model
+
+    return cached_random_model()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="councild gate fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model folder (default: the bundled model, else the random one)")
+    ap.add_argument("--depths", default="1,2,3,4")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
+    ap.add_argument("--modes", default="exact,fast")
+    ap.add_argument("--prompts", help=f"prompt file (default {PROMPTS_FILE.name})")
+    ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("capture", "snapshot"))
+    ap.add_argument("--guard", type=float, default=DEFAULT_GUARD, help="exact-mode guard (relative top-2 margin)")
+    ap.add_argument("--draws", type=int, default=1000, help="temperature>0 draws per depth (0: skip)")
+    ap.add_argument("--sample-depths", default="1,2")
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=20)
+    ap.add_argument("--alpha", type=float, default=1e-3)
+    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--logit-jitter", type=float, default=0.0,
+                    help="fault injection: noise on the verify's logprobs, to prove the gate can fail")
+    args = ap.parse_args(argv)
+
+    from .model import load_model
+    from .mtp_head import NoMTPHead, load_mtp_head
+
+    path = Path(args.model) if args.model else default_model_path()
+    lm = load_model(path)
+    try:
+        head = load_mtp_head(lm)
+    except NoMTPHead as exc:
+        print(f"councild gate fidelity: {exc}", file=sys.stderr)
+        return 1
+    prompts = load_prompts(args.prompts)
+    report = run_fidelity_gate(
+        lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
+        modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=args.guard,
+        logit_jitter=args.logit_jitter,
+    )
+    if args.draws > 0:
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k)
+        ctx = lm.encode_prompt(prompts[0], None, None)
+        for d in (int(x) for x in args.sample_depths.split(",")):
+            report.distribution.append(
+                distribution_test(lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback)
+            )
+    print(format_report(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The fidelity gate: exact is token-identical to serial; sampling keeps the base distribution."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from daemon.engine.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
+from daemon.engine.model import load_model
+from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
+from daemon.engine.types import SamplingParams
+from daemon.paths import BUNDLED_MODEL
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    return load_model(random_model_path)
+
+
+@pytest.fixture(scope="module")
+def copy_head(lm, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("copyhead-fid")
+    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
+    return load_mtp_head(lm, folder=folder)
+
+
+def test_chi2_tail_approximation():
+    # Critical values from the chi-square table.
+    assert chi2_sf(24.322, 7) == pytest.approx(0.001, rel=0.1)
+    assert chi2_sf(11.070, 5) == pytest.approx(0.05, rel=0.05)
+    assert chi2_sf(30.144, 19) == pytest.approx(0.05, rel=0.05)
+
+
+def test_gate_passes_on_the_random_model(lm):
+    head = load_mtp_head(lm)
+    report = run_fidelity_gate(lm, head, load_prompts()[:4], depths=(1, 2, 3, 4), max_tokens=24)
+    assert report.passed, [a.first_divergence for a in report.arms]
+    assert {(a.mode, a.depth) for a in report.arms} == {(m, d) for m in ("exact", "fast") for d in (1, 2, 3, 4)}
+    assert all(a.identical == a.prompts == 4 for a in report.arms if a.mode == "exact")
+
+
+def test_gate_passes_with_an_accepting_head(lm, copy_head):
+    report = run_fidelity_gate(lm, copy_head, load_prompts()[:4], depths=(1, 2, 3, 4), max_tokens=32, modes=("exact",))
+    assert report.passed
+    assert sum(a.accepted for a in report.arms) > 0
+
+
+def test_gate_fails_and_names_the_divergence(lm, copy_head):
+    # Fault injection: noisy verify logits and no guard must be caught.
+    report = run_fidelity_gate(
+        lm, copy_head, load_prompts()[:4], depths=(2,), max_tokens=32, modes=("exact",), guard_margin=0.0, logit_jitter=0.5
+    )
+    assert not report.passed
+    d = report.arms[0].first_divergence
+    assert d is not None and d["serial"] != d["speculative"]
+
+
+def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
+    out = tmp_path / "fid.json"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": load_prompts()[:2]}))
+    common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0"]
+    rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["passed"] is True and len(data["arms"]) == 4
+    assert "| exact | 3 |" in capsys.readouterr().out
+    rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5"])
+    assert rc == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_sampling_keeps_the_base_distribution(lm, copy_head, depth):
+    ctx = lm.tokenizer.encode("a b c d")
+    res = distribution_test(lm, copy_head, ctx, SamplingParams(temperature=1.0, top_k=8), depth, draws=250, alpha=1e-3, seed=1)
+    assert res.passed, res
+    assert 0.05 < res.accepted_fraction < 0.95  # both the accept and the residual branch ran
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="bundled model not trained yet")
+def test_gate_passes_on_the_bundled_model():
+    blm = load_model(BUNDLED_MODEL)
+    head = load_mtp_head(blm)
+    report = run_fidelity_gate(blm, head, load_prompts()[:3], depths=(1, 2, 3, 4), max_tokens=24, modes=("exact",))
+    assert report.passed, [a.first_divergence for a in report.arms]
