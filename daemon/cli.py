@@ -7,6 +7,7 @@ import no mlx, so they start fast and work from any council process's environmen
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 from pathlib import Path
@@ -134,6 +135,8 @@ def cmd_serve(args) -> int:
         print(f"councild: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
+    # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
+    faulthandler.enable()
     log = get_logger("councild")
     endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
     try:

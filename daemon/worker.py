@@ -142,6 +142,10 @@ class EngineWorker(threading.Thread):
             elif self._stopping:
                 return
             self._publish()
+            if self.hooks is not None:
+                # Liveness is this loop going round (it wakes every 0.1 s when idle), not a
+                # timer: a decode that hangs stops the watchdog pings.
+                self.hooks.on_step()
 
     # ------------------------------------------------------------------ commands
     def _drain_commands(self, block: bool) -> bool:
@@ -297,8 +301,6 @@ class EngineWorker(threading.Thread):
             self.snapshot.tokens_total += n
             self.snapshot.steps_total += 1
             self.snapshot.last_step_at = now
-        if self.hooks is not None:
-            self.hooks.on_step()
 
     def _publish(self) -> None:
         now = time.monotonic()

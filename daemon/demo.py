@@ -1,0 +1,143 @@
+"""`make demo`: the daemon on the bundled model, serving a council of three processes.
+
+It starts `councild serve` as a real child process on a private runtime directory, waits
+until the daemon answers, runs three member processes (each its own seat, streaming at the
+same time), prints what each said with its timings, prints the daemon's status, and stops
+the daemon with SIGTERM the way a service manager would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MEMBERS = [
+    ("planner", "interactive", "def fibonacci(n):\n"),
+    ("coder", "normal", "class Stack:\n    def __init__(self):\n"),
+    ("critic", "background", "import os\n\n\ndef list_files(path):\n"),
+]
+
+
+def member(endpoint: str, seat: str, priority: str, prompt: str, max_tokens: int) -> int:
+    """One council process: stream a completion, report chunk arrival times as JSON lines."""
+    from protocol.client import Client
+
+    t0 = time.monotonic()
+    with Client(endpoint, seat=seat, timeout_s=60.0) as client:
+        stream = client.generate(prompt, max_tokens=max_tokens, priority=priority)
+        for chunk in stream:
+            print(json.dumps({"seat": seat, "t": round(time.monotonic() - t0, 3), "chunk": chunk}), flush=True)
+        done = stream.done
+    print(json.dumps({"seat": seat, "t": round(time.monotonic() - t0, 3), "done": {
+        "finish_reason": done.finish_reason, "tokens": done.usage.completion_tokens,
+        "tokens_per_s": round(done.timings.tokens_per_s, 1), "ttft_s": round(done.timings.ttft_s, 3),
+        "speculation": None if done.speculation is None else {
+            "mode": done.speculation.mode, "drafted": done.speculation.drafted,
+            "accepted": done.speculation.accepted}}}), flush=True)
+    return 0
+
+
+def wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    from protocol.client import Client, DaemonUnavailable
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"demo: the daemon exited with code {proc.returncode} before it was ready")
+        try:
+            with Client(endpoint, seat="demo", timeout_s=1.0) as c:
+                c.ping()
+                return
+        except DaemonUnavailable:
+            time.sleep(0.3)
+    raise SystemExit(f"demo: the daemon did not answer on {endpoint} within {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m daemon.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model folder (default: the bundled model)")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--member", nargs=4, metavar=("ENDPOINT", "SEAT", "PRIORITY", "PROMPT"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.member:
+        return member(*args.member, max_tokens=args.max_tokens)
+
+    runtime = Path(tempfile.mkdtemp(prefix="councild-demo-"))
+    os.chmod(runtime, 0o700)
+    endpoint = f"ipc://{runtime / 'councild.sock'}"
+    env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--endpoint", endpoint, "--log-format", "json"]
+    if args.model:
+        cmd += ["--model", args.model]
+    log_path = runtime / "daemon.log"
+    print(f"demo: starting the daemon ({' '.join(cmd[2:])}); its JSON log goes to {log_path}")
+    with open(log_path, "w") as log_file:
+        daemon_proc = subprocess.Popen(cmd, env=env, stderr=log_file, stdout=log_file)
+        try:
+            wait_ready(endpoint, daemon_proc)
+            print(f"demo: daemon ready on {endpoint}; three council members stream at once\n")
+            rc = run_council(endpoint, args.max_tokens, env)
+            show_status(endpoint)
+        finally:
+            daemon_proc.send_signal(signal.SIGTERM)
+            try:
+                code = daemon_proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon_proc.kill()
+                code = daemon_proc.wait()
+    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines() if line.startswith("{")]
+    print(f"\ndemo: daemon stopped with exit code {code}; log events: "
+          + ", ".join(f"{e} x{events.count(e)}" for e in dict.fromkeys(events)))
+    return rc or (0 if code == 0 else 1)
+
+
+def run_council(endpoint: str, max_tokens: int, env: dict) -> int:
+    procs = {
+        seat: subprocess.Popen(
+            [sys.executable, "-m", "daemon.demo", "--max-tokens", str(max_tokens), "--member", endpoint, seat, prio, prompt],
+            env=env, stdout=subprocess.PIPE, text=True)
+        for seat, prio, prompt in MEMBERS
+    }
+    results = {}
+    for seat, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        results[seat] = (proc.returncode, events)
+    failed = 0
+    for seat, prio, prompt in MEMBERS:
+        code, events = results[seat]
+        chunks = [e for e in events if "chunk" in e]
+        done = next((e["done"] for e in events if "done" in e), None)
+        print(f"--- {seat} ({prio}) ---")
+        print(prompt + "".join(e["chunk"] for e in chunks))
+        if done is None or code != 0:
+            print(f"[{seat} failed with exit code {code}]")
+            failed += 1
+            continue
+        first = chunks[0]["t"] if chunks else float("nan")
+        last = chunks[-1]["t"] if chunks else float("nan")
+        print(f"[{done['finish_reason']}: {done['tokens']} tokens in {len(chunks)} chunks, streamed from "
+              f"{first:.2f} s to {last:.2f} s, {done['tokens_per_s']} tok/s, ttft {done['ttft_s'] * 1000:.0f} ms"
+              + (f", speculation {done['speculation']}" if done["speculation"] else "") + "]\n")
+    return 1 if failed else 0
+
+
+def show_status(endpoint: str) -> None:
+    from daemon.cli import format_status
+    from protocol.client import Client
+
+    with Client(endpoint, seat="demo", timeout_s=5.0) as client:
+        print("--- councild status ---")
+        print(format_status(client.status()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
