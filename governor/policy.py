@@ -156,7 +156,18 @@ def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out
     if s.head_target is None:  # first tick: adopt what the daemon has
         s = replace(s, head_target=obs.head_resident or obs.head_loading)
     if s.head_target and not obs.head_available:
+        out.emit(None, "head_unavailable", "the model has no MTP head: serial only", **inputs)
         return replace(s, head_target=False)
+    if (
+        not s.head_target
+        and obs.head_resident
+        and obs.head_available
+        and (s.last_evict_at is None or now - s.last_evict_at >= cfg.load_timeout_s)
+    ):
+        # Resident though we did not ask for it (loaded by the daemon itself, or an evict
+        # that never landed): take it as ours; the rules below evict it again if they must.
+        out.emit(None, "head_adopted", "head resident without a pending eviction: adopted", **inputs)
+        s = replace(s, head_target=True)
     if (
         s.head_target
         and not obs.head_resident

@@ -239,6 +239,22 @@ def test_head_gone_means_depth_zero_and_no_model_head_means_no_load():
     assert not h2.times(LoadHead)
 
 
+def test_unrequested_resident_head_is_adopted_after_the_evict_window():
+    cfg = GovernorConfig(load_timeout_s=30.0)
+    h = Harness(cfg=cfg, state=State(depth=0, head_target=False, last_evict_at=0.0), head_resident=True)
+    h.run(29.0)
+    assert h.state.head_target is False and h.state.depth == 0  # the evict may still land
+    adopted = []
+    for _ in range(12):
+        adopted += [r for r in h.tick()[1] if r["decision"] == "head_adopted"]
+    assert len(adopted) == 1 and h.state.head_target is True
+    h.run(5.0)
+    assert h.state.depth >= 1  # and used
+    # Under critical pressure the adopted head goes straight back out.
+    acts, _ = h.tick(pressure="critical")
+    assert EvictHead() in acts
+
+
 # ---------------------------------------------------------------- depth
 
 
