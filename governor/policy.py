@@ -206,10 +206,8 @@ def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out
         return s
     if _reload_blocker(s, obs, now, cfg) is None:
         _, why = _predicted_gain(obs, cfg)
-        return _load(
-            s, out, now, "load_head",
-            f"normal for {now - (now if s.normal_since is None else s.normal_since):.0f}s, headroom covers the head, {why}", **inputs,
-        )  # fmt: skip
+        calm = now - s.normal_since if s.normal_since is not None else 0.0
+        return _load(s, out, now, "load_head", f"normal for {calm:.0f}s, headroom covers the head, {why}", **inputs)
     return s
 
 
