@@ -123,10 +123,38 @@ class EngineWorker(threading.Thread):
         self.lm = load_model(self.model_path)
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  seconds=round(time.perf_counter() - t0, 3))
+        self.depth = self.cfg.speculation.depth
+        if self.cfg.speculation.load_head and self.cfg.speculation.mode != "off":
+            self._load_head()
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.ready = True
+
+    def _load_head(self) -> None:
+        import mlx.core as mx
+
+        from .engine.mtp_head import NoMTPHead, load_mtp_head
+
+        before = mx.get_active_memory()
+        t0 = time.perf_counter()
+        try:
+            self.head = load_mtp_head(self.lm)
+        except NoMTPHead as exc:
+            self.head = None
+            log.warning("head.absent", reason=str(exc), message="serving serially")
+            with self.snapshot_lock:
+                self.snapshot.head_error = str(exc)
+            return
+        log.info("head.loaded", bytes=self.head.nbytes, active_memory_delta=mx.get_active_memory() - before,
+                 ms=round((time.perf_counter() - t0) * 1000, 1), source=self.head.source)
+        with self.snapshot_lock:
+            self.snapshot.head_resident = True
+            self.snapshot.head_bytes = self.head.nbytes
+
+    def current_depth(self) -> int:
+        """Read by speculative generators at the start of every cycle."""
+        return self.depth if self.head is not None else 0
 
     def _loop(self) -> None:
         while True:
@@ -237,7 +265,16 @@ class EngineWorker(threading.Thread):
 
         p = job.msg
         sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
-        job.start(serial_decode(self.lm, job.prompt, sampler), self.lm.tokenizer.detokenizer, "off")
+        mode = p.speculation or self.cfg.speculation.mode
+        if mode != "off" and self.head is not None:
+            from .engine.speculative import speculative_decode
+
+            gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
+                                     exact=mode == "exact")
+        else:
+            mode = "off"
+            gen = serial_decode(self.lm, job.prompt, sampler)
+        job.start(gen, self.lm.tokenizer.detokenizer, mode)
 
     def _advance(self, job: Job) -> None:
         try:
@@ -318,6 +355,7 @@ class EngineWorker(threading.Thread):
             seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})["tokens"] = n
         with self.snapshot_lock:
             self.snapshot.active = active
+            self.snapshot.depth = self.current_depth()
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
             self.snapshot.recent_tokens_per_s = sum(window) / span if span > 0.5 else 0.0
             self.snapshot.seats = seats
