@@ -1,7 +1,7 @@
 """MLX memory, through callables the daemon injects (the governor never imports mlx).
 
 The daemon passes e.g. ``mx.get_active_memory``, ``mx.get_cache_memory``,
-``mx.get_peak_memory`` and ``lambda: mx.device_info()["max_recommended_working_set_size"]``.
+``mx.get_peak_memory`` and ``lambda: mx.device_info().get("max_recommended_working_set_size")``.
 Each callable may be missing or may raise (CPU backends lack some); that field is then
 None, and the reading is unavailable only when every field is.
 """

@@ -106,3 +106,13 @@ def test_default_memory_probes_per_platform():
     assert isinstance(default_memory_probes(cfg, "linux")[0], LinuxMemoryProbe)
     assert isinstance(default_memory_probes(cfg, "darwin")[0], MacMemoryProbe)
     assert default_memory_probes(cfg, "win32") == []
+
+
+def test_mlx_probe_with_real_mlx_callables():
+    """The daemon's wiring, on whatever backend is installed (CPU here: no working-set size)."""
+    mx = pytest.importorskip("mlx.core")
+    a = mx.ones((256, 256))
+    mx.eval(a)
+    r = MlxMemoryProbe(mx.get_active_memory, mx.get_cache_memory, mx.get_peak_memory,
+                       lambda: mx.device_info().get("max_recommended_working_set_size")).read()  # fmt: skip
+    assert r.available and r.active_bytes is not None and r.active_bytes >= 0
