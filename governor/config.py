@@ -130,6 +130,31 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     arrival_tau_s: float = 30.0
 
 
+    def __post_init__(self) -> None:
+        # Raised here, msgspec.convert reports it as a ValidationError naming the config.
+        checks = [
+            (self.tick_s > 0, "tick_s must be > 0"),
+            (1 <= self.max_depth <= 16, "max_depth must be in 1..16"),
+            (0 <= self.initial_depth <= self.max_depth, "initial_depth must be in 0..max_depth"),
+            (self.depth_margin >= 0, "depth_margin must be >= 0"),
+            (self.batch_streams >= 1, "batch_streams must be >= 1"),
+            (0 < self.probe_s < self.probe_interval_s, "need 0 < probe_s < probe_interval_s"),
+            (0 < self.cost_alpha <= 1 and 0 < self.accept_alpha <= 1, "EWMA alphas must be in (0, 1]"),
+            (self.trust_samples >= 1, "trust_samples must be >= 1"),
+            (0 <= self.prior_acceptance <= 1, "prior_acceptance must be in [0, 1]"),
+            (self.head_margin_bytes >= 0, "head_margin_bytes must be >= 0"),
+            (self.arrival_tau_s > 0, "arrival_tau_s must be > 0"),
+        ]
+        windows = ("depth_dwell_s", "warn_evict_s", "warn_clear_s", "idle_evict_s", "restore_window_s",
+                   "min_reload_gap_s", "load_timeout_s", "shed_retry_after_s", "shed_release_s",
+                   "clear_cache_interval_s", "stale_after_s", "stale_load_delta", "forget_after_s",
+                   "prior_cost_per_depth")  # fmt: skip
+        checks += [(getattr(self, w) >= 0, f"{w} must be >= 0") for w in windows]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
 def load_config(table: dict[str, Any] | None) -> GovernorConfig:
     """The daemon's ``[governor]`` table -> GovernorConfig; raises msgspec.ValidationError."""
     return msgspec.convert(table or {}, GovernorConfig)

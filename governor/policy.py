@@ -278,7 +278,8 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         back, probed = s.probe_return if s.probe_return is not None else cur, s.probe_depth
         s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
         sp, sb = score(probed), score(back)
-        if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin):
+        deeper_under_warn = probed > back and obs.pressure != NORMAL
+        if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
             out.emit(None, "probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))
             return s
         return _set_depth(

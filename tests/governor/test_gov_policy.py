@@ -386,3 +386,16 @@ def test_apply_override_rejects_nonsense():
         apply_override(State(), "pin_depth", None)
     with pytest.raises(ValueError):
         apply_override(State(), "explode")
+
+
+def test_config_from_the_daemon_table_is_validated():
+    import msgspec
+
+    from governor.config import load_config
+
+    cfg = load_config({"warn_evict_s": 10, "linux": {"memavail_warn_bytes": 123}})
+    assert cfg.warn_evict_s == 10 and cfg.linux.memavail_warn_bytes == 123
+    assert load_config(None) == GovernorConfig()
+    for bad in ({"tick_s": 0}, {"initial_depth": 9}, {"probe_s": 60}, {"no_such": 1}, {"cost_alpha": 2}):
+        with pytest.raises(msgspec.ValidationError):
+            load_config(bad)
