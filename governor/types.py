@@ -51,6 +51,19 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
     accepted_by_position: tuple[bool, ...] | None = None
     batch: int = 1
 
+    @classmethod
+    def from_step(cls, step, batch: int = 1) -> "CycleTelemetry":
+        """From the engine's DecodeStep (duck-typed: depth, drafted, accepted, tokens,
+        cycle_s), so the governor needs no import of the daemon."""
+        return cls(
+            depth=int(getattr(step, "depth", 0)),
+            cycle_s=float(step.cycle_s),
+            drafted=int(getattr(step, "drafted", 0)),
+            accepted=int(getattr(step, "accepted", 0)),
+            emitted=len(getattr(step, "tokens", ())) or 1,
+            batch=batch,
+        )
+
     def accepted_prefix(self) -> int:
         if self.accepted_by_position is None:
             return max(0, min(self.accepted, self.drafted))

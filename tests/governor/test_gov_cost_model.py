@@ -138,3 +138,14 @@ def test_batched_cycles_do_not_teach_cost():
 def test_nothing_known_means_no_score():
     e = CostModel(CFG).estimate(2, now=0.0)
     assert e.score is None and e.cost_s is None and e.source == "none"
+
+
+def test_telemetry_from_an_engine_step():
+    from types import SimpleNamespace
+
+    step = SimpleNamespace(tokens=[5, 6, 7], depth=3, drafted=3, accepted=2, accepted_mask=[True, True, False],
+                           guarded=0, cycle_s=0.07)  # fmt: skip
+    t = C.from_step(step)
+    assert (t.depth, t.drafted, t.accepted, t.emitted, t.cycle_s, t.batch) == (3, 3, 2, 3, 0.07, 1)
+    serial = C.from_step(SimpleNamespace(tokens=[1], cycle_s=0.02))
+    assert serial.depth == 0 and serial.emitted == 1
