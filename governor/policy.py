@@ -303,6 +303,8 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
             # A stale or prior estimate is a reason to look, not to move: probe, and stay
             # only if the measurement confirms it.
             return _probe(s, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it")
+        if (score(step) or 0.0) <= cs:
+            return _maybe_probe(s, obs, now, cfg, out)  # a measured valley lies between: no blind step
         return _set_depth(s, out, now, step, "depth", f"{why}: one step to {step}", scores=_rounded(obs))
     return _maybe_probe(s, obs, now, cfg, out)
 
