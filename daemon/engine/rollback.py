@@ -193,12 +193,13 @@ class SnapshotRollback:
 
     def commit(self, keep: int) -> None:
         """Leave exactly the first ``keep`` verify tokens in the cache."""
-        T = self.tokens.shape[1]
-        if keep == T:
+        tokens, snap = self.tokens, self.snap
+        self.tokens = self.snap = None  # hold no stale state past the commit
+        if keep == tokens.shape[1]:
             return
-        self.snap.restore()
+        snap.restore()
         if keep > 0:
-            self.lm.hidden(self.tokens[:, :keep], self.cache)
+            self.lm.hidden(tokens[:, :keep], self.cache)
             self.refed += keep
 
 
@@ -220,20 +221,18 @@ class CaptureRollback:
         return capture_hidden(self.lm, tokens, self.cache, self.rec)
 
     def commit(self, keep: int) -> None:
-        T = self.T
-        if keep == T:
-            self.rec = []
+        rec, snap = self.rec, self.snap
+        self.rec, self.snap = [], None  # hold no per-token states past the commit
+        if keep == self.T:
             return
         if keep == 0:
-            self.snap.restore()
-            self.rec = []
+            snap.restore()
             return
-        for c, off in self.snap.offsets:
+        for c, off in snap.offsets:
             c.trim(c.offset - (off + keep))
-        for cap in self.rec:
+        for cap in rec:
             cap.cache[0] = mx.contiguous(cap.conv_input[:, keep : keep + cap.n_keep, :])
             cap.cache[1] = cap.states[keep - 1]
-        self.rec = []
 
 
 def make_rollback(strategy: str, lm: LoadedModel, cache: list):

@@ -267,7 +267,7 @@ def speculative_decode(
         hist.trim(hist.offset - committed_slots)
         hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
         primary = nxt
-        mx.eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state())
+        mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state())
         yield DecodeStep(
             tokens=committed,
             depth=k,
