@@ -121,16 +121,17 @@ class CostModel:
             return self._profile_cost[0] * self._ratio(k), "prior"
         return None, "none"
 
-    def acceptance(self, i: int, now: float = 0.0) -> float:
+    def acceptance(self, i: int) -> float:
+        """a_i, shrunk towards its prior until trusted (acceptance does not go stale)."""
         e = self._accept[i]
         prior = self._profile_accept[i - 1] if i - 1 < len(self._profile_accept) else self.cfg.prior_acceptance
         v, _ = self._blend(e, e.n > 0, prior)
         return float(v)
 
-    def expected_tokens(self, k: int, now: float = 0.0) -> float:
+    def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
         for i in range(1, k + 1):
-            run *= self.acceptance(i, now)
+            run *= self.acceptance(i)
             total += run
         return total
 
@@ -148,7 +149,7 @@ class CostModel:
 
     def estimate(self, k: int, now: float, load: float | None = None) -> DepthEstimate:
         c, src = self.cost(k, now, load)
-        et = self.expected_tokens(k, now)
+        et = self.expected_tokens(k)
         return DepthEstimate(
             depth=k,
             expected_tokens=et,
@@ -159,6 +160,10 @@ class CostModel:
             stale=self.stale(k, now, load),
             load_at=self._cost[k].load_at if src in ("measured", "blend") else None,
         )
+
+    def score(self, k: int, now: float, load: float | None = None) -> float | None:
+        """E(k) / cost(k): tokens per second at depth k; None while nothing is known."""
+        return self.estimate(k, now, load).score
 
     def estimates(self, now: float, load: float | None = None) -> tuple[DepthEstimate, ...]:
         return tuple(self.estimate(k, now, load) for k in range(self.cfg.max_depth + 1))
@@ -178,7 +183,7 @@ class CostModel:
                 }
                 for e in self.estimates(now, load)
             ],
-            "acceptance": [round(self.acceptance(i, now), 4) for i in range(1, self.cfg.max_depth + 1)],
+            "acceptance": [round(self.acceptance(i), 4) for i in range(1, self.cfg.max_depth + 1)],
             "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
             "batched_cycles": self.batched_cycles,
         }

@@ -95,6 +95,7 @@ def test_score_is_tokens_per_second():
     # 1.5 tokens per 0.2 s cycle: 7.5 tok/s, worse than serial.
     assert e1.score == pytest.approx(m.expected_tokens(1) / 0.2)
     assert e1.score < e0.score
+    assert m.score(1, 20.0) == e1.score
 
 
 def test_staleness_by_age_and_by_load():
