@@ -72,7 +72,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
+    # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
+    governor_enabled: bool = True
+    # Record the governor's observations and decisions as JSON lines (replayable).
+    governor_trace: str | None = None
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)
@@ -117,9 +121,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         if var in env and env[var] != "":
             env_data[key] = env[var]
     data = _merge(_merge(data, env_data), overrides or {})
+    where = f" in {path}" if path else ""
     try:
         # strict=False lets "4096" from the environment become an int.
-        return msgspec.convert(data, Config, strict=False)
+        cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
-        where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}: {exc}") from None
+    try:
+        from governor import load_config as load_governor_config
+
+        load_governor_config(cfg.governor)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ConfigError(f"invalid [governor] table{where}: {exc}") from None
+    return cfg

@@ -25,7 +25,7 @@ from protocol.codec import peek_request_id
 from .config import Config
 from .logs import get_logger
 from .requests import Job
-from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, Stop, Submit
+from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, Stop, Submit
 
 log = get_logger("councild.server")
 
@@ -266,7 +266,10 @@ class Server:
         elif isinstance(msg, m.Status):
             self._reply(router, identity, self.status_reply())
         elif isinstance(msg, m.GovernorCommand):
-            self._reply(router, identity, m.GovernorReply(ok=False, message="the governor is not running in this daemon"))
+            if msg.action == "pin_depth" and msg.depth is None:
+                self._reply(router, identity, m.GovernorReply(ok=False, message="pin_depth needs a depth"))
+            else:
+                self.worker.commands.put(GovernorOverride(identity, msg.action, msg.depth))
 
     def _welcome(self, seat: str) -> m.Welcome:
         c = self.cfg
@@ -298,6 +301,10 @@ class Server:
             return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
         if key in self.live:
             return reject("duplicate_request", f"request {msg.request_id!r} is already in flight for seat {seat!r}")
+        governance = self.worker.governance
+        if governance is not None and governance.shed[0]:
+            return reject("overloaded", "memory pressure is critical; new work is refused until it eases",
+                          retry_after=governance.shed[1])
         sc = self.cfg.scheduler
         seat_live = sum(1 for k in self.live if k[0] == seat)
         if len(self.live) >= sc.max_queued or seat_live >= sc.max_queued_per_seat:
@@ -405,5 +412,7 @@ class Server:
                 "tokens_total": snap.tokens_total,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 "clients": len(self.last_seen),
+                "memory": snap.memory,
+                "governor": snap.governor,
             },
         )

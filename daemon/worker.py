@@ -54,6 +54,13 @@ class Stop:
 
 
 @dataclass
+class GovernorOverride:
+    identity: bytes
+    action: str
+    depth: int | None
+
+
+@dataclass
 class EngineSnapshot:
     """What the socket loop may read without touching the engine's state."""
 
@@ -71,6 +78,9 @@ class EngineSnapshot:
     steps_total: int = 0
     last_step_at: float = 0.0
     seats: dict[str, dict] = field(default_factory=dict)
+    governor: dict = field(default_factory=dict)
+    shedding: tuple[bool, float] = (False, 0.0)
+    memory: dict = field(default_factory=dict)
 
 
 class EngineWorker(threading.Thread):
@@ -87,12 +97,17 @@ class EngineWorker(threading.Thread):
         self.hooks = hooks
         self.lm = None
         self.head = None
+        self.head_available = False
+        self.head_bytes_hint = 0
+        self.depth = cfg.speculation.depth
+        self.governance = None
         self.scheduler = Scheduler(cfg.scheduler)
         self.jobs: dict[tuple[str, str], Job] = {}
         self._out: zmq.Socket | None = None
         self._rate_window: deque = deque()
         self._seat_tokens: dict[str, int] = {}
         self._stopping = False
+        self._published_at = 0.0
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -123,15 +138,19 @@ class EngineWorker(threading.Thread):
         self.lm = load_model(self.model_path)
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  seconds=round(time.perf_counter() - t0, 3))
-        self.depth = self.cfg.speculation.depth
-        if self.cfg.speculation.load_head and self.cfg.speculation.mode != "off":
-            self._load_head()
+        if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
+            self._load_head(keep=self.cfg.speculation.load_head)
+        if self.cfg.governor_enabled:
+            from .governance import Governance
+
+            self.governance = Governance(self, trace=self.cfg.governor_trace)
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.ready = True
 
-    def _load_head(self) -> None:
+    def _load_head(self, keep: bool) -> None:
+        """Load the head at start-up (``keep`` False: only learn whether one exists)."""
         import mlx.core as mx
 
         from .engine.mtp_head import NoMTPHead, load_mtp_head
@@ -139,18 +158,39 @@ class EngineWorker(threading.Thread):
         before = mx.get_active_memory()
         t0 = time.perf_counter()
         try:
-            self.head = load_mtp_head(self.lm)
+            head = load_mtp_head(self.lm)
         except NoMTPHead as exc:
-            self.head = None
             log.warning("head.absent", reason=str(exc), message="serving serially")
             with self.snapshot_lock:
                 self.snapshot.head_error = str(exc)
             return
-        log.info("head.loaded", bytes=self.head.nbytes, active_memory_delta=mx.get_active_memory() - before,
-                 ms=round((time.perf_counter() - t0) * 1000, 1), source=self.head.source)
+        self.head_available = True
+        self.head_bytes_hint = head.nbytes
+        if not keep:
+            del head
+            mx.clear_cache()
+            return
+        log.info("head.loaded", bytes=head.nbytes, active_memory_delta=mx.get_active_memory() - before,
+                 ms=round((time.perf_counter() - t0) * 1000, 1), source=head.source, reason="start-up")
+        self.install_head(head)
+
+    def install_head(self, head) -> None:
+        self.head = head
         with self.snapshot_lock:
             self.snapshot.head_resident = True
-            self.snapshot.head_bytes = self.head.nbytes
+            self.snapshot.head_bytes = head.nbytes
+
+    def drop_head(self) -> int:
+        """Forget the head. New requests decode serially at once; a request already
+        drafting holds its own reference until it ends."""
+        nbytes = self.head.nbytes if self.head is not None else 0
+        self.head = None
+        with self.snapshot_lock:
+            self.snapshot.head_resident = False
+        return nbytes
+
+    def requests_holding_head(self) -> int:
+        return sum(1 for j in self.scheduler.active + self.scheduler.parked if j.spec.mode != "off")
 
     def current_depth(self) -> int:
         """Read by speculative generators at the start of every cycle."""
@@ -169,6 +209,10 @@ class EngineWorker(threading.Thread):
                 self._advance(job)
             elif self._stopping:
                 return
+            if self.governance is not None:
+                self.governance.update_load(len(self.scheduler.active),
+                                            {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})
+                self.governance.safe_point()
             self._publish()
             if self.hooks is not None:
                 # Liveness is this loop going round (it wakes every 0.1 s when idle), not a
@@ -191,6 +235,8 @@ class EngineWorker(threading.Thread):
                 self._cancel(cmd.key, cmd.reason)
             elif isinstance(cmd, CancelAll):
                 self._fail_all(cmd.code, cmd.message)
+            elif isinstance(cmd, GovernorOverride):
+                self._override(cmd)
             elif isinstance(cmd, Stop):
                 self._stopping = True
                 if not self.scheduler.has_work():
@@ -227,11 +273,22 @@ class EngineWorker(threading.Thread):
             return
         self.jobs[job.key] = job
         self.scheduler.submit(job)
+        if self.governance is not None:
+            self.governance.on_arrival()
         self._send(job.identity, m.Accepted(request_id=job.request_id,
                                             queue_position=self.scheduler.position(job),
                                             prompt_tokens=len(job.prompt)))
         log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
+
+    def _override(self, cmd: GovernorOverride) -> None:
+        if self.governance is None:
+            reply = m.GovernorReply(ok=False, message="the governor is disabled in this daemon's configuration")
+        else:
+            ok, message = self.governance.override(cmd.action, cmd.depth)
+            reply = m.GovernorReply(ok=ok, message=message, state=self.governance.snapshot())
+            log.info("governor.override", action=cmd.action, depth=cmd.depth, ok=ok, message=message)
+        self._send(cmd.identity, reply)
 
     def _cancel(self, key: tuple[str, str], reason: str) -> None:
         job = self.jobs.get(key)
@@ -285,6 +342,8 @@ class EngineWorker(threading.Thread):
             self._finish(job, m.Error(request_id=job.request_id, code="internal",
                                       message=f"decode failed: {type(exc).__name__}: {exc}"))
             return
+        if self.governance is not None:
+            self.governance.after_step(step)
         kept = job.absorb(step, self.lm.eos_token_ids)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
@@ -340,7 +399,15 @@ class EngineWorker(threading.Thread):
             self.snapshot.last_step_at = now
 
     def _publish(self) -> None:
+        """Refresh what status readers see, at most every 100 ms (not per token)."""
         now = time.monotonic()
+        if now - self._published_at < 0.1:
+            return
+        self._published_at = now
+        import mlx.core as mx
+
+        memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                  "peak_bytes": mx.get_peak_memory()}
         window = [n for t, n in self._rate_window if now - t <= 10.0]
         span = min(10.0, now - self._rate_window[0][0]) if self._rate_window else 0.0
         active = [
@@ -359,6 +426,10 @@ class EngineWorker(threading.Thread):
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
             self.snapshot.recent_tokens_per_s = sum(window) / span if span > 0.5 else 0.0
             self.snapshot.seats = seats
+            self.snapshot.memory = memory
+            if self.governance is not None:
+                self.snapshot.governor = self.governance.snapshot()
+                self.snapshot.shedding = self.governance.shed
 
     def read_snapshot(self) -> EngineSnapshot:
         with self.snapshot_lock:

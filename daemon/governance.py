@@ -1,0 +1,175 @@
+"""The daemon's side of the governor: build it, tick it, apply what it decides.
+
+Everything here runs on the engine thread between decode cycles (the safe points), except
+reading the head's weights from disk, which runs on a loader thread so a reload never
+stalls decoding; the finished head is swapped in at the next safe point.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from governor import (
+    ClearCache,
+    CycleTelemetry,
+    EvictHead,
+    Governor,
+    LoadHead,
+    LoadTracker,
+    MlxMemoryProbe,
+    SetDepth,
+    ShedAdmissions,
+    default_memory_probes,
+    load_config,
+)
+
+from .logs import get_logger
+
+if TYPE_CHECKING:
+    from .worker import EngineWorker
+
+log = get_logger("councild.governor")
+
+
+def _recommended_working_set() -> int | None:
+    try:
+        return mx.device_info().get("max_recommended_working_set_size")
+    except Exception:
+        return None
+
+
+class Governance:
+    def __init__(self, worker: "EngineWorker", trace: str | None = None):
+        self.worker = worker
+        self.cfg = load_config(worker.cfg.governor)
+        self.load = LoadTracker(tau_s=self.cfg.arrival_tau_s)
+        head = worker.head
+        self.gov = Governor(
+            self.cfg,
+            clock=time.monotonic,
+            memory_probes=default_memory_probes(self.cfg),
+            mlx_probe=MlxMemoryProbe(mx.get_active_memory, mx.get_cache_memory, mx.get_peak_memory,
+                                     _recommended_working_set),
+            load=self.load,
+            head_available=worker.head_available,
+            head_resident=head is not None,
+            head_bytes=head.nbytes if head is not None else worker.head_bytes_hint,
+            initial_depth=worker.cfg.speculation.depth,
+            trace=trace,
+        )
+        self.next_tick = 0.0
+        # Shedding is read by the socket thread: a (on, retry_after) tuple swaps atomically.
+        self.shed: tuple[bool, float] = (False, 0.0)
+        self._loader: threading.Thread | None = None
+        self._loaded_head = None
+        self._load_error: BaseException | None = None
+        self._load_started = 0.0
+        worker.depth = self.gov.depth
+
+    # ------------------------------------------------------------------ inputs
+    def after_step(self, step) -> None:
+        self.gov.record_cycle(CycleTelemetry.from_step(step))
+
+    def on_arrival(self) -> None:
+        self.load.record_arrival(time.monotonic())
+
+    def update_load(self, active: int, queued: dict[str, int]) -> None:
+        self.load.set_active(active)
+        for seat, n in queued.items():
+            self.load.set_queued(seat, n)
+
+    # ------------------------------------------------------------------ safe point
+    def safe_point(self) -> None:
+        """Called by the step loop between cycles."""
+        self._finish_load()
+        now = time.monotonic()
+        if now >= self.next_tick:
+            self.next_tick = now + self.cfg.tick_s
+            self.apply(self.gov.tick())
+
+    def override(self, action: str, depth: int | None) -> tuple[bool, str]:
+        try:
+            actions = self.gov.override(action, depth)
+        except ValueError as exc:
+            return False, str(exc)
+        self.apply(actions)
+        return True, f"{action}{'' if depth is None else f' {depth}'}: " + (
+            ", ".join(type(a).__name__ for a in actions) or "no change needed")
+
+    def apply(self, actions) -> None:
+        w = self.worker
+        for action in actions:
+            if isinstance(action, SetDepth):
+                w.depth = action.depth
+            elif isinstance(action, EvictHead):
+                self._evict()
+            elif isinstance(action, LoadHead):
+                self._start_load()
+            elif isinstance(action, ShedAdmissions):
+                self.shed = (action.on, action.retry_after_s)
+            elif isinstance(action, ClearCache):
+                mx.clear_cache()
+
+    # ------------------------------------------------------------------ head residency
+    def _evict(self) -> None:
+        w = self.worker
+        if w.head is None:
+            return
+        before = mx.get_active_memory()
+        t0 = time.perf_counter()
+        nbytes = w.drop_head()
+        mx.clear_cache()
+        freed = before - mx.get_active_memory()
+        self.gov.note_head(resident=False)
+        log.info("head.evicted", bytes=nbytes, freed_bytes=freed, ms=round((time.perf_counter() - t0) * 1000, 1),
+                 in_flight_holding=w.requests_holding_head())
+
+    def _start_load(self) -> None:
+        w = self.worker
+        if w.head is not None or (self._loader is not None and self._loader.is_alive()):
+            return
+        self.gov.note_head(loading=True)
+        self._load_started = time.perf_counter()
+
+        def load() -> None:
+            from .engine.mtp_head import load_mtp_head
+
+            try:
+                # Its own stream: reading and converting the weights does not queue behind
+                # (or ahead of) the decode work on the engine thread's stream.
+                with mx.stream(mx.new_stream(mx.default_device())):
+                    head = load_mtp_head(w.lm)
+                    mx.eval(head.parameters())
+                self._loaded_head = head
+            except BaseException as exc:  # reported at the next safe point
+                self._load_error = exc
+
+        self._loader = threading.Thread(target=load, name="councild-head-loader", daemon=True)
+        self._loader.start()
+
+    def _finish_load(self) -> None:
+        if self._loader is None or self._loader.is_alive():
+            return
+        self._loader = None
+        ms = round((time.perf_counter() - self._load_started) * 1000, 1)
+        if self._load_error is not None:
+            err, self._load_error = self._load_error, None
+            self.gov.note_head(loading=False, resident=False)
+            log.error("head.load_failed", error=repr(err), ms=ms)
+            return
+        head, self._loaded_head = self._loaded_head, None
+        self.worker.install_head(head)
+        self.gov.note_head(loading=False, resident=True, head_bytes=head.nbytes)
+        log.info("head.loaded", bytes=head.nbytes, ms=ms, source=getattr(head, "source", "?"), reason="governor")
+
+    def snapshot(self) -> dict:
+        snap = self.gov.snapshot()
+        snap["shedding"] = self.shed[0]
+        return snap
+
+    def close(self) -> None:
+        self.gov.close()
