@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .model import LoadedModel
-from .rollback import attention_offset, check_cache, make_rollback
+from .rollback import check_cache, make_rollback
 from .sampling import Sampler
 from .serial import PREFILL_CHUNK
 from .types import DecodeStep
@@ -142,7 +142,8 @@ def speculative_decode(
         raise ValueError("speculative_decode needs at least one prompt token")
     depth_fn = depth if callable(depth) else (lambda d=int(depth): d)
     cache = cache if cache is not None else lm.make_cache()
-    check_cache(cache)
+    if head is not None:
+        check_cache(cache)
     rb = make_rollback(rollback, lm, cache)
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
