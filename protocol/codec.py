@@ -49,6 +49,8 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str
         env = _envelope.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError("bad_frame", f"not a msgpack map with 'type' (str) and 'v' (int): {exc}") from None
+    except RecursionError:  # msgspec's nesting limit: a small frame of nested arrays
+        raise ProtocolError("bad_frame", "nested too deeply") from None
     if env.v != PROTOCOL_VERSION:
         raise ProtocolError("unsupported_version", f"protocol version {env.v} is not supported; this side speaks {PROTOCOL_VERSION}")
     if env.type not in known:
@@ -59,6 +61,8 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str
         raise ProtocolError("invalid_request", str(exc)) from None
     except msgspec.DecodeError as exc:  # pragma: no cover - the envelope already parsed
         raise ProtocolError("bad_frame", str(exc)) from None
+    except RecursionError:  # pragma: no cover - the envelope's skip recurses first
+        raise ProtocolError("bad_frame", "nested too deeply") from None
 
 
 def decode_client(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> ClientMessage:
