@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .model import LoadedModel
-from .rollback import check_cache, make_rollback
+from .rollback import Snapshot, check_cache, make_rollback
 from .sampling import Sampler
 from .serial import PREFILL_CHUNK
 from .types import DecodeStep
@@ -158,24 +158,43 @@ def speculative_decode(
         logits = lm.logits(h)[:, -1, :]
         return sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32), h
 
+    # A serial step issued ahead at the end of a depth-0 cycle (as serial_decode does, so
+    # Python's per-step work overlaps the device's): (next token, hidden, snapshot before it).
+    ahead: tuple | None = None
+
     while True:
         t0 = time.perf_counter()
         k = max(0, int(depth_fn()))
-        if head is None or getattr(head, "unloaded", False) or hist.n == 0:
+        head_ok = head is not None and not getattr(head, "unloaded", False)
+        if not head_ok or hist.n == 0:
             k = 0
         n_cycles += 1
         if n_cycles % 256 == 0:
             mx.clear_cache()
 
         if k == 0:
-            nxt, h = serial_step(primary)
+            if ahead is not None:
+                nxt, h, _ = ahead
+            else:
+                nxt, h = serial_step(primary)
             hist.add(h, nxt)
-            if hist.n >= FLUSH_PENDING and head is not None and not getattr(head, "unloaded", False):
+            if hist.n >= FLUSH_PENDING and head_ok:
                 hist.feed(keep_last=True)
-            mx.eval(nxt, h, hist.state())
+            # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
+            if head_ok:
+                snap = Snapshot.take(cache)
+                nxt2, h2 = serial_step(nxt)
+                mx.async_eval(nxt2, h2, hist.state())
+                ahead = (nxt2, h2, snap)
+            else:
+                mx.eval(nxt, h, hist.state())
+                ahead = None
             primary = nxt
             yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0)
             continue
+        if ahead is not None:  # depth rose: undo the step issued ahead
+            ahead[2].restore()
+            ahead = None
 
         # 1. draft d1..dk
         committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
