@@ -161,18 +161,36 @@ def speculative_decode(
     # A serial step issued ahead at the end of a depth-0 cycle (as serial_decode does, so
     # Python's per-step work overlaps the device's): (next token, hidden, snapshot before it).
     ahead: tuple | None = None
+    # The first draft issued ahead at the end of a cycle at depth > 0 (the committed pairs
+    # fed to the head, d1 drafted): (committed head slots, head output, d1, log q1).
+    draft_ahead: tuple | None = None
+
+    def first_draft() -> tuple:
+        committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
+        g = hist.feed(keep_last=False)
+        d, ql = draft_from(g)
+        return committed_slots, g, d, ql
+
+    def draft_from(g: mx.array) -> tuple[mx.array, mx.array | None]:
+        lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
+        if greedy:
+            return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None
+        ql = sampler.log_distribution(lp)
+        d = mx.random.categorical(ql, key=sampler.next_key())
+        return d.reshape(-1).astype(mx.uint32), ql
 
     while True:
         t0 = time.perf_counter()
         k = max(0, int(depth_fn()))
         head_ok = head is not None and not getattr(head, "unloaded", False)
-        if not head_ok or hist.n == 0:
+        if not head_ok or (hist.n == 0 and draft_ahead is None):
             k = 0
         n_cycles += 1
         if n_cycles % 256 == 0:
             mx.clear_cache()
 
         if k == 0:
+            draft_ahead = None  # its pairs are in the head's history; d1 is not needed
             if ahead is not None:
                 nxt, h, _ = ahead
             else:
@@ -196,21 +214,15 @@ def speculative_decode(
             ahead[2].restore()
             ahead = None
 
-        # 1. draft d1..dk
-        committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
-        g = hist.feed(keep_last=False)
-        drafts, logq = [], []
-        for i in range(k):
-            if i > 0:
-                g = head(g, drafts[-1][None], hist.cache)
-            lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
-            if greedy:
-                d = mx.argmax(lp, axis=-1)
-            else:
-                ql = sampler.log_distribution(lp)
-                logq.append(ql)
-                d = mx.random.categorical(ql, key=sampler.next_key())
-            drafts.append(d.reshape(-1).astype(mx.uint32))
+        # 1. draft d1..dk (d1 usually issued ahead, at the end of the previous cycle)
+        committed_slots, g, d, ql = draft_ahead if draft_ahead is not None else first_draft()
+        draft_ahead = None
+        drafts, logq = [d], [ql]
+        for _ in range(1, k):
+            g = head(g, drafts[-1][None], hist.cache)
+            d, ql = draft_from(g)
+            drafts.append(d)
+            logq.append(ql)
 
         # 2. verify [primary, d1..dk] in one base forward
         verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
@@ -287,7 +299,9 @@ def speculative_decode(
         hist.trim(hist.offset - committed_slots)
         hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
         primary = nxt
-        mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state())
+        draft_ahead = first_draft() if head_ok else None
+        mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state()
+                      + ([draft_ahead[2]] if draft_ahead else []))
         yield DecodeStep(
             tokens=committed,
             depth=k,
