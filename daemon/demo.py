@@ -18,10 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+# Same class, so the three stream side by side (time-sliced by weighted fair queueing);
+# a member asking for "interactive" would go ahead of the others instead.
 MEMBERS = [
-    ("planner", "interactive", "def fibonacci(n):\n"),
+    ("planner", "normal", "def fibonacci(n):\n"),
     ("coder", "normal", "class Stack:\n    def __init__(self):\n"),
-    ("critic", "background", "import os\n\n\ndef list_files(path):\n"),
+    ("critic", "normal", "import os\n\n\ndef list_files(path):\n"),
 ]
 
 

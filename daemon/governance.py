@@ -78,7 +78,11 @@ class Governance:
         self.load.record_arrival(time.monotonic())
 
     def update_load(self, active: int, queued: dict[str, int]) -> None:
-        self.load.set_active(active)
+        # The governor's "several streams: depth 0" rule is about streams decoded together
+        # in one batched forward. The step loop time-slices its active requests, each with
+        # its own cycles, so at most one stream shares a forward: speculation still pays
+        # per stream, and contention shows up in the measured cycle cost instead.
+        self.load.set_active(min(active, 1))
         for seat, n in queued.items():
             self.load.set_queued(seat, n)
 

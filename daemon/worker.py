@@ -369,6 +369,7 @@ class EngineWorker(threading.Thread):
             if rest is not None and rest.text:
                 self._send(job.identity, rest)
         self._send(job.identity, terminal, terminal_key=job.key)
+        self._published_at = 0.0  # status shows the finish at once
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
