@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from . import messages as m
 from .codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_client, decode_daemon, encode
@@ -227,6 +228,25 @@ def _setup_socket(sock: zmq.Socket, timeout_s: float, curve_server_key, curve_ke
         sock.setsockopt(zmq.CURVE_SECRETKEY, _as_key(secret))
 
 
+def _close_socket(sock, monitor, linger: int) -> None:
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+    sock.close(linger=linger)
+
+
+def _disconnected(frames: list[bytes]) -> bool:
+    try:
+        return parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED
+    except Exception:  # pragma: no cover - malformed monitor message
+        return False
+
+
+_LOST = ("lost the connection (the daemon exited or restarted); requests in flight there are gone")
+
 _REQUEST_REPLIES = (m.Accepted, m.Tokens, m.Done, m.Error)
 
 
@@ -386,6 +406,7 @@ class Client:
         self._curve = (curve_server_key, curve_keys)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
         self._welcome: m.Welcome | None = None
         self._streams: dict[str, Stream] = {}
         self._replies: dict[type, deque] = {m.StatusReply: deque(), m.GovernorReply: deque()}
@@ -408,14 +429,20 @@ class Client:
             sock.close(linger=0)
             raise ValueError(f"cannot connect to {self.endpoint!r}: {exc}") from None
         self._sock = sock
+        # A dropped connection (the daemon exited or restarted) fails what waits at once:
+        # a restarted daemon would answer our pings but know nothing of our requests.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._welcome = None
         self._send_frame(self._hello_frame)
 
     def _reset(self, exc: BaseException) -> None:
         """Drop the socket (and whatever it had queued) and fail every pending request."""
         if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+            _close_socket(self._sock, self._monitor, 0)
+            self._sock = self._monitor = None
         self._welcome = None
         for stream in list(self._streams.values()):
             stream._queue.append(exc)
@@ -425,12 +452,15 @@ class Client:
         self._control_errors.clear()
         self._ping_waiters.clear()
 
-    def _unavailable(self, reason: str) -> None:
-        exc = DaemonUnavailable(
+    def _unavailable_error(self, reason: str) -> DaemonUnavailable:
+        return DaemonUnavailable(
             self.endpoint,
             f"councild at {self.endpoint} is unavailable: {reason} (timeout {self.timeout_s:g} s); "
             "is the daemon running? (`councild service status`)",
         )
+
+    def _unavailable(self, reason: str) -> None:
+        exc = self._unavailable_error(reason)
         self._reset(exc)
         raise exc
 
@@ -483,8 +513,8 @@ class Client:
         """Receive and route messages until ``ready()``; ping while waiting; never unbounded."""
         start = time.monotonic()
         while not ready():
-            if self._sock is None:
-                raise RuntimeError("the connection was reset")  # pragma: no cover
+            if self._sock is None:  # pragma: no cover - every pending wait was failed by the reset
+                raise self._unavailable_error("the connection was reset")
             now = time.monotonic()
             silent = now - max(self._last_heard, start)
             if silent >= self.timeout_s:
@@ -498,8 +528,23 @@ class Client:
             wait = min(interval - (now - self._last_sent), self.timeout_s - silent)
             if deadline is not None:
                 wait = min(wait, deadline - now)
-            if self._sock.poll(max(1, int(wait * 1000) + 1), zmq.POLLIN):
+            events = dict(self._poller.poll(max(1, int(wait * 1000) + 1)))
+            if self._sock in events:
                 self._drain()
+            if self._monitor in events and self._connection_lost():
+                self._drain()  # what arrived before the drop still counts
+                exc = self._unavailable_error(_LOST)
+                self._reset(exc)
+                if not ready():
+                    raise exc
+
+    def _connection_lost(self) -> bool:
+        lost = False
+        while True:
+            try:
+                lost |= _disconnected(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return lost
 
     def _drain(self) -> None:
         assert self._sock is not None
@@ -625,8 +670,8 @@ class Client:
                     self._sock.send(encode(m.Cancel(request_id=rid)), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     break
-            self._sock.close(linger=SOCKET_LINGER_MS)
-            self._sock = None
+            _close_socket(self._sock, self._monitor, SOCKET_LINGER_MS)
+            self._sock = self._monitor = None
         exc = RequestAborted("client_gone", "the Client was closed before the request finished")
         for stream in self._streams.values():
             stream._queue.append(exc)
@@ -641,7 +686,7 @@ class Client:
     def __del__(self) -> None:  # pragma: no cover - best effort
         sock = getattr(self, "_sock", None)
         if sock is not None and not sock.closed:
-            sock.close(linger=0)
+            _close_socket(sock, getattr(self, "_monitor", None), 0)
 
 
 # ---------------------------------------------------------------------------- async client
@@ -735,6 +780,7 @@ class AsyncClient:
         self._curve = (curve_server_key, curve_keys)
         self._ctx = context
         self._sock: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self._welcome: m.Welcome | None = None
         self._welcome_fut: asyncio.Future | None = None
@@ -778,11 +824,16 @@ class AsyncClient:
             sock.close(linger=0)
             raise ValueError(f"cannot connect to {self.endpoint!r}: {exc}") from None
         self._sock = sock
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._welcome = None
         loop = asyncio.get_running_loop()
         self._welcome_fut = loop.create_future()
         self._control.append((m.Welcome, self._welcome_fut))
-        self._tasks = [loop.create_task(self._read_loop(sock)), loop.create_task(self._heartbeat_loop(sock))]
+        self._tasks = [
+            loop.create_task(self._read_loop(sock)),
+            loop.create_task(self._heartbeat_loop(sock)),
+            loop.create_task(self._monitor_loop(sock, self._monitor)),
+        ]
 
     async def _ensure_welcome(self) -> m.Welcome:
         if self._sock is None:
@@ -809,13 +860,14 @@ class AsyncClient:
     def _fail(self, exc: BaseException) -> None:
         """Close the socket and hand ``exc`` to everything that waits; the next call reconnects."""
         sock, self._sock = self._sock, None
+        monitor, self._monitor = self._monitor, None
         current = asyncio.current_task()
         for task in self._tasks:
             if task is not current:
                 task.cancel()
         self._tasks = []
         if sock is not None:
-            sock.close(linger=0)
+            _close_socket(sock, monitor, 0)
         self._welcome = None
         for stream in self._streams.values():
             stream._queue.put_nowait(exc)
@@ -837,6 +889,29 @@ class AsyncClient:
         )
         self._fail(exc)
         return exc
+
+    async def _monitor_loop(self, sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+        """Fail what waits as soon as the connection drops (a restarted daemon would answer
+        pings but know nothing of our requests)."""
+        while True:
+            try:
+                frames = await monitor.recv_multipart()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if not _disconnected(frames) or self._sock is not sock:
+                continue
+            raw = zmq.Socket.shadow(sock.underlying)  # what arrived before the drop still counts
+            while True:
+                try:
+                    frame = raw.recv(zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    break
+                try:
+                    self._route(decode_daemon(frame, MAX_DAEMON_FRAME_BYTES))
+                except ProtocolError as exc:
+                    self.stray.append(exc)
+            self._unavailable(_LOST)
+            return
 
     # -------------------------------------------------------------- background tasks
     async def _read_loop(self, sock: zmq.asyncio.Socket) -> None:
@@ -1051,8 +1126,9 @@ class AsyncClient:
                 pass
         self._tasks = []
         self._sock = None
+        monitor, self._monitor = self._monitor, None
         if sock is not None:
-            sock.close(linger=SOCKET_LINGER_MS)
+            _close_socket(sock, monitor, SOCKET_LINGER_MS)
         exc = RequestAborted("client_gone", "the AsyncClient was closed before the request finished")
         for stream in self._streams.values():
             stream._queue.put_nowait(exc)

@@ -155,3 +155,25 @@ def test_async_curve(fake_daemon, endpoint):
             return [c async for c in client.generate("x")]
 
     assert run(main()) == ["c"]
+
+
+def test_async_daemon_restart_fails_streams_in_flight(fake_daemon, endpoint):
+    first = fake_daemon(lambda fake, identity, msg: isinstance(msg, m.Generate) and fake.send(
+        identity, m.Accepted(request_id=msg.request_id, queue_position=0, prompt_tokens=1)))
+
+    async def main():
+        async with AsyncClient(endpoint, timeout_s=5) as client:
+            stream = await client.generate("x")
+            while not first.of_type(m.Generate):
+                await asyncio.sleep(0.01)
+            first.stop()
+            fake_daemon(stream_script(["fresh"]))
+            t0 = time.monotonic()
+            with pytest.raises(DaemonUnavailable, match="lost the connection"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - t0 < 2.0
+            assert stream.accepted is not None
+            return [c async for c in client.generate("y")]
+
+    assert run(main()) == ["fresh"]

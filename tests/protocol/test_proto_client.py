@@ -300,3 +300,22 @@ def test_curve(fake_daemon, endpoint):
     with Client(endpoint, timeout_s=0.3, curve_server_key=wrong_public) as client:
         with pytest.raises(DaemonUnavailable):
             client.status()
+
+
+def test_daemon_restart_fails_streams_in_flight(fake_daemon, endpoint):
+    # A restarted daemon answers pings but knows nothing of our request: without noticing the
+    # dropped connection the stream would wait forever.
+    first = fake_daemon(lambda fake, identity, msg: isinstance(msg, m.Generate) and fake.send(
+        identity, m.Accepted(request_id=msg.request_id, queue_position=0, prompt_tokens=1)))
+    with Client(endpoint, timeout_s=5) as client:
+        stream = client.generate("x")
+        first.wait_for(lambda: first.of_type(m.Generate))
+        first.stop()
+        second = fake_daemon(stream_script(["fresh"]))
+        t0 = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="lost the connection"):
+            list(stream)
+        assert time.monotonic() - t0 < 2.0
+        assert stream.accepted is not None
+        assert list(client.generate("y")) == ["fresh"]  # a fresh socket, Hello again
+        assert second.of_type(m.Hello)
