@@ -502,6 +502,7 @@ def cmd_export(args):
     head = {k: v.to(torch.bfloat16).contiguous() for k, v in sd.items() if k.startswith("mtp.")}
     base.update(head)
     save_file(base, str(wpath), metadata={"format": "pt"})
+    os.chmod(wpath, 0o644)
     log(f"wrote {len(base)} tensors ({len(head)} mtp.*) to {wpath}")
     # tokenizer
     tok = PreTrainedTokenizerFast(
@@ -660,12 +661,18 @@ def cmd_evaluate(args):
     samples = []
     ids_all = held
     names = json.loads((stage / "manifest.json").read_text())["heldout_files"]
-    pick = [n for n in names if not n.startswith("test/")][:3] if args.sample_files is None else args.sample_files
+    import re
+
+    root = Path(json.loads((stage / "manifest.json").read_text())["corpus_root"])
+    defre = re.compile(r"^[ \t]*def ", re.M)
+    if args.sample_files is None:
+        pick = [n for n in names if "test" not in n and defre.search((root / n).read_text())][:3]
+    else:
+        pick = args.sample_files
     for name in pick[:3]:
-        src = (Path(json.loads((stage / "manifest.json").read_text())["corpus_root"]) / name).read_text()
-        # prompt: the start of the first function definition in the file
-        i = src.find("\ndef ")
-        i = i + 1 if i >= 0 else 0
+        src = (root / name).read_text()
+        # prompt: the first function definition in the file, dedented to its line start
+        i = defre.search(src).start()
         prompt_text = src[i:i + 160]
         ids = torch.tensor([tok.encode(prompt_text).ids])
         with torch.no_grad():
@@ -808,6 +815,8 @@ def cmd_card(args):
         w(extra["logits_test"] + "\n")
     if "mlx_speed" in extra:
         w(extra["mlx_speed"] + "\n")
+    for note in extra.get("notes", []):
+        w(note + "\n")
     w("\n## Greedy decodes (held-out files; prompt = the first 160 characters from the file's first `def`)\n")
     for smp in ev["samples"]:
         w(f"`{smp['file']}`:\n")
