@@ -288,6 +288,9 @@ class EngineWorker(threading.Thread):
             ok, message = self.governance.override(cmd.action, cmd.depth)
             reply = m.GovernorReply(ok=ok, message=message, state=self.governance.snapshot())
             log.info("governor.override", action=cmd.action, depth=cmd.depth, ok=ok, message=message)
+        # Publish before replying, so a status read right after the reply shows the change.
+        self._published_at = 0.0
+        self._publish()
         self._send(cmd.identity, reply)
 
     def _cancel(self, key: tuple[str, str], reason: str) -> None:

@@ -1,90 +1,11 @@
-"""A real daemon process on a real ipc socket, started the way a service manager starts it."""
+"""Fixtures: a real daemon process on a real ipc socket (see e2e_harness)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-import zmq
-
-from protocol import Ping, decode_daemon, encode
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-class DaemonProcess:
-    def __init__(self, endpoint: str, proc: subprocess.Popen, log_path: Path, runtime: Path):
-        self.endpoint = endpoint
-        self.proc = proc
-        self.log_path = log_path
-        self.runtime = runtime
-
-    def events(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text().splitlines():
-            if line.startswith("{"):
-                out.append(json.loads(line))
-        return out
-
-    def raw_socket(self, timeout_ms: int = 20000) -> zmq.Socket:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-        sock.connect(self.endpoint)
-        return sock
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None, env: dict | None = None,
-                 wait: bool = True) -> DaemonProcess:
-    runtime = tmp / "run"
-    runtime.mkdir(mode=0o700, exist_ok=True)
-    endpoint = f"ipc://{runtime / 'councild.sock'}"
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(model), "--endpoint", endpoint,
-           "--log-format", "json", *extra]
-    if config is not None:
-        path = tmp / "councild.toml"
-        path.write_text(config)
-        cmd += ["--config", str(path)]
-    log_path = tmp / "daemon.log"
-    full_env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
-    d = DaemonProcess(endpoint, proc, log_path, runtime)
-    if wait:
-        wait_ready(d)
-    return d
-
-
-def wait_ready(d: DaemonProcess, timeout_s: float = 90.0) -> None:
-    sock = d.raw_socket(timeout_ms=300)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if d.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {d.proc.returncode}:\n{d.log_path.read_text()[-3000:]}")
-            sock.send(encode(Ping(nonce=1)))
-            try:
-                decode_daemon(sock.recv())
-                return
-            except zmq.Again:
-                continue
-        raise RuntimeError(f"daemon not ready after {timeout_s} s:\n{d.log_path.read_text()[-3000:]}")
-    finally:
-        sock.close()
+from e2e_harness import start_daemon
 
 
 @pytest.fixture(scope="session")

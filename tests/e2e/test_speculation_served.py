@@ -1,0 +1,103 @@
+"""Speculation and the governor through a real daemon on the bundled model, with the
+client library and the CLI as a council process would use them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+from e2e_harness import REPO, start_daemon
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
+
+
+@pytest.fixture(scope="module")
+def bundled_daemon(tmp_path_factory):
+    assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model is part of the repository"
+    d = start_daemon(tmp_path_factory.mktemp("bundled"), BUNDLED_MODEL)
+    yield d
+    assert d.stop() == 0
+
+
+def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon):
+    with Client(bundled_daemon.endpoint, seat="fidelity", timeout_s=60) as c:
+        serial = {p: c.complete(p, max_tokens=40, speculation="off").text for p in PROMPTS}
+        for depth in (1, 2, 3, 4):
+            reply = c.governor("pin_depth", depth)
+            assert reply.ok and reply.state["depth"] == depth, reply
+            for p in PROMPTS:
+                stream = c.generate(p, max_tokens=40, speculation="exact")
+                text = "".join(stream)
+                assert text == serial[p], f"depth {depth} diverged on {p!r}"
+                spec = stream.done.speculation
+                assert spec.mode == "exact" and spec.drafted > 0
+                assert spec.drafted_by_position[depth - 1] > 0  # it really drafted that deep
+        assert c.governor("auto").ok
+
+
+def test_trained_head_is_accepted_through_the_daemon(bundled_daemon):
+    with Client(bundled_daemon.endpoint, seat="accept", timeout_s=60) as c:
+        c.governor("pin_depth", 1)
+        done = c.complete(PROMPTS[0], max_tokens=64, speculation="fast")
+        c.governor("auto")
+    spec = done.speculation
+    # The bundled head was trained for this: most first-position drafts are accepted.
+    assert spec.drafted > 0 and spec.accepted / spec.drafted >= 0.5, spec
+
+
+def test_evict_and_reload_head_while_serving(bundled_daemon):
+    with Client(bundled_daemon.endpoint, seat="ops", timeout_s=60) as c:
+        assert c.status().detail["head_resident"]
+        reply = c.governor("evict_head")
+        assert reply.ok, reply
+        status = c.status()
+        assert not status.detail["head_resident"] and status.detail["depth"] == 0
+        done = c.complete(PROMPTS[1], max_tokens=16, speculation="exact")
+        assert done.usage.completion_tokens == 16 and done.speculation is None  # served serially
+        assert c.governor("load_head").ok
+        deadline = time.monotonic() + 30
+        while not c.status().detail["head_resident"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.status().detail["head_resident"]
+        c.governor("pin_depth", 2)
+        done = c.complete(PROMPTS[1], max_tokens=16, speculation="exact")
+        assert done.speculation is not None and done.speculation.drafted > 0
+        assert c.governor("auto").ok
+    events = [e["event"] for e in bundled_daemon.events()]
+    assert "head.evicted" in events and events.count("head.loaded") >= 2
+
+
+def test_bad_override_is_refused(bundled_daemon):
+    with Client(bundled_daemon.endpoint, seat="ops", timeout_s=30) as c:
+        reply = c.governor("pin_depth", None)
+        assert not reply.ok and "depth" in reply.message
+
+
+def test_cli_generate_and_status(bundled_daemon):
+    env = {"COUNCILD_ENDPOINT": bundled_daemon.endpoint, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "generate", "def add(a, b):", "--max-tokens", "8"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() and "8 tokens" in out.stderr
+    st = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--json"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert st.returncode == 0, st.stderr
+    reply = json.loads(st.stdout)
+    assert reply["type"] == "status_reply" and reply["model"] == "tiny-qwen35"
+    table = subprocess.run([sys.executable, "-m", "daemon.cli", "status"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert "MTP head" in table.stdout and "governor" in table.stdout
+
+
+def test_cli_reports_an_absent_daemon_clearly(tmp_path):
+    env = {"COUNCILD_ENDPOINT": f"ipc://{tmp_path}/nobody.sock", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--timeout", "1"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "nobody.sock" in out.stderr
