@@ -168,25 +168,29 @@ def _decodes_or_protocol_error(frame: bytes) -> None:
         assert type(msg) in CLIENT_TYPES
 
 
-@settings(max_examples=300, deadline=None)
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DEEP = settings(max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+@FUZZ
 @given(st.binary(max_size=256))
 def test_fuzz_random_bytes(frame):
     _decodes_or_protocol_error(frame)
 
 
-@settings(max_examples=300, deadline=None)
+@FUZZ
 @given(_values)
 def test_fuzz_random_msgpack_values(value):
     _decodes_or_protocol_error(pack(value))
 
 
-@settings(max_examples=300, deadline=None)
+@FUZZ
 @given(_tags, st.sampled_from([1, 1, 1, 0, 2]), st.dictionaries(_field_names, _values, max_size=5))
 def test_fuzz_envelopes_with_random_fields(tag, v, fields):
     _decodes_or_protocol_error(pack({**fields, "type": tag, "v": v}))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(CLIENT_TYPES).flatmap(message_strategy), st.data())
 def test_fuzz_mutated_valid_messages(msg, data):
     raw = msgspec.to_builtins(msg)
@@ -196,3 +200,29 @@ def test_fuzz_mutated_valid_messages(msg, data):
     _decodes_or_protocol_error(frame)
     cut = data.draw(st.integers(0, len(frame)))
     _decodes_or_protocol_error(frame[:cut])
+
+
+
+@st.composite
+def _mutated(draw):
+    raw = msgspec.to_builtins(draw(st.sampled_from(CLIENT_TYPES).flatmap(message_strategy)))
+    raw[draw(st.sampled_from(sorted(raw)))] = draw(_values)
+    frame = pack(raw)
+    return frame[: draw(st.integers(0, len(frame)))]
+
+
+_any_frame = st.one_of(
+    st.binary(max_size=512),
+    _values.map(pack),
+    st.builds(lambda tag, v, fields: pack({**fields, "type": tag, "v": v}), _tags, st.sampled_from([1, 0, 2]),
+              st.dictionaries(_field_names, _values, max_size=6)),
+    _mutated(),
+)
+
+
+@pytest.mark.slow
+@DEEP
+@given(_any_frame)
+def test_fuzz_deep(frame):
+    """All the fuzzers above with many more examples: `pytest -m slow tests/protocol`."""
+    _decodes_or_protocol_error(frame)
