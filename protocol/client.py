@@ -705,9 +705,21 @@ class AsyncStream(_StreamState):
         self._started = False
 
     async def start(self) -> "AsyncStream":
+        """Send the Generate (once); raises what sending raised, and so does every later use."""
         if not self._started:
             self._started = True
-            await self._client._start(self)
+            try:
+                await self._client._start(self)
+            except asyncio.CancelledError:
+                if self.request_id not in self._client._streams:
+                    self._started = False  # never sent: may be started again
+                raise
+            except BaseException as exc:
+                if self.error is None:
+                    self.error = exc
+                raise
+        elif self.error is not None and self._queue.empty():
+            raise self.error
         return self
 
     def __await__(self):
@@ -1047,15 +1059,16 @@ class AsyncClient:
 
     async def _start(self, stream: AsyncStream) -> None:
         welcome = await self._ensure_welcome()
+        if stream.request.max_tokens > welcome.limits.max_tokens:
+            raise InvalidRequest("invalid_request", f"max_tokens {stream.request.max_tokens} exceeds this daemon's "
+                                 f"limit of {welcome.limits.max_tokens}", request_id=stream.request_id)
         if len(stream._frame) > welcome.limits.max_frame_bytes:
-            stream.error = InvalidRequest(
+            raise InvalidRequest(
                 "frame_too_large", f"frame of {len(stream._frame)} bytes exceeds the limit of {welcome.limits.max_frame_bytes}",
                 request_id=stream.request_id)
-            raise stream.error
         if stream.request_id in self._streams:
-            stream.error = InvalidRequest("duplicate_request", "this id is already in flight on this client",
-                                          request_id=stream.request_id)
-            raise stream.error
+            raise InvalidRequest("duplicate_request", "this id is already in flight on this client",
+                                 request_id=stream.request_id)
         self._mark_busy()
         self._streams[stream.request_id] = stream
         await self._send_frame(stream._frame)

@@ -177,3 +177,27 @@ def test_async_daemon_restart_fails_streams_in_flight(fake_daemon, endpoint):
             return [c async for c in client.generate("y")]
 
     assert run(main()) == ["fresh"]
+
+
+def test_async_stream_that_failed_to_start_stays_failed(fake_daemon, endpoint):
+    async def main():
+        client = AsyncClient(endpoint, timeout_s=0.2)
+        stream = client.generate("x")
+        with pytest.raises(DaemonUnavailable):
+            async for _ in stream:
+                pass
+        with pytest.raises(DaemonUnavailable):  # raises again, never hangs
+            await stream.__anext__()
+        fake_daemon(stream_script(["ok"]), max_frame_bytes=2048)
+        assert [c async for c in client.generate("y")] == ["ok"]  # the client reconnects
+        with pytest.raises(InvalidRequest, match="frame_too_large"):
+            await client.generate("z" * 4096)
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            await client.generate("z", max_tokens=5000)
+        s1 = await client.generate("a", request_id="dup")
+        with pytest.raises(InvalidRequest, match="duplicate_request"):
+            await client.generate("b", request_id="dup")
+        assert [c async for c in s1] == ["ok"]
+        await client.close()
+
+    run(main())
