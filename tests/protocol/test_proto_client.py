@@ -319,3 +319,11 @@ def test_daemon_restart_fails_streams_in_flight(fake_daemon, endpoint):
         assert stream.accepted is not None
         assert list(client.generate("y")) == ["fresh"]  # a fresh socket, Hello again
         assert second.of_type(m.Hello)
+
+
+def test_every_error_code_has_a_family():
+    from protocol.client import _FAMILIES, DaemonError, error_from_wire
+
+    assert set(_FAMILIES) == set(m.ErrorCode.__args__)
+    exc = error_from_wire(m.Error(code="internal", message="boom", request_id="r"))
+    assert type(exc) is DaemonError and exc.request_id == "r" and "boom" in str(exc)
