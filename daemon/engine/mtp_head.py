@@ -70,9 +70,11 @@ class MTPLayer(nn.Module):
 
 
 class MTPHead(nn.Module):
-    def __init__(self, args: Any, moe: bool = False, num_layers: int = 1):
+    def __init__(self, args: Any, moe: bool = False, num_layers: int = 1, dedicated_embeddings: bool = False):
         super().__init__()
         hsz, eps = args.hidden_size, args.rms_norm_eps
+        if dedicated_embeddings:  # config mtp_use_dedicated_embeddings: the head's own table
+            self.embed_tokens = nn.Embedding(args.vocab_size, hsz)
         self.fc = nn.Linear(2 * hsz, hsz, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hsz, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hsz, eps=eps)
@@ -97,7 +99,8 @@ class MTPHead(nn.Module):
             raise RuntimeError("MTP head was unloaded")
         from mlx_lm.models.base import create_attention_mask
 
-        e = self.pre_fc_norm_embedding(self._lm.embed(tokens))
+        embed = self.embed_tokens if "embed_tokens" in self else self._lm.embed
+        e = self.pre_fc_norm_embedding(embed(tokens))
         h = self.pre_fc_norm_hidden(hidden)
         x = self.fc(mx.concatenate([e, h], axis=-1))
         mask = create_attention_mask(x, cache[0])
@@ -270,7 +273,7 @@ def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str]) 
         return {"group_size": m.group_size, "bits": m.bits, "mode": getattr(m, "mode", "affine")}
 
     def predicate(path: str, module: nn.Module):
-        if path == "fc" or not hasattr(module, "to_quantized"):
+        if path in ("fc", "embed_tokens") or not hasattr(module, "to_quantized"):
             return False
         if path in prequantized:
             return params_of(default) if default is not None else True
@@ -308,7 +311,7 @@ def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centre
         zero_centred = _zero_centred(weights, meta, checkpoint_is_hf)
     weights = sanitize_mtp(weights, zero_centred, getattr(args, "num_experts", 0))
 
-    head = MTPHead(args, moe=moe, num_layers=num_layers)
+    head = MTPHead(args, moe=moe, num_layers=num_layers, dedicated_embeddings="embed_tokens.weight" in weights)
     prequantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
     if prequantized:  # the file holds quantized tensors: shape the modules first
         _quantize_like_base(head, lm, prequantized)

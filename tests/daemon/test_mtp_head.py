@@ -160,3 +160,34 @@ def test_unload_returns_memory(random_model_path):
     mx.clear_cache()
     after = mx.get_active_memory()
     assert after - before < nbytes * 0.1, (before, loaded, after)
+
+
+def test_moe_head_loads_per_expert_tensors(tmp_path):
+    """A Qwen3.5-MoE / Qwen3-Next style head: per-expert HF tensors are stacked into switch_mlp."""
+    from daemon.engine.random_model import build_random_model
+
+    moe_cfg = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
+    folder = build_random_model(tmp_path / "moe", seed=1, text_config=moe_cfg)
+    raw, _ = read_tensors(folder / "mtp.safetensors", lambda k: True)
+    h = 128
+    p = "mtp.layers.0.mlp."
+    raw = {k: v for k, v in raw.items() if not k.startswith(p)}
+    key = mx.random.key(5)
+    for e in range(4):
+        for name, shape in (("gate_proj", (64, h)), ("up_proj", (64, h)), ("down_proj", (h, 64))):
+            key, sub = mx.random.split(key)
+            raw[f"{p}experts.{e}.{name}.weight"] = (0.05 * mx.random.normal(shape, key=sub)).astype(mx.bfloat16)
+    raw[p + "gate.weight"] = (0.05 * mx.random.normal((4, h), key=key)).astype(mx.bfloat16)
+    for name, shape in (("gate_proj", (64, h)), ("up_proj", (64, h)), ("down_proj", (h, 64))):
+        raw[f"{p}shared_expert.{name}.weight"] = mx.zeros(shape, dtype=mx.bfloat16) + 0.01
+    raw[p + "shared_expert_gate.weight"] = mx.zeros((1, h), dtype=mx.bfloat16)
+    mx.save_safetensors(str(folder / "mtp.safetensors"), raw, metadata={"format": "pt"})
+    lm = load_model(folder)
+    head = load_mtp_head(lm)
+    assert head.moe
+    sw = head.layers[0].mlp.switch_mlp
+    assert sw.gate_proj.weight.shape == (4, 64, h)
+    assert mx.array_equal(sw.down_proj.weight[2], raw[f"{p}experts.2.down_proj.weight"])
+    hidden = lm.hidden(mx.array([[3, 4, 5]]), lm.make_cache())
+    out = head(hidden, mx.array([[4, 5, 6]]), head.make_cache())
+    assert out.shape == hidden.shape and out.dtype == mx.bfloat16
