@@ -104,6 +104,11 @@ class GovernorCommand(_Message, tag="governor"):
 # ---------------------------------------------------------------- daemon -> client
 
 
+class _DaemonMessage(_Message, forbid_unknown_fields=False):
+    """Daemon replies tolerate fields a client does not know yet: within a protocol
+    version the daemon may add fields, and an older client must read on, not fail."""
+
+
 class Limits(Struct, kw_only=True):
     max_frame_bytes: int
     max_tokens: int
@@ -112,7 +117,7 @@ class Limits(Struct, kw_only=True):
     heartbeat_timeout_s: float
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(_DaemonMessage, tag="welcome"):
     seat: str
     server: str
     model: str
@@ -120,13 +125,13 @@ class Welcome(_Message, tag="welcome"):
     limits: Limits
 
 
-class Accepted(_Message, tag="accepted"):
+class Accepted(_DaemonMessage, tag="accepted"):
     request_id: str
     queue_position: int
     prompt_tokens: int
 
 
-class Tokens(_Message, tag="tokens"):
+class Tokens(_DaemonMessage, tag="tokens"):
     """A chunk of a stream. ``seq`` starts at 0 and rises by one per chunk of a request."""
 
     request_id: str
@@ -160,7 +165,7 @@ class SpecStats(Struct, kw_only=True):
     guarded: int = 0
 
 
-class Done(_Message, tag="done"):
+class Done(_DaemonMessage, tag="done"):
     """Terminal: the request ended normally, by a stop condition or by cancellation."""
 
     request_id: str
@@ -189,7 +194,7 @@ ErrorCode = Literal[
 ]
 
 
-class Error(_Message, tag="error"):
+class Error(_DaemonMessage, tag="error"):
     """Terminal for ``request_id`` when it is set; otherwise a reply to an undecodable frame."""
 
     code: ErrorCode
@@ -198,7 +203,7 @@ class Error(_Message, tag="error"):
     retry_after_s: float | None = None
 
 
-class StatusReply(_Message, tag="status_reply"):
+class StatusReply(_DaemonMessage, tag="status_reply"):
     """A snapshot of the daemon. ``detail`` is free-form and grows as features land."""
 
     server: str
@@ -209,11 +214,11 @@ class StatusReply(_Message, tag="status_reply"):
     detail: dict = {}
 
 
-class Pong(_Message, tag="pong"):
+class Pong(_DaemonMessage, tag="pong"):
     nonce: int = 0
 
 
-class GovernorReply(_Message, tag="governor_reply"):
+class GovernorReply(_DaemonMessage, tag="governor_reply"):
     ok: bool
     message: str
     state: dict = {}

@@ -18,7 +18,7 @@ def e2e_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def daemon_proc(tmp_path_factory, e2e_model):
     tmp = tmp_path_factory.mktemp("daemon")
-    d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n")
+    d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\nmax_frame_bytes = 65536\n")
     yield d
     code = d.stop()
     assert code == 0, d.log_path.read_text()[-3000:]
