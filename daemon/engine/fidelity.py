@@ -84,6 +84,21 @@ class DistributionResult:
 
 
 @dataclass
+class DeviationResult:
+    """Verify (M = k+1) logits vs serial (M = 1) logits over the same tokens."""
+
+    depth: int
+    positions: int
+    max_abs: float
+    max_rel: float  # max |dlogit| / max(1, |top1 logit|): comparable with the guard
+    argmax_flips: int  # positions where the two argmaxes differ
+
+    def headroom(self, guard: float) -> float:
+        """guard / (2 * max_rel): > 1 means no observed deviation could cross the guard."""
+        return float("inf") if self.max_rel == 0 else guard / (2 * self.max_rel)
+
+
+@dataclass
 class FidelityReport:
     model: str
     rollback: str
@@ -91,6 +106,7 @@ class FidelityReport:
     max_tokens: int
     arms: list[ArmResult] = field(default_factory=list)
     distribution: list[DistributionResult] = field(default_factory=list)
+    deviation: list[DeviationResult] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -102,6 +118,9 @@ class FidelityReport:
         for arm, d in zip(self.arms, out["arms"]):
             d["flips_per_1000"] = arm.flips_per_1000
             d["acceptance"] = arm.acceptance
+        for dev, d in zip(self.deviation, out["deviation"]):
+            h = dev.headroom(self.guard_margin)
+            d["guard_headroom"] = None if math.isinf(h) else h  # None: no deviation at all
         out["passed"] = self.passed
         return out
 
@@ -165,6 +184,43 @@ def run_fidelity_gate(
             arm.seconds = time.perf_counter() - t0
             report.arms.append(arm)
     return report
+
+
+def batch_deviation(lm: LoadedModel, prompts: list[list[int]], depths=(1, 2, 3, 4), max_tokens: int = 48) -> list[DeviationResult]:
+    """How far the verify's numerics stray from serial's: replay each prompt's serial
+    continuation once with one-token steps and once in verify-sized chunks of k+1 tokens
+    (every draft accepted, so the batched cache drift accumulates as in speculation), and
+    compare the logits at every position. On CPU both are usually bit-identical; on a GPU
+    this is the number the exact guard must cover (headroom > 1)."""
+    from .serial import prefill
+
+    def logits_of(prompt, cont, chunk):
+        cache = lm.make_cache()
+        seq = mx.array([prompt[-1]] + cont[:-1], dtype=mx.uint32)
+        prefill(lm, prompt, cache)
+        outs = []
+        for i in range(0, seq.size, chunk):
+            lg = lm.logits(lm.hidden(seq[None, i : i + chunk], cache))[0].astype(mx.float32)
+            mx.eval(lg)
+            outs.append(lg)
+        return mx.concatenate(outs, axis=0)
+
+    conts = [_serial_tokens(lm, p, max_tokens) for p in prompts]
+    serial_logits = [logits_of(p, c, 1) for p, c in zip(prompts, conts)]
+    results = []
+    for k in depths:
+        max_abs = max_rel = 0.0
+        flips = n = 0
+        for p, c, ref in zip(prompts, conts, serial_logits):
+            got = logits_of(p, c, k + 1)
+            diff = mx.abs(got - ref).max(axis=-1)
+            scale = mx.maximum(mx.abs(ref.max(axis=-1)), 1.0)
+            max_abs = max(max_abs, diff.max().item())
+            max_rel = max(max_rel, (diff / scale).max().item())
+            flips += (mx.argmax(got, axis=-1) != mx.argmax(ref, axis=-1)).sum().item()
+            n += ref.shape[0]
+        results.append(DeviationResult(depth=k, positions=n, max_abs=max_abs, max_rel=max_rel, argmax_flips=flips))
+    return results
 
 
 # -- temperature > 0 ---------------------------------------------------------------------------
@@ -266,6 +322,12 @@ def format_report(report: FidelityReport) -> str:
                 f"FAIL exact depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
                 f"!= speculative {d['speculative']} (after {d['context']})"
             )
+    if report.deviation:
+        lines += ["", "| verify vs serial logits, depth | positions | max abs | max rel | argmax flips | guard headroom |",
+                  "|---|---|---|---|---|---|"]
+        for d in report.deviation:
+            lines.append(f"| {d.depth} | {d.positions} | {d.max_abs:.4g} | {d.max_rel:.4g} | {d.argmax_flips} | "
+                         f"{d.headroom(report.guard_margin):.3g} |")
     if report.distribution:
         lines += ["", "| temperature>0 depth | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -304,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--alpha", type=float, default=1e-3)
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--no-deviation", dest="deviation", action="store_false",
+                    help="skip measuring verify-vs-serial logit deviation (informs the guard)")
     ap.add_argument("--logit-jitter", type=float, default=0.0,
                     help="fault injection: noise on the verify's logprobs, to prove the gate can fail")
     args = ap.parse_args(argv)
@@ -324,6 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=args.guard,
         logit_jitter=args.logit_jitter,
     )
+    if args.deviation:
+        report.deviation = batch_deviation(
+            lm, [lm.encode_prompt(p, None, None) for p in prompts[:3]], [int(d) for d in args.depths.split(",")], args.tokens
+        )
     if args.draws > 0:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k)
         ctx = lm.encode_prompt(prompts[0], None, None)

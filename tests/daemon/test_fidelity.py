@@ -66,8 +66,10 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["passed"] is True and len(data["arms"]) == 4
+    assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
     assert "| exact | 3 |" in capsys.readouterr().out
-    rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5"])
+    rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
+                        "--no-deviation"])
     assert rc == 1
 
 
