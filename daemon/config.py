@@ -77,6 +77,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     governor_enabled: bool = True
     # Record the governor's observations and decisions as JSON lines (replayable).
     governor_trace: str | None = None
+    # Fault injection for tests, OFF unless set: the decode of any request that has already
+    # committed this many tokens raises (as a failing model would), so the request ends with
+    # an `internal` Error and the daemon must serve on. Requests with max_tokens at or below
+    # it are unaffected. Applied by wrapping the decode generator at request start, so an
+    # unset value costs nothing per step. Also $COUNCILD_DEBUG_FAIL_AFTER_TOKENS.
+    debug_fail_after_tokens: PositiveInt | None = None
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)
@@ -91,6 +97,7 @@ _ENV_KEYS = {
     "COUNCILD_MAX_TOKENS": "max_tokens",
     "COUNCILD_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
     "COUNCILD_DRAIN_DEADLINE_S": "drain_deadline_s",
+    "COUNCILD_DEBUG_FAIL_AFTER_TOKENS": "debug_fail_after_tokens",
 }
 
 

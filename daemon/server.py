@@ -62,10 +62,12 @@ class Server:
         self.seats: dict[bytes, str] = {}
         self.last_seen: dict[bytes, float] = {}
         self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
+        self._cut: set[tuple[str, str]] = set()  # live requests already cancelled by _drop_client
         self.draining_since: float | None = None
         self.stop_now = False
         self.reload_requested = False
         self._lock_file = None
+        self._curve: tuple[bytes, bytes] | None = None  # (public, secret) on CURVE TCP
         self.notifier = None
         self._watchdog = None
         self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
@@ -73,13 +75,23 @@ class Server:
     # ------------------------------------------------------------------ start-up
     def _claim_endpoint(self) -> None:
         """One daemon per endpoint: an ipc endpoint is guarded by a lock file beside the
-        socket (a crashed daemon's stale socket is then safe to remove)."""
+        socket (a crashed daemon's stale socket is then safe to remove).
+
+        Security of an ipc endpoint rests on its directory (see ``_check_socket_dir``): the
+        default runtime dir is made 0700; an explicit --endpoint elsewhere must be in a
+        directory this user owns that nobody else can write to."""
         if not self.endpoint.startswith("ipc://"):
             return
         sock = Path(self.endpoint[len("ipc://"):])
         sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._check_socket_dir(sock.parent)
         lock_path = sock.with_name(sock.name + ".lock")
-        self._lock_file = open(lock_path, "a+")
+        # O_NOFOLLOW: never truncate whatever a planted symlink points at.
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot open the lock file {lock_path}: {exc.strerror}", EXIT_CONFIG) from None
+        self._lock_file = os.fdopen(fd, "r+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -92,8 +104,28 @@ class Server:
         self._lock_file.truncate()
         self._lock_file.write(str(os.getpid()))
         self._lock_file.flush()
-        if sock.exists():
+        if sock.exists() or sock.is_symlink():
             sock.unlink()  # stale: its owner no longer holds the lock
+
+    @staticmethod
+    def _check_socket_dir(folder: Path) -> None:
+        """Decision for ipc endpoints outside the 0700 runtime dir: refuse (exit 78) a
+        directory owned by another user or writable by group/others (they could replace
+        the socket or plant the lock file); accept one that others can only read or
+        traverse, with a warning, because the socket itself is made 0600 (connecting to a
+        unix socket needs write permission on it) and is bound under umask 077."""
+        st = folder.stat()
+        mode = st.st_mode & 0o777
+        if st.st_uid != os.getuid() or mode & 0o022:
+            raise StartupError(
+                f"refusing to put the ipc socket in {folder} (mode {mode:04o}, owner uid {st.st_uid}): "
+                "it must be owned by this user and writable by nobody else; use the default "
+                "runtime dir or a 0700 folder",
+                EXIT_CONFIG,
+            )
+        if mode & 0o077:
+            log.warning("server.socket_dir_open", folder=str(folder), mode=f"{mode:04o}",
+                        message="others can see the socket's folder; the socket itself is 0600")
 
     def _bind(self) -> zmq.Socket:
         router = self.ctx.socket(zmq.ROUTER)
@@ -102,25 +134,39 @@ class Server:
         router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes + 1024)
         router.setsockopt(zmq.SNDHWM, self.cfg.client_send_hwm)
         router.setsockopt(zmq.RCVHWM, 10000)
-        if self.endpoint.startswith("tcp://"):
-            self._secure_tcp(router)
+        if self._curve is not None:
+            public, secret = self._curve
+            router.setsockopt(zmq.CURVE_SERVER, 1)
+            router.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        # umask 077 while binding: the ipc socket is never connectable by others, not even
+        # in the instant before the chmod below.
+        old_umask = os.umask(0o077)
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as exc:
             code = EXIT_TEMPFAIL if exc.errno == errno.EADDRINUSE else EXIT_CONFIG
             raise StartupError(f"cannot bind {self.endpoint}: {exc}", code) from None
+        finally:
+            os.umask(old_umask)
         if self.endpoint.startswith("ipc://"):
             os.chmod(self.endpoint[len("ipc://"):], 0o600)
         return router
 
-    def _secure_tcp(self, router: zmq.Socket) -> None:
+    def _secure_tcp(self) -> None:
+        """TCP endpoints need CURVE. Checked before the model loads, so a refused start is
+        immediate: sets ``self._curve`` to (public, secret), or refuses (exit 78), or, with
+        insecure_tcp, warns and serves plaintext."""
+        if not self.endpoint.startswith("tcp://"):
+            return
         if self.cfg.curve_secret_key_file:
-            from .keys import load_secret_key
+            from .keys import KeyFileError, load_secret_key
 
-            public, secret = load_secret_key(self.cfg.curve_secret_key_file)
-            router.setsockopt(zmq.CURVE_SERVER, 1)
-            router.setsockopt(zmq.CURVE_SECRETKEY, secret)
-            router.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            try:
+                self._curve = load_secret_key(self.cfg.curve_secret_key_file)
+            except KeyFileError as exc:
+                raise StartupError(str(exc), EXIT_CONFIG) from None
+            log.info("server.curve", endpoint=self.endpoint, public_key=self._curve[0].decode())
             return
         if not self.cfg.insecure_tcp:
             raise StartupError(
@@ -154,6 +200,7 @@ class Server:
     # ------------------------------------------------------------------ main loop
     def run(self, config_path: str | None = None) -> int:
         self.config_path = config_path
+        self._secure_tcp()
         self._claim_endpoint()
         engine_out = self.ctx.socket(zmq.PULL)
         engine_out.bind(OUT_ENDPOINT)
@@ -334,6 +381,7 @@ class Server:
             if key:
                 seat, rid = key.decode().split("\x00", 1)
                 self.live.pop((seat, rid), None)
+                self._cut.discard((seat, rid))
             self._send(router, identity, payload)
 
     def _reply(self, router: zmq.Socket, identity: bytes, msg) -> None:
@@ -353,11 +401,16 @@ class Server:
                 raise
 
     def _drop_client(self, identity: bytes, why: str) -> None:
-        keys = [k for k, ident in self.live.items() if ident == identity]
+        """End every request of a connection with ``why`` (``slow_consumer`` or
+        ``client_gone``: the terminal Error's code). Each request is cancelled once: the
+        chunks still on their way from the engine would otherwise repeat the cancel (and the
+        log line) for every undeliverable message until the terminal one passes."""
+        keys = [k for k, ident in self.live.items() if ident == identity and k not in self._cut]
         if keys:
             log.warning("client.dropped", reason=why, requests=[k[1] for k in keys], seat=keys[0][0])
         for key in keys:
-            self.worker.commands.put(CancelJob(key, "client_gone"))
+            self._cut.add(key)
+            self.worker.commands.put(CancelJob(key, why))
 
     # ------------------------------------------------------------------ periodic
     def _housekeeping(self, now: float) -> None:

@@ -39,7 +39,7 @@ class Submit:
 @dataclass
 class CancelJob:
     key: tuple[str, str]
-    reason: str = "cancelled"  # or "client_gone", "shutting_down"
+    reason: str = "cancelled"  # or "client_gone", "slow_consumer", "shutting_down"
 
 
 @dataclass
@@ -81,6 +81,24 @@ class EngineSnapshot:
     governor: dict = field(default_factory=dict)
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the debug_fail_after_tokens fault injection (config.py)."""
+
+
+def _fail_after(gen, limit: int):
+    """Pass decode steps through until ``limit`` tokens were committed, then raise from the
+    next cycle, as a model failing mid-decode would. Test-only (debug_fail_after_tokens)."""
+    n = 0
+    try:
+        for step in gen:
+            yield step
+            n += len(step.tokens)
+            if n >= limit:
+                raise InjectedFault(f"injected fault after {n} tokens (debug_fail_after_tokens = {limit})")
+    finally:
+        gen.close()
 
 
 class EngineWorker(threading.Thread):
@@ -302,6 +320,12 @@ class EngineWorker(threading.Thread):
         elif reason == "client_gone":
             self._finish(job, m.Error(request_id=job.request_id, code="client_gone",
                                       message="no heartbeat from the client within the timeout; work cancelled"))
+        elif reason == "slow_consumer":
+            # Usually undeliverable (the client's queue is what filled up); sent anyway so
+            # a client that resumes reading sees why its stream ended.
+            self._finish(job, m.Error(request_id=job.request_id, code="slow_consumer",
+                                      message="the client stopped reading and its send queue at the daemon "
+                                              "filled up; the request was cut"))
         else:
             self._finish(job, m.Error(request_id=job.request_id, code="shutting_down",
                                       message="the daemon is shutting down and the drain deadline passed"))
@@ -334,6 +358,8 @@ class EngineWorker(threading.Thread):
         else:
             mode = "off"
             gen = serial_decode(self.lm, job.prompt, sampler)
+        if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
+            gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, self.lm.tokenizer.detokenizer, mode)
 
     def _advance(self, job: Job) -> None:
