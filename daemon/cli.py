@@ -175,34 +175,75 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _mb(nbytes) -> str:
+    return "?" if nbytes is None else f"{nbytes / 1e6:.1f} MB"
+
+
+def _uptime(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{seconds:.0f} s"
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    return (f"{days}d " if days else "") + f"{hours}h {minutes:02d}m {s:02d}s"
+
+
 def format_status(reply) -> str:
-    d = reply.detail
+    """The `councild status` table: one row per fact, then one row per seat."""
+    d = reply.detail or {}
+    gov = d.get("governor") or {}
+    head = "resident, %s" % _mb(d.get("head_bytes", 0)) if d.get("head_resident") else "not resident"
+    head_gov = gov.get("head") or {}
+    if not d.get("head_resident") and head_gov.get("head_available") is False:
+        head = "absent (the model has no MTP head: serial only)"
+    elif head_gov.get("head_loading"):
+        head += " (loading)"
+    depth = str(d.get("depth", 0))
+    if gov.get("override") == "pin_depth" and gov.get("pin_depth") is not None:
+        depth += f" (pinned to {gov['pin_depth']} by an operator)"
+    elif gov.get("override") not in (None, "auto"):
+        depth += f" (override: {gov['override']})"
     rows = [
-        ("server", reply.server),
+        ("server", f"{reply.server}, pid {d.get('pid', '?')}"),
         ("model", f"{reply.model} ({d.get('model_type', '?')})"),
-        ("uptime", f"{reply.uptime_s:.0f} s"),
+        ("uptime", _uptime(reply.uptime_s)),
         ("endpoint", d.get("endpoint", "?")),
-        ("MTP head", ("resident, %.1f MB" % (d.get("head_bytes", 0) / 1e6)) if d.get("head_resident") else "not resident"),
-        ("depth", str(d.get("depth", 0))),
-        ("in flight", f"{reply.active} active, {reply.queued} queued"),
+        ("MTP head", head),
+        ("depth", depth),
+        ("in flight", f"{reply.active} active, {reply.queued} queued"
+                      + (f", {d['clients']} clients" if "clients" in d else "")),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
     mem = d.get("memory")
     if mem:
-        rows.append(("memory", ", ".join(f"{k} {v}" for k, v in mem.items())))
-    gov = d.get("governor")
+        rows.append(("memory", ", ".join(f"{k.removesuffix('_bytes')} {_mb(v)}" for k, v in mem.items())))
     if gov:
-        rows.append(("governor", ", ".join(f"{k}={v}" for k, v in gov.items() if not isinstance(v, (dict, list)))))
+        pressure = gov.get("pressure") or "unknown"
+        if gov.get("available_bytes") is not None:
+            pressure += f", {_mb(gov['available_bytes'])} available"
+        if gov.get("shedding"):
+            pressure += ", SHEDDING new requests"
+        rows.append(("pressure", pressure))
+        facts = [f"{k}={v}" for k, v in gov.items()
+                 if k not in ("pressure", "available_bytes", "shedding", "depth") and not isinstance(v, (dict, list))]
+        if gov.get("last_actions"):
+            facts.append("last actions " + ", ".join(map(str, gov["last_actions"])))
+        rows.append(("governor", ", ".join(facts) or "running"))
+    else:
+        rows.append(("governor", "disabled"))
     if d.get("draining"):
-        rows.append(("state", "draining"))
+        rows.append(("state", "draining (no new work; exits when in-flight requests finish)"))
     width = max(len(k) for k, _ in rows)
     out = [f"{k:<{width}}  {v}" for k, v in rows]
     seats = d.get("seats") or {}
     if seats:
         out.append("")
-        out.append(f"{'seat':<16} {'active':>6} {'queued':>6} {'tokens':>8}")
+        out.append(f"{'seat':<16} {'active':>6} {'queued':>6} {'tokens':>8} {'tok/s':>7}")
         for seat, s in sorted(seats.items()):
-            out.append(f"{seat:<16} {s.get('active', 0):>6} {s.get('queued', 0):>6} {s.get('tokens', 0):>8}")
+            rate = s.get("tokens_per_s")
+            rate_text = "-" if rate is None else f"{rate:.1f}"
+            out.append(f"{seat:<16} {s.get('active', 0):>6} {s.get('queued', 0):>6} {s.get('tokens', 0):>8} {rate_text:>7}")
     return "\n".join(out)
 
 
