@@ -1,0 +1,306 @@
+"""Continuous batch decode at depth 0: several streams, one forward per step.
+
+Built on mlx-lm's batch caches: per layer, ``KVCache.merge`` -> ``BatchKVCache`` (left-padded,
+per-row rope offsets and masks) and ``ArraysCache.merge`` (GatedDeltaNet conv + recurrent
+state stacked on the batch axis); ``extend`` admits, ``filter`` drops, ``extract`` hands a
+row its own plain cache back. Nothing here rewrites those caches.
+
+Row state, at every step boundary (what ``add`` takes and ``extract`` returns):
+    (cache, next_token): the cache holds the prompt and every token emitted so far;
+    next_token is DECIDED but neither emitted nor forwarded yet.
+``step()`` emits every row's next_token, then issues one batched forward over them and
+samples each row's following token (lazily, as serial_decode issues its next step ahead,
+so the caller's per-token work overlaps the device). A new stream is prefilled alone and
+its first token decided by a one-token (M=1) step, op for op serial_decode's first step,
+so it joins the batch in the same state as every other row.
+
+With one row the decoder keeps that row's plain per-request cache and runs M=1 steps: it is
+serial_decode, bit for bit. With two or more rows the caches are merged; dropping back to
+one extracts the survivor's plain cache again.
+
+Exactness (temperature 0). Matmuls round differently at batch height M>=2 than at M=1, so
+a batched row can flip an argmax at a near-tie. Two configurations, per row:
+- fast (``exact=False``): take the batched argmax.
+- exact (``exact=True``): where the batched top-2 logprob margin is within the guard
+  (``top1 - top2 <= guard * max(1, |top1 logit|)``, the guard speculation uses), that row's
+  token is re-decided with a one-token M=1 forward from the row's pre-step state (its KV
+  minus the slot just written, its GDN state from before the forward, kept by reference
+  for one step). The batched forward's cache update stands: it processed the *input*
+  token, which does not depend on the decision. A guard redo costs one M=1 forward.
+Measured (bench/batch_bench.py --flips, bench/results/batch_cpu.json), 4 rows of
+different prompt lengths, batch numerics vs serial_decode alone:
+    MEASUREMENTS_PLACEHOLDER
+Decision: DECISION_PLACEHOLDER
+
+Temperature > 0: each row samples with its own Sampler (own key), consumed in the same
+order as serial_decode consumes it, so a seed reproduces a request; batch numerics can
+still move a draw that sits on a CDF boundary by an ulp (as they can move an argmax).
+
+Adoption: serial_decode and speculative_decode keep their cache and the token they have
+already decided (issued ahead) inside the generator, so an in-flight generator cannot be
+adopted. Instead a stream that must leave the batch is ``extract``-ed: its (cache,
+next_token) resumes alone with ``resume_serial`` (serial numerics) or rejoins later with
+``add(row_id, sampler, cache=..., next_token=...)``, never recomputing its prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from .model import LoadedModel
+from .sampling import Sampler
+from .serial import PREFILL_CHUNK, prefill, serial_decode
+from .types import DecodeStep
+
+# The guard speculation's exact mode uses (speculative.DEFAULT_GUARD): four bf16 ulps relative.
+DEFAULT_GUARD = 2.0**-5
+
+
+@dataclass
+class _Row:
+    row_id: Hashable
+    sampler: Sampler
+    exact: bool
+    emitted: int = 0
+    guarded: int = 0
+
+
+@dataclass
+class BatchStats:
+    steps: int = 0  # batched (or single-row) forwards issued
+    row_steps: int = 0  # tokens emitted
+    guard_checks: int = 0  # row-steps of exact greedy rows decided at M>=2
+    guarded: int = 0  # of those, re-decided at M=1
+    guard_changed: int = 0  # of those, where the M=1 token differed from the batched argmax
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+class BatchDecoder:
+    """Drive from one thread, at step boundaries: ``add`` / ``remove`` / ``extract`` /
+    ``step``. Row ids are any hashable (the worker's job key)."""
+
+    def __init__(self, lm: LoadedModel, guard_margin: float = DEFAULT_GUARD, prefill_chunk: int = PREFILL_CHUNK):
+        self.lm = lm
+        self.guard_margin = guard_margin
+        self.prefill_chunk = prefill_chunk
+        self.stats = BatchStats()
+        self._rows: list[_Row] = []
+        # len(rows) == 1: the row's own plain cache; >= 2: mlx-lm batch caches, one per layer.
+        self._cache: list | None = None
+        self._next: mx.array | None = None  # [B] uint32: decided, not emitted, not forwarded
+        # Pending guard of the forward that decided _next: (flags [B] bool, argmax [B],
+        # the forward's inputs [B], GDN states before it, per layer (None for KV layers)).
+        self._pending: tuple | None = None
+
+    # ------------------------------------------------------------------ introspection
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, row_id: Hashable) -> bool:
+        return any(r.row_id == row_id for r in self._rows)
+
+    @property
+    def row_ids(self) -> list:
+        return [r.row_id for r in self._rows]
+
+    def row_guarded(self, row_id: Hashable) -> int:
+        return self._rows[self._index(row_id)].guarded
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self._cache) if self._cache else 0
+
+    def _index(self, row_id: Hashable) -> int:
+        for i, r in enumerate(self._rows):
+            if r.row_id == row_id:
+                return i
+        raise KeyError(row_id)
+
+    # ------------------------------------------------------------------ admission
+    def add(
+        self,
+        row_id: Hashable,
+        sampler: Sampler,
+        prompt: list[int] | None = None,
+        *,
+        cache: list | None = None,
+        next_token: int | None = None,
+        exact: bool = True,
+    ) -> None:
+        """Admit a stream at a step boundary: from ``prompt`` (prefilled alone, first token
+        decided at M=1, exactly as serial_decode), or from a row state ``(cache,
+        next_token)`` that ``extract`` returned. ``exact`` only matters at temperature 0."""
+        if row_id in self:
+            raise ValueError(f"row {row_id!r} is already in the batch")
+        if prompt is not None:
+            if cache is not None or next_token is not None:
+                raise ValueError("give a prompt or (cache, next_token), not both")
+            if not prompt:
+                raise ValueError("a stream needs at least one prompt token")
+            cache = self.lm.make_cache()
+            last = prefill(self.lm, prompt, cache, self.prefill_chunk)
+            logits = self.lm.logits(self.lm.hidden(last[None], cache))[:, -1, :]
+            tok = sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32)
+        elif cache is not None and next_token is not None:
+            tok = mx.array([int(next_token)], dtype=mx.uint32)
+        else:
+            raise ValueError("add needs a prompt, or both cache and next_token")
+        mx.eval(tok, [c.state for c in cache])
+        self._settle()
+        row = _Row(row_id, sampler, exact=exact)
+        if not self._rows:
+            self._cache = cache
+            self._next = tok
+        else:
+            if len(self._rows) == 1:
+                self._cache = [type(c).merge([c]) for c in self._cache]
+            for bc, c in zip(self._cache, cache):
+                bc.extend(type(c).merge([c]))
+            self._next = mx.concatenate([self._next, tok])
+            mx.eval(self._next, [c.state for c in self._cache])
+        self._rows.append(row)
+
+    # ------------------------------------------------------------------ leaving
+    def remove(self, row_id: Hashable) -> None:
+        """Drop a finished or cancelled row (its cache is discarded)."""
+        self._settle()
+        self._drop(self._index(row_id))
+
+    def extract(self, row_id: Hashable) -> tuple[list, int]:
+        """Take a row out with its state: (plain per-request cache, next_token). The cache
+        holds the prompt and everything emitted; next_token is decided but not emitted.
+        Resume alone with ``resume_serial`` or rejoin with ``add(cache=, next_token=)``."""
+        self._settle()
+        i = self._index(row_id)
+        if len(self._rows) == 1:
+            cache = self._cache
+        else:
+            cache = [c.extract(i) for c in self._cache]
+            for c in cache:
+                if isinstance(c, ArraysCache):
+                    c.cache = [mx.contiguous(a) if a is not None else None for a in c.cache]
+        nxt = int(self._next[i].item())
+        mx.eval([c.state for c in cache])
+        self._drop(i)
+        return cache, nxt
+
+    def _drop(self, i: int) -> None:
+        del self._rows[i]
+        n = len(self._rows)
+        if n == 0:
+            self._cache, self._next = None, None
+            return
+        keep = [j for j in range(n + 1) if j != i]
+        if n == 1:
+            # Back to serial numerics: the survivor gets its plain cache.
+            j = keep[0]
+            self._cache = [c.extract(j) for c in self._cache]
+        else:
+            idx = mx.array(keep)
+            for c in self._cache:
+                c.filter(idx)
+        self._next = self._next[mx.array(keep)]
+        mx.eval(self._next, [c.state for c in self._cache])
+
+    # ------------------------------------------------------------------ decoding
+    def step(self) -> dict:
+        """Emit one token per row; issue the batched forward that decides the next ones.
+        Returns {row_id: token}."""
+        if not self._rows:
+            return {}
+        self._settle()
+        tokens = self._next.tolist()
+        inputs = self._next
+        B = len(self._rows)
+        rows = self._rows
+        guard_rows = [] if B == 1 else [i for i, r in enumerate(rows) if r.exact and r.sampler.greedy]
+        pre = None
+        if guard_rows and self.guard_margin is not None:
+            # GDN state before the forward, by reference (the forward replaces, not mutates).
+            pre = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
+
+        logits = self.lm.logits(self.lm.hidden(inputs[:, None], self._cache))[:, -1, :]
+        lp = _logprobs(logits)
+        greedy = [r.sampler.greedy for r in rows]
+        if all(greedy):
+            nxt = mx.argmax(lp, axis=-1)
+        else:
+            nxt = mx.concatenate([
+                mx.argmax(lp[i : i + 1], axis=-1) if g else r.sampler(lp[i : i + 1]).reshape(-1)
+                for i, (r, g) in enumerate(zip(rows, greedy))
+            ])
+        nxt = nxt.astype(mx.uint32)
+        self._next = nxt
+        to_eval = [nxt] + [c.state for c in self._cache]
+        if pre is not None:
+            top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
+            hi, lo = top2.max(axis=-1), top2.min(axis=-1)
+            scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
+            mask = mx.array([i in guard_rows for i in range(B)])
+            flags = mx.logical_and((hi - lo) <= self.guard_margin * scale, mask)
+            self._pending = (flags, inputs, pre)
+            to_eval.append(flags)
+            self.stats.guard_checks += len(guard_rows)
+        mx.async_eval(to_eval)
+        self.stats.steps += 1
+        self.stats.row_steps += B
+        if self.stats.steps % 256 == 0:
+            mx.clear_cache()
+        out = {}
+        for r, t in zip(rows, tokens):
+            r.emitted += 1
+            out[r.row_id] = t
+        return out
+
+    def _settle(self) -> None:
+        """Resolve the pending guard: rows whose batched decision sat at a near-tie are
+        re-decided with an M=1 forward from their pre-step state."""
+        if self._pending is None:
+            return
+        flags, inputs, pre = self._pending
+        self._pending = None
+        flagged = [i for i, f in enumerate(flags.tolist()) if f]
+        if not flagged:
+            return
+        fixed = list(self._next.tolist())
+        for i in flagged:
+            row_cache = []
+            for c, p in zip(self._cache, pre):
+                if isinstance(c, BatchKVCache):
+                    # Positions before the slot this step wrote are untouched by it.
+                    lp = int(c.left_padding[i].item())
+                    kv = KVCache()
+                    kv.keys = c.keys[i : i + 1, :, lp : c._idx - 1]
+                    kv.values = c.values[i : i + 1, :, lp : c._idx - 1]
+                    kv.offset = c._idx - 1 - lp
+                    row_cache.append(kv)
+                elif isinstance(c, ArraysCache):
+                    a = ArraysCache(len(p))
+                    a.cache = [x[i : i + 1] if x is not None else None for x in p]
+                    row_cache.append(a)
+                else:
+                    raise TypeError(f"no M=1 redo for cache type {type(c).__name__}")
+            logits = self.lm.logits(self.lm.hidden(inputs[i : i + 1][None], row_cache))[:, -1, :]
+            tok = int(mx.argmax(logits, axis=-1).item())
+            self.stats.guarded += 1
+            self._rows[i].guarded += 1
+            if tok != fixed[i]:
+                self.stats.guard_changed += 1
+            fixed[i] = tok
+        self._next = mx.array(fixed, dtype=mx.uint32)
+
+
+def resume_serial(lm: LoadedModel, cache: list, next_token: int, sampler: Sampler) -> Iterator[DecodeStep]:
+    """Continue an extracted row alone, with serial numerics: first emits next_token (decided
+    in the batch, not yet emitted), then serial_decode from that state."""
+    t0 = time.perf_counter()
+    yield DecodeStep(tokens=[int(next_token)], cycle_s=time.perf_counter() - t0)
+    yield from serial_decode(lm, [int(next_token)], sampler, cache=cache)
