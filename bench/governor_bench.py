@@ -1,0 +1,406 @@
+"""Governor benchmark: the governor (auto) against every fixed depth, under real contention.
+
+Two daemons serve the bundled model side by side (only one is ever generating): "auto"
+runs the governor untouched; "fixed" is pinned to depth k (``client.governor("pin_depth",
+k)``) for each fixed arm. Separate daemons keep the fixed arms' measurements of every depth
+out of the governor's cost model: the governor learns only from its own traffic.
+
+Contention is real: helper processes (bench/contention.py) that burn CPU and hold touched
+memory are started and stopped on a schedule of regimes:
+
+    quiet  nothing beside the daemon
+    busy   two busy-looping processes (this machine has 2 cores)
+    mixed  one busy loop, a second one switched on/off every --toggle-s, and 1 GiB held
+
+Interleaved: for each round, for each regime (its helpers started once), for each arm, one
+sample = a fixed generation workload (--requests requests of --max-tokens tokens,
+temperature 0, speculation "exact") timed by wall clock. Arm order alternates ABAB / BABA
+between rounds. Reported: median tokens/s per regime and arm, with min-max and IQR, and
+overall (all samples' tokens over their time). The auto daemon writes a governor trace; each
+auto sample's cycles are read back from it (depth histogram), and its ``governor.decision``
+log events are counted by kind, to explain what the governor did.
+
+    python bench/governor_bench.py --rounds 5            # ~10-15 min on 2 cores
+    python bench/governor_bench.py --rounds 1 --requests 1 --max-tokens 16   # smoke run
+
+Goal (issue 6): auto within 5% of the best fixed depth in each regime, and ahead of every
+fixed depth overall. The table says whether it was met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(HERE)]
+
+import zmq  # noqa: E402
+
+from contention import burn, hold  # noqa: E402
+from daemon.paths import BUNDLED_MODEL  # noqa: E402
+from protocol import Ping, decode_daemon, encode  # noqa: E402
+from protocol.client import Client  # noqa: E402
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\n\n\ndef walk(path):\n",
+    "def quicksort(items):\n",
+]
+REGIMES = ("quiet", "busy", "mixed")
+
+
+# ---------------------------------------------------------------- daemons
+
+
+class Daemon:
+    def __init__(self, name: str, workdir: Path, model: Path, config: str):
+        self.name = name
+        run = workdir / name
+        run.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.endpoint = f"ipc://{run / 'councild.sock'}"
+        self.log_path = run / "daemon.log"
+        self.trace_path = run / "governor.trace.jsonl"
+        cfg = run / "councild.toml"
+        cfg.write_text(f'governor_trace = "{self.trace_path}"\n' + config)
+        cmd = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(model), "--endpoint", self.endpoint,
+               "--log-format", "json", "--config", str(cfg)]
+        env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(run), PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 120.0) -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 300)
+        sock.connect(self.endpoint)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} daemon exited:\n{self.log_path.read_text()[-3000:]}")
+                sock.send(encode(Ping(nonce=1)))
+                try:
+                    decode_daemon(sock.recv())
+                    return
+                except zmq.Again:
+                    continue
+            raise RuntimeError(f"{self.name} daemon not ready after {timeout_s} s")
+        finally:
+            sock.close()
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+# ---------------------------------------------------------------- contention schedule
+
+
+class Regime:
+    """Start a regime's helpers on enter, stop (and reap) them all on exit."""
+
+    def __init__(self, name: str, toggle_s: float, hold_mb: int):
+        self.name, self.toggle_s, self.hold_mb = name, toggle_s, hold_mb
+        self.helpers = []
+        self._stop = threading.Event()
+        self._toggler: threading.Thread | None = None
+
+    def __enter__(self) -> "Regime":
+        try:
+            if self.name == "busy":
+                self.helpers += [burn(), burn()]
+            elif self.name == "mixed":
+                self.helpers.append(hold(self.hold_mb))
+                self.helpers.append(burn())
+                flapping = burn()
+                self.helpers.append(flapping)
+                self._toggler = threading.Thread(target=self._toggle, args=(flapping.proc.pid,), daemon=True)
+                self._toggler.start()
+            elif self.name != "quiet":
+                raise ValueError(f"unknown regime {self.name!r}")
+        except BaseException:
+            self.__exit__()
+            raise
+        time.sleep(0.5)  # let the helpers get going
+        return self
+
+    def _toggle(self, pid: int) -> None:
+        on = True
+        while not self._stop.wait(self.toggle_s):
+            on = not on
+            try:
+                os.kill(pid, signal.SIGCONT if on else signal.SIGSTOP)
+            except ProcessLookupError:
+                return
+        try:
+            os.kill(pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+        except ProcessLookupError:
+            pass
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._toggler is not None:
+            self._toggler.join(timeout=5)
+        for h in self.helpers:
+            try:
+                os.kill(h.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            h.proc.terminate()
+            h.stop()
+        self.helpers.clear()
+
+
+# ---------------------------------------------------------------- one sample
+
+
+def sample(client: Client, arm: str, requests: int, max_tokens: int, offset: int) -> dict:
+    if arm != "auto":
+        reply = client.governor("pin_depth", int(arm[1:]))
+        if not reply.ok or reply.state["depth"] != int(arm[1:]):
+            raise RuntimeError(f"could not pin {arm}: {reply}")
+    before = client.status().detail["governor"]
+    t0_mono = time.monotonic()
+    t0 = time.perf_counter()
+    tokens = cycles = drafted = accepted = 0
+    for i in range(requests):
+        done = client.complete(PROMPTS[(offset + i) % len(PROMPTS)], max_tokens=max_tokens, speculation="exact")
+        tokens += done.usage.completion_tokens
+        if done.speculation is not None:
+            cycles += done.speculation.cycles
+            drafted += done.speculation.drafted
+            accepted += done.speculation.accepted
+    wall = time.perf_counter() - t0
+    after = client.status().detail["governor"]
+    return {
+        "arm": arm, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "t0": t0_mono, "t1": time.monotonic(),
+        "cycles": cycles, "drafted": drafted, "accepted": accepted,
+        "depth_before": before.get("depth"), "depth_after": after.get("depth"),
+        "scores_after": [d.get("score") for d in after.get("cost_model", {}).get("depths", [])],
+        "loadavg": os.getloadavg()[0],
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0]
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _trace_cycles(path: Path) -> list[tuple[float, int, float]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "cycle":
+            c = rec["cycle"]
+            out.append((rec["t"], int(c.get("depth", 0)), float(c.get("cycle_s", 0.0))))
+    return out
+
+
+def summarize(samples: list[dict], arms: list[str], regimes: list[str]) -> dict:
+    per: dict = {}
+    for r in regimes:
+        per[r] = {}
+        for a in arms:
+            xs = [s["tok_s"] for s in samples if s["regime"] == r and s["arm"] == a and not s["warmup"]]
+            if xs:
+                per[r][a] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs),
+                             "iqr": _q(xs, 0.75) - _q(xs, 0.25), "n": len(xs)}  # fmt: skip
+    overall = {}
+    for a in arms:
+        ss = [s for s in samples if s["arm"] == a and not s["warmup"]]
+        if ss:
+            overall[a] = {"tok_s": sum(s["tokens"] for s in ss) / sum(s["wall_s"] for s in ss),
+                          "mean_of_regime_medians": statistics.mean(per[r][a]["median"] for r in regimes if a in per[r])}
+    fixed = [a for a in arms if a != "auto"]
+    goal = {}
+    if "auto" in arms and fixed:
+        for r in regimes:
+            best = max(fixed, key=lambda a: per[r][a]["median"])
+            ratio = per[r]["auto"]["median"] / per[r][best]["median"]
+            goal[r] = {"best_fixed": best, "auto_vs_best": ratio, "met": ratio >= 0.95}
+        best_o = max(fixed, key=lambda a: overall[a]["tok_s"])
+        ratio = overall["auto"]["tok_s"] / overall[best_o]["tok_s"]
+        goal["overall"] = {"best_fixed": best_o, "auto_vs_best": ratio, "met": ratio > 1.0}
+    return {"per_regime": per, "overall": overall, "goal": goal}
+
+
+def auto_diagnostics(samples: list[dict], daemon: Daemon, regimes: list[str]) -> dict:
+    cycles = _trace_cycles(daemon.trace_path)
+    depth_hist: dict[str, Counter] = {r: Counter() for r in regimes}
+    for s in samples:
+        if s["arm"] != "auto":
+            continue
+        hist = Counter(d for t, d, _ in cycles if s["t0"] <= t <= s["t1"])
+        s["auto_cycles_by_depth"] = dict(sorted(hist.items()))
+        if not s["warmup"]:
+            depth_hist[s["regime"]].update(hist)
+    decisions = [e for e in daemon.events() if e.get("event") == "governor.decision"]
+    kinds = Counter(e.get("decision") for e in decisions)
+    moves = [
+        {k: e.get(k) for k in ("timestamp", "decision", "sentence", "depth_from", "depth_to", "scores", "pressure")}
+        for e in decisions if e.get("decision") in ("depth", "probe", "probe_end", "evict_head", "load_head")
+    ]  # fmt: skip
+    return {
+        "cycles_by_depth": {r: dict(sorted(h.items())) for r, h in depth_hist.items()},
+        "decision_counts": dict(kinds),
+        "moves": moves,
+    }
+
+
+def markdown(result: dict) -> str:
+    s, meta = result["summary"], result["meta"]
+    arms, regimes = meta["arms"], meta["regimes"]
+    lines = [
+        f"## governor bench: {meta['model']}, {meta['machine']}",
+        "",
+        f"{meta['rounds']} rounds (+{meta['warmup_rounds']} warm-up), per sample {meta['requests']} requests x "
+        f"{meta['max_tokens']} tokens, temperature 0, exact; arms interleaved ABAB/BABA; tokens/s median "
+        "(min-max, IQR) per regime; overall = all samples' tokens / their time.",
+        "",
+        "| arm | " + " | ".join(regimes) + " | overall |",
+        "|---|" + "---|" * (len(regimes) + 1),
+    ]
+    for a in arms:
+        cells = []
+        for r in regimes:
+            p = s["per_regime"][r].get(a)
+            cells.append("-" if p is None else f"{p['median']:.1f} ({p['min']:.1f}-{p['max']:.1f}, {p['iqr']:.1f})")
+        o = s["overall"].get(a)
+        cells.append("-" if o is None else f"{o['tok_s']:.1f}")
+        lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    if s["goal"]:
+        lines += ["", "| goal | best fixed | auto / best | met |", "|---|---|---|---|"]
+        for r in [*regimes, "overall"]:
+            g = s["goal"][r]
+            want = "> 1.00" if r == "overall" else ">= 0.95"
+            lines.append(f"| {r} (want {want}) | {g['best_fixed']} | {g['auto_vs_best']:.3f} | "
+                         f"{'yes' if g['met'] else 'NO'} |")
+    d = result.get("auto")
+    if d:
+        lines += ["", "Auto arm, decode cycles by depth (from the governor trace): "
+                  + "; ".join(f"{r}: {h}" for r, h in d["cycles_by_depth"].items()),
+                  "", f"governor.decision events (info) by kind: {d['decision_counts']}"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(BUNDLED_MODEL), help="model folder (default: the bundled tiny-qwen35)")
+    ap.add_argument("--rounds", type=int, default=5, help="measured rounds (>= 3 for a median; default 5)")
+    ap.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds first (default 1)")
+    ap.add_argument("--regimes", default=",".join(REGIMES), help="comma list of quiet,busy,mixed")
+    ap.add_argument("--depths", default="0,1,2,3,4", help="fixed depths to compare (default 0,1,2,3,4)")
+    ap.add_argument("--requests", type=int, default=3, help="requests per sample (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("--toggle-s", type=float, default=1.0, help="mixed regime: on/off period of the flapping burner")
+    ap.add_argument("--hold-mb", type=int, default=1024, help="mixed regime: memory held, MiB (default 1024)")
+    ap.add_argument("--governor-toml", default=None,
+                    help="extra TOML lines for the auto daemon's [governor] table (to try a config change)")
+    ap.add_argument("--out", default=str(HERE / "results" / "governor_cpu.json"), help="JSON results path")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--workdir", default=None, help="daemon sockets/logs/traces (default: a temp dir, kept)")
+    a = ap.parse_args(argv)
+    regimes = [r for r in a.regimes.split(",") if r]
+    arms = ["auto"] + [f"d{int(k)}" for k in a.depths.split(",") if k != ""]
+    workdir = Path(a.workdir or tempfile.mkdtemp(prefix="governor-bench-"))
+    gov_table = "[governor]\n" + (a.governor_toml.replace("\\n", "\n") + "\n" if a.governor_toml else "")
+    base = 'log_level = "info"\n[speculation]\nmode = "exact"\ndepth = 1\n'
+    command = " ".join(["python", "bench/governor_bench.py", *(argv if argv is not None else sys.argv[1:])])
+    print(f"# {command}\n# workdir {workdir}", flush=True)
+
+    auto = Daemon("auto", workdir, Path(a.model), base + gov_table)
+    fixed = Daemon("fixed", workdir, Path(a.model), base + "[governor]\n")
+    samples: list[dict] = []
+    t_start = time.time()
+    try:
+        with Client(auto.endpoint, seat="bench", timeout_s=120) as ca, \
+                Client(fixed.endpoint, seat="bench", timeout_s=120) as cf:  # fmt: skip
+            total_rounds = a.warmup_rounds + a.rounds
+            for rnd in range(total_rounds):
+                warm = rnd < a.warmup_rounds
+                order = arms if rnd % 2 == 0 else arms[::-1]
+                for regime in regimes:
+                    with Regime(regime, a.toggle_s, a.hold_mb):
+                        for i, arm in enumerate(order):
+                            c = ca if arm == "auto" else cf
+                            s = sample(c, arm, a.requests, a.max_tokens, offset=rnd + i)
+                            s.update(round=rnd, regime=regime, warmup=warm)
+                            samples.append(s)
+                            print(f"round {rnd}{' (warm-up)' if warm else ''} {regime:5s} {arm:4s} "
+                                  f"{s['tok_s']:6.1f} tok/s  depth {s['depth_before']}->{s['depth_after']}  "
+                                  f"load {s['loadavg']:.2f}", flush=True)
+            assert cf.governor("auto").ok
+    finally:
+        code_a, code_f = auto.stop(), fixed.stop()
+    summary = summarize(samples, arms, regimes)
+    result = {
+        "meta": {
+            "command": command, "model": Path(a.model).name, "rounds": a.rounds, "warmup_rounds": a.warmup_rounds,
+            "regimes": regimes, "arms": arms, "requests": a.requests, "max_tokens": a.max_tokens,
+            "toggle_s": a.toggle_s, "hold_mb": a.hold_mb, "governor_toml": a.governor_toml,
+            "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
+            "wall_s": round(time.time() - t_start, 1), "daemon_exit": [code_a, code_f], "workdir": str(workdir),
+        },
+        "summary": summary,
+        "auto": auto_diagnostics(samples, auto, regimes),
+        "samples": samples,
+    }  # fmt: skip
+    table = markdown(result)
+    print(table)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if a.md:
+        Path(a.md).write_text(table)
+    print(f"wrote {out}" + (f" and {a.md}" if a.md else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
