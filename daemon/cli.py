@@ -30,6 +30,20 @@ failed to load, 75 another daemon serves the endpoint, 78 bad configuration.
 """
 
 
+SERVE_DESCRIPTION = """\
+Load the model, bind the endpoint and serve until SIGTERM.
+
+signals: SIGTERM/SIGINT drains in-flight work (up to drain_deadline_s) and exits 0; a
+second one exits at once. SIGHUP re-reads the config file and applies the [scheduler]
+table, heartbeat_timeout_s and drain_deadline_s; a bad file is rejected (logged as
+config.reload_rejected) and the running settings kept.
+systemd: READY=1 once the model is loaded and the socket bound, WATCHDOG=1 while the step
+loop runs, STOPPING=1 when the drain starts ($NOTIFY_SOCKET; nothing without it).
+logs: stderr, one JSON object per line, or a console format when stderr is a terminal;
+event names are listed in docs/OPERATIONS.md.
+"""
+
+
 def _add_endpoint(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", help="daemon endpoint (default: $COUNCILD_ENDPOINT or the per-user ipc socket)")
 
@@ -40,9 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground (what launchd/systemd start)",
-                           description="Load the model, bind the endpoint and serve until SIGTERM. "
-                                       "SIGTERM drains in-flight work (up to drain_deadline_s), a second "
-                                       "SIGTERM/SIGINT exits at once, SIGHUP reloads scheduling and governor settings.",
+                           description=SERVE_DESCRIPTION,
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", help="TOML config file (see docs/OPERATIONS.md for the keys)")
     serve.add_argument("--model", help="model folder (HF or mlx format); default: the bundled tiny-qwen35")
@@ -70,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon to say anything")
 
     st = sub.add_parser("status", help="show what a running daemon is doing",
-                        description="Model, MTP head, depth, memory, seats, queues, throughput and uptime.")
+                        description="Model, MTP head, speculation depth, memory (MB), memory pressure and the "
+                                    "governor's state, requests in flight, throughput and uptime, then one row "
+                                    "per seat (active, queued, tokens). Exit 1 when no daemon answers.")
     _add_endpoint(st)
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
     st.add_argument("--timeout", type=float, default=5.0)
@@ -226,7 +240,8 @@ def format_status(reply) -> str:
             pressure += ", SHEDDING new requests"
         rows.append(("pressure", pressure))
         facts = [f"{k}={v}" for k, v in gov.items()
-                 if k not in ("pressure", "available_bytes", "shedding", "depth") and not isinstance(v, (dict, list))]
+                 if k not in ("pressure", "available_bytes", "shedding", "depth") and v is not None
+                 and not isinstance(v, (dict, list))]
         if gov.get("last_actions"):
             facts.append("last actions " + ", ".join(map(str, gov["last_actions"])))
         rows.append(("governor", ", ".join(facts) or "running"))

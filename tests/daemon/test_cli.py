@@ -1,0 +1,104 @@
+"""daemon.cli: the `councild status` table (format_status) and the help texts."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.cli import build_parser, format_status
+from protocol import StatusReply
+
+
+def reply(**detail) -> StatusReply:
+    return StatusReply(server="councild 0.1.0", model="tiny-qwen35", uptime_s=3725.4, active=1, queued=2,
+                       detail=detail)
+
+
+FULL = dict(
+    pid=4242, endpoint="ipc:///run/user/1000/councild/councild.sock", model_type="qwen3_5", draining=False,
+    head_resident=True, head_bytes=850_000_000, depth=2, in_flight=3, clients=2, tokens_total=12345,
+    recent_tokens_per_s=41.26,
+    memory={"active_bytes": 17_500_000_000, "cache_bytes": 250_000_000, "peak_bytes": 18_000_000_000},
+    governor={"depth": 2, "head": {"head_available": True, "head_resident": True, "head_loading": False,
+                                   "head_bytes": 850_000_000, "target": "resident"},
+              "override": "auto", "pin_depth": None, "shedding": False, "pressure": "warn",
+              "available_bytes": 3_200_000_000, "state": {"depth": 2}, "cost_model": {},
+              "last_actions": ["SetDepth(2)"], "last_reasons": []},
+    seats={"planner": {"active": 1, "queued": 0, "tokens": 9000, "tokens_per_s": 30.5},
+           "critic": {"active": 0, "queued": 2, "tokens": 3345}},
+)
+
+
+def rows(text: str) -> dict[str, str]:
+    out = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition("  ")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def test_status_table_has_every_fact():
+    text = format_status(reply(**FULL))
+    r = rows(text)
+    assert r["model"] == "tiny-qwen35 (qwen3_5)"
+    assert "pid 4242" in r["server"]
+    assert r["uptime"] == "1h 02m 05s"
+    assert r["MTP head"] == "resident, 850.0 MB"
+    assert r["depth"] == "2"
+    assert r["in flight"] == "1 active, 2 queued, 2 clients"
+    assert r["throughput"].startswith("41.3 tok/s") and "12345 tokens total" in r["throughput"]
+    assert r["memory"] == "active 17500.0 MB, cache 250.0 MB, peak 18000.0 MB"
+    assert r["pressure"] == "warn, 3200.0 MB available"
+    assert "override=auto" in r["governor"] and "SetDepth(2)" in r["governor"]
+    assert "state" not in r  # not draining
+    # The rows line up: every value starts in the same column.
+    first = text.split("\n\n")[0].splitlines()
+    assert len({len(line) - len(line[len(line.split("  ")[0]):].lstrip()) for line in first}) == 1
+
+
+def test_status_seat_rows():
+    seat_block = format_status(reply(**FULL)).split("\n\n")[1].splitlines()
+    assert seat_block[0].split() == ["seat", "active", "queued", "tokens", "tok/s"]
+    assert seat_block[1].split() == ["critic", "0", "2", "3345", "-"]  # sorted; no rate known
+    assert seat_block[2].split() == ["planner", "1", "0", "9000", "30.5"]
+
+
+def test_status_states_worth_shouting():
+    detail = {**FULL, "draining": True, "head_resident": False,
+              "governor": {**FULL["governor"], "shedding": True, "pressure": "critical", "override": "pin_depth",
+                           "pin_depth": 0}}
+    r = rows(format_status(reply(**detail)))
+    assert r["MTP head"] == "not resident"
+    assert r["pressure"].startswith("critical") and "SHEDDING" in r["pressure"]
+    assert r["depth"].startswith("2 (pinned to 0")
+    assert r["state"].startswith("draining")
+
+
+def test_status_head_absent_and_governor_disabled():
+    detail = {**FULL, "head_resident": False, "governor": {**FULL["governor"], "head": {"head_available": False}}}
+    assert rows(format_status(reply(**detail)))["MTP head"].startswith("absent")
+    bare = {k: v for k, v in FULL.items() if k not in ("governor", "memory", "seats")}
+    text = format_status(reply(**bare))
+    assert rows(text)["governor"] == "disabled" and "memory" not in rows(text) and "\n\n" not in text
+
+
+def test_status_of_an_old_daemon_with_no_detail():
+    text = format_status(StatusReply(server="councild 0.0.1", model="m", uptime_s=5.0, active=0, queued=0))
+    r = rows(text)
+    assert r["uptime"] == "5 s" and r["MTP head"] == "not resident" and r["depth"] == "0"
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--help"], ["serve", "generate", "status", "governor", "service", "exit codes", "78", "75",
+                  "COUNCILD_ENDPOINT"]),
+    (["serve", "--help"], ["SIGTERM", "SIGHUP", "drain_deadline_s", "READY=1", "WATCHDOG=1", "STOPPING=1",
+                           "JSON", "docs/OPERATIONS.md", "--log-format"]),
+    (["status", "--help"], ["--json", "memory", "pressure", "seat"]),
+])
+def test_help_texts(capsys, argv, needles):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for needle in needles:
+        assert needle in out, (needle, out)
+    assert max(len(line) for line in out.splitlines()) <= 100  # readable in a terminal
