@@ -143,6 +143,22 @@ def test_quantized_base_gives_quantized_head(random_model_path, tmp_path):
     out = head(hidden, mx.array([[4, 5, 6]]), head.make_cache())
     assert out.dtype == hidden.dtype and out.shape == hidden.shape
     assert head.nbytes < load_mtp_head(load_model(random_model_path)).nbytes
+    # And the quantized pair decodes token-identically to serial.
+    import itertools
+
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.serial import serial_decode
+    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.types import SamplingParams
+
+    prompt = [5, 9, 100, 7, 3]
+    ref = [t for s in itertools.islice(serial_decode(qlm, prompt, Sampler(SamplingParams())), 16) for t in s.tokens]
+    got = []
+    for s in speculative_decode(qlm, head, prompt, Sampler(SamplingParams()), 2):
+        got += s.tokens
+        if len(got) >= 16:
+            break
+    assert got[:16] == ref
 
 
 def test_unload_returns_memory(random_model_path):

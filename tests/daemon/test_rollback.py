@@ -134,3 +134,65 @@ def test_no_float32_leak_into_the_residual_stream(lm, random_model_path):
     assert capture_hidden(lm, mx.array([[1, 2, 3]]), lm.make_cache(), rec).dtype == mx.bfloat16
     head = load_mtp_head(lm)
     assert head(h, mx.array([[6, 7, 8, 9]]), head.make_cache()).dtype == mx.bfloat16
+
+
+@pytest.fixture(scope="module")
+def next_lm():
+    """A tiny random qwen3_next model (in_proj_qkvz / in_proj_ba projections), bf16."""
+    from pathlib import Path
+
+    from mlx_lm.models import qwen3_next
+
+    from daemon.engine.model import LoadedModel
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=0, num_experts_per_tok=0,
+        decoder_sparse_step=1, shared_expert_intermediate_size=0, mlp_only_layers=[], moe_intermediate_size=0,
+        rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=1, rope_theta=10000.0, partial_rotary_factor=0.25,
+        max_position_embeddings=512, head_dim=32, full_attention_interval=2, tie_word_embeddings=True,
+    )
+    mx.random.seed(11)
+    model = qwen3_next.Model(args)
+    model.apply(lambda x: x.astype(mx.bfloat16) if x.dtype == mx.float32 else x)
+    return LoadedModel(model=model, tokenizer=None, path=Path("qwen3-next-random"), config={}, model_type="qwen3_next")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_qwen3_next_capture_and_rollback(next_lm, strategy):
+    lm = next_lm
+    prompt = [3, 9, 27, 81, 115, 1, 2]
+    c1, c2 = _prefill(lm, prompt), _prefill(lm, prompt)
+    toks = mx.array([[5, 6, 7, 8]])
+    assert mx.array_equal(lm.hidden(toks, c1), capture_hidden(lm, toks, c2, []))
+    for keep in range(5):
+        cache = _prefill(lm, prompt)
+        rb = make_rollback(strategy, lm, cache)
+        rb.forward(toks)
+        rb.commit(keep)
+        _assert_caches_equal(cache, _serial_reference(lm, prompt, toks[0, :keep].tolist()))
+
+
+def test_qwen3_next_speculation_is_token_identical(next_lm):
+    import itertools
+
+    from daemon.engine.mtp_head import MTPHead
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.serial import serial_decode
+    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.types import SamplingParams
+
+    lm = next_lm
+    head = MTPHead(lm.text_args)
+    head.apply(lambda x: x.astype(mx.bfloat16))
+    head._lm = lm
+    prompt = [3, 9, 27, 81, 115, 1, 2]
+    ref = [t for s in itertools.islice(serial_decode(lm, prompt, Sampler(SamplingParams())), 20) for t in s.tokens]
+    for k in (1, 3):
+        got = []
+        for s in speculative_decode(lm, head, prompt, Sampler(SamplingParams()), k):
+            got += s.tokens
+            if len(got) >= 20:
+                break
+        assert got[:20] == ref
