@@ -7,10 +7,12 @@ Temperature 0, for each depth and mode over a fixed prompt set:
   speculative sequence leaves the serial one; the comparison of that prompt stops there).
 
 Temperature > 0: a statistical test that speculation samples from the base model's own
-distribution. At a fixed context, many independent single-cycle draws (a fresh request per
-draw, its own seed) give the first committed token; a chi-square goodness-of-fit test
-compares their histogram with p, the base model's next-token distribution under the same
-sampler transforms, computed by a serial (M=1) step. Bins: every token with expected count
+distribution. At a fixed context, many independent draws (a fresh request per draw, its own
+seed) give the first output token (one cycle) and the second (which may come from a later
+draft position, the bonus token, or a second cycle after a rollback); a chi-square
+goodness-of-fit test compares each histogram with the base model's distribution for that
+token under the same sampler transforms: p at the context for the first, the mixture
+sum_y p(y) p(. | context + y) for the second, computed with serial (M=1) steps. Bins: every token with expected count
 >= 5, the rest pooled. p-value by the Wilson-Hilferty normal approximation of the
 chi-square tail (scipy is not a dependency); fails when p < alpha (default 0.001).
 
@@ -71,6 +73,7 @@ class ArmResult:
 @dataclass
 class DistributionResult:
     depth: int
+    position: int  # which output token is tested (0: first, 1: second)
     draws: int
     bins: int
     chi2: float
@@ -250,6 +253,20 @@ def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams
     return p.tolist()
 
 
+def second_token_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams, max_branches: int = 64) -> list[float]:
+    """The marginal of the second sampled token: sum over y of p(y) p(. | prompt + y)."""
+    p1 = base_distribution(lm, prompt, params)
+    branches = [(y, py) for y, py in enumerate(p1) if py > 1e-6]
+    if len(branches) > max_branches:
+        raise ValueError(f"{len(branches)} first tokens carry mass; use top-k <= {max_branches} to test position 1")
+    out = [0.0] * len(p1)
+    for y, py in branches:
+        for x, px in enumerate(base_distribution(lm, prompt + [y], params)):
+            out[x] += py * px
+    total = sum(out)
+    return [v / total for v in out]
+
+
 def chi_square_bins(counts: dict[int, int], p: list[float], draws: int, min_expected: float = 5.0):
     order = sorted(range(len(p)), key=lambda i: -p[i])
     bins = [i for i in order if p[i] * draws >= min_expected]
@@ -277,23 +294,33 @@ def distribution_test(
     alpha: float = 1e-3,
     seed: int = 0,
     rollback: str = DEFAULT_ROLLBACK,
+    position: int = 0,
 ) -> DistributionResult:
-    """First committed token of one speculative cycle, ``draws`` times, vs p (chi-square)."""
-    p = base_distribution(lm, prompt, params)
+    """Output token ``position`` (0 or 1) of a fresh speculative request, ``draws`` times,
+    vs the base model's distribution for it (chi-square). Position 0 tests the accept /
+    residual rule at the first draft; position 1 also covers later draft positions, the
+    bonus token and a second cycle after a rollback."""
+    p = base_distribution(lm, prompt, params) if position == 0 else second_token_distribution(lm, prompt, params)
     counts: dict[int, int] = {}
     accepted = 0
     for i in range(draws):
         sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed * 1_000_003 + i))
         gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback)
-        step = next(gen)
+        out: list[int] = []
+        first = None
+        while len(out) <= position:
+            step = next(gen)
+            if first is None:
+                first = step
+            out += step.tokens
         gen.close()
-        counts[step.tokens[0]] = counts.get(step.tokens[0], 0) + 1
-        accepted += step.accepted > 0
+        counts[out[position]] = counts.get(out[position], 0) + 1
+        accepted += first.accepted > 0
     bins, obs, exp, chi2, df = chi_square_bins(counts, p, draws)
     pv = chi2_sf(chi2, df)
     labels = [str(b) for b in bins] + (["rest"] if len(obs) > len(bins) else [])
     return DistributionResult(
-        depth=depth, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
+        depth=depth, position=position, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
         passed=pv >= alpha, accepted_fraction=accepted / draws,
         observed=dict(zip(labels, obs)), expected={k: round(v, 2) for k, v in zip(labels, exp)},
     )
@@ -329,11 +356,11 @@ def format_report(report: FidelityReport) -> str:
             lines.append(f"| {d.depth} | {d.positions} | {d.max_abs:.4g} | {d.max_rel:.4g} | {d.argmax_flips} | "
                          f"{d.headroom(report.guard_margin):.3g} |")
     if report.distribution:
-        lines += ["", "| temperature>0 depth | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| temperature>0 depth | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for d in report.distribution:
             lines.append(
-                f"| {d.depth} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
+                f"| {d.depth} | {d.position + 1} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
                 f"{d.accepted_fraction:.3f} | {'pass' if d.passed else 'FAIL'} |"
             )
     lines.append("")
@@ -396,9 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k)
         ctx = lm.encode_prompt(prompts[0], None, None)
         for d in (int(x) for x in args.sample_depths.split(",")):
-            report.distribution.append(
-                distribution_test(lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback)
-            )
+            for pos in (0, 1):
+                report.distribution.append(distribution_test(
+                    lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
+                ))
     print(format_report(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,16 @@ def test_sampling_keeps_the_base_distribution(lm, copy_head, depth):
     assert 0.05 < res.accepted_fraction < 0.95  # both the accept and the residual branch ran
 
 
+def test_sampling_keeps_the_second_token_distribution(lm, copy_head):
+    # Depth 1: the second output token is the bonus token (draft accepted) or comes from a
+    # second cycle after a rollback; its marginal must be sum_y p(y) p(. | y). (Sampling the
+    # bonus from the wrong row fails this with p ~ 1e-122.)
+    ctx = lm.tokenizer.encode("a b c d")
+    res = distribution_test(lm, copy_head, ctx, SamplingParams(temperature=1.0, top_k=6), 1, draws=250, alpha=1e-3,
+                            seed=2, position=1)
+    assert res.passed, res
+
+
 @pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="bundled model not trained yet")
 def test_gate_passes_on_the_bundled_model():
     blm = load_model(BUNDLED_MODEL)
