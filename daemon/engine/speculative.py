@@ -24,12 +24,24 @@ One cycle at depth k:
 exact (temperature 0 only): where a verify position's top-2 logprob margin is within the
 guard, that position is decided with serial numerics: keep the verify prefix before it,
 run it as a one-token (M=1) forward like serial_decode, and commit what that says. So
-every committed token was decided either with a margin no kernel rounding can flip or by
-the serial computation itself. fast: takes the verify's argmax everywhere.
+every committed token was decided either with a top-2 margin wider than the guard or by
+the serial computation itself. That is exact as long as the verify's logits stay within
+half the guard of serial's (kernel rounding by batch height, plus the drift of caches
+written by batched forwards): ``councild gate fidelity`` measures that deviation and
+prints the guard's headroom; on CPU it is 0 (bit-identical). fast: takes the verify's
+argmax everywhere.
 
 Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to
 serial_decode's; its pair is queued so the head's history stays whole and depth can rise
 again.
+
+Overlap: as serial_decode queues its next step before handing out a token, a cycle here
+queues the next cycle's first draft (head feed + d1) before yielding, and a depth-0 cycle
+queues the next serial step (undone through a snapshot if depth rises).
+
+The tokens of one DecodeStep may run past an EOS; the caller cuts at the first one. In a
+guarded cycle, draft positions from the guarded one on are reported not accepted (they
+were not judged); ``guarded`` says so.
 """
 
 from __future__ import annotations
