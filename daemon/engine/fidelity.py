@@ -35,7 +35,7 @@ import mlx.core as mx
 from .model import LoadedModel
 from .sampling import Sampler
 from .serial import serial_decode
-from .speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, speculative_decode
+from .speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from .types import SamplingParams
 
 PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
@@ -145,6 +145,7 @@ def run_fidelity_gate(
     logit_jitter: float = 0.0,
 ) -> FidelityReport:
     """Serial vs speculative at temperature 0, for each depth and mode."""
+    rollback = resolve_rollback(rollback)
     report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
     refs = [_serial_tokens(lm, p, max_tokens) for p in encoded]
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--prompts", help=f"prompt file (default {PROMPTS_FILE.name})")
-    ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("capture", "snapshot"))
+    ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("auto", "capture", "snapshot"))
     ap.add_argument("--guard", type=float, default=DEFAULT_GUARD, help="exact-mode guard (relative top-2 margin)")
     ap.add_argument("--draws", type=int, default=1000, help="temperature>0 draws per depth (0: skip)")
     ap.add_argument("--sample-depths", default="1,2")

@@ -61,11 +61,20 @@ from .types import DecodeStep
 # top1 - top2 <= DEFAULT_GUARD * max(1, |top1 logit|). 2**-5 is four bf16 ulps relative
 # (bf16 keeps 8 significant bits), well above the one-or-two-ulp M=1 vs M>=2 differences.
 DEFAULT_GUARD = 2.0**-5
-# Rollback strategy, measured on CPU with `councild bench spec` (bench/results/spec_cpu_*.md):
-# capture beat snapshot by 38% when every draft is rejected (random head) and by 3% at
-# ~0.9 acceptance (copy head). On Metal the capture path runs mlx-lm's GDN ops path rather
-# than the fused kernel: measure there before relying on it (``rollback="snapshot"``).
-DEFAULT_ROLLBACK = "capture"
+# Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
+# its ops path (CPU, CUDA): there capturing the per-token states adds no kernels, and it won
+# every CPU measurement (`councild bench spec`, bench/results/spec_summary.md: by 38% when
+# every draft is rejected, 3-15% at 0.76-0.92 acceptance). On Metal, mlx-lm uses a fused GDN
+# kernel that capture would replace by the ops path (other kernels, other rounding), so auto
+# picks snapshot there until `councild bench spec` on that machine says otherwise.
+DEFAULT_ROLLBACK = "auto"
+
+
+def resolve_rollback(strategy: str) -> str:
+    if strategy != "auto":
+        return strategy
+    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    return "snapshot" if on_metal else "capture"
 # Queued head pairs are fed to the head once this many accumulate at depth 0.
 FLUSH_PENDING = 64
 
@@ -146,7 +155,8 @@ def speculative_decode(
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
-    depth() is read at the start of every cycle. ``rollback`` is "capture" or "snapshot".
+    depth() is read at the start of every cycle. ``rollback`` is "capture", "snapshot" or
+    "auto" (see DEFAULT_ROLLBACK).
     ``logit_jitter`` is a test hook: uniform noise of that amplitude on the verify's
     logprobs (never on serial steps), standing in for batch-height-dependent kernels.
     ``history``: pass a fresh ``HeadHistory(head)`` to inspect the head's state afterwards.
@@ -157,7 +167,7 @@ def speculative_decode(
     cache = cache if cache is not None else lm.make_cache()
     if head is not None:
         check_cache(cache)
-    rb = make_rollback(rollback, lm, cache)
+    rb = make_rollback(resolve_rollback(rollback), lm, cache)
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
     jitter_key = mx.random.key(0x5EED)

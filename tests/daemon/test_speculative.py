@@ -134,3 +134,11 @@ def test_sampling_runs_and_commits_accept_plus_one(lm, copy_head):
     assert len(out) == 40 and all(0 <= t < lm.text_args.vocab_size for t in out)
     again, _ = spec(lm, copy_head, prompt, 40, 3, params=params)
     assert again == out  # the request's seed reproduces it
+
+
+def test_auto_rollback_is_capture_off_metal():
+    from daemon.engine.speculative import resolve_rollback
+
+    on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
+    assert resolve_rollback("auto") == ("snapshot" if on_metal else "capture")
+    assert resolve_rollback("snapshot") == "snapshot" and resolve_rollback("capture") == "capture"
