@@ -297,6 +297,8 @@ def cmd_governor_override(args) -> int:
 # Subcommands implemented in their own modules, each with its own argparse and help.
 DELEGATED = {
     ("gate", "fidelity"): "daemon.engine.fidelity",
+    ("gate", "perf"): "daemon.perf_gate",
+    ("tune",): "daemon.tune",
     ("bench", "serial"): "daemon.bench_serial",
     ("bench", "spec"): "daemon.engine.decode_bench",
     ("governor", "replay"): "governor.replay",

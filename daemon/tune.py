@@ -1,0 +1,316 @@
+"""`councild tune`: measure this machine and write the profile the governor starts from.
+
+For the model (default: the configured one, else the bundled model) it decodes a standard
+prompt suite (the fidelity gate's fixed prompts, greedy) serially and at each depth, and
+records what the governor's cost model reads: the engine's own per-cycle seconds
+(``DecodeStep.cycle_s``, median per depth; depth 0 = one serial step) and the conditional
+acceptance per draft position (accepted, given the positions before it were). Depths are
+interleaved per prompt, serial first, after a warm-up pass, so drift lands on every depth.
+
+The profile (JSON) records the mlx, mlx-lm and councild versions, the device, and the
+model's path and content hash; ``load_profile`` refuses (returns None and logs why) a
+profile made with other versions, on another device, or for another model, since a
+cost measured under another stack says nothing about this one.
+
+Default location: <cache dir>/profile-<model hash>.json (cache dir: $COUNCILD_CACHE_DIR,
+else ~/.cache/councild or ~/Library/Caches/councild). `councild tune --show` prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PROFILE_FORMAT = 1
+_CHUNK = 1 << 16
+
+
+def model_hash(model_path: str | Path) -> str:
+    """Content hash of a model folder, cheap even at 50 GB: config.json, and per weight file
+    its name, size, and first and last 64 KiB (the safetensors header and the tail)."""
+    folder = Path(model_path).expanduser().resolve()
+    h = hashlib.sha256()
+    cfg = folder / "config.json"
+    h.update(cfg.read_bytes() if cfg.exists() else b"")
+    for f in sorted(list(folder.glob("*.safetensors")) + list(folder.glob("*.npz"))):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(_CHUNK))
+            if size > _CHUNK:
+                fh.seek(max(_CHUNK, size - _CHUNK))
+                h.update(fh.read(_CHUNK))
+    return h.hexdigest()[:16]
+
+
+def current_versions() -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    from daemon import __version__
+
+    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "councild": __version__}
+
+
+def current_device() -> str:
+    import mlx.core as mx
+
+    dev = str(mx.default_device())
+    try:
+        name = mx.device_info().get("device_name")
+        if name:
+            dev += f" {name}"
+    except Exception:  # noqa: BLE001
+        pass
+    return dev
+
+
+def default_profile_path(model_path: str | Path) -> Path:
+    from daemon.paths import cache_dir
+
+    return cache_dir() / f"profile-{model_hash(model_path)}.json"
+
+
+def check_profile(profile: dict, model_path: str | Path, versions: dict | None = None,
+                  device: str | None = None) -> str | None:
+    """None when the profile fits this stack and model, else the reason it does not."""
+    if profile.get("format") != PROFILE_FORMAT:
+        return f"profile format {profile.get('format')!r}, expected {PROFILE_FORMAT}"
+    versions = versions or current_versions()
+    for k, v in versions.items():
+        got = (profile.get("versions") or {}).get(k)
+        if got != v:
+            return f"made with {k} {got}, running {v}"
+    device = device or current_device()
+    if profile.get("device") != device:
+        return f"made on device {profile.get('device')!r}, running on {device!r}"
+    want = model_hash(model_path)
+    got = (profile.get("model") or {}).get("hash")
+    if got != want:
+        return f"made for model hash {got} ({(profile.get('model') or {}).get('path')}), this model is {want}"
+    if not isinstance(profile.get("cost_s"), dict) or "0" not in profile["cost_s"]:
+        return "profile has no serial cost"
+    return None
+
+
+def load_profile(model_path: str | Path, path: str | Path | None = None, *, versions: dict | None = None,
+                 device: str | None = None) -> dict | None:
+    """The tuned profile for this model on this stack, or None (with a logged reason)."""
+    from daemon.logs import get_logger
+
+    log = get_logger("councild.tune")
+    p = Path(path) if path is not None else default_profile_path(model_path)
+    if not p.exists():
+        log.info("profile.absent", path=str(p), reason="no tuned profile; the governor starts from its priors")
+        return None
+    try:
+        profile = json.loads(p.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("profile.refused", path=str(p), reason=f"unreadable: {exc}")
+        return None
+    reason = check_profile(profile, model_path, versions, device)
+    if reason is not None:
+        log.warning("profile.refused", path=str(p), reason=reason, message="run `councild tune` again")
+        return None
+    log.info("profile.loaded", path=str(p), cost_s=profile["cost_s"], acceptance=profile.get("acceptance"))
+    return profile
+
+
+def governor_profile(profile: dict | None) -> dict | None:
+    """Just the keys the governor's cost model reads ({"cost_s", "acceptance"})."""
+    if not profile:
+        return None
+    return {"cost_s": profile.get("cost_s", {}), "acceptance": profile.get("acceptance", [])}
+
+
+class Progress:
+    """A plain progress bar on stderr (carriage returns on a terminal, lines otherwise)."""
+
+    def __init__(self, total: int, stream=None, width: int = 30):
+        self.total, self.done, self.width = max(1, total), 0, width
+        self.stream = stream or sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.t0 = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        frac = self.done / self.total
+        bar = "#" * round(frac * self.width) + "." * (self.width - round(frac * self.width))
+        line = f"tune [{bar}] {self.done}/{self.total} {label} ({time.perf_counter() - self.t0:.0f}s)"
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if self.done >= self.total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str) -> tuple[list[float], list[list[bool]], int]:
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.serial import serial_decode
+    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.types import SamplingParams
+
+    sampler = Sampler(SamplingParams())
+    gen = serial_decode(lm, prompt, sampler) if depth == 0 else speculative_decode(
+        lm, head, prompt, sampler, depth, exact=exact, rollback=rollback)
+    cycles, masks, got = [], [], 0
+    for step in gen:
+        cycles.append(step.cycle_s)
+        if step.drafted:
+            masks.append(list(step.accepted_mask))
+        got += len(step.tokens)
+        if got >= tokens:
+            break
+    gen.close()
+    return cycles[1:] or cycles, masks, got  # the first cycle waits on the prefill
+
+
+def conditional_acceptance(masks: list[list[bool]], depth: int) -> tuple[list[float], list[int]]:
+    num, den = [0] * depth, [0] * depth
+    for m in masks:
+        for i, ok in enumerate(m[:depth]):
+            den[i] += 1
+            num[i] += bool(ok)
+            if not ok:
+                break
+    return [n / d if d else 0.0 for n, d in zip(num, den)], den
+
+
+def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None) -> dict:
+    """Measure cost per depth and acceptance; returns the measured part of a profile."""
+    depths = [0] + [d for d in depths if d > 0] if head is not None else [0]
+    # warm-up: one short pass per depth (compiles kernels, fills caches), discarded
+    for k in depths:
+        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback)
+        if progress:
+            progress.step(f"warm-up depth {k}")
+    cycles: dict[int, list[float]] = {k: [] for k in depths}
+    tok_s: dict[int, list[float]] = {k: [] for k in depths}
+    masks: dict[int, list] = {k: [] for k in depths}
+    for i, p in enumerate(prompts):
+        order = depths if i % 2 == 0 else list(reversed(depths))
+        for k in order:
+            t = time.perf_counter()
+            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback)
+            tok_s[k].append(got / (time.perf_counter() - t))
+            cycles[k] += c
+            masks[k] += m
+            if progress:
+                progress.step(f"prompt {i + 1}/{len(prompts)} depth {k}")
+    max_d = max(depths)
+    acc, den = conditional_acceptance(masks[max_d], max_d) if max_d else ([], [])
+    return {
+        "cost_s": {str(k): statistics.median(v) for k, v in cycles.items() if v},
+        "acceptance": acc,
+        "acceptance_samples": den,
+        "acceptance_by_depth": {str(k): conditional_acceptance(masks[k], k)[0] for k in depths if k},
+        "cycles": {str(k): len(v) for k, v in cycles.items()},
+        "tok_s": {str(k): statistics.median(v) for k, v in tok_s.items() if v},
+    }
+
+
+def format_profile(p: dict) -> str:
+    lines = [f"profile for {p['model']['path']} (hash {p['model']['hash']})",
+             f"  made {p.get('created')} on {p.get('device')}; " + ", ".join(f"{k} {v}" for k, v in p["versions"].items()),
+             f"  mode {p.get('mode')}, rollback {p.get('rollback')}, {p.get('suite', {}).get('prompts')} prompts x "
+             f"{p.get('suite', {}).get('tokens')} tokens",
+             "  depth | cycle ms | tok/s | E(k) | predicted tok/s"]
+    acc = p.get("acceptance") or []
+    for k, c in sorted(p["cost_s"].items(), key=lambda kv: int(kv[0])):
+        e, run = 1.0, 1.0
+        for a in acc[: int(k)]:
+            run *= a
+            e += run
+        lines.append(f"  {int(k):5d} | {1000 * c:8.2f} | {p.get('tok_s', {}).get(k, float('nan')):5.1f} | {e:4.2f} | {e / c:6.1f}")
+    lines.append("  conditional acceptance by position: " + (" ".join(f"{a:.3f}" for a in acc) or "-"))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="councild tune", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="model folder (default: config, else the bundled model)")
+    ap.add_argument("--config", help="TOML config (mode and max depth)")
+    ap.add_argument("--out", help="profile path (default: <cache dir>/profile-<model hash>.json)")
+    ap.add_argument("--depths", default=None, help="depths to measure (default 1..speculation.max_depth)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt per depth")
+    ap.add_argument("--prompts", type=int, default=6, help="how many of the standard prompts")
+    ap.add_argument("--rollback", choices=("capture", "snapshot"))
+    ap.add_argument("--show", action="store_true", help="print the profile for the model and whether it would load")
+    ap.add_argument("--json", action="store_true", help="with --show: print the raw JSON")
+    args = ap.parse_args(argv)
+
+    from daemon.cli import resolve_model
+    from daemon.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"councild tune: {exc}", file=sys.stderr)
+        return 78
+    model = resolve_model(args.model or cfg.model)
+    path = Path(args.out) if args.out else default_profile_path(model)
+
+    if args.show:
+        if not path.exists():
+            print(f"councild tune: no profile at {path}; run `councild tune`", file=sys.stderr)
+            return 1
+        p = json.loads(path.read_text())
+        print(json.dumps(p, indent=2) if args.json else format_profile(p))
+        reason = check_profile(p, model)
+        print(f"{path}: " + ("loads for this model and stack" if reason is None else f"would be refused: {reason}"),
+              file=sys.stderr)
+        return 0
+
+    import mlx.core as mx
+
+    from daemon.engine.fidelity import load_prompts
+    from daemon.engine.model import load_model
+    from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
+    from daemon.engine.speculative import DEFAULT_ROLLBACK
+
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, cfg.speculation.max_depth + 1))
+    rollback = args.rollback or DEFAULT_ROLLBACK
+    exact = cfg.speculation.mode != "fast"
+    mx.random.seed(0)
+    lm = load_model(model)
+    try:
+        head = load_mtp_head(lm)
+    except NoMTPHead as exc:
+        print(f"councild tune: {exc}; measuring serial only", file=sys.stderr)
+        head = None
+    all_prompts = load_prompts()
+    prompts = [lm.encode_prompt(p, None, None) for p in all_prompts[: max(1, args.prompts)]]
+    n_depths = 1 + (len([d for d in depths if d > 0]) if head is not None else 0)
+    progress = Progress(n_depths * (1 + len(prompts)))
+    measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress)
+    profile = {
+        "format": PROFILE_FORMAT,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": current_versions(),
+        "device": current_device(),
+        "platform": platform.platform(),
+        "model": {"path": str(Path(model).expanduser().resolve()), "hash": model_hash(model)},
+        "mode": "exact" if exact else "fast",
+        "rollback": rollback,
+        "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/engine/fidelity_prompts.json"},
+        **measured,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.partial")
+    tmp.write_text(json.dumps(profile, indent=2))
+    tmp.replace(path)
+    print(format_profile(profile))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

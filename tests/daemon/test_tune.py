@@ -1,0 +1,90 @@
+"""`councild tune`: a tiny real run on the random model, the profile's shape, and refusal of a
+profile made with other versions, on another device, or for another model."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from daemon import tune
+
+
+@pytest.fixture(scope="module")
+def tuned(random_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "profile.json"
+    rc = tune.main(["--model", str(random_model_path), "--out", str(out), "--tokens", "4", "--prompts", "2",
+                    "--depths", "1,2"])
+    assert rc == 0
+    return random_model_path, out
+
+
+def test_profile_shape(tuned):
+    model, out = tuned
+    p = json.loads(out.read_text())
+    assert set(p["cost_s"]) == {"0", "1", "2"} and all(v > 0 for v in p["cost_s"].values())
+    assert len(p["acceptance"]) == 2 and all(0.0 <= a <= 1.0 for a in p["acceptance"])
+    assert set(p["versions"]) == {"mlx", "mlx_lm", "councild"}
+    assert p["model"]["hash"] == tune.model_hash(model) and p["device"]
+    assert tune.governor_profile(p) == {"cost_s": p["cost_s"], "acceptance": p["acceptance"]}
+
+
+def test_loads_on_the_same_stack(tuned):
+    model, out = tuned
+    p = tune.load_profile(model, out)
+    assert p is not None and p["cost_s"]["0"] > 0
+
+
+def test_refuses_other_versions(tuned):
+    model, out = tuned
+    versions = dict(tune.current_versions(), mlx="0.0.1")
+    assert tune.load_profile(model, out, versions=versions) is None
+    assert "mlx" in tune.check_profile(json.loads(out.read_text()), model, versions=versions)
+    older = dict(tune.current_versions(), councild="0.0.0")
+    assert tune.load_profile(model, out, versions=older) is None
+
+
+def test_refuses_another_device_and_another_model(tuned, tmp_path):
+    model, out = tuned
+    assert tune.load_profile(model, out, device="gpu NVIDIA H200") is None
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text('{"model_type": "qwen3_5", "other": true}')
+    assert "model hash" in tune.check_profile(json.loads(out.read_text()), other)
+    assert tune.load_profile(other, out) is None
+
+
+def test_missing_or_broken_profile_is_none(tuned, tmp_path):
+    model, _ = tuned
+    assert tune.load_profile(model, tmp_path / "absent.json") is None
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert tune.load_profile(model, bad) is None
+
+
+def test_default_path_is_under_the_cache_dir(tuned, tmp_path, monkeypatch):
+    model, _ = tuned
+    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
+    assert tune.default_profile_path(model) == tmp_path / f"profile-{tune.model_hash(model)}.json"
+
+
+def test_show(tuned, capsys):
+    model, out = tuned
+    assert tune.main(["--model", str(model), "--out", str(out), "--show"]) == 0
+    text = capsys.readouterr()
+    assert "conditional acceptance" in text.out and "loads for this model" in text.err
+
+
+def test_progress_bar_counts_to_total():
+    buf = io.StringIO()
+    bar = tune.Progress(4, stream=buf)
+    for i in range(4):
+        bar.step(f"unit {i}")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 4 and lines[-1].startswith("tune [" + "#" * 30 + "] 4/4")
+
+
+def test_conditional_acceptance_stops_at_first_reject():
+    acc, den = tune.conditional_acceptance([[True, False, False], [False, False, False], [True, True, True]], 3)
+    assert den == [3, 2, 1] and acc == [2 / 3, 0.5, 1.0]
