@@ -63,6 +63,8 @@ class Server:
         self.last_seen: dict[bytes, float] = {}
         self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
         self._cut: set[tuple[str, str]] = set()  # live requests already cancelled by _drop_client
+        self._held: dict[bytes, list[bytes]] = {}  # terminal messages a full queue refused, to retry
+        self._router: zmq.Socket | None = None
         self.draining_since: float | None = None
         self.stop_now = False
         self.reload_requested = False
@@ -211,7 +213,7 @@ class Server:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
             raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
-        router = self._bind()
+        router = self._router = self._bind()
         self._install_signals()
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
@@ -375,30 +377,73 @@ class Server:
     def _forward_replies(self, engine_out: zmq.Socket, router: zmq.Socket) -> None:
         for _ in range(1024):
             try:
-                identity, payload, key = engine_out.recv_multipart(zmq.NOBLOCK)
+                identity, payload, key, terminal = engine_out.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if key:
-                seat, rid = key.decode().split("\x00", 1)
+            if not key:  # not a request's message (a GovernorReply)
+                self._send(router, identity, payload)
+                continue
+            seat, rid = key.decode().split("\x00", 1)
+            if terminal:
                 self.live.pop((seat, rid), None)
                 self._cut.discard((seat, rid))
-            self._send(router, identity, payload)
+                self._send(router, identity, payload, terminal=True)
+            elif (seat, rid) not in self._cut:
+                self._send(router, identity, payload)
+            # else: a request already cut (slow consumer, client gone): its remaining chunks
+            # are dropped on purpose, so a client that resumes reading sees no seq gap, just
+            # the chunks it had, then the terminal Error.
 
     def _reply(self, router: zmq.Socket, identity: bytes, msg) -> None:
         self._send(router, identity, encode(msg))
 
-    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes) -> None:
+    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes, terminal: bool = False) -> None:
+        """Send without ever blocking. A full queue (EAGAIN: the client stopped reading)
+        cuts the client's requests with slow_consumer rather than buffering without bound
+        or blocking every other client; a terminal message that cannot go out now is held
+        (``_held``) and retried, so no request loses its one terminal message."""
         try:
+            if identity in self._held and not self._flush_held(router, identity):
+                raise zmq.Again()  # keep the order: held terminals first
             router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
-            # The client stopped reading and its queue is full: cut its streams rather
-            # than buffer without bound or block every other client.
+            if terminal:
+                self._hold(identity, payload)
             self._drop_client(identity, "slow_consumer")
         except zmq.ZMQError as exc:
-            if exc.errno == zmq.EHOSTUNREACH:
+            if exc.errno == zmq.EHOSTUNREACH:  # the connection is gone: nothing can be delivered
+                self._held.pop(identity, None)
                 self._drop_client(identity, "client_gone")
             else:
                 raise
+
+    def _hold(self, identity: bytes, payload: bytes) -> None:
+        held = self._held.setdefault(identity, [])
+        held.append(payload)
+        # Bounded: one terminal per request, and a client that piles up more than the
+        # scheduler would ever queue loses the oldest (logged).
+        if len(held) > self.cfg.scheduler.max_queued:
+            held.pop(0)
+            log.warning("client.terminal_lost", reason="too many undelivered terminal messages", held=len(held))
+
+    def _flush_held(self, router: zmq.Socket, identity: bytes) -> bool:
+        """Send held terminal messages in order; True when none is left."""
+        held = self._held.get(identity, [])
+        while held:
+            try:
+                router.send_multipart([identity, held[0]], zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                log.warning("client.terminal_lost", reason="connection gone", undelivered=len(held))
+                held.clear()
+                break
+            held.pop(0)
+            log.info("client.terminal_delivered", late=True)
+        self._held.pop(identity, None)
+        return True
 
     def _drop_client(self, identity: bytes, why: str) -> None:
         """End every request of a connection with ``why`` (``slow_consumer`` or
@@ -423,6 +468,10 @@ class Server:
                     self._drop_client(identity, "client_gone")
                 del self.last_seen[identity]
                 self.seats.pop(identity, None)
+                if self._held.pop(identity, None):  # gone for good: its held terminals too
+                    log.warning("client.terminal_lost", reason="client silent past the heartbeat timeout")
+        for identity in list(self._held):  # a slow consumer that reads again gets its terminals
+            self._flush_held(self._router, identity)
         if self.reload_requested:
             self.reload_requested = False
             self._reload()

@@ -295,7 +295,7 @@ class EngineWorker(threading.Thread):
             self.governance.on_arrival()
         self._send(job.identity, m.Accepted(request_id=job.request_id,
                                             queue_position=self.scheduler.position(job),
-                                            prompt_tokens=len(job.prompt)))
+                                            prompt_tokens=len(job.prompt)), key=job.key)
         log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
 
@@ -321,8 +321,8 @@ class EngineWorker(threading.Thread):
             self._finish(job, m.Error(request_id=job.request_id, code="client_gone",
                                       message="no heartbeat from the client within the timeout; work cancelled"))
         elif reason == "slow_consumer":
-            # Usually undeliverable (the client's queue is what filled up); sent anyway so
-            # a client that resumes reading sees why its stream ended.
+            # The client's queue is what filled up: the socket loop holds this terminal
+            # and delivers it if the client reads again before its heartbeat timeout.
             self._finish(job, m.Error(request_id=job.request_id, code="slow_consumer",
                                       message="the client stopped reading and its send queue at the daemon "
                                               "filled up; the request was cut"))
@@ -379,7 +379,7 @@ class EngineWorker(threading.Thread):
         if job.msg.stream:
             chunk = job.chunk(kept)
             if chunk is not None:
-                self._send(job.identity, chunk)
+                self._send(job.identity, chunk, key=job.key)
         if job.finished_reason is not None:
             self._finish(job, job.done())
 
@@ -396,8 +396,8 @@ class EngineWorker(threading.Thread):
             # Flush any held-back tail before the terminal message.
             rest = job.chunk([])
             if rest is not None and rest.text:
-                self._send(job.identity, rest)
-        self._send(job.identity, terminal, terminal_key=job.key)
+                self._send(job.identity, rest, key=job.key)
+        self._send(job.identity, terminal, key=job.key, terminal=True)
         self._published_at = 0.0  # status shows the finish at once
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
@@ -413,9 +413,12 @@ class EngineWorker(threading.Thread):
                      message=terminal.message)
 
     # ------------------------------------------------------------------ plumbing
-    def _send(self, identity: bytes, msg, terminal_key: tuple[str, str] | None = None) -> None:
-        key = b"" if terminal_key is None else f"{terminal_key[0]}\x00{terminal_key[1]}".encode()
-        self._out.send_multipart([identity, encode(msg), key])
+    def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:
+        """Hand a message to the socket loop: [identity, payload, request key, terminal flag].
+        The key (on every message of a request) lets the loop drop the chunks of a request
+        it has cut; the flag marks the request's one terminal message."""
+        k = b"" if key is None else f"{key[0]}\x00{key[1]}".encode()
+        self._out.send_multipart([identity, encode(msg), k, b"T" if terminal else b""])
 
     def _count_tokens(self, seat: str, n: int) -> None:
         now = time.monotonic()
