@@ -562,6 +562,13 @@ def held_prompts(held, n, plen, gen, seed=7):
     return out
 
 
+FEEDBACK_DOC = {
+    "postnorm": "the head's normed output (after mtp.norm, the tensor the lm_head reads), as vLLM's "
+                "Qwen3-Next/Qwen3.5 MTP and councild's engine feed it back",
+    "prenorm": "the head's pre-norm output (the input of mtp.norm)",
+}
+
+
 def cmd_evaluate(args):
     torch, model = load_exported(args.asset)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -573,7 +580,7 @@ def cmd_evaluate(args):
     res = {}
     T = 512
     # ---- base next-token accuracy / perplexity over the first N held-out tokens
-    n_tok = min(args.eval_tokens, held.size - 1)
+    n_tok = 0 if args.acceptance_only else min(args.eval_tokens, held.size - 1)
     nll = correct = count = 0
     mtp_correct = mtp_count = 0
     t0 = time.time()
@@ -589,13 +596,14 @@ def cmd_evaluate(args):
             _, ml = model.mtp_logits(h, ids[:, :T])
             mtp_correct += (ml[0, :-1].argmax(-1) == ids[0, 2:T]).sum().item()
             mtp_count += T - 2
-    res["heldout_tokens_scored"] = count
-    res["base_next_token_acc"] = correct / count
-    res["base_ppl"] = math.exp(nll / count)
-    res["base_nll"] = nll / count
-    res["mtp_teacher_forced_acc_vs_data"] = mtp_correct / mtp_count
-    log(f"held-out: {count} tokens, base acc {res['base_next_token_acc']:.4f}, ppl {res['base_ppl']:.3f}, "
-        f"mtp(t+2 vs data) acc {res['mtp_teacher_forced_acc_vs_data']:.4f} [{time.time()-t0:.0f}s]")
+    if not args.acceptance_only:
+        res["heldout_tokens_scored"] = count
+        res["base_next_token_acc"] = correct / count
+        res["base_ppl"] = math.exp(nll / count)
+        res["base_nll"] = nll / count
+        res["mtp_teacher_forced_acc_vs_data"] = mtp_correct / mtp_count
+        log(f"held-out: {count} tokens, base acc {res['base_next_token_acc']:.4f}, ppl {res['base_ppl']:.3f}, "
+            f"mtp(t+2 vs data) acc {res['mtp_teacher_forced_acc_vs_data']:.4f} [{time.time()-t0:.0f}s]")
     if args.base_only:  # refresh only the held-out scores in an existing eval.json
         old = json.loads((stage / "eval.json").read_text())
         old.update(res)
@@ -632,8 +640,9 @@ def cmd_evaluate(args):
                         g, gn = model.mtp(hs, es, model.rope(hs, L))
                         d = lm_head(gn[:, -1]).argmax(-1)  # drafts x_{q+i+1}
                         drafts.append(int(d))
-                        # depth i+1: feed the head's own pre-norm output hidden + its draft
-                        hs = torch.cat([hs, g[:, -1:]], 1)
+                        # depth i+1: feed the head's own output hidden + its draft
+                        fb = gn if args.feedback == "postnorm" else g
+                        hs = torch.cat([hs, fb[:, -1:]], 1)
                         es = torch.cat([es, embed(d)[:, None]], 1)
                 n_acc = 0
                 for i, d in enumerate(drafts):
@@ -660,7 +669,11 @@ def cmd_evaluate(args):
     res["acceptance"] = acc
     res["acceptance_setup"] = {"prompts": len(prompts), "prompt_len": args.prompt_len,
                                "greedy_tokens_per_prompt": args.gen,
-                               "feedback_hidden": "head pre-norm output (input of mtp.norm)"}
+                               "feedback_hidden": FEEDBACK_DOC[args.feedback]}
+    (stage / f"eval_acceptance_{args.feedback}.json").write_text(
+        json.dumps({"acceptance": acc, "acceptance_setup": res["acceptance_setup"]}, indent=1))
+    if args.acceptance_only:
+        return
 
     # ---- greedy decodes from 3 held-out code prompts
     samples = []
@@ -756,7 +769,8 @@ python3 tools/train_tiny_model.py train --device cuda --time-budget 150 --batch 
 # back here, $OUT/{state.safetensors,train_log.json} copied to .train_stage/run2/:
 .venv/bin/python tools/train_tiny_model.py export --state .train_stage/run2/state.safetensors
 cp .train_stage/run2/train_log.json .train_stage/train_log.json
-.venv/bin/python tools/train_tiny_model.py evaluate     # -> .train_stage/eval.json
+.venv/bin/python tools/train_tiny_model.py evaluate     # -> .train_stage/eval.json, eval_acceptance_postnorm.json
+.venv/bin/python tools/train_tiny_model.py evaluate --acceptance-only --feedback prenorm   # -> eval_acceptance_prenorm.json
 .venv/bin/python tools/train_tiny_model.py evaluate --base-only --eval-tokens 500000   # all held-out tokens
 .venv/bin/python tools/train_tiny_model.py mlx-speed    # -> .train_stage/mlx_speed.json
 .venv/bin/python -m pytest -q -s tests/daemon/test_bundled_model.py   # prints the logits line
@@ -834,8 +848,11 @@ def cmd_card(args):
       "self_attn with q_proj twice as wide, q_norm/k_norm, post_attention_layernorm, SwiGLU mlp; "
       "causal attention over the head's own sequence, rotary position t for slot t, the base's "
       "rotary settings), then `mtp.norm`, then the shared lm_head: predicts token t+2.\n")
-    w("Depth k > 1 feeds back the head's **pre-norm output** (the hidden that goes into `mtp.norm`) "
-      "together with the token it just drafted, as MTPLX and vLLM do.\n")
+    w("Depth k > 1 feeds back the head's output hidden together with the token it just drafted. "
+      "Which output: vLLM's Qwen3-Next MTP (`qwen3_next_mtp.py`) applies `mtp.norm` inside the "
+      "head's forward and feeds that normed output back, and councild's engine does the same, so the "
+      "primary acceptance numbers below use the **post-norm** output; the pre-norm output (the input of "
+      "`mtp.norm`) is measured too.\n")
     w("\n## Data\n")
     w(f"The Python standard library's source from `{man['corpus_root']}` (CPython {man['python']}; "
       "`*.py`, `site-packages` excluded, tests included). "
@@ -882,20 +899,28 @@ def cmd_card(args):
       f"{'all of them' if ev['heldout_tokens_scored'] > 0.98 * man['heldout_tokens'] else 'the first held-out files'}, "
       "in consecutive 512-token windows; the training-time figure above uses 32 random 1024-token windows)")
     w(f"- MTP head, teacher-forced, top-1 vs the data's token t+2: {ev['mtp_teacher_forced_acc_vs_data']:.4f}\n")
-    s = ev["acceptance_setup"]
+    runs = [(fb, json.loads((stage / f"eval_acceptance_{fb}.json").read_text()))
+            for fb in ("postnorm", "prenorm") if (stage / f"eval_acceptance_{fb}.json").exists()]
+    if not runs:
+        runs = [("as measured", {"acceptance": ev["acceptance"], "acceptance_setup": ev["acceptance_setup"]})]
+    s = runs[0][1]["acceptance_setup"]
     w(f"Greedy MTP acceptance against the base model's own greedy continuation: {s['prompts']} "
       f"held-out prompts of {s['prompt_len']} tokens, {s['greedy_tokens_per_prompt']} greedy tokens "
       "each; speculation simulated cycle by cycle with committed head history (slot S of the head's "
       "sequence holds (base hidden at S, real token S+1), the query slot is (base hidden at q-1, "
       "primary token q)); accept the longest matching prefix, then the bonus token. Acceptance by "
-      "position is conditional (accepted / attempted at that position). Feedback hidden at depth > 1: "
-      f"{s['feedback_hidden']}.\n")
-    w("| depth | pos 1 | pos 2 | pos 3 | pos 4 | tokens / cycle |\n|---|---|---|---|---|---|")
-    for k in ("1", "2", "3", "4"):
-        a = ev["acceptance"][k]
-        cells = [f"{x:.3f}" if x is not None else "-" for x in a["conditional_acceptance_by_position"]]
-        cells += [""] * (4 - len(cells))
-        w(f"| {k} | " + " | ".join(cells) + f" | {a['tokens_per_cycle']:.3f} |")
+      "position is conditional (accepted / attempted at that position). Depth 1 does not depend on "
+      "the feedback choice; depths 2-4 do, so both are shown. The head was trained at depth 1 only.\n")
+    for i, (fb, r) in enumerate(runs):
+        w(f"{'**Primary**' if i == 0 else 'Alternative'}: feedback hidden at depth > 1 = "
+          f"{r['acceptance_setup']['feedback_hidden']}.\n")
+        w("| depth | pos 1 | pos 2 | pos 3 | pos 4 | tokens / cycle |\n|---|---|---|---|---|---|")
+        for k in ("1", "2", "3", "4"):
+            a = r["acceptance"][k]
+            cells = [f"{x:.3f}" if x is not None else "-" for x in a["conditional_acceptance_by_position"]]
+            cells += [""] * (4 - len(cells))
+            w(f"| {k} | " + " | ".join(cells) + f" | {a['tokens_per_cycle']:.3f} |")
+        w("")
     if "logits_test" in extra:
         w("\n## mlx vs transformers\n")
         w(extra["logits_test"] + "\n")
@@ -946,6 +971,10 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--sample-tokens", type=int, default=96)
     p.add_argument("--sample-files", nargs="*", default=None)
+    p.add_argument("--feedback", choices=("postnorm", "prenorm"), default="postnorm",
+                   help="which head output is fed back at depth > 1")
+    p.add_argument("--acceptance-only", action="store_true",
+                   help="only the acceptance simulation, written to eval_acceptance_<feedback>.json")
     p.add_argument("--base-only", action="store_true",
                    help="only the held-out accuracy / ppl / teacher-forced head scores, merged into eval.json")
     p = sub.add_parser("mlx-speed")
