@@ -18,19 +18,37 @@ With one row the decoder keeps that row's plain per-request cache and runs M=1 s
 serial_decode, bit for bit. With two or more rows the caches are merged; dropping back to
 one extracts the survivor's plain cache again.
 
-Exactness (temperature 0). Matmuls round differently at batch height M>=2 than at M=1, so
-a batched row can flip an argmax at a near-tie. Two configurations, per row:
-- fast (``exact=False``): take the batched argmax.
-- exact (``exact=True``): where the batched top-2 logprob margin is within the guard
-  (``top1 - top2 <= guard * max(1, |top1 logit|)``, the guard speculation uses), that row's
-  token is re-decided with a one-token M=1 forward from the row's pre-step state (its KV
-  minus the slot just written, its GDN state from before the forward, kept by reference
-  for one step). The batched forward's cache update stands: it processed the *input*
-  token, which does not depend on the decision. A guard redo costs one M=1 forward.
-Measured (bench/batch_bench.py --flips, bench/results/batch_cpu.json), 4 rows of
-different prompt lengths, batch numerics vs serial_decode alone:
-    MEASUREMENTS_PLACEHOLDER
-Decision: DECISION_PLACEHOLDER
+Exactness (temperature 0). Matmuls can round differently at batch height M>=2 than at
+M=1, so a batched row can flip an argmax at a near-tie, and its cache drifts by ulps from
+the one serial_decode would hold. Measured with bench/batch_bench.py (rows of 4 of mixed
+prompt lengths, 128 tokens per row; bench/results/batch_cuda_h200.* and batch_cpu.*):
+
+  | backend, model | max abs logit diff, batched vs M=1 (B=2..16) | teacher-forced flips/1000 | free-running rows identical to serial: no guard / guard | guard redos/1000 |
+  | CPU (this machine), tiny-qwen35 and random, bf16 (and f32) | 0: bit-identical | 0 | all / all | 50-115, all wasted |
+  | MLX CUDA H200, tiny-qwen35 (32 rows) | 0.078-0.094 | 1.71 | 24/32 / 26/32 | 55 |
+  | MLX CUDA H200, random qwen3_5 (32 rows) | up to 0.016 | 0.49 | 30/32 / 29/32 | 47 |
+
+  Throughput (CUDA, tiny model): 8 streams 4.79x time-sliced serial without the guard,
+  2.78x with it; 4 streams 2.25x vs 1.82x; 2 streams 1.24x vs 0.87x.
+
+The near-tie guard (``guard_margin``: where the batched top-2 logprob margin is within
+``guard * max(1, |top1 logit|)``, re-decide that row with an M=1 forward from its pre-step
+state: KV minus the slot just written, GDN state from before the forward kept by reference)
+catches every flip under teacher forcing (flips outside the guard: 0, largest flip margin
+0.0625), and with a logit jitter that leaves the state alone it restores serial's tokens
+exactly (tests). But it does NOT make free-running rows exact on a backend whose kernels
+differ: the row's cache has already drifted under the batched kernels, so an M=1 redo from
+that state is not serial_decode's computation, and near-ties still go the other way (6 of
+32 and 3 of 32 rows diverged with the guard on). It costs an M=1 forward for ~5% of
+row-steps and ~40% of the 8-stream gain. Decision, by these numbers:
+- the guard is off by default (``guard_margin=None``; kept as an option);
+- a row that must be exact at temperature 0 is batched only where the batched forward is
+  bit-identical to M=1 on this backend: ``batch_matches_serial(lm)`` probes it once (mixed
+  prompt lengths, heights 2..``max_rows``). CPU: yes, so exact rows batch for free there.
+  Metal/CUDA: no, so exact greedy rows decode alone (serial_decode, or exact speculation)
+  and ``add(..., exact=True)`` refuses them;
+- fast rows and every temperature > 0 row always batch; the fast configuration's flips are
+  the CUDA rows above (0.5-2.4 per 1000 tokens; the design's Metal figure is 2.7).
 
 Temperature > 0: each row samples with its own Sampler (own key), consumed in the same
 order as serial_decode consumes it, so a seed reproduces a request; batch numerics can
@@ -59,6 +77,43 @@ from .types import DecodeStep
 
 # The guard speculation's exact mode uses (speculative.DEFAULT_GUARD): four bf16 ulps relative.
 DEFAULT_GUARD = 2.0**-5
+# The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
+DEFAULT_MAX_ROWS = 16
+_PROBED: dict[int, bool] = {}
+
+
+def max_logit_diff(lm: LoadedModel, heights=(2, 3, 4, 8, 16), lens=(1, 7, 33), seed: int = 0) -> dict[int, float]:
+    """Max |batched logit - M=1 logit| per batch height, rows of mixed prompt lengths (so
+    the batch caches carry left padding)."""
+    import copy
+    import random
+
+    out = {}
+    V = lm.text_args.vocab_size
+    for B in heights:
+        rng = random.Random(seed * 1000 + B)
+        states = []
+        for _ in range(B):
+            c = lm.make_cache()
+            last = prefill(lm, [rng.randrange(V) for _ in range(rng.choice(lens))], c)
+            states.append((c, last))
+        solo = [lm.logits(lm.hidden(last[None], [copy.deepcopy(x) for x in c]))[0, -1].astype(mx.float32)
+                for c, last in states]
+        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*[c for c, _ in states])]
+        inp = mx.concatenate([last for _, last in states])
+        got = lm.logits(lm.hidden(inp[:, None], batch))[:, -1].astype(mx.float32)
+        out[B] = max(mx.abs(x - got[i]).max().item() for i, x in enumerate(solo))
+    return out
+
+
+def batch_matches_serial(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> bool:
+    """True when batched forwards on this backend give logits bit-identical to M=1 (probed
+    once per model; a few small forwards). Exact rows may batch only then."""
+    key = id(lm)
+    if key not in _PROBED:
+        heights = sorted({h for h in (2, 3, 4, 8, max_rows) if 2 <= h <= max_rows})
+        _PROBED[key] = all(d == 0.0 for d in max_logit_diff(lm, heights).values())
+    return _PROBED[key]
 
 
 @dataclass
@@ -87,8 +142,19 @@ class BatchDecoder:
     """Drive from one thread, at step boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. Row ids are any hashable (the worker's job key)."""
 
-    def __init__(self, lm: LoadedModel, guard_margin: float = DEFAULT_GUARD, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, lm: LoadedModel, guard_margin: float | None = None, exact_ok: bool | None = None,
+                 max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK, logit_jitter: float = 0.0):
+        """``guard_margin``: the near-tie guard for exact rows (None, the default: off; see
+        the module docstring for why). ``exact_ok``: whether rows that must be exact at
+        temperature 0 may batch; None probes ``batch_matches_serial`` once.
+        ``logit_jitter`` is a test hook: uniform noise of that amplitude on the batched
+        (B >= 2) logprobs, never on M=1 steps, standing in for batch-height-dependent
+        kernels (on this CPU backend the batched logits are bit-identical to M=1)."""
         self.lm = lm
+        self.max_rows = max_rows
+        self.exact_ok = batch_matches_serial(lm, max_rows) if exact_ok is None else exact_ok
+        self.logit_jitter = logit_jitter
+        self._jitter_key = mx.random.key(0x8A7C)
         self.guard_margin = guard_margin
         self.prefill_chunk = prefill_chunk
         self.stats = BatchStats()
@@ -125,6 +191,11 @@ class BatchDecoder:
         raise KeyError(row_id)
 
     # ------------------------------------------------------------------ admission
+    def admits(self, sampler: Sampler, exact: bool) -> bool:
+        """Whether a row of this kind may join: anything but an exact temperature-0 row on a
+        backend whose batched forward differs from M=1 (unless the guard is on)."""
+        return not (exact and sampler.greedy) or self.exact_ok or self.guard_margin is not None
+
     def add(
         self,
         row_id: Hashable,
@@ -133,13 +204,18 @@ class BatchDecoder:
         *,
         cache: list | None = None,
         next_token: int | None = None,
-        exact: bool = True,
+        exact: bool = False,
     ) -> None:
         """Admit a stream at a step boundary: from ``prompt`` (prefilled alone, first token
         decided at M=1, exactly as serial_decode), or from a row state ``(cache,
         next_token)`` that ``extract`` returned. ``exact`` only matters at temperature 0."""
         if row_id in self:
             raise ValueError(f"row {row_id!r} is already in the batch")
+        if not self.admits(sampler, exact):
+            raise ValueError("this backend's batched kernels are not bit-identical to M=1: a row that must "
+                             "be exact at temperature 0 decodes alone")
+        if len(self._rows) >= self.max_rows:
+            raise ValueError(f"the batch is full ({self.max_rows} rows)")
         if prompt is not None:
             if cache is not None or next_token is not None:
                 raise ValueError("give a prompt or (cache, next_token), not both")
@@ -216,9 +292,8 @@ class BatchDecoder:
         Returns {row_id: token}."""
         if not self._rows:
             return {}
-        self._settle()
-        tokens = self._next.tolist()
-        inputs = self._next
+        self._settle()  # with a guard pending this waits for the last forward
+        inputs = self._next  # may still be in flight: the next forward is queued behind it
         B = len(self._rows)
         rows = self._rows
         guard_rows = [] if B == 1 else [i for i, r in enumerate(rows) if r.exact and r.sampler.greedy]
@@ -229,6 +304,9 @@ class BatchDecoder:
 
         logits = self.lm.logits(self.lm.hidden(inputs[:, None], self._cache))[:, -1, :]
         lp = _logprobs(logits)
+        if self.logit_jitter > 0.0 and B > 1:
+            self._jitter_key, sub = mx.random.split(self._jitter_key)
+            lp = lp.astype(mx.float32) + mx.random.uniform(-self.logit_jitter, self.logit_jitter, lp.shape, key=sub)
         greedy = [r.sampler.greedy for r in rows]
         if all(greedy):
             nxt = mx.argmax(lp, axis=-1)
@@ -250,6 +328,7 @@ class BatchDecoder:
             to_eval.append(flags)
             self.stats.guard_checks += len(guard_rows)
         mx.async_eval(to_eval)
+        tokens = inputs.tolist()
         self.stats.steps += 1
         self.stats.row_steps += B
         if self.stats.steps % 256 == 0:
@@ -289,7 +368,9 @@ class BatchDecoder:
                 else:
                     raise TypeError(f"no M=1 redo for cache type {type(c).__name__}")
             logits = self.lm.logits(self.lm.hidden(inputs[i : i + 1][None], row_cache))[:, -1, :]
-            tok = int(mx.argmax(logits, axis=-1).item())
+            # serial_decode's op sequence exactly: argmax of the logprobs, not the logits
+            # (the bf16 subtraction can merge or split a near-tie).
+            tok = int(self._rows[i].sampler(_logprobs(logits)).item())
             self.stats.guarded += 1
             self._rows[i].guarded += 1
             if tok != fixed[i]:
