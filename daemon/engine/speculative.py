@@ -218,9 +218,10 @@ def speculative_decode(
                 nxt, h, _ = ahead
             else:
                 nxt, h = serial_step(primary)
-            hist.add(h, nxt)
-            if hist.n >= FLUSH_PENDING and head_ok:
-                hist.feed(keep_last=True)
+            if head_ok:  # without a head there is no history to keep (and nothing to grow)
+                hist.add(h, nxt)
+                if hist.n >= FLUSH_PENDING:
+                    hist.feed(keep_last=True)
             # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
             if head_ok:
                 snap = Snapshot.take(cache)

@@ -142,3 +142,24 @@ def test_auto_rollback_is_capture_off_metal():
     on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
     assert resolve_rollback("auto") == ("snapshot" if on_metal else "capture")
     assert resolve_rollback("snapshot") == "snapshot" and resolve_rollback("capture") == "capture"
+
+
+def test_head_unloaded_mid_request_falls_back_to_serial(lm, tmp_path):
+    folder = tmp_path / "copy"
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
+    head = load_mtp_head(lm, folder=folder)
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    ref = serial(lm, prompt, 40)
+    hist = HeadHistory(head)
+    out, depths = [], []
+    for s in speculative_decode(lm, head, prompt, Sampler(SamplingParams()), 3, history=hist):
+        out += s.tokens
+        depths.append(s.depth)
+        if len(depths) == 3:
+            head.unload()  # the governor evicted it between two cycles
+        if len(out) >= 40:
+            break
+    assert out[:40] == ref
+    assert depths[:3] == [3, 3, 3] and set(depths[3:]) == {0}
+    assert hist.n <= 1  # no history piles up once the head is gone
