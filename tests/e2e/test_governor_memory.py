@@ -20,6 +20,12 @@ threshold, and holds them. We check, through the protocol and the daemon's JSON 
 The in-flight stream runs with speculation="off": a request that was already drafting when
 the head is evicted holds its own reference to the head until it ends (being fixed in the
 speculative generator), which would delay the memory drop this test measures.
+
+Nothing speculative runs before the episode, so the cost model holds only its prior for
+depths >= 1 when the restore window passes. That is deliberate: the governor reloads only
+when the cost model predicts a gain, and on this 2-core CPU the bundled head measures at
+about break-even against serial (bench/results/spec_cpu_tiny_qwen35.md), in which case
+"head stays out: no predicted gain" is the right answer and not what this test is about.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ OVERSHOOT = 0.75 * GiB  # the helper grows until this far below critical (noise 
 MAX_HOLD_MB = 3584  # never more than 3.5 GiB
 RETRY_AFTER_S = 2.0
 PROMPT = "def fibonacci(n):\n"
+# 6-8 s at this machine's ~80-100 tok/s: it must outlast the helper's ramp (1-3 s) and the
+# eviction (next 0.1 s tick); the test waits for it to finish while the pressure holds.
+STREAM_TOKENS = 600
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/meminfo").exists() or sys.platform != "linux", reason="drives Linux MemAvailable"
@@ -149,7 +158,7 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             active_before = _idle_active_bytes(c)
 
             # 1. A long serial stream in flight across the episode.
-            streamer = _Streamer(d.endpoint, max_tokens=1000)
+            streamer = _Streamer(d.endpoint, max_tokens=STREAM_TOKENS)
             streamer.start()
             assert streamer.started_tokens.wait(30) and streamer.error is None, streamer.error
 
@@ -182,7 +191,7 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             assert not streamer.is_alive(), "the in-flight stream did not finish"
             assert streamer.error is None, repr(streamer.error)
             assert streamer.done is not None and streamer.done.finish_reason == "length"
-            assert streamer.done.usage.completion_tokens == 1000
+            assert streamer.done.usage.completion_tokens == STREAM_TOKENS
             assert any(t > evicted_at for t in streamer.arrivals), "no tokens after the eviction"
 
             # 5. MLX active memory (idle vs idle) fell by at least the head's bytes.
