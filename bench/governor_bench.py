@@ -223,12 +223,33 @@ def _q(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+def _trace_text(path: Path) -> str:
+    if path.suffix == ".gz":
+        import gzip
+
+        return gzip.decompress(path.read_bytes()).decode()
+    return path.read_text()
+
+
+def _find_traces(result: dict, out_json: Path, workdir: str | None) -> dict[str, Path]:
+    """The auto and fixed daemons' traces: in the run's workdir, else the gzipped copies
+    committed beside the JSON (<stem>_traces/{auto,fixed}.trace.jsonl.gz)."""
+    found = {}
+    for name in ("auto", "fixed"):
+        for cand in (Path(workdir or result["meta"]["workdir"]) / name / "governor.trace.jsonl",
+                     out_json.parent / f"{out_json.stem}_traces" / f"{name}.trace.jsonl.gz"):  # fmt: skip
+            if cand.exists():
+                found[name] = cand
+                break
+    return found
+
+
 def _trace_cycles(path: Path) -> list[tuple[float, int, float, int]]:
     """(t, depth, cycle_s, emitted) of every decode cycle in a governor trace."""
     out = []
     if not path.exists():
         return out
-    for line in path.read_text().splitlines():
+    for line in _trace_text(path).splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
@@ -311,6 +332,80 @@ def summarize(samples: list[dict], arms: list[str], regimes: list[str]) -> dict:
     return {"per_regime": per, "overall": overall, "goal": goal}
 
 
+def estimator_check(samples: list[dict], fixed_trace: Path, regimes: list[str], margin: float = 0.10,
+                    probe_s: float = 2.0, trials: int = 2000, seed: int = 1) -> dict:
+    """How often would the governor's comparison pick the worse of two neighbouring depths?
+    Cycles are drawn (iid, so this is optimistic: real contention is also correlated in time)
+    from the fixed daemon's recorded cycles of each depth in each regime: the better depth's
+    estimate from 40 recent cycles, the worse one's from a probe_s probe. 'Better' is by
+    tokens per cycle / median cycle time. Estimators: the cost model's EWMA (alpha 0.1,
+    bias-corrected start) and the median of the same cycles."""
+    import random
+
+    cyc = _trace_cycles(fixed_trace)
+    rng = random.Random(seed)
+
+    def ewma(xs: list[float], alpha: float = 0.1) -> float:
+        v, n = 0.0, 0
+        for x in xs:
+            n += 1
+            v += max(alpha, 1.0 / n) * (x - v)
+        return v
+
+    out = {}
+    for r in regimes:
+        pools = {}
+        for k in range(5):
+            pools[k] = [c for s in samples if s["regime"] == r and s["arm"] == f"d{k}" and not s["warmup"]
+                        for c in cyc if s["t0"] <= c[0] <= s["t1"]]  # fmt: skip
+        if any(not v for v in pools.values()):
+            continue
+        truth = {k: (sum(c[3] for c in v) / len(v)) / statistics.median(c[2] for c in v) for k, v in pools.items()}
+        res = {}
+        for name, agg in (("ewma_0.1", ewma), ("median", statistics.median)):
+            wrong = 0
+            for _ in range(trials):
+                a = rng.randrange(4)
+                good, bad = (a, a + 1) if truth[a] >= truth[a + 1] else (a + 1, a)
+                n_bad = max(4, int(probe_s / statistics.median(c[2] for c in pools[bad])))
+                g = [rng.choice(pools[good]) for _ in range(40)]
+                b = [rng.choice(pools[bad]) for _ in range(n_bad)]
+                sg = (sum(c[3] for c in g) / len(g)) / agg([c[2] for c in g])
+                sb = (sum(c[3] for c in b) / len(b)) / agg([c[2] for c in b])
+                wrong += sb >= (1 + margin) * sg
+            res[name] = round(wrong / trials, 3)
+        out[r] = {"robust_score": {k: round(v, 1) for k, v in truth.items()}, "p_wrong_move": res}
+    return out
+
+
+def probe_stats(samples: list[dict], trace: Path) -> dict:
+    """Replay the auto daemon's trace through the policy (governor.replay gives the same
+    decisions with the trace's monotonic times) and measure how much of the auto arm's
+    sample time went to probes, and how many probes began in a burst's first second."""
+    from governor.replay import replay
+
+    if not trace.exists():
+        return {}
+    rows = replay(_trace_text(trace).splitlines())
+    probes, start = [], None
+    for r in rows:
+        kinds = [d["decision"] for d in r["decisions"]]
+        if "probe" in kinds:
+            start = r["t"]
+        if "probe_end" in kinds and start is not None:
+            probes.append((start, r["t"]))
+            start = None
+    auto = [s for s in samples if s["arm"] == "auto" and not s["warmup"]]
+    total = sum(s["t1"] - s["t0"] for s in auto)
+    inside = sum(max(0.0, min(b, s["t1"]) - max(a, s["t0"])) for s in auto for a, b in probes)
+    early = sum(1 for s in auto for a, _ in probes if s["t0"] <= a <= s["t0"] + 1.0)
+    gaps = [b["t0"] - a["t1"] for a, b in zip(auto, auto[1:])]
+    return {"probes": len(probes), "auto_sample_s": round(total, 1), "probing_s": round(inside, 1),
+            "probing_share": round(inside / total, 3) if total else None, "probes_in_first_second": early,
+            "depth_moves": sum(1 for r in rows for d in r["decisions"] if d["decision"] == "depth"),
+            "median_gap_between_auto_samples_s": round(statistics.median(gaps), 1) if gaps else None}  # fmt: skip
+
+
 def auto_diagnostics(samples: list[dict], daemon: Daemon, regimes: list[str]) -> dict:
     cycles = _trace_cycles(daemon.trace_path)
     depth_hist: dict[str, Counter] = {r: Counter() for r in regimes}
@@ -375,12 +470,36 @@ def markdown(result: dict) -> str:
                 cells.append("-" if c is None else
                              f"{c['median_cycle_ms']:.1f} / {c['tokens_per_cycle']:.2f} / {c['robust_tok_s']:.0f}")
             lines.append(f"| {a} | " + " | ".join(cells) + " |")
+    ec = result.get("estimator_check")
+    if ec:
+        lines += ["", "Would the cost model pick the worse of two neighbouring depths (10% margin, 2 s probe, "
+                  "cycles drawn from the fixed arms' recorded cycles)? P(wrong move): "
+                  + "; ".join(f"{r}: EWMA {v['p_wrong_move']['ewma_0.1']:.2f}, median {v['p_wrong_move']['median']:.2f}"
+                              for r, v in ec.items())]
     d = result.get("auto")
     if d:
+        ps = d.get("probe_stats") or {}
+        if ps:
+            lines += ["", f"Auto arm probing (trace replayed): {ps['probes']} probes, {ps['probing_s']} s of "
+                      f"{ps['auto_sample_s']} s measured ({ps['probing_share']:.0%}); {ps['probes_in_first_second']} "
+                      f"began in a sample's first second (median idle gap between auto samples "
+                      f"{ps['median_gap_between_auto_samples_s']} s); {ps['depth_moves']} depth moves."]
         lines += ["", "Auto arm, decode cycles by depth (from the governor trace): "
                   + "; ".join(f"{r}: {h}" for r, h in d["cycles_by_depth"].items()),
                   "", f"governor.decision events (info) by kind: {d['decision_counts']}"]
     return "\n".join(lines) + "\n"
+
+
+def _keep_traces(out_json: Path, traces: dict[str, Path]) -> None:
+    """Gzipped copies of the traces beside the JSON, so --reanalyze and
+    ``councild governor replay`` work after the temp dir is gone."""
+    import gzip
+
+    d = out_json.parent / f"{out_json.stem}_traces"
+    d.mkdir(exist_ok=True)
+    for name, p in traces.items():
+        if p.exists():
+            (d / f"{name}.trace.jsonl.gz").write_bytes(gzip.compress(p.read_bytes(), mtime=0))
 
 
 # ---------------------------------------------------------------- main
@@ -409,11 +528,12 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(Path(a.reanalyze).read_text())
         meta = result["meta"]
         result["summary"] = summarize(result["samples"], meta["arms"], meta["regimes"])
-        wd = Path(a.workdir or meta["workdir"])
-        if (wd / "fixed" / "governor.trace.jsonl").exists():
-            result["cycle_stats"] = cycle_stats(result["samples"], {n: wd / n / "governor.trace.jsonl"
-                                                                    for n in ("auto", "fixed")},
-                                                meta["arms"], meta["regimes"])
+        traces = _find_traces(result, Path(a.reanalyze), a.workdir)
+        if "auto" in traces and "auto" in result:
+            result["auto"]["probe_stats"] = probe_stats(result["samples"], traces["auto"])
+        if len(traces) == 2:
+            result["cycle_stats"] = cycle_stats(result["samples"], traces, meta["arms"], meta["regimes"])
+            result["estimator_check"] = estimator_check(result["samples"], traces["fixed"], meta["regimes"])
         Path(a.reanalyze).write_text(json.dumps(result, indent=1, default=str) + "\n")
         table = markdown(result)
         print(table)
@@ -463,8 +583,9 @@ def main(argv: list[str] | None = None) -> int:
             "wall_s": round(time.time() - t_start, 1), "daemon_exit": [code_a, code_f], "workdir": str(workdir),
         },
         "summary": summary,
-        "auto": auto_diagnostics(samples, auto, regimes),
+        "auto": {**auto_diagnostics(samples, auto, regimes), "probe_stats": probe_stats(samples, auto.trace_path)},
         "cycle_stats": cycle_stats(samples, {"auto": auto.trace_path, "fixed": fixed.trace_path}, arms, regimes),
+        "estimator_check": estimator_check(samples, fixed.trace_path, regimes),
         "samples": samples,
     }  # fmt: skip
     table = markdown(result)
@@ -472,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    _keep_traces(out, {"auto": auto.trace_path, "fixed": fixed.trace_path})
     if a.md:
         Path(a.md).write_text(table)
     print(f"wrote {out}" + (f" and {a.md}" if a.md else ""))
