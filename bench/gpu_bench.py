@@ -480,6 +480,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no 4-bit speculation profile past this many seconds")
     ap.add_argument("--bf16-spec-deadline-s", type=float, default=150.0,
                     help="run bf16 speculation only if this many seconds have not passed yet")
+    ap.add_argument("--profiles", default=",".join(PROFILES), help="4-bit oracle profiles (comma list)")
     ap.add_argument("--bf16-profiles", default="seed_0.83", help="profiles to run at bf16 (comma list, or none)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -518,7 +519,7 @@ def main(argv=None) -> int:
             quantize_4bit(lm, head)
             mx.clear_cache()
             log(f"quantized to 4-bit: active memory {mx.get_active_memory() / 1e9:.1f} GB")
-            bench_dtype("4bit", lm, head, inv, prompt, args, bw, PROFILES, results, args.budget_s)
+            bench_dtype("4bit", lm, head, inv, prompt, args, bw, {p: PROFILES[p] for p in args.profiles.split(",")}, results, args.budget_s)
             save()
     finally:
         results["elapsed_s"] = time.perf_counter() - T0
