@@ -125,12 +125,18 @@ class Governance:
             return
         before = mx.get_active_memory()
         t0 = time.perf_counter()
+        head = w.head
         nbytes = w.drop_head()
+        # Delete the weights in place: a request that is drafting holds a reference to the
+        # same head, sees it unloaded at its next cycle and carries on serially, so the
+        # memory comes back now rather than when the last such request ends.
+        head.unload()
+        del head
         mx.clear_cache()
         freed = before - mx.get_active_memory()
         self.gov.note_head(resident=False)
         log.info("head.evicted", bytes=nbytes, freed_bytes=freed, ms=round((time.perf_counter() - t0) * 1000, 1),
-                 in_flight_holding=w.requests_holding_head())
+                 requests_going_serial=w.requests_holding_head())
 
     def _start_load(self) -> None:
         w = self.worker
