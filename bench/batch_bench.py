@@ -180,14 +180,14 @@ def run_serial(lm: LoadedModel, prompts: list[list[int]], n: int) -> float:
     gens = [serial_decode(lm, p, greedy()) for p in prompts]
     for g in gens:  # prefill + first step, outside the timed region
         next(g)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         for g in gens:
             next(g)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     for g in gens:
         g.close()
-    return n * len(prompts) / dt
+    return n * len(prompts) / dt, n * len(prompts) / dc
 
 
 def run_batch(lm: LoadedModel, prompts: list[list[int]], n: int, exact: bool) -> float:
@@ -195,11 +195,11 @@ def run_batch(lm: LoadedModel, prompts: list[list[int]], n: int, exact: bool) ->
     for i, p in enumerate(prompts):
         bd.add(i, greedy(), p, exact=exact)
     bd.step()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         bd.step()
-    dt = time.perf_counter() - t0
-    return n * len(prompts) / dt
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return n * len(prompts) / dt, n * len(prompts) / dc
 
 
 def throughput(lm: LoadedModel, streams: list[int], n_tokens: int, rounds: int) -> list[dict]:
@@ -212,13 +212,17 @@ def throughput(lm: LoadedModel, streams: list[int], n_tokens: int, rounds: int) 
     for s in streams:
         prompts = make_prompts(lm, s, seed=s)
         samples = {a: [] for a in arms}
+        cpu = {a: [] for a in arms}
         run_batch(lm, prompts, 4, exact=False)  # warm-up
         for _ in range(rounds):
             for a, fn in arms.items():
-                samples[a].append(fn(prompts))
+                wall, per_cpu_s = fn(prompts)
+                samples[a].append(wall)
+                cpu[a].append(per_cpu_s)
         row = {"streams": s, "tokens_per_stream": n_tokens}
         for a, xs in samples.items():
-            row[a] = {"median": statistics.median(xs), "spread": max(xs) - min(xs), "samples": xs}
+            row[a] = {"median": statistics.median(xs), "spread": max(xs) - min(xs), "samples": xs,
+                      "per_cpu_second_median": statistics.median(cpu[a]), "per_cpu_second_samples": cpu[a]}
         row["speedup_exact"] = row["batch_exact"]["median"] / row["serial"]["median"]
         row["speedup_fast"] = row["batch_fast"]["median"] / row["serial"]["median"]
         rows.append(row)
@@ -244,6 +248,19 @@ def markdown(result: dict) -> str:
             cell = lambda a: f"{r[a]['median']:.1f} ± {r[a]['spread'] / 2:.1f}"  # noqa: E731
             lines.append(f"| {r['streams']} | {cell('serial')} | {cell('batch_exact')} | {cell('batch_fast')} | "
                          f"{r['speedup_exact']:.2f}x | {r['speedup_fast']:.2f}x |")
+        lines += [
+            "",
+            "Tokens per CPU-second of this process (median; less sensitive to other load on a shared machine):",
+            "",
+            "| streams | serial | batch, guarded | batch | batch / serial |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in t:
+            c = {a: r[a].get("per_cpu_second_median") for a in ("serial", "batch_exact", "batch_fast")}
+            if None in c.values():
+                continue
+            lines.append(f"| {r['streams']} | {c['serial']:.1f} | {c['batch_exact']:.1f} | {c['batch_fast']:.1f} | "
+                         f"{c['batch_fast'] / c['serial']:.2f}x |")
         lines.append("")
     for name, e in result.get("exactness", {}).items():
         tf, ff, fe = e["teacher_forced"], e["free_fast"], e["free_exact"]

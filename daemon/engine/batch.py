@@ -21,10 +21,11 @@ one extracts the survivor's plain cache again.
 Exactness (temperature 0). Matmuls can round differently at batch height M>=2 than at
 M=1, so a batched row can flip an argmax at a near-tie, and its cache drifts by ulps from
 the one serial_decode would hold. Measured with bench/batch_bench.py (rows of 4 of mixed
-prompt lengths, 128 tokens per row; bench/results/batch_cuda_h200.* and batch_cpu.*):
+prompt lengths; CUDA 32 prompts x 128 tokens, CPU 16 x 64; bench/results/batch_cuda_h200.*
+and batch_cpu.*), batched row vs serial_decode alone:
 
   | backend, model | max abs logit diff, batched vs M=1 (B=2..16) | teacher-forced flips/1000 | free-running rows identical to serial: no guard / guard | guard redos/1000 |
-  | CPU (this machine), tiny-qwen35 and random, bf16 (and f32) | 0: bit-identical | 0 | all / all | 50-115, all wasted |
+  | CPU (this machine), tiny-qwen35 and random, bf16 (and f32) | 0: bit-identical | 0 | 16/16 / 16/16 | 43-82, none changed a token |
   | MLX CUDA H200, tiny-qwen35 (32 rows) | 0.078-0.094 | 1.71 | 24/32 / 26/32 | 55 |
   | MLX CUDA H200, random qwen3_5 (32 rows) | up to 0.016 | 0.49 | 30/32 / 29/32 | 47 |
 
@@ -54,6 +55,13 @@ Temperature > 0: each row samples with its own Sampler (own key), consumed in th
 order as serial_decode consumes it, so a seed reproduces a request; batch numerics can
 still move a draw that sits on a CDF boundary by an ulp (as they can move an argmax).
 
+Driving it from the engine thread (worker.py), at the step boundaries it already has:
+``add`` when the scheduler admits a batchable job (``admits``), ``step`` when the scheduler
+picks any batched job (every row gets one token; charge each row's seat), ``extract`` when
+the scheduler parks a batched job (keep (cache, next_token) on the job; ``add(cache=,
+next_token=)`` when it is re-admitted), ``handle(row_id)`` as the job's ``generator`` so
+that ``_finish``'s ``close()`` removes the row.
+
 Adoption: serial_decode and speculative_decode keep their cache and the token they have
 already decided (issued ahead) inside the generator, so an in-flight generator cannot be
 adopted. Instead a stream that must leave the batch is ``extract``-ed: its (cache,
@@ -79,7 +87,6 @@ from .types import DecodeStep
 DEFAULT_GUARD = 2.0**-5
 # The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
 DEFAULT_MAX_ROWS = 16
-_PROBED: dict[int, bool] = {}
 
 
 def max_logit_diff(lm: LoadedModel, heights=(2, 3, 4, 8, 16), lens=(1, 7, 33), seed: int = 0) -> dict[int, float]:
@@ -109,11 +116,11 @@ def max_logit_diff(lm: LoadedModel, heights=(2, 3, 4, 8, 16), lens=(1, 7, 33), s
 def batch_matches_serial(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> bool:
     """True when batched forwards on this backend give logits bit-identical to M=1 (probed
     once per model; a few small forwards). Exact rows may batch only then."""
-    key = id(lm)
-    if key not in _PROBED:
+    probed = lm.__dict__.setdefault("_batch_matches_serial", {})
+    if max_rows not in probed:
         heights = sorted({h for h in (2, 3, 4, 8, max_rows) if 2 <= h <= max_rows})
-        _PROBED[key] = all(d == 0.0 for d in max_logit_diff(lm, heights).values())
-    return _PROBED[key]
+        probed[max_rows] = all(d == 0.0 for d in max_logit_diff(lm, heights).values())
+    return probed[max_rows]
 
 
 @dataclass
@@ -172,6 +179,9 @@ class BatchDecoder:
 
     def __contains__(self, row_id: Hashable) -> bool:
         return any(r.row_id == row_id for r in self._rows)
+
+    def handle(self, row_id: Hashable) -> RowHandle:
+        return RowHandle(self, row_id)
 
     @property
     def row_ids(self) -> list:
@@ -256,13 +266,7 @@ class BatchDecoder:
         Resume alone with ``resume_serial`` or rejoin with ``add(cache=, next_token=)``."""
         self._settle()
         i = self._index(row_id)
-        if len(self._rows) == 1:
-            cache = self._cache
-        else:
-            cache = [c.extract(i) for c in self._cache]
-            for c in cache:
-                if isinstance(c, ArraysCache):
-                    c.cache = [mx.contiguous(a) if a is not None else None for a in c.cache]
+        cache = self._cache if len(self._rows) == 1 else self._plain(i)
         nxt = int(self._next[i].item())
         mx.eval([c.state for c in cache])
         self._drop(i)
@@ -277,14 +281,21 @@ class BatchDecoder:
         keep = [j for j in range(n + 1) if j != i]
         if n == 1:
             # Back to serial numerics: the survivor gets its plain cache.
-            j = keep[0]
-            self._cache = [c.extract(j) for c in self._cache]
+            self._cache = self._plain(keep[0])
         else:
             idx = mx.array(keep)
             for c in self._cache:
                 c.filter(idx)
         self._next = self._next[mx.array(keep)]
         mx.eval(self._next, [c.state for c in self._cache])
+
+    def _plain(self, i: int) -> list:
+        """Row i's own per-request cache (KVCache / ArraysCache), copied out of the batch."""
+        cache = [c.extract(i) for c in self._cache]
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                c.cache = [mx.contiguous(a) if a is not None else None for a in c.cache]
+        return cache
 
     # ------------------------------------------------------------------ decoding
     def step(self) -> dict:
@@ -377,6 +388,26 @@ class BatchDecoder:
                 self.stats.guard_changed += 1
             fixed[i] = tok
         self._next = mx.array(fixed, dtype=mx.uint32)
+
+
+class RowHandle:
+    """What the worker can store as a batched job's ``generator``: ``close()`` (which
+    ``_finish`` already calls) removes the row from the batch; it is never iterated, since
+    ``BatchDecoder.step`` advances every row at once."""
+
+    def __init__(self, decoder: BatchDecoder, row_id: Hashable):
+        self.decoder = decoder
+        self.row_id = row_id
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        raise RuntimeError("a batched row is advanced by BatchDecoder.step(), not next()")
+
+    def close(self) -> None:
+        if self.row_id in self.decoder:
+            self.decoder.remove(self.row_id)
 
 
 def resume_serial(lm: LoadedModel, cache: list, next_token: int, sampler: Sampler) -> Iterator[DecodeStep]:

@@ -154,7 +154,11 @@ def test_add_remove_mid_stream_keeps_other_rows(rnd):
     for i in range(4):
         assert got[i] == refs[i][: len(got[i])], f"row {i}"
     assert [len(got[i]) for i in range(4)] == [20, 10, 15, 11]
-    bd.remove(2)
+    h = bd.handle(2)  # what a worker's _finish closes
+    with pytest.raises(RuntimeError):
+        next(h)
+    h.close()
+    h.close()  # idempotent
     assert len(bd) == 0 and bd.step() == {}
 
 
