@@ -67,8 +67,8 @@ class NotifyListener:
 
 
 def notify_env(path: str) -> dict[str, str]:
-    # A 2 s watchdog: WATCHDOG=1 at most every 1 s. WATCHDOG_PID empty = meant for whoever reads it.
-    return {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": ""}
+    # A 1 s watchdog: WATCHDOG=1 at most every 0.5 s. WATCHDOG_PID empty = meant for whoever reads it.
+    return {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000", "WATCHDOG_PID": ""}
 
 
 def read_until_terminal(sock: zmq.Socket, request_id: str, on_tokens=None):
@@ -132,18 +132,18 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         assert first.get("READY") == "1", listener.messages  # nothing claimed readiness earlier
         assert any("STATUS" in msg and msg["STATUS"] for _, msg in listener.messages), listener.messages
 
-        # WATCHDOG=1 while idle: the step loop wakes every 0.1 s, the pacer sends every 1 s.
+        # WATCHDOG=1 while idle: the step loop wakes every 0.1 s, the pacer sends every 0.5 s.
         t0 = time.monotonic()
-        time.sleep(2.6)
+        time.sleep(1.6)
         assert listener.count("WATCHDOG", t0, time.monotonic()) >= 2, listener.messages
 
-        # ...and while decoding (a long stream, cancelled after ~2.5 s).
+        # ...and while decoding (a long stream, cancelled after ~1.5 s).
         sock = d.raw_socket()
         sock.send(encode(Generate(request_id="wd", prompt="def f(x):", max_tokens=4000)))
         wait_tokens(sock, "wd", 1)
         t0 = time.monotonic()
         n = 0
-        while time.monotonic() - t0 < 2.6:
+        while time.monotonic() - t0 < 1.6:
             reply = decode_daemon(sock.recv())
             n += isinstance(reply, Tokens)
             assert not isinstance(reply, (Done, Error)), reply
@@ -153,7 +153,7 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         sock.send(encode(Cancel(request_id="wd")))
         _, term = read_until_terminal(sock, "wd")
         assert isinstance(term, Done) and term.finish_reason == "cancelled"
-        assert n > 10  # it really was decoding all along
+        assert n > 5  # it really was decoding all along
         assert listener.count("WATCHDOG", t0, t1) >= 2, listener.messages
 
         # SIGTERM mid-stream: the stream finishes normally; new work is refused with
