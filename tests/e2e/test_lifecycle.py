@@ -236,6 +236,22 @@ def test_second_sigterm_exits_at_once(tmp_path, e2e_model):
         d.stop(timeout=10)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "server.py installs its signal handlers only after the model loaded: a SIGHUP during the load "
+    "(launchctl kill SIGHUP, a reload racing a restart) kills the daemon with the default action "
+    "(rc -1 / 129) instead of reloading. Fix in the report."))
+def test_sighup_while_the_model_loads_does_not_kill_the_daemon(tmp_path, e2e_model):
+    d = start_daemon(tmp_path, e2e_model, config="", wait=False)
+    try:
+        wait_event(d, "daemon.loading", timeout=60)
+        assert "model.loaded" not in {e["event"] for e in d.events()}, "loaded too fast to test"
+        d.proc.send_signal(signal.SIGHUP)
+        wait_ready(d)  # raises if the daemon died
+        assert ping(d)
+    finally:
+        assert d.stop(timeout=30) == 0
+
+
 # ---------------------------------------------------------------------------- exit codes
 def serve(tmp_path: Path, *args: str, config: str | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--endpoint", f"ipc://{tmp_path}/run/councild.sock",
