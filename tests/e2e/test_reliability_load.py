@@ -42,6 +42,7 @@ def test_load_short(e2e_model):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_load_full(e2e_model):
     report = _run(["--clients", "8", "--requests", "1000", "--seed", "1", "--model", str(e2e_model)])
     _check(report, 1000)
