@@ -65,7 +65,7 @@ def verdict(serial: list[float], serial_b: list[float], arm: list[float], depth:
     else:
         label, ok = "within noise of serial", True
     return {"pass": ok, "label": label, "depth": depth, "speedup": s, "noise": noise,
-            "rule": f"fail when median speedup {s:.3f} < 1 - noise {noise:.3f}"}
+            "rule": f"fail when the median speedup is below 1 - noise = {1.0 - noise:.3f}"}
 
 
 def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, rollback: str, log=print) -> dict:
