@@ -1,9 +1,12 @@
 """Governor benchmark: the governor (auto) against every fixed depth, under real contention.
 
-Two daemons serve the bundled model side by side (only one is ever generating): "auto"
-runs the governor untouched; "fixed" is pinned to depth k (``client.governor("pin_depth",
-k)``) for each fixed arm. Separate daemons keep the fixed arms' measurements of every depth
-out of the governor's cost model: the governor learns only from its own traffic.
+One daemon per arm serves the bundled model (only one is ever generating): "auto" runs the
+governor untouched; arm "dk" is pinned to depth k (``client.governor("pin_depth", k)``).
+Separate daemons keep the fixed arms' measurements out of the governor's cost model (it
+learns only from its own traffic), and give every arm the same duty cycle: each daemon
+decodes for one sample in six and idles otherwise (a first version ran all fixed arms on one
+daemon, always warm, while the auto daemon idled ~40 s between its samples and paid for it
+in stretched cycles at the start of each burst: ``--shared-fixed`` keeps that layout).
 
 Contention is real: helper processes (bench/contention.py) that burn CPU and hold touched
 memory are started and stopped on a schedule of regimes:
@@ -235,7 +238,7 @@ def _find_traces(result: dict, out_json: Path, workdir: str | None) -> dict[str,
     """The auto and fixed daemons' traces: in the run's workdir, else the gzipped copies
     committed beside the JSON (<stem>_traces/{auto,fixed}.trace.jsonl.gz)."""
     found = {}
-    for name in ("auto", "fixed"):
+    for name in (*result["meta"]["arms"], "fixed"):
         for cand in (Path(workdir or result["meta"]["workdir"]) / name / "governor.trace.jsonl",
                      out_json.parent / f"{out_json.stem}_traces" / f"{name}.trace.jsonl.gz"):  # fmt: skip
             if cand.exists():
@@ -269,7 +272,7 @@ def cycle_stats(samples: list[dict], traces: dict[str, Path], arms: list[str], r
     out: dict = {r: {} for r in regimes}
     for r in regimes:
         for a in arms:
-            cs = cycles["auto" if a == "auto" else "fixed"]
+            cs = cycles.get(a) or cycles.get("fixed", [])
             sel = [c for s in samples if s["regime"] == r and s["arm"] == a and not s["warmup"]
                    for c in cs if s["t0"] <= c[0] <= s["t1"]]  # fmt: skip
             if not sel:
@@ -332,7 +335,7 @@ def summarize(samples: list[dict], arms: list[str], regimes: list[str]) -> dict:
     return {"per_regime": per, "overall": overall, "goal": goal}
 
 
-def estimator_check(samples: list[dict], fixed_trace: Path, regimes: list[str], margin: float = 0.10,
+def estimator_check(samples: list[dict], fixed_traces: list[Path], regimes: list[str], margin: float = 0.10,
                     probe_s: float = 2.0, trials: int = 2000, seed: int = 1) -> dict:
     """How often would the governor's comparison pick the worse of two neighbouring depths?
     Cycles are drawn (iid, so this is optimistic: real contention is also correlated in time)
@@ -342,7 +345,7 @@ def estimator_check(samples: list[dict], fixed_trace: Path, regimes: list[str], 
     bias-corrected start) and the median of the same cycles."""
     import random
 
-    cyc = _trace_cycles(fixed_trace)
+    cyc = [c for p in fixed_traces for c in _trace_cycles(p)]
     rng = random.Random(seed)
 
     def ewma(xs: list[float], alpha: float = 0.1) -> float:
@@ -519,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--governor-toml", default=None,
                     help="extra TOML lines for the auto daemon's [governor] table (to try a config change)")
     ap.add_argument("--out", default=str(HERE / "results" / "governor_cpu.json"), help="JSON results path")
+    ap.add_argument("--shared-fixed", action="store_true",
+                    help="serve all fixed arms from one daemon (the first version's layout) instead of one per arm")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--workdir", default=None, help="daemon sockets/logs/traces (default: a temp dir, kept)")
     ap.add_argument("--reanalyze", default=None, metavar="JSON",
@@ -531,9 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         traces = _find_traces(result, Path(a.reanalyze), a.workdir)
         if "auto" in traces and "auto" in result:
             result["auto"]["probe_stats"] = probe_stats(result["samples"], traces["auto"])
-        if len(traces) == 2:
+        fixed_traces = [p for n, p in traces.items() if n != "auto"]
+        if "auto" in traces and fixed_traces:
             result["cycle_stats"] = cycle_stats(result["samples"], traces, meta["arms"], meta["regimes"])
-            result["estimator_check"] = estimator_check(result["samples"], traces["fixed"], meta["regimes"])
+            result["estimator_check"] = estimator_check(result["samples"], fixed_traces, meta["regimes"])
         Path(a.reanalyze).write_text(json.dumps(result, indent=1, default=str) + "\n")
         table = markdown(result)
         print(table)
@@ -548,30 +554,41 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python", "bench/governor_bench.py", *(argv if argv is not None else sys.argv[1:])])
     print(f"# {command}\n# workdir {workdir}", flush=True)
 
-    auto = Daemon("auto", workdir, Path(a.model), base + gov_table)
-    fixed = Daemon("fixed", workdir, Path(a.model), base + "[governor]\n")
+    # SIGTERM unwinds like Ctrl-C, so the helpers and daemons are always reaped (finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    daemons: dict[str, Daemon] = {}
+    clients: dict[str, Client] = {}
     samples: list[dict] = []
     t_start = time.time()
     try:
-        with Client(auto.endpoint, seat="bench", timeout_s=120) as ca, \
-                Client(fixed.endpoint, seat="bench", timeout_s=120) as cf:  # fmt: skip
-            total_rounds = a.warmup_rounds + a.rounds
-            for rnd in range(total_rounds):
-                warm = rnd < a.warmup_rounds
-                order = arms if rnd % 2 == 0 else arms[::-1]
-                for regime in regimes:
-                    with Regime(regime, a.toggle_s, a.hold_mb):
-                        for i, arm in enumerate(order):
-                            c = ca if arm == "auto" else cf
-                            s = sample(c, arm, a.requests, a.max_tokens, offset=rnd + i)
-                            s.update(round=rnd, regime=regime, warmup=warm)
-                            samples.append(s)
-                            print(f"round {rnd}{' (warm-up)' if warm else ''} {regime:5s} {arm:4s} "
-                                  f"{s['tok_s']:6.1f} tok/s  depth {s['depth_before']}->{s['depth_after']}  "
-                                  f"load {s['loadavg']:.2f}", flush=True)
-            assert cf.governor("auto").ok
+        daemons["auto"] = Daemon("auto", workdir, Path(a.model), base + gov_table)
+        for arm in arms[1:]:
+            name = "fixed" if a.shared_fixed else arm
+            if name not in daemons:
+                daemons[name] = Daemon(name, workdir, Path(a.model), base + "[governor]\n")
+        for arm in arms:
+            d = daemons["auto" if arm == "auto" else "fixed" if a.shared_fixed else arm]
+            clients[arm] = Client(d.endpoint, seat="bench", timeout_s=120)
+        total_rounds = a.warmup_rounds + a.rounds
+        for rnd in range(total_rounds):
+            warm = rnd < a.warmup_rounds
+            order = arms if rnd % 2 == 0 else arms[::-1]
+            for regime in regimes:
+                with Regime(regime, a.toggle_s, a.hold_mb):
+                    for i, arm in enumerate(order):
+                        c = clients[arm]
+                        s = sample(c, arm, a.requests, a.max_tokens, offset=rnd + i)
+                        s.update(round=rnd, regime=regime, warmup=warm)
+                        samples.append(s)
+                        print(f"round {rnd}{' (warm-up)' if warm else ''} {regime:5s} {arm:4s} "
+                              f"{s['tok_s']:6.1f} tok/s  depth {s['depth_before']}->{s['depth_after']}  "
+                              f"load {s['loadavg']:.2f}", flush=True)
     finally:
-        code_a, code_f = auto.stop(), fixed.stop()
+        for c in clients.values():
+            c.close()
+        codes = {n: d.stop() for n, d in daemons.items()}
+    auto = daemons["auto"]
+    traces = {n: d.trace_path for n, d in daemons.items()}
     summary = summarize(samples, arms, regimes)
     result = {
         "meta": {
@@ -580,12 +597,12 @@ def main(argv: list[str] | None = None) -> int:
             "toggle_s": a.toggle_s, "hold_mb": a.hold_mb, "governor_toml": a.governor_toml,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-            "wall_s": round(time.time() - t_start, 1), "daemon_exit": [code_a, code_f], "workdir": str(workdir),
+            "wall_s": round(time.time() - t_start, 1), "daemon_exit": codes, "shared_fixed": a.shared_fixed, "workdir": str(workdir),
         },
         "summary": summary,
         "auto": {**auto_diagnostics(samples, auto, regimes), "probe_stats": probe_stats(samples, auto.trace_path)},
-        "cycle_stats": cycle_stats(samples, {"auto": auto.trace_path, "fixed": fixed.trace_path}, arms, regimes),
-        "estimator_check": estimator_check(samples, fixed.trace_path, regimes),
+        "cycle_stats": cycle_stats(samples, traces, arms, regimes),
+        "estimator_check": estimator_check(samples, [p for n, p in traces.items() if n != "auto"], regimes),
         "samples": samples,
     }  # fmt: skip
     table = markdown(result)
@@ -593,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    _keep_traces(out, {"auto": auto.trace_path, "fixed": fixed.trace_path})
+    _keep_traces(out, traces)
     if a.md:
         Path(a.md).write_text(table)
     print(f"wrote {out}" + (f" and {a.md}" if a.md else ""))
