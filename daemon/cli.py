@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import json
 import sys
 from pathlib import Path
@@ -159,7 +160,12 @@ def cmd_serve(args) -> int:
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
         print(f"councild: {exc}", file=sys.stderr)
-        return exc.exit_code
+        # Leave without interpreter teardown: with mlx loaded on the engine thread, a normal
+        # exit sometimes aborts (SIGABRT), which a service manager would read as a crash
+        # and restart, where the exit code says a restart will not help.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exc.exit_code)
 
 
 def cmd_generate(args) -> int:

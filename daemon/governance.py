@@ -48,6 +48,11 @@ class Governance:
         self.cfg = load_config(worker.cfg.governor)
         self.load = LoadTracker(tau_s=self.cfg.arrival_tau_s)
         head = worker.head
+        # Start from this machine's tuned profile (`councild tune`) when one matches the
+        # model and versions; otherwise from the config's priors.
+        from .tune import governor_profile, load_profile
+
+        profile = governor_profile(load_profile(worker.lm.path))
         self.gov = Governor(
             self.cfg,
             clock=time.monotonic,
@@ -55,6 +60,7 @@ class Governance:
             mlx_probe=MlxMemoryProbe(mx.get_active_memory, mx.get_cache_memory, mx.get_peak_memory,
                                      _recommended_working_set),
             load=self.load,
+            profile=profile,
             head_available=worker.head_available,
             head_resident=head is not None,
             head_bytes=head.nbytes if head is not None else worker.head_bytes_hint,
