@@ -19,7 +19,10 @@ Invariants (any violation makes the exit code 1):
   - cancelled requests stop within one decode cycle: cancel->terminal latency is compared
     with the mean engine cycle (wall time / decode cycles while loaded). The daemon applies
     a Cancel at the next safe point, i.e. after at most the cycle in progress, so the bound
-    checked is 2 cycles + 25 ms of socket and scheduling slack at the median;
+    checked is 2 cycles + 25 ms of socket and scheduling slack at the median. Reported
+    apart: mid-stream cancels (the step in progress is a decode cycle) and cancels before
+    the first chunk (the step in progress may be another request's whole prefill), and the
+    part of the latency spent before the daemon finished the request (from Done.timings);
   - the daemon stays alive, and its RSS (psutil, sampled every 0.2 s) is reported as a
     curve: before / peak / after.
 
@@ -205,6 +208,9 @@ def client_main(cid: int, endpoint: str, n_requests: int, seed: int, concurrency
                 if isinstance(msg, Done):
                     rec["terminals"].append(f"Done:{msg.finish_reason}")
                     rec["completion_tokens"] = msg.usage.completion_tokens
+                    # The daemon's own clock: receipt -> this Done (ttft_s + decode_s, whatever
+                    # the request's state), so the finish is known without the client's read lag.
+                    rec["daemon_span_s"] = msg.timings.ttft_s + msg.timings.decode_s
                     # Each decode cycle commits its accepted drafts + 1 token (a serial step: 1).
                     spec = msg.speculation
                     rec["cycles"] = max(0, msg.usage.completion_tokens - (spec.accepted if spec is not None else 0))
@@ -329,7 +335,16 @@ def analyse(results: list[dict], busy_wall_s: float) -> dict:
     # Latency of the cancels the daemon acted on (those whose terminal is the cancellation).
     acted = [r for r in cancelled if r["terminals"] and r["terminals"][0] == "Done:cancelled"]
     lat = [r["t_terminal"] - r["t_cancel"] for r in acted]
+    # Split: cancel -> the daemon finished the request (its Done's receipt->finish span added
+    # to the send time; an upper bound, as the daemon received the Generate after it was
+    # sent), and the rest, the client's own lag in reading it.
+    daemon_lat = [max(0.0, r["t_sent"] + r["daemon_span_s"] - r["t_cancel"]) for r in acted if "daemon_span_s" in r]
     after = [r["chunks_after_cancel"] for r in acted]
+    # Mid-stream cancels (after >= 1 chunk) wait for at most the decode cycle in progress;
+    # cancels of a request not yet streaming may wait for a whole prefill in progress
+    # (another request's long prompt), which is one uninterruptible step.
+    mid = [r["t_terminal"] - r["t_cancel"] for r in acted if (r["cancel_at"] or 0) >= 1]
+    early = [r["t_terminal"] - r["t_cancel"] for r in acted if (r["cancel_at"] or 0) < 1]
     chunk_times = sorted(t for res in results for t in res["chunk_times"])
     summary = {
         "requests": len(records),
@@ -346,6 +361,16 @@ def analyse(results: list[dict], busy_wall_s: float) -> dict:
             "median": round(1000 * statistics.median(lat), 2) if lat else None,
             "p99": round(1000 * _pct(lat, 0.99), 2) if lat else None,
             "max": round(1000 * max(lat), 2) if lat else None,
+        },
+        "cancel_latency_mid_stream_ms": {"n": len(mid), "median": round(1000 * statistics.median(mid), 2) if mid else None,
+                                         "p99": round(1000 * _pct(mid, 0.99), 2) if mid else None},
+        "cancel_latency_before_streaming_ms": {"n": len(early),
+                                               "median": round(1000 * statistics.median(early), 2) if early else None,
+                                               "p99": round(1000 * _pct(early, 0.99), 2) if early else None},
+        "cancel_to_daemon_finish_ms": {
+            "median": round(1000 * statistics.median(daemon_lat), 2) if daemon_lat else None,
+            "p99": round(1000 * _pct(daemon_lat, 0.99), 2) if daemon_lat else None,
+            "max": round(1000 * max(daemon_lat), 2) if daemon_lat else None,
         },
         "chunks_after_cancel": {"median": statistics.median(after) if after else None, "p99": _pct(after, 0.99),
                                 "max": max(after) if after else None},
@@ -392,6 +417,12 @@ def print_report(s: dict, rss: dict, args, wall_s: float) -> None:
         ("cancels sent / acted / late (not_found)", f"{s['cancels_sent']} / {s['cancels_acted']} / {s['cancel_not_found']}"),
         ("cancel -> terminal ms (median / p99 / max)",
          f"{s['cancel_latency_ms']['median']} / {s['cancel_latency_ms']['p99']} / {s['cancel_latency_ms']['max']}"),
+        ("  of which until the daemon finished it (upper bound)",
+         f"{s['cancel_to_daemon_finish_ms']['median']} / {s['cancel_to_daemon_finish_ms']['p99']} / "
+         f"{s['cancel_to_daemon_finish_ms']['max']}"),
+        ("  mid-stream / before streaming: median, p99 ms",
+         f"{s['cancel_latency_mid_stream_ms']['median']}, {s['cancel_latency_mid_stream_ms']['p99']} / "
+         f"{s['cancel_latency_before_streaming_ms']['median']}, {s['cancel_latency_before_streaming_ms']['p99']}"),
         ("chunks after cancel (median / p99 / max)",
          f"{s['chunks_after_cancel']['median']} / {s['chunks_after_cancel']['p99']} / {s['chunks_after_cancel']['max']}"),
         ("mean decode cycle ms (bound: 2 cycles + 25 ms)", f"{s['cycle_ms_mean']} ({s.get('cancel_bound_ms')})"),
