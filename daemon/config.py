@@ -133,11 +133,19 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         # strict=False lets "4096" from the environment become an int.
         cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"invalid configuration{where}: {exc}") from None
+        message = str(exc)
+        for var, key in _ENV_KEYS.items():
+            if key in env_data and key not in (overrides or {}) and message.endswith(f"`$.{key}`"):
+                message += f" (from ${var}={env_data[key]!r})"
+        raise ConfigError(f"invalid configuration{where}: {message}") from None
     try:
         from governor import load_config as load_governor_config
 
         load_governor_config(cfg.governor)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid [governor] table{where}: {exc}") from None
+        # The governor validates its own table, so its paths start at the table: root them.
+        message = str(exc).replace("`$", "`$.governor")
+        if "`$.governor" not in message:
+            message += " - at `$.governor`"
+        raise ConfigError(f"invalid [governor] table{where}: {message}") from None
     return cfg

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -206,6 +207,9 @@ class Server:
         self._claim_endpoint()
         engine_out = self.ctx.socket(zmq.PULL)
         engine_out.bind(OUT_ENDPOINT)
+        # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
+        # must set a flag, not kill the process with the signal's default action.
+        self._install_signals()
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
         self.worker.loaded.wait()
@@ -214,7 +218,6 @@ class Server:
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
             raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
         router = self._router = self._bind()
-        self._install_signals()
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
                  version=daemon.__version__, protocol=PROTOCOL_VERSION)
@@ -251,11 +254,18 @@ class Server:
                     log.error("daemon.engine_died")
                     return EXIT_SOFTWARE
         finally:
-            router.close(linger=200)
+            router.close(linger=0 if self.stop_now else 200)
             engine_out.close(linger=0)
-            self.ctx.term()
             if self.endpoint.startswith("ipc://"):
                 Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            if self.stop_now and self.worker.is_alive():
+                # A second signal: leave now. Terminating the context under the engine
+                # thread mid-decode would crash it and report a failure instead of exit 0.
+                log.info("daemon.stop", reason="signal", forced=True, in_flight=len(self.live))
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(EXIT_OK)
+            self.ctx.term()
         log.info("daemon.stop", reason="signal", forced=self.stop_now)
         return EXIT_OK
 
@@ -286,9 +296,10 @@ class Server:
             try:
                 msg = decode_client(frames[1], self.cfg.max_frame_bytes)
             except ProtocolError as exc:
-                self._reply(router, identity, m.Error(code=exc.code, message=exc.message,
-                                                       request_id=peek_request_id(frames[1]) if exc.code == "invalid_request" else None))
-                log.info("request.rejected", code=exc.code, message=exc.message[:200])
+                rid = peek_request_id(frames[1]) if exc.code == "invalid_request" else None
+                self._reply(router, identity, m.Error(code=exc.code, message=exc.message, request_id=rid))
+                log.info("request.rejected", request_id=rid, seat=self.seats.get(identity, "default"),
+                         code=exc.code, message=exc.message[:200])
                 continue
             try:
                 self._handle(router, identity, msg)

@@ -109,9 +109,6 @@ def test_bad_environment_value_is_refused():
         load_config(None, env={"COUNCILD_MAX_TOKENS": "lots"})
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config.py: a bad COUNCILD_* value is reported with the key path only ($.max_tokens), not the "
-    "variable it came from, so an operator looks in the wrong place (the file). Fix in the report."))
 def test_bad_environment_value_names_the_variable():
     with pytest.raises(ConfigError, match="COUNCILD_MAX_TOKENS"):
         load_config(None, env={"COUNCILD_MAX_TOKENS": "lots"})
@@ -153,9 +150,6 @@ def test_governor_table_errors(tmp_path, text, needles):
         assert needle in message, message
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "config.py: errors inside [governor] carry the governor's own path ($.linux.psi_some_warn), not the "
-    "file's ($.governor.linux.psi_some_warn) as every other key does. Fix in the report."))
 def test_governor_errors_use_the_full_key_path(tmp_path):
     with pytest.raises(ConfigError, match=r"\$\.governor\.linux\.psi_some_warn"):
         load_config(write(tmp_path, '[governor.linux]\npsi_some_warn = "x"\n'), env={})

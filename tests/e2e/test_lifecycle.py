@@ -210,10 +210,6 @@ def test_drain_deadline_ends_long_work_with_shutting_down(tmp_path, e2e_model):
         d.stop(timeout=10)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server.py: on a second SIGTERM the loop's finally calls ctx.term() while the engine thread still "
-    "owns its inproc PUSH socket mid-decode: the engine dies with ContextTerminated (engine.crashed) and "
-    "interpreter shutdown under a live mlx thread aborts (SIGABRT, rc -6). Fix in the report."))
 def test_second_sigterm_exits_at_once(tmp_path, e2e_model):
     d = start_daemon(tmp_path, e2e_model)
     try:
@@ -236,10 +232,6 @@ def test_second_sigterm_exits_at_once(tmp_path, e2e_model):
         d.stop(timeout=10)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server.py installs its signal handlers only after the model loaded: a SIGHUP during the load "
-    "(launchctl kill SIGHUP, a reload racing a restart) kills the daemon with the default action "
-    "(rc -1 / 129) instead of reloading. Fix in the report."))
 def test_sighup_while_the_model_loads_does_not_kill_the_daemon(tmp_path, e2e_model):
     d = start_daemon(tmp_path, e2e_model, config="", wait=False)
     try:
@@ -282,10 +274,6 @@ def test_missing_config_file_exits_78(tmp_path):
     assert out.returncode == 78 and "nope.toml" in out.stderr and "does not exist" in out.stderr, out.stderr
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "about 1 start in 4 ends in SIGABRT (rc -6, 'terminate called without an active exception') instead of "
-    "78: mlx_lm was imported on the engine thread and interpreter finalization aborts; cmd_serve should "
-    "leave with os._exit(code) after flushing. Flaky until fixed, so not strict. Fix in the report."))
 def test_missing_model_exits_78(tmp_path):
     out = serve(tmp_path, "--model", str(tmp_path / "no-such-model"))
     assert out.returncode == 78, out.stderr + out.stdout

@@ -186,10 +186,6 @@ def test_every_request_event_names_request_and_seat(tty_daemon):
     assert rejected and rejected[0]["seat"] == "alpha" and rejected[0]["code"] == "invalid_request"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "server.py _read_clients: a frame that fails protocol validation but has a readable request id "
-    "(peek_request_id) is answered with that id, yet its request.rejected log line has neither "
-    "request_id nor seat. Fix in the report."))
 def test_rejected_invalid_frame_log_names_request_and_seat(tty_daemon):
     rejected = [e for e in tty_daemon.events() if e["event"] == "request.rejected" and e.get("code") == "invalid_request"]
     assert [e for e in rejected if e.get("request_id") == "neg-temp" and e.get("seat") == "alpha"], rejected
