@@ -47,9 +47,16 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     mode: Literal["off", "exact", "fast"] = "exact"
     # Starting depth until the governor has measurements (0 = no speculation).
     depth: Annotated[int, Meta(ge=0, le=8)] = 1
-    max_depth: Annotated[int, Meta(ge=1, le=8)] = 4
     # Load the MTP head at start-up when the model has one.
     load_head: bool = True
+    # Rollback of GatedDeltaNet state after a partial accept: "capture" keeps per-token
+    # states from the verify (no re-forward; won every CPU measurement), "snapshot"
+    # restores and re-forwards; "auto" picks capture off Metal and snapshot on it.
+    rollback: Literal["auto", "capture", "snapshot"] = "auto"
+    # Exact mode re-decides a verify position with serial numerics when its top-2 logit
+    # margin is within this fraction of the top logit: 2**-5, four bf16 ulps, above the
+    # one-or-two-ulp differences between batch-height kernels. Wider is safer and slower.
+    guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = 2.0**-5
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):

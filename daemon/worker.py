@@ -353,8 +353,10 @@ class EngineWorker(threading.Thread):
         if mode != "off" and self.head is not None:
             from .engine.speculative import speculative_decode
 
+            spec = self.cfg.speculation
             gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
-                                     exact=mode == "exact")
+                                     exact=mode == "exact", guard_margin=spec.guard_margin,
+                                     rollback=spec.rollback)
         else:
             mode = "off"
             gen = serial_decode(self.lm, job.prompt, sampler)
