@@ -571,7 +571,7 @@ FEEDBACK_DOC = {
 
 def cmd_evaluate(args):
     torch, model = load_exported(args.asset)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads or max(1, os.cpu_count() or 1))
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(args.asset) / "tokenizer.json"))
@@ -617,12 +617,21 @@ def cmd_evaluate(args):
     stats = {k: {"attempted": [0] * k, "accepted": [0] * k, "cycles": 0, "tokens": 0}
              for k in (1, 2, 3, 4)}
     t0 = time.time()
+    # the base's greedy continuations do not depend on the head: cache them per asset + setup
+    wsha = hashlib.sha256((Path(args.asset) / "model.safetensors").read_bytes()).hexdigest()[:16]
+    gpath = stage / f"greedy_{wsha}_{len(prompts)}_{args.prompt_len}_{args.gen}.npy"
+    greedy = np.load(gpath) if gpath.exists() else None
+    new_greedy = []
     for pi, prompt in enumerate(prompts):
-        seq = torch.from_numpy(prompt[None])
         with torch.no_grad():
-            for _ in range(args.gen):  # greedy, full forward each step
-                _, lg = model.base(seq)
-                seq = torch.cat([seq, lg[:, -1:].argmax(-1)], 1)
+            if greedy is not None:
+                seq = torch.from_numpy(greedy[pi][None].astype(np.int64))
+            else:
+                seq = torch.from_numpy(prompt[None])
+                for _ in range(args.gen):  # greedy, full forward each step
+                    _, lg = model.base(seq)
+                    seq = torch.cat([seq, lg[:, -1:].argmax(-1)], 1)
+                new_greedy.append(seq[0].numpy())
             H, _ = model.base(seq)  # base hiddens (post final norm) for the whole sequence
         x = seq[0]
         N, P = x.shape[0], prompt.shape[0]
@@ -658,6 +667,8 @@ def cmd_evaluate(args):
         if pi % 4 == 3:
             log(f"  prompt {pi+1}/{len(prompts)} [{time.time()-t0:.0f}s] d1 "
                 f"{stats[1]['accepted'][0]/max(1,stats[1]['attempted'][0]):.3f}")
+    if greedy is None:
+        np.save(gpath, np.stack(new_greedy))
     acc = {}
     for k, st in stats.items():
         cond = [a / t if t else None for a, t in zip(st["accepted"], st["attempted"])]
@@ -769,6 +780,7 @@ python3 tools/train_tiny_model.py train --device cuda --time-budget 150 --batch 
 # back here, $OUT/{state.safetensors,train_log.json} copied to .train_stage/run2/:
 .venv/bin/python tools/train_tiny_model.py export --state .train_stage/run2/state.safetensors
 cp .train_stage/run2/train_log.json .train_stage/train_log.json
+# (on a shared, busy CPU add --threads 1: oversubscribed torch threads ran ~10x slower here)
 .venv/bin/python tools/train_tiny_model.py evaluate     # -> .train_stage/eval.json, eval_acceptance_postnorm.json
 .venv/bin/python tools/train_tiny_model.py evaluate --acceptance-only --feedback prenorm   # -> eval_acceptance_prenorm.json
 .venv/bin/python tools/train_tiny_model.py evaluate --base-only --eval-tokens 500000   # all held-out tokens
@@ -971,6 +983,7 @@ def main(argv=None):
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--sample-tokens", type=int, default=96)
     p.add_argument("--sample-files", nargs="*", default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--feedback", choices=("postnorm", "prenorm"), default="postnorm",
                    help="which head output is fed back at depth > 1")
     p.add_argument("--acceptance-only", action="store_true",
