@@ -765,10 +765,10 @@ RUN_NOTES = [
     "start and a first call that failed in 20 s (transformers 5.17 wants 3-d rope positions) included.",
     "\nCross-check with councild's own MLX engine (2026-11-29, the engine as committed then): "
     "`python -m daemon.engine.decode_bench --model daemon/assets/tiny-qwen35 --rounds 5 --tokens 32 "
-    "--prompts 2 --depths 1,2` loads this head from model.safetensors and accepted 26 depth-1 drafts "
-    "(acceptance 0.67, 1.64 tokens/cycle) on its first two (short, code) prompts; this script's torch "
-    "simulation on the same prompts and 32 greedy tokens also accepted 26 (of 37 drafts, 0.70; the "
-    "attempt count differs only in how the last cycle of a run is counted). Short prompts give the head "
+    "--prompts 2 --depths 1,2` loads this head from model.safetensors and reports depth-1 acceptance 0.67 at 1.64 tokens/cycle "
+    "on its first two (short, code) prompts, i.e. about 26 accepted of about 39 drafts; this script's "
+    "torch simulation on the same prompts and 32 greedy tokens accepted 26 of 37 (0.70; the engine's "
+    "run also counts the drafts of its last cycle). Short prompts give the head "
     "little history, hence lower than the 192-token-prompt figure above.",
     "\nCaveat on acceptance: a 7M-parameter model's greedy continuation falls into loops after a "
     "few dozen tokens (see the decodes below), and loops are easy to draft, so the acceptance above "
