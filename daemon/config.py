@@ -37,6 +37,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A queued request of a lower class is promoted one class after waiting this long, so
     # background work is delayed but never starved.
     starvation_bound_s: PositiveFloat = 30.0
+    # Decode several active streams in one batched forward (depth 0). Where the backend's
+    # batched kernels round differently from one-token ones (Metal, CUDA), requests that
+    # must be exact at temperature 0 still decode alone; "fast" and sampled ones batch.
+    batching: bool = True
     seats: dict[str, SeatConfig] = {}
     default_seat: SeatConfig = SeatConfig()
 

@@ -77,8 +77,8 @@ class Governance:
         worker.depth = self.gov.depth
 
     # ------------------------------------------------------------------ inputs
-    def after_step(self, step) -> None:
-        self.gov.record_cycle(CycleTelemetry.from_step(step))
+    def after_step(self, step, batch: int = 1) -> None:
+        self.gov.record_cycle(CycleTelemetry.from_step(step, batch=batch))
 
     def on_arrival(self) -> None:
         self.load.record_arrival(time.monotonic())

@@ -79,6 +79,12 @@ class Job:
         self.first_token_at: float | None = None
         self.finished_reason: str | None = None
         self.spec = SpecTally()
+        # Set by the worker when the job starts: its sampler, whether it must be exact at
+        # temperature 0, and, for a row of the continuous batch, its state while parked.
+        self.sampler = None
+        self.exact = True
+        self.batched = False
+        self.parked_state = None
 
     # ------------------------------------------------------------------ output
     def start(self, generator, detokenizer, spec_mode: str) -> None:

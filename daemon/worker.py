@@ -158,6 +158,14 @@ class EngineWorker(threading.Thread):
                  seconds=round(time.perf_counter() - t0, 3))
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
+        self.batch = None
+        if self.cfg.scheduler.batching:
+            from .engine.batch import BatchDecoder
+
+            t0 = time.perf_counter()
+            self.batch = BatchDecoder(self.lm, max_rows=self.cfg.scheduler.max_active)
+            log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok,
+                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         if self.cfg.governor_enabled:
             from .governance import Governance
 
@@ -220,7 +228,10 @@ class EngineWorker(threading.Thread):
             if not self._drain_commands(block=idle):
                 return
             self._expire_deadlines()
-            for job in self.scheduler.admit():
+            admitted = self.scheduler.admit()
+            if self.batch is not None and self.scheduler.parked:
+                self._park_batched()
+            for job in admitted:
                 self._start(job)
             job = self.scheduler.pick()
             if job is not None:
@@ -343,13 +354,33 @@ class EngineWorker(threading.Thread):
 
     # ------------------------------------------------------------------ decoding
     def _start(self, job: Job) -> None:
+        """Give an admitted job its decode path: speculation when it runs alone, a row in
+        the continuous batch when others run too, else its own serial generator."""
         from .engine.sampling import Sampler
         from .engine.serial import serial_decode
         from .engine.types import SamplingParams
 
+        if job.generator is not None:  # back from parking: its state was kept
+            if job.parked_state is not None:
+                cache, next_token = job.parked_state
+                job.parked_state = None
+                self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
+            return
         p = job.msg
         sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
         mode = p.speculation or self.cfg.speculation.mode
+        job.sampler = sampler
+        # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
+        # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
+        job.exact = mode != "fast"
+        alone = len(self.scheduler.active) <= 1
+        speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
+        if (not speculate and self.batch is not None and self.cfg.debug_fail_after_tokens is None
+                and self.batch.admits(sampler, job.exact)):
+            self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
+            job.batched = True
+            job.start(self.batch.handle(job.key), self.lm.tokenizer.detokenizer, "off")
+            return
         if mode != "off" and self.head is not None:
             from .engine.speculative import speculative_decode
 
@@ -365,16 +396,52 @@ class EngineWorker(threading.Thread):
         job.start(gen, self.lm.tokenizer.detokenizer, mode)
 
     def _advance(self, job: Job) -> None:
+        if job.batched:
+            self._step_batch()
+            return
         try:
             step = next(job.generator)
         except Exception as exc:
-            log.error("request.failed", request_id=job.request_id, seat=job.seat, error=repr(exc),
-                      traceback=traceback.format_exc())
-            self._finish(job, m.Error(request_id=job.request_id, code="internal",
-                                      message=f"decode failed: {type(exc).__name__}: {exc}"))
+            self._failed(job, exc)
             return
         if self.governance is not None:
             self.governance.after_step(step)
+        self._deliver(job, step)
+
+    def _step_batch(self) -> None:
+        """One forward for every batched row; each row's seat is charged its own token."""
+        from .engine.types import DecodeStep
+
+        t0 = time.perf_counter()
+        try:
+            out = self.batch.step()
+        except Exception as exc:  # a failed batched forward fails every row in it
+            for job in [j for j in self.jobs.values() if j.batched and j.key in self.batch]:
+                self._failed(job, exc)
+            return
+        dt = time.perf_counter() - t0
+        if self.governance is not None and out:
+            self.governance.after_step(DecodeStep(tokens=list(out.values()), cycle_s=dt), batch=len(out))
+        for key, token in out.items():
+            job = self.jobs.get(key)
+            if job is not None:
+                self._deliver(job, DecodeStep(tokens=[token], cycle_s=dt))
+
+    def _park_batched(self) -> None:
+        """A parked job must not advance with the batch: take its row out, keeping its
+        cache and decided next token, so it rejoins later without recomputing its prompt."""
+        for job in self.scheduler.parked:
+            if job.batched and job.parked_state is None and job.key in self.batch:
+                job.parked_state = self.batch.extract(job.key)
+
+    def _failed(self, job: Job, exc: BaseException) -> None:
+        log.error("request.failed", request_id=job.request_id, seat=job.seat, error=repr(exc),
+                  traceback=traceback.format_exc())
+        self._finish(job, m.Error(request_id=job.request_id, code="internal",
+                                  message=f"decode failed: {type(exc).__name__}: {exc}"))
+
+    def _deliver(self, job: Job, step) -> None:
+        """Turn one cycle's committed tokens into the job's output and maybe its end."""
         kept = job.absorb(step, self.lm.eos_token_ids)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))

@@ -39,7 +39,7 @@ def sched_daemon(tmp_path_factory, e2e_model):
     assert d.stop() == 0
 
 
-def _saturate(endpoint: str, seat: str, stop: threading.Event, counts: dict, outstanding: int = 3) -> None:
+def _saturate(endpoint: str, seat: str, stop: threading.Event, counts: dict, outstanding: int = 6) -> None:
     """Keep `outstanding` requests in flight for `seat` until stopped; count tokens streamed."""
     with Client(endpoint, seat=seat, timeout_s=60) as c:
         streams = []
@@ -85,14 +85,14 @@ def test_interactive_overtakes_ten_background_requests(sched_daemon):
         background = []
         for _ in range(10):
             submitted.append(time.monotonic())
-            background.append(bg.generate("import os\n", max_tokens=60))
+            background.append(bg.generate("import os\n", max_tokens=400))
         time.sleep(0.3)  # accepted; four of them are decoding
         urgent = fg.generate("def main():", max_tokens=8)
         next(iter(urgent))
         t_first = time.monotonic()
         urgent.result()
         dones = [s.result() for s in background]
-    assert all(d.usage.completion_tokens == 60 for d in dones)
+    assert all(d.usage.completion_tokens == 400 for d in dones)
     # When each background request finished, on this machine's monotonic clock: its
     # submission plus the time the daemon spent on it from receipt to its last token.
     finished_at = [t + d.timings.queue_s + d.timings.prefill_s + d.timings.decode_s
