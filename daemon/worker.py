@@ -466,8 +466,7 @@ class EngineWorker(threading.Thread):
             rest = job.chunk([])
             if rest is not None and rest.text:
                 self._send(job.identity, rest, key=job.key)
-        self._send(job.identity, terminal, key=job.key, terminal=True)
-        self._published_at = 0.0  # status shows the finish at once
+        # Log first: whoever has seen the terminal message can rely on the log holding it.
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
@@ -480,6 +479,8 @@ class EngineWorker(threading.Thread):
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message)
+        self._send(job.identity, terminal, key=job.key, terminal=True)
+        self._published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:
