@@ -156,7 +156,7 @@ def cmd_serve(args) -> int:
     endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
     try:
         model = resolve_model(cfg.model)
-        return Server(cfg, model, endpoint).run(args.config)
+        return Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
         print(f"councild: {exc}", file=sys.stderr)

@@ -182,6 +182,15 @@ class Governance:
         self.gov.note_head(loading=False, resident=True, head_bytes=head.nbytes)
         log.info("head.loaded", bytes=head.nbytes, ms=ms, source=getattr(head, "source", "?"), reason="governor")
 
+    def reconfigure(self, table: dict) -> None:
+        """New [governor] settings from a SIGHUP, applied between cycles. The table was
+        validated by the socket loop before it was sent here."""
+        cfg = load_config(table)
+        changed = self.gov.reconfigure(cfg, memory_probes=default_memory_probes(cfg))
+        self.cfg = cfg
+        self.load.tau_s = cfg.arrival_tau_s
+        log.info("governor.reconfigured", changed=changed)
+
     def snapshot(self) -> dict:
         snap = self.gov.snapshot()
         snap["shedding"] = self.shed[0]

@@ -26,7 +26,7 @@ from protocol.codec import peek_request_id
 from .config import Config
 from .logs import get_logger
 from .requests import Job
-from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, Stop, Submit
+from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor, Stop, Submit
 
 log = get_logger("councild.server")
 
@@ -54,8 +54,10 @@ class _Hooks:
 
 
 class Server:
-    def __init__(self, cfg: Config, model_path: str, endpoint: str):
+    def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None):
         self.cfg = cfg
+        # Flags given at start-up win over the file on every SIGHUP reload too.
+        self.cli_overrides = cli_overrides or {}
         self.endpoint = endpoint
         self.model_path = model_path
         self.ctx = zmq.Context()
@@ -490,18 +492,29 @@ class Server:
     def _reload(self) -> None:
         from .config import ConfigError, load_config
 
+        if self.notifier:
+            self.notifier.reloading()
         try:
-            new = load_config(self.config_path)
+            new = load_config(self.config_path, self.cli_overrides)
         except ConfigError as exc:
             log.error("config.reload_rejected", error=str(exc), message="kept the running configuration")
+            if self.notifier:
+                self.notifier.ready()
             return
         # Scheduling and governor settings apply live; model and endpoint need a restart.
         self.cfg.scheduler = new.scheduler
         self.worker.scheduler.cfg = new.scheduler
-        self.cfg.governor = new.governor
+        if new.governor != self.cfg.governor:
+            self.cfg.governor = new.governor
+            self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
-        log.info("config.reloaded", path=self.config_path)
+        needs_restart = [k for k in ("model", "endpoint", "speculation", "max_frame_bytes", "insecure_tcp",
+                                     "curve_secret_key_file", "governor_enabled", "governor_trace")
+                         if getattr(new, k) != getattr(self.cfg, k)]
+        log.info("config.reloaded", path=self.config_path, needs_restart=needs_restart)
+        if self.notifier:
+            self.notifier.ready()
 
     def status_reply(self) -> m.StatusReply:
         snap = self.worker.read_snapshot()

@@ -54,6 +54,11 @@ class Stop:
 
 
 @dataclass
+class ReloadGovernor:
+    table: dict
+
+
+@dataclass
 class GovernorOverride:
     identity: bytes
     action: str
@@ -266,6 +271,9 @@ class EngineWorker(threading.Thread):
                 self._fail_all(cmd.code, cmd.message)
             elif isinstance(cmd, GovernorOverride):
                 self._override(cmd)
+            elif isinstance(cmd, ReloadGovernor):
+                if self.governance is not None:
+                    self.governance.reconfigure(cmd.table)
             elif isinstance(cmd, Stop):
                 self._stopping = True
                 if not self.scheduler.has_work():

@@ -50,6 +50,7 @@ def replay(
     (the reason sentences joined), and decisions (the structured reasons).
     """
     rows: list[dict] = []
+    given_cfg = cfg is not None  # a --config replaces the trace's settings, reloads included
     model: CostModel | None = None
     state: State | None = None
     sim: bool | None = None  # the simulated head's residency, once known
@@ -81,6 +82,14 @@ def replay(
             model.record(msgspec.convert(rec["cycle"], CycleTelemetry), t, rec.get("load"))
         elif kind == "override":
             state = apply_override(state, rec["action"], rec.get("depth"))
+        elif kind == "reconfigure" and not given_cfg:  # the live run took new settings (SIGHUP)
+            new_cfg = msgspec.convert(rec["cfg"], GovernorConfig)
+            if new_cfg.max_depth != cfg.max_depth:
+                model = CostModel(new_cfg)
+                state = msgspec.structs.replace(state, depth=min(state.depth, new_cfg.max_depth))
+            else:
+                model.cfg = new_cfg
+            cfg = new_cfg
         elif kind == "obs":
             raw = rec["obs"]
             if simulate_head:

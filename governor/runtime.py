@@ -189,6 +189,27 @@ class Governor:
     def shedding(self) -> bool:
         return self.state.shedding
 
+    def reconfigure(self, cfg: GovernorConfig, memory_probes: Sequence[MemoryProbe] | None = None) -> list[str]:
+        """Take new settings live (SIGHUP). Measurements survive unless the depth range
+        changed, since the cost model's tables are sized by max_depth. Returns the names of
+        the settings that changed."""
+        with self._lock:
+            old = msgspec.to_builtins(self.cfg)
+            new = msgspec.to_builtins(cfg)
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            if cfg.max_depth != self.cfg.max_depth:
+                profile = {"cost_s": {str(k): v for k, v in self.cost._profile_cost.items()},
+                           "acceptance": list(self.cost._profile_accept)}
+                self.cost = CostModel(cfg, profile if profile["cost_s"] or profile["acceptance"] else None)
+                self.state = msgspec.structs.replace(self.state, depth=min(self.state.depth, cfg.max_depth))
+            else:
+                self.cost.cfg = cfg
+            self.cfg = cfg
+            if memory_probes is not None:
+                self.memory_probes = list(memory_probes)
+            self._write("reconfigure", cfg=new, changed=changed)
+            return changed
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             now = self.clock()

@@ -424,3 +424,18 @@ def test_status_cli_table_and_json(svc):
     assert {"head_resident", "depth", "memory", "governor", "seats", "recent_tokens_per_s"} <= d.keys()
     assert d["seats"]["planner"]["tokens"] > 0
     assert d["governor"]["pressure"] in ("normal", "warn", "critical", None)
+
+
+def test_sighup_applies_governor_settings_live(svc):
+    from protocol.client import Client
+
+    text = SVC_CONFIG + "\n[governor]\ndepth_margin = 0.25\nprobe_interval_s = 45.0\n"
+    event = reload(svc, text, "governor.reconfigured")
+    assert event["changed"] == ["depth_margin", "probe_interval_s"], event
+    reloaded = [e for e in svc.events() if e["event"] == "config.reloaded"][-1]
+    assert reloaded["needs_restart"] == []
+    with Client(svc.endpoint, seat="gov", timeout_s=30) as c:
+        assert c.complete("def f():", max_tokens=4).usage.completion_tokens == 4
+    # Back to the defaults: the governor follows again.
+    event = reload(svc, SVC_CONFIG, "governor.reconfigured")
+    assert event["changed"] == ["depth_margin", "probe_interval_s"]

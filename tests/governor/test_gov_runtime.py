@@ -168,3 +168,24 @@ def test_trace_to_a_stream_has_config_obs_and_cycles():
     kinds = [json.loads(line)["kind"] for line in buf.getvalue().splitlines()]
     assert kinds == ["config", "cycle", "obs"]
     assert all(json.loads(line)["t"] == 5.0 for line in buf.getvalue().splitlines())
+
+
+def test_reconfigure_takes_new_settings_live_and_replays():
+    import io
+
+    from governor import Governor, GovernorConfig
+    from governor.replay import replay
+
+    clock = [0.0]
+    trace = io.StringIO()
+    gov = Governor(GovernorConfig(), clock=lambda: clock[0], head_resident=True, head_bytes=1 << 20, trace=trace)
+    gov.tick()
+    changed = gov.reconfigure(GovernorConfig(tick_s=0.5, depth_margin=0.2))
+    assert changed == ["depth_margin", "tick_s"] and gov.cfg.depth_margin == 0.2 and gov.cost.cfg.depth_margin == 0.2
+    # A smaller depth range rebuilds the cost model's tables and clamps the depth.
+    gov.reconfigure(GovernorConfig(max_depth=1, initial_depth=1))
+    assert gov.depth <= 1 and len(gov.cost._cost) == 2
+    clock[0] = 1.0
+    gov.tick()
+    rows = replay(trace.getvalue().splitlines(), all_ticks=True)
+    assert len(rows) == 2 and all(r["depth"] <= 1 for r in rows[1:])
