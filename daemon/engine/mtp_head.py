@@ -329,6 +329,32 @@ def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centre
     return head
 
 
+def head_tensor_shapes(text_cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The 15 tensors of a real one-layer head, HF names and shapes (q_proj twice as wide:
+    per head, query channels then gate channels)."""
+    h = text_cfg["hidden_size"]
+    nh, nkv, hd = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"], text_cfg["head_dim"]
+    inter = text_cfg["intermediate_size"]
+    p = "mtp.layers.0."
+    return {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (2 * nh * hd, h),
+        p + "self_attn.k_proj.weight": (nkv * hd, h),
+        p + "self_attn.v_proj.weight": (nkv * hd, h),
+        p + "self_attn.o_proj.weight": (h, nh * hd),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+        p + "mlp.gate_proj.weight": (inter, h),
+        p + "mlp.up_proj.weight": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+        "mtp.norm.weight": (h,),
+    }
+
+
 def copy_head_tensors(text_cfg: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str, mx.array]:
     """HF-named tensors of a synthetic head that drafts (roughly) its own input token:
     fc = [I, 0] passes the normed embedding through, o_proj and down_proj are zero so the
@@ -336,24 +362,6 @@ def copy_head_tensors(text_cfg: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str
     highest. On a random model, whose greedy output loops, it is accepted often; tests and
     the CPU bench use it to drive every accept length through the real code path."""
     h = text_cfg["hidden_size"]
-    nh, nkv, hd = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"], text_cfg["head_dim"]
-    inter = text_cfg["intermediate_size"]
-    z = lambda *s: mx.zeros(s, dtype=dtype)  # noqa: E731
-    p = "mtp.layers.0."
-    return {
-        "mtp.fc.weight": mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1).astype(dtype),
-        "mtp.pre_fc_norm_embedding.weight": z(h),
-        "mtp.pre_fc_norm_hidden.weight": z(h),
-        p + "input_layernorm.weight": z(h),
-        p + "post_attention_layernorm.weight": z(h),
-        p + "self_attn.q_proj.weight": z(2 * nh * hd, h),
-        p + "self_attn.k_proj.weight": z(nkv * hd, h),
-        p + "self_attn.v_proj.weight": z(nkv * hd, h),
-        p + "self_attn.o_proj.weight": z(h, nh * hd),
-        p + "self_attn.q_norm.weight": z(hd),
-        p + "self_attn.k_norm.weight": z(hd),
-        p + "mlp.gate_proj.weight": z(inter, h),
-        p + "mlp.up_proj.weight": z(inter, h),
-        p + "mlp.down_proj.weight": z(h, inter),
-        "mtp.norm.weight": z(h),
-    }
+    weights = {name: mx.zeros(shape, dtype=dtype) for name, shape in head_tensor_shapes(text_cfg).items()}
+    weights["mtp.fc.weight"] = mx.concatenate([mx.eye(h), mx.zeros((h, h))], axis=1).astype(dtype)
+    return weights

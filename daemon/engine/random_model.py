@@ -85,42 +85,20 @@ def _train_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def _random_mtp_tensors(text_cfg: dict, seed: int) -> dict[str, mx.array]:
-    """The 15 tensors of a real head, HF names, HF zero-centred norms (scale = 1 + w)."""
-    h = text_cfg["hidden_size"]
-    nh, nkv, hd = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"], text_cfg["head_dim"]
-    inter = text_cfg["intermediate_size"]
+    """A real head's tensors with random values; norms in the HF zero-centred convention
+    (scale = 1 + w), so small values around 0."""
+    from .mtp_head import head_tensor_shapes
+
     key = mx.random.key(seed + 1)
-
-    def lin(out_dim: int, in_dim: int) -> mx.array:
-        nonlocal key
+    weights = {}
+    for name, shape in head_tensor_shapes(text_cfg).items():
         key, sub = mx.random.split(key)
-        bound = in_dim**-0.5
-        return mx.random.uniform(-bound, bound, (out_dim, in_dim), key=sub)
-
-    def norm(dim: int) -> mx.array:
-        nonlocal key
-        key, sub = mx.random.split(key)
-        return 0.1 * mx.random.normal((dim,), key=sub)
-
-    p = "mtp.layers.0."
-    return {
-        "mtp.fc.weight": lin(h, 2 * h),
-        "mtp.pre_fc_norm_embedding.weight": norm(h),
-        "mtp.pre_fc_norm_hidden.weight": norm(h),
-        p + "input_layernorm.weight": norm(h),
-        p + "post_attention_layernorm.weight": norm(h),
-        # Gated attention: per head, query channels then gate channels.
-        p + "self_attn.q_proj.weight": lin(2 * nh * hd, h),
-        p + "self_attn.k_proj.weight": lin(nkv * hd, h),
-        p + "self_attn.v_proj.weight": lin(nkv * hd, h),
-        p + "self_attn.o_proj.weight": lin(h, nh * hd),
-        p + "self_attn.q_norm.weight": norm(hd),
-        p + "self_attn.k_norm.weight": norm(hd),
-        p + "mlp.gate_proj.weight": lin(inter, h),
-        p + "mlp.up_proj.weight": lin(inter, h),
-        p + "mlp.down_proj.weight": lin(h, inter),
-        "mtp.norm.weight": norm(h),
-    }
+        if len(shape) == 1:
+            weights[name] = 0.1 * mx.random.normal(shape, key=sub)
+        else:
+            bound = shape[1] ** -0.5
+            weights[name] = mx.random.uniform(-bound, bound, shape, key=sub)
+    return weights
 
 
 def build_random_model(
