@@ -522,6 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--governor-toml", default=None,
                     help="extra TOML lines for the auto daemon's [governor] table (to try a config change)")
     ap.add_argument("--out", default=str(HERE / "results" / "governor_cpu.json"), help="JSON results path")
+    ap.add_argument("--order", choices=["abab", "latin"], default="abab",
+                    help="arm order per round: abab = forward/reversed (every committed run so far; puts auto "
+                         "at a regime's first or last slot), latin = rotated each round so every arm visits "
+                         "every slot (use with rounds a multiple of the arm count)")
     ap.add_argument("--shared-fixed", action="store_true",
                     help="serve all fixed arms from one daemon (the first version's layout) instead of one per arm")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
@@ -572,7 +576,10 @@ def main(argv: list[str] | None = None) -> int:
         total_rounds = a.warmup_rounds + a.rounds
         for rnd in range(total_rounds):
             warm = rnd < a.warmup_rounds
-            order = arms if rnd % 2 == 0 else arms[::-1]
+            if a.order == "latin":  # every arm visits every slot once per len(arms) rounds
+                order = arms[rnd % len(arms):] + arms[:rnd % len(arms)]
+            else:
+                order = arms if rnd % 2 == 0 else arms[::-1]
             for regime in regimes:
                 with Regime(regime, a.toggle_s, a.hold_mb):
                     for i, arm in enumerate(order):
@@ -597,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
             "toggle_s": a.toggle_s, "hold_mb": a.hold_mb, "governor_toml": a.governor_toml,
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-            "wall_s": round(time.time() - t_start, 1), "daemon_exit": codes, "shared_fixed": a.shared_fixed, "workdir": str(workdir),
+            "wall_s": round(time.time() - t_start, 1), "daemon_exit": codes, "shared_fixed": a.shared_fixed, "order": a.order, "workdir": str(workdir),
         },
         "summary": summary,
         "auto": {**auto_diagnostics(samples, auto, regimes), "probe_stats": probe_stats(samples, auto.trace_path)},
