@@ -381,10 +381,14 @@ class EngineWorker(threading.Thread):
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = mode != "fast"
-        alone = len(self.scheduler.active) <= 1
+        # Interactive work is latency-bound: it decodes on its own (the scheduler's class
+        # order gives it every forward first), speculating if it can, rather than sharing
+        # each forward with background rows.
+        latency_first = job.priority == "interactive"
+        alone = len(self.scheduler.active) <= 1 or latency_first
         speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
-        if (not speculate and self.batch is not None and self.cfg.debug_fail_after_tokens is None
-                and self.batch.admits(sampler, job.exact)):
+        if (not speculate and not latency_first and self.batch is not None
+                and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
             self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
             job.batched = True
             job.start(self.batch.handle(job.key), self.lm.tokenizer.detokenizer, "off")
