@@ -504,7 +504,7 @@ class EngineWorker(threading.Thread):
 
     def _count_tokens(self, seat: str, n: int) -> None:
         now = time.monotonic()
-        self._rate_window.append((now, n))
+        self._rate_window.append((now, n, seat))
         while self._rate_window and now - self._rate_window[0][0] > 10.0:
             self._rate_window.popleft()
         self._seat_tokens[seat] = self._seat_tokens.get(seat, 0) + n
@@ -523,8 +523,11 @@ class EngineWorker(threading.Thread):
 
         memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
                   "peak_bytes": mx.get_peak_memory()}
-        window = [n for t, n in self._rate_window if now - t <= 10.0]
+        window = [(n, seat) for t, n, seat in self._rate_window if now - t <= 10.0]
         span = min(10.0, now - self._rate_window[0][0]) if self._rate_window else 0.0
+        per_seat: dict[str, int] = {}
+        for n, seat in window:
+            per_seat[seat] = per_seat.get(seat, 0) + n
         active = [
             {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
             for j in self.scheduler.active
@@ -534,12 +537,15 @@ class EngineWorker(threading.Thread):
             s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
             s["active" if job in self.scheduler.active else "queued"] += 1
         for seat, n in self._seat_tokens.items():
-            seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})["tokens"] = n
+            s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
+            s["tokens"] = n
+            # Over the same last-10-seconds window as the daemon's total.
+            s["tokens_per_s"] = round(per_seat.get(seat, 0) / span, 2) if span > 0.5 else 0.0
         with self.snapshot_lock:
             self.snapshot.active = active
             self.snapshot.depth = self.current_depth()
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
-            self.snapshot.recent_tokens_per_s = sum(window) / span if span > 0.5 else 0.0
+            self.snapshot.recent_tokens_per_s = sum(n for n, _ in window) / span if span > 0.5 else 0.0
             self.snapshot.seats = seats
             self.snapshot.memory = memory
             if self.governance is not None:

@@ -67,10 +67,13 @@ def test_two_seats_share_by_weight_under_saturation(sched_daemon):
     with Client(sched_daemon.endpoint, seat="obs", timeout_s=30) as c:
         before = {s: v["tokens"] for s, v in c.status().detail["seats"].items()}
         time.sleep(8.0)
-        after = {s: v["tokens"] for s, v in c.status().detail["seats"].items()}
+        seats = c.status().detail["seats"]
+        after = {s: v["tokens"] for s, v in seats.items()}
     stop.set()
     for t in threads:
         t.join(60)
+    # Status reports each seat's recent throughput too, in the same order.
+    assert seats["heavy"]["tokens_per_s"] > seats["light"]["tokens_per_s"] > 0
     heavy = after["heavy"] - before.get("heavy", 0)
     light = after["light"] - before.get("light", 0)
     assert light > 0 and heavy > 0
