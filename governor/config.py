@@ -105,6 +105,10 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # EWMA weight of a new cycle's cost: ~10 cycles of memory (a fraction of a second), so a
     # change of council load shows within the dwell time.
     cost_alpha: float = 0.1
+    # Cycle cost is the median of this many recent cycles per depth: robust to the preempted
+    # cycles of a contended machine (bench/results/README_governor.md: the mean picked the
+    # worse of two neighbouring depths 30-41% of the time there, the median 9-16%).
+    cost_window: int = 32
     # Acceptance is a property of the head and the text, not of load: a longer memory.
     accept_alpha: float = 0.05
     # Below this many samples an estimate is blended with its prior, and not "trusted".
@@ -140,6 +144,10 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             (self.batch_streams >= 1, "batch_streams must be >= 1"),
             (0 < self.probe_s < self.probe_interval_s, "need 0 < probe_s < probe_interval_s"),
             (0 < self.cost_alpha <= 1 and 0 < self.accept_alpha <= 1, "EWMA alphas must be in (0, 1]"),
+            (1 <= self.cost_window <= 4096, "cost_window must be in [1, 4096]"),
+            (self.restore_window_s >= self.warn_clear_s,
+             "restore_window_s must be >= warn_clear_s: a reload inside a warn episode that has not "
+             "cleared would be evicted again at once"),
             (self.trust_samples >= 1, "trust_samples must be >= 1"),
             (0 <= self.prior_acceptance <= 1, "prior_acceptance must be in [0, 1]"),
             (self.head_margin_bytes >= 0, "head_margin_bytes must be >= 0"),

@@ -4,7 +4,7 @@
   score(k) = E(k) / cost(k)                     tokens per second at depth k
 
 a_j is the conditional acceptance of draft position j (accepted, given 1..j-1 were).
-cost(k) is the EWMA of a depth-k cycle's seconds; cost(0) is one serial step.
+cost(k) is the median of a depth-k cycle's recent seconds; cost(0) is one serial step.
 
 Council load shows up as cost, not as acceptance (DESIGN.md), so costs use a short memory
 and go stale (age, or CPU load moved) while acceptance uses a long one. Until a depth has
@@ -45,11 +45,42 @@ class _Ewma:
             self.load_at = load if self.load_at is None else self.load_at + w * (load - self.load_at)
 
 
+class _RecentMedian:
+    """Cycle cost as the median of the last ``window`` samples. Cycle times on a contended
+    machine are heavy-tailed (a preempted cycle takes 10-20x the median); one such cycle
+    moves a mean by as much as the difference between two depths, so the policy compared
+    noise. The median ignores the tail; the window keeps it as responsive as the EWMA it
+    replaces (32 cycles is about a second at these models' cycle times)."""
+
+    __slots__ = ("samples", "window", "value", "n", "last_at", "load_at")
+
+    def __init__(self, window: int = 32) -> None:
+        self.samples: list[float] = []
+        self.window = window
+        self.value: float = 0.0
+        self.n = 0
+        self.last_at: float | None = None
+        self.load_at: float | None = None
+
+    def add(self, x: float, alpha: float, now: float, load: float | None = None) -> None:
+        self.n += 1
+        self.samples.append(x)
+        if len(self.samples) > self.window:
+            del self.samples[0]
+        ordered = sorted(self.samples)
+        mid = len(ordered) // 2
+        self.value = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        self.last_at = now
+        if load is not None:
+            w = max(alpha, 1.0 / self.n)
+            self.load_at = load if self.load_at is None else self.load_at + w * (load - self.load_at)
+
+
 class CostModel:
     def __init__(self, cfg: GovernorConfig | None = None, profile: dict[str, Any] | None = None):
         self.cfg = cfg or GovernorConfig()
         k = self.cfg.max_depth
-        self._cost = [_Ewma() for _ in range(k + 1)]
+        self._cost = [_RecentMedian(self.cfg.cost_window) for _ in range(k + 1)]
         self._emitted = [_Ewma() for _ in range(k + 1)]
         self._accept = [_Ewma() for _ in range(k + 1)]  # index 1..k; 0 unused
         self._profile_cost: dict[int, float] = {}
@@ -75,7 +106,7 @@ class CostModel:
             if self._cost[k].n and self.stale(k, now, load):
                 # Measured long ago or under another load: that history describes another
                 # machine state, so the new samples start a fresh average.
-                self._cost[k] = _Ewma()
+                self._cost[k] = _RecentMedian(self.cfg.cost_window)
             self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load)
         self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
         drafted = min(t.drafted or k, self.cfg.max_depth)

@@ -150,3 +150,28 @@ def test_telemetry_from_an_engine_step():
     assert (t.depth, t.drafted, t.accepted, t.emitted, t.cycle_s, t.batch) == (3, 3, 2, 3, 0.07, 1)
     serial = C.from_step(SimpleNamespace(tokens=[1], cycle_s=0.02))
     assert serial.depth == 0 and serial.emitted == 1
+
+
+def test_cost_ignores_preempted_cycles():
+    """Heavy-tailed cycle times (a preempted cycle takes 10-20x the median) must not move a
+    depth's cost: one outlier in the window leaves the estimate at the typical cycle."""
+    from governor import CostModel, CycleTelemetry, GovernorConfig
+
+    model = CostModel(GovernorConfig())
+    for i in range(20):
+        model.record(CycleTelemetry(depth=0, cycle_s=0.020), now=float(i))
+    model.record(CycleTelemetry(depth=0, cycle_s=0.400), now=20.0)  # one preempted cycle
+    assert model._cost[0].value == 0.020
+    # A real shift (every cycle slower) does move it, within half a window.
+    for i in range(21, 40):
+        model.record(CycleTelemetry(depth=0, cycle_s=0.030), now=float(i))
+    assert model._cost[0].value == 0.030
+
+
+def test_restore_window_shorter_than_warn_clear_is_refused():
+    import pytest
+
+    from governor import GovernorConfig
+
+    with pytest.raises(ValueError, match="restore_window_s"):
+        GovernorConfig(restore_window_s=5.0, warn_clear_s=10.0)

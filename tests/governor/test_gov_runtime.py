@@ -116,7 +116,7 @@ def test_override_decides_at_once_and_releases():
 
 
 def test_loading_head_is_not_loaded_twice():
-    cfg = GovernorConfig(restore_window_s=1.0, min_reload_gap_s=0.0)
+    cfg = GovernorConfig(restore_window_s=1.0, warn_clear_s=1.0, min_reload_gap_s=0.0)
     gov, clock, *_ = make(cfg, head_resident=False)
     gov.record_cycle(CycleTelemetry(depth=0, cycle_s=0.05))
     acts = []
