@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from daemon.bench_io import spread  # noqa: E402
 from protocol.client import Client  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
@@ -87,10 +87,6 @@ def interactive_ttft(endpoint: str, background: int, tokens: int) -> float:
     return ttft
 
 
-def summary(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "daemon/assets/tiny-qwen35"))
@@ -124,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=60)
     out = {"benchmark": "council", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
            "machine": platform.platform(), "command": " ".join([sys.executable, *sys.argv]),
-           "arms": {a: {"tok_s": {str(n): summary(v) for n, v in res["tok_s"].items()},
-                        "ttft_idle_s": summary(res["ttft_idle"]), "ttft_loaded_s": summary(res["ttft_loaded"])}
+           "arms": {a: {"tok_s": {str(n): spread(v) for n, v in res["tok_s"].items()},
+                        "ttft_idle_s": spread(res["ttft_idle"]), "ttft_loaded_s": spread(res["ttft_loaded"])}
                     for a, res in results.items()}}
     print("\n| streams | batched tok/s (min-max) | time-sliced tok/s (min-max) | ratio |\n|---|---|---|---|")
     for n in counts:

@@ -17,12 +17,13 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from daemon.bench_io import spread
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -66,10 +67,6 @@ def _arm_daemon(client, prompt: str, n: int) -> tuple[float, float, int]:
     count = stream.done.usage.completion_tokens
     # Chunks are per decode step (one token each when serial); eos may end it early.
     return times[0] - t0, times[-1] - times[0], count
-
-
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
 
-    summary = {name: {k: _summary(v) for k, v in arm.items()} for name, arm in results.items()}
+    summary = {name: {k: spread(v) for k, v in arm.items()} for name, arm in results.items()}
     # Ratios per matched sample (same round, same prompt), then their median.
     def ratio(a: str, b: str) -> dict:
-        return _summary([x / y for x, y in zip(results[a]["tok_s"], results[b]["tok_s"])])
+        return spread([x / y for x, y in zip(results[a]["tok_s"], results[b]["tok_s"])])
 
     ratios = {"engine/mlx_lm": ratio("engine", "mlx_lm"), "daemon/engine": ratio("daemon", "engine"),
               "daemon/mlx_lm": ratio("daemon", "mlx_lm")}
-    extra_ttft = _summary([d - e for d, e in zip(results["daemon"]["ttft_s"], results["engine"]["ttft_s"])])
+    extra_ttft = spread([d - e for d, e in zip(results["daemon"]["ttft_s"], results["engine"]["ttft_s"])])
     out = {
         "benchmark": "serial", "model": model, "tokens": args.tokens, "rounds": args.rounds - 1,
         "prompts": len(PROMPTS), "machine": platform.platform(), "python": platform.python_version(),
@@ -140,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         out["versions"] = {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device())}
     except Exception:
         pass
-    print(f"\n| arm | tok/s median | min | max | ttft median (ms) |\n|---|---|---|---|---|")
+    print("\n| arm | tok/s median | min | max | ttft median (ms) |\n|---|---|---|---|---|")
     for name, s in summary.items():
         t = s["tok_s"]
         print(f"| {name} | {t['median']:.1f} | {t['min']:.1f} | {t['max']:.1f} | {s['ttft_s']['median'] * 1000:.1f} |")

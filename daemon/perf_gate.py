@@ -24,20 +24,13 @@ exit 1 also when the model has no MTP head while speculation is configured on.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
+from .bench_io import spread, write_results
 
 DEFAULT_NOISE_FLOOR = 0.02
-
-
-def _summary(vals: list[float]) -> dict:
-    s = sorted(vals)
-    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
-    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0], "n": len(s)}
 
 
 def noise_from(serial: list[float], serial_b: list[float], floor: float = DEFAULT_NOISE_FLOOR) -> float:
@@ -90,7 +83,7 @@ def summarize(raw: dict[str, list[dict]], depths) -> dict:
     out = {}
     for name, runs in raw.items():
         tps = [x["tok_s"] for x in runs]
-        arm = {"tok_s": _summary(tps), "raw_tok_s": tps, "speedup": _summary([a / b for a, b in zip(tps, serial)])}
+        arm = {"tok_s": spread(tps), "raw_tok_s": tps, "speedup": spread([a / b for a, b in zip(tps, serial)])}
         k = 0 if name.startswith("serial") else int(name[1:])
         arm["depth"] = k
         if k:
@@ -201,12 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = format_markdown(res)
     print(md)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(md + "\n")
+    write_results(res, md, args.json, args.markdown)
     return 0 if v["pass"] else 1
 
 

@@ -22,7 +22,6 @@ says nothing about real heads. The default is the checkpoint's own head.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..bench_io import spread, write_results
 from .fidelity import default_model_path, load_prompts
 from .model import LoadedModel
 from .rollback import STRATEGIES, Snapshot, capture_hidden
@@ -117,12 +117,6 @@ def verify_cost(lm: LoadedModel, depths, context: int = 64, reps: int = 15) -> d
     return out
 
 
-def _summary(vals: list[float]) -> dict:
-    s = sorted(vals)
-    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
-    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "iqr": q[2] - q[0], "n": len(s)}
-
-
 def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strategies=STRATEGIES, exact=True, log=print) -> dict:
     arms = [("serial", 0, None)] + [(f"{s}/d{k}", k, s) for k in depths for s in strategies]
     raw: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
@@ -139,8 +133,8 @@ def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strat
     for name, k, s in arms:
         runs = raw[name]
         tps = [x["tok_s"] for x in runs]
-        arm = {"depth": k, "strategy": s, "tok_s": _summary(tps), "raw_tok_s": tps}
-        arm["speedup"] = _summary([a / b for a, b in zip(tps, serial_tps)])
+        arm = {"depth": k, "strategy": s, "tok_s": spread(tps), "raw_tok_s": tps}
+        arm["speedup"] = spread([a / b for a, b in zip(tps, serial_tps)])
         if k:
             acc = [sum(x["accepted_by_position"][i] for x in runs) for i in range(k)]
             den = [sum(x["cond_denominator"][i] for x in runs) for i in range(k)]
@@ -245,12 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"spec bench: {path.name}, head={args.head}, {res['machine']['device']}"
     md = format_bench(res, title)
     print(md)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=2, default=str))
-    if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(md + "\n")
+    write_results(res, md, args.json, args.markdown)
     return 0
 
 
