@@ -439,7 +439,8 @@ def markdown(result: dict) -> str:
         f"## governor bench: {meta['model']}, {meta['machine']}",
         "",
         f"{meta['rounds']} rounds (+{meta['warmup_rounds']} warm-up), per sample {meta['requests']} requests x "
-        f"{meta['max_tokens']} tokens, temperature 0, exact; arms interleaved ABAB/BABA; tokens/s median "
+        f"{meta['max_tokens']} tokens, temperature 0, exact; arms interleaved "
+        f"{'rotated each round (latin)' if meta.get('order') == 'latin' else 'ABAB/BABA'}; tokens/s median "
         "(min-max, IQR) per regime; overall = all samples' tokens / their time.",
         "",
         "| arm | " + " | ".join(regimes) + " | overall |",
