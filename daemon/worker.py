@@ -212,8 +212,8 @@ class EngineWorker(threading.Thread):
             self.snapshot.head_bytes = head.nbytes
 
     def drop_head(self) -> int:
-        """Forget the head. New requests decode serially at once; a request already
-        drafting holds its own reference until it ends."""
+        """Forget the head: new requests decode serially at once. (Governance then unloads
+        the weights in place, and requests already drafting go serial at their next cycle.)"""
         nbytes = self.head.nbytes if self.head is not None else 0
         self.head = None
         with self.snapshot_lock:
@@ -237,7 +237,10 @@ class EngineWorker(threading.Thread):
             if self.batch is not None and self.scheduler.parked:
                 self._park_batched()
             for job in admitted:
-                self._start(job)
+                try:
+                    self._start(job)
+                except Exception as exc:  # e.g. a batch row's prefill failing: that request only
+                    self._failed(job, exc)
             job = self.scheduler.pick()
             if job is not None:
                 self._advance(job)
