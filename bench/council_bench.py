@@ -14,7 +14,6 @@ Prints a markdown table (median and min-max over rounds) and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from daemon.bench_io import spread  # noqa: E402
+from daemon.bench_io import spread, write_results  # noqa: E402
 from protocol.client import Client  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
@@ -133,10 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         i, lo = out["arms"][a]["ttft_idle_s"], out["arms"][a]["ttft_loaded_s"]
         print(f"| {a} | {i['median'] * 1000:.0f} ({i['min'] * 1000:.0f}-{i['max'] * 1000:.0f}) | "
               f"{lo['median'] * 1000:.0f} ({lo['min'] * 1000:.0f}-{lo['max'] * 1000:.0f}) |")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results(out, "", args.json, None)
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -13,7 +13,6 @@ Prints a markdown table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import signal
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from daemon.bench_io import spread
+from daemon.bench_io import spread, write_results
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -145,10 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in ratios.items():
         print(f"| {name} | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} |")
     print(f"\ndaemon extra time to first token: median {extra_ttft['median'] * 1000:.1f} ms")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results(out, "", args.json, None)
+    print(f"wrote {args.json}")
     return 0
 
 
