@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="model folder (default: config, else the bundled model)")
     ap.add_argument("--config", help="TOML config (mode and max depth)")
     ap.add_argument("--out", help="profile path (default: <cache dir>/profile-<model hash>.json)")
-    ap.add_argument("--depths", default=None, help="depths to measure (default 1..speculation.max_depth)")
+    ap.add_argument("--depths", default=None, help="depths to measure (default 1..governor.max_depth)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt per depth")
     ap.add_argument("--prompts", type=int, default=6, help="how many of the standard prompts")
     ap.add_argument("--rollback", choices=("capture", "snapshot"))
@@ -276,8 +276,13 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
     from daemon.engine.speculative import DEFAULT_ROLLBACK
 
-    depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, cfg.speculation.max_depth + 1))
-    rollback = args.rollback or DEFAULT_ROLLBACK
+    from governor import load_config as load_governor_config
+
+    # speculation.max_depth is gone (0db58c7): the governor's max_depth bounds the depth.
+    max_depth = load_governor_config(cfg.governor).max_depth
+    depths = [int(d) for d in args.depths.split(",")] if args.depths else list(range(1, max_depth + 1))
+    # The daemon's rollback unless told otherwise, so the profile measures what it will run.
+    rollback = args.rollback or cfg.speculation.rollback or DEFAULT_ROLLBACK
     exact = cfg.speculation.mode != "fast"
     mx.random.seed(0)
     lm = load_model(model)
