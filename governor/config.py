@@ -62,9 +62,12 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # With this many active streams, batch them at depth 0: speculation buys latency at
     # batch 1, not throughput.
     batch_streams: int = 2
-    # Probe a stale neighbouring depth at most this often, for probe_s. 30 s of council
-    # traffic is long enough for load to have changed the costs; 2 s is ~50-100 cycles,
-    # enough to re-anchor an EWMA, short enough that a bad probe costs < 2 s of 10-20%.
+    # Probe a stale neighbouring depth at most this often, for probe_s. Both count seconds
+    # of decoding (the cost model's sum of cycle times), not wall-clock seconds: idle time
+    # between bursts does not move costs, and on the wall clock every burst after a gap
+    # began with a probe (bench/results/README_governor.md, finding 2). 30 s of decoding is
+    # long enough for load to have changed the costs; 2 s is ~50-100 cycles, enough to
+    # re-anchor a depth's cost, short enough that a bad probe costs < 2 s of 10-20%.
     probe_interval_s: float = 30.0
     probe_s: float = 2.0
 
@@ -113,11 +116,12 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     accept_alpha: float = 0.05
     # Below this many samples an estimate is blended with its prior, and not "trusted".
     trust_samples: int = 8
-    # A depth's cost not sampled for this long, or sampled under a CPU load this different,
-    # is stale: the policy probes it when it is a neighbour.
+    # A depth's cost not sampled for this many seconds of decoding (at other depths: idle
+    # time does not count), or sampled under a CPU load this different, is stale: the policy
+    # probes it when it is a neighbour, and a new sample restarts its window.
     stale_after_s: float = 30.0
     stale_load_delta: float = 0.25
-    # Measurements older than this are forgotten in favour of the prior, so a head evicted
+    # Measurements older than this (wall clock) are forgotten in favour of the prior, so a head evicted
     # because "speculation did not pay" gets another try once the council has changed.
     forget_after_s: float = 900.0
     # Prior when neither a tuned profile nor data exist: a depth-k cycle costs

@@ -7,7 +7,11 @@ a_j is the conditional acceptance of draft position j (accepted, given 1..j-1 we
 cost(k) is the median of a depth-k cycle's recent seconds; cost(0) is one serial step.
 
 Council load shows up as cost, not as acceptance (DESIGN.md), so costs use a short memory
-and go stale (age, or CPU load moved) while acceptance uses a long one. Until a depth has
+and go stale (age, or CPU load moved) while acceptance uses a long one. Age is counted on
+the decode clock (``decode_s``: the seconds of the cycles recorded so far), not the wall
+clock: an idle gap between bursts changes nothing the cost describes, so it does not make
+an estimate stale (bench/results/README_governor.md, proposal B). Forgetting
+(``forget_after_s``) stays on the wall clock: it is about the council having changed. Until a depth has
 ``trust_samples`` samples its cost is shrunk towards a prior: a tuned profile's ratio to
 cost(0) when one was given, else (1 + prior_cost_per_depth * k) serial steps, scaled by the
 live cost of the nearest measured depth so the prior moves with load too.
@@ -52,18 +56,20 @@ class _RecentMedian:
     noise. The median ignores the tail; the window keeps it as responsive as the EWMA it
     replaces (32 cycles is about a second at these models' cycle times)."""
 
-    __slots__ = ("samples", "window", "value", "n", "last_at", "load_at")
+    __slots__ = ("samples", "window", "value", "n", "last_at", "last_decode_at", "load_at")
 
     def __init__(self, window: int = 32) -> None:
         self.samples: list[float] = []
         self.window = window
         self.value: float = 0.0
         self.n = 0
-        self.last_at: float | None = None
+        self.last_at: float | None = None  # wall clock (forgetting)
+        self.last_decode_at: float | None = None  # decode clock (staleness)
         self.load_at: float | None = None
 
-    def add(self, x: float, alpha: float, now: float, load: float | None = None) -> None:
+    def add(self, x: float, alpha: float, now: float, load: float | None = None, decode_at: float | None = None) -> None:
         self.n += 1
+        self.last_decode_at = decode_at
         self.samples.append(x)
         if len(self.samples) > self.window:
             del self.samples[0]
@@ -86,6 +92,9 @@ class CostModel:
         self._profile_cost: dict[int, float] = {}
         self._profile_accept: list[float] = []
         self.batched_cycles = 0
+        # The decode clock: seconds of every cycle recorded (batched ones too), i.e. the time
+        # the engine spent decoding. Staleness and the policy's probe timing run on it.
+        self.decode_s = 0.0
         if profile:
             self.seed(profile)
 
@@ -101,13 +110,15 @@ class CostModel:
         if t.batch > 1:
             # A batched step serves several streams: not a per-stream cycle cost.
             self.batched_cycles += 1
+            self.decode_s += max(t.cycle_s, 0.0)
             return
         if t.cycle_s > 0:
             if self._cost[k].n and self.stale(k, now, load):
-                # Measured long ago or under another load: that history describes another
-                # machine state, so the new samples start a fresh average.
+                # Measured long ago (in decode time) or under another load: that history
+                # describes another machine state, so the new samples start a fresh average.
                 self._cost[k] = _RecentMedian(self.cfg.cost_window)
-            self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load)
+            self.decode_s += t.cycle_s
+            self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load, decode_at=self.decode_s)
         self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
         drafted = min(t.drafted or k, self.cfg.max_depth)
         m = t.accepted_prefix() if t.drafted else min(t.accepted, drafted)
@@ -173,8 +184,10 @@ class CostModel:
         return v, (src if how == "prior" else how)
 
     def stale(self, k: int, now: float, load: float | None = None) -> bool:
+        """Not measured, measured more than ``stale_after_s`` decode seconds ago (idle time
+        does not count), or under a CPU load more than ``stale_load_delta`` away."""
         e = self._cost[k]
-        if e.n == 0 or e.last_at is None or now - e.last_at > self.cfg.stale_after_s:
+        if e.n == 0 or e.last_decode_at is None or self.decode_s - e.last_decode_at > self.cfg.stale_after_s:
             return True
         return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
 
@@ -217,4 +230,5 @@ class CostModel:
             "acceptance": [round(self.acceptance(i), 4) for i in range(1, self.cfg.max_depth + 1)],
             "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
             "batched_cycles": self.batched_cycles,
+            "decode_s": round(self.decode_s, 3),
         }

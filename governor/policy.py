@@ -10,7 +10,7 @@ Order within a tick (the order the actions come out in, and the step loop applie
   2. head          shed fast (critical now, warn sustained, idle), restore slowly
   3. admissions    shed under critical, clear MLX's cache, release once it passes
   4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
-                   with a neighbour probed now and then
+                   with a neighbour probed now and then (on the decode clock)
 Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
 """
 
@@ -100,7 +100,7 @@ def _evict(s: State, out: _Out, now: float, decision: str, sentence: str, **inpu
     out.emit(EvictHead(), decision, sentence, **inputs)
     return replace(
         s, depth=0, head_target=False, last_evict_at=now, last_depth_change_at=now, idle_since=None,
-        probe_depth=None, probe_return=None, probe_until=None,
+        probe_depth=None, probe_return=None, probe_until_decode_s=None,
     )  # fmt: skip
 
 
@@ -266,17 +266,17 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
     sc = _scores(obs)
     forced = _forced_depth(s, obs, cfg)
     if forced is not None:
-        s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
+        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None)
         return _set_depth(s, out, now, forced[0], "depth", forced[1])
-    if s.last_probe_at is None:  # the first probe waits a full interval
-        s = replace(s, last_probe_at=now)
+    if s.last_probe_decode_s is None:  # the first probe waits a full interval of decoding
+        s = replace(s, last_probe_decode_s=obs.decode_s)
     cur = s.depth
     score = (lambda k: sc[k] if k < len(sc) else None)  # noqa: E731
     if s.probe_depth is not None:
-        if s.probe_until is not None and now < s.probe_until:
+        if s.probe_until_decode_s is not None and obs.decode_s < s.probe_until_decode_s:
             return s
         back, probed = s.probe_return if s.probe_return is not None else cur, s.probe_depth
-        s = replace(s, probe_depth=None, probe_return=None, probe_until=None)
+        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None)
         sp, sb = score(probed), score(back)
         deeper_under_warn = probed > back and obs.pressure != NORMAL
         if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
@@ -302,32 +302,35 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         if ests[step].stale:
             # A stale or prior estimate is a reason to look, not to move: probe, and stay
             # only if the measurement confirms it.
-            return _probe(s, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it")
+            return _probe(s, obs, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it")
         if (score(step) or 0.0) <= cs:
             return _maybe_probe(s, obs, now, cfg, out)  # a measured valley lies between: no blind step
         return _set_depth(s, out, now, step, "depth", f"{why}: one step to {step}", scores=_rounded(obs))
     return _maybe_probe(s, obs, now, cfg, out)
 
 
-def _probe(s: State, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
-    s = replace(s, probe_depth=n, probe_return=s.depth, probe_until=now + cfg.probe_s,
-                last_probe_at=now, probe_count=s.probe_count + 1)  # fmt: skip
+def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
+    s = replace(s, probe_depth=n, probe_return=s.depth, probe_until_decode_s=obs.decode_s + cfg.probe_s,
+                last_probe_decode_s=obs.decode_s, probe_count=s.probe_count + 1)  # fmt: skip
     return _set_depth(s, out, now, n, "probe", sentence)
 
 
 def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
-    """Now and then, measure a neighbour whose estimate is stale (load moves costs)."""
+    """Now and then, measure a neighbour whose estimate is stale (load moves costs). "Now and
+    then" is on the decode clock: probe_interval_s seconds of decoding, so a burst that follows
+    an idle gap does not start with a probe just because the wall clock moved."""
     if obs.pressure != NORMAL or obs.active_streams > 1:
         return s
-    if s.last_probe_at is not None and now - s.last_probe_at < cfg.probe_interval_s:
+    if s.last_probe_decode_s is not None and obs.decode_s - s.last_probe_decode_s < cfg.probe_interval_s:
         return s
     cur = s.depth
     # Alternate which side is tried first: deterministic, and both sides get their turn.
     sides = (cur + 1, cur - 1) if s.probe_count % 2 == 0 else (cur - 1, cur + 1)
     for n in sides:
         if 0 <= n <= cfg.max_depth and n < len(obs.estimates) and obs.estimates[n].stale:
-            return _probe(s, out, now, n, cfg, f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s")
-    return replace(s, last_probe_at=now)
+            return _probe(s, obs, out, now, n, cfg,
+                          f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s of decoding")
+    return replace(s, last_probe_decode_s=obs.decode_s)
 
 
 # ---------------------------------------------------------------- decide

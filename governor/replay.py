@@ -85,7 +85,9 @@ def replay(
         elif kind == "reconfigure" and not given_cfg:  # the live run took new settings (SIGHUP)
             new_cfg = msgspec.convert(rec["cfg"], GovernorConfig)
             if new_cfg.max_depth != cfg.max_depth:
+                decode_s = model.decode_s
                 model = CostModel(new_cfg)
+                model.decode_s = decode_s
                 state = msgspec.structs.replace(state, depth=min(state.depth, new_cfg.max_depth))
             else:
                 model.cfg = new_cfg
@@ -95,7 +97,7 @@ def replay(
             if simulate_head:
                 sim = bool(raw.get("head_resident", False)) if sim is None else sim
                 raw = {**raw, "head_resident": sim, "head_loading": False}
-            obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")))
+            obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")), decode_s=model.decode_s)
             state, actions, reasons = decide(state, obs, t, cfg)
             for a in actions:
                 if isinstance(a, (LoadHead, EvictHead)):

@@ -154,7 +154,7 @@ class Governor:
 
     def _decide(self, raw: dict[str, Any], now: float) -> list[Action]:
         self._cpu_load = raw.get("cpu_load")
-        obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load))
+        obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load), decode_s=self.cost.decode_s)
         self.state, actions, reasons = decide(self.state, obs, now, self.cfg)
         self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
         names = [action_name(a) for a in actions]
@@ -200,7 +200,9 @@ class Governor:
             if cfg.max_depth != self.cfg.max_depth:
                 profile = {"cost_s": {str(k): v for k, v in self.cost._profile_cost.items()},
                            "acceptance": list(self.cost._profile_accept)}
+                decode_s = self.cost.decode_s  # the decode clock runs on (the policy's probe timing)
                 self.cost = CostModel(cfg, profile if profile["cost_s"] or profile["acceptance"] else None)
+                self.cost.decode_s = decode_s
                 self.state = msgspec.structs.replace(self.state, depth=min(self.state.depth, cfg.max_depth))
             else:
                 self.cost.cfg = cfg

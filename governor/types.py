@@ -114,6 +114,10 @@ class Observation(Struct, frozen=True, kw_only=True):
     cpu_load: float | None = None
     # Indexed by depth, 0..max_depth.
     estimates: tuple[DepthEstimate, ...] = ()
+    # The decode clock: seconds the engine has spent decoding so far (the cost model's sum
+    # of cycle times). Probe timing runs on it, so idle time between bursts does not make a
+    # probe due; it stands still while nothing decodes.
+    decode_s: float = 0.0
 
 
 # ---------------------------------------------------------------- state
@@ -122,7 +126,8 @@ Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
 
 
 class State(Struct, frozen=True, kw_only=True):
-    """What the governor remembers between ticks. Times are the injected clock's seconds."""
+    """What the governor remembers between ticks. Times are the injected clock's seconds,
+    except the ``*_decode_s`` fields, which are on the decode clock (Observation.decode_s)."""
 
     depth: int = 0
     # Pressure seen on the previous tick (to act on entering critical).
@@ -143,11 +148,13 @@ class State(Struct, frozen=True, kw_only=True):
     last_evict_at: float | None = None
     last_load_at: float | None = None
     last_clear_cache_at: float | None = None
-    # A probe in flight: the neighbour being measured, where to go back, and until when.
+    # A probe in flight: the neighbour being measured, where to go back, and until when
+    # (decode clock: a probe measures probe_s seconds of decoding, however long that takes).
     probe_depth: int | None = None
     probe_return: int | None = None
-    probe_until: float | None = None
-    last_probe_at: float | None = None
+    probe_until_decode_s: float | None = None
+    # When the last probe started (decode clock): the next is due probe_interval_s later.
+    last_probe_decode_s: float | None = None
     probe_count: int = 0
     ticks: int = 0
 

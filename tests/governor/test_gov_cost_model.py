@@ -105,8 +105,20 @@ def test_staleness_by_age_and_by_load():
         m.record(C(depth=0, cycle_s=0.05), now=float(i), load=0.2)
     assert not m.stale(0, now=10.0, load=0.2)
     assert m.stale(0, now=10.0, load=0.8)  # the council moved: this cost is history
-    assert m.stale(0, now=45.0, load=0.2)  # too old
     assert m.stale(1, now=10.0)  # never measured
+    # Age is decode time: an idle gap (the wall clock moves, nothing decodes) ages nothing...
+    assert not m.stale(0, now=45.0, load=0.2)
+    assert not m.stale(0, now=10_000.0, load=0.2)
+    # ...while 30 s of decoding at another depth does: depth 0's cost is then too old.
+    for i in range(299):
+        m.record(C(depth=1, drafted=1, accepted=1, emitted=2, cycle_s=0.1), now=50.0 + 0.1 * i, load=0.2)
+    assert m.decode_s == pytest.approx(0.5 + 29.9)
+    assert not m.stale(0, now=80.0, load=0.2)  # 29.9 decode seconds: not yet
+    m.record(C(depth=1, drafted=1, accepted=1, emitted=2, cycle_s=0.2), now=80.0, load=0.2)
+    assert m.stale(0, now=80.0, load=0.2) and not m.stale(1, now=80.0, load=0.2)
+    # Batched cycles are decode time too (the engine was busy), though they teach no cost.
+    m.record(C(depth=0, cycle_s=31.0, emitted=2, batch=2), now=81.0, load=0.2)
+    assert m.stale(1, now=81.0, load=0.2)
 
 
 def test_stale_history_restarts_the_average():
@@ -117,6 +129,20 @@ def test_stale_history_restarts_the_average():
     # Load jumps: the first new sample is not averaged with 100 old ones.
     m.record(C(depth=0, cycle_s=0.20), now=10.0, load=1.0)
     assert m.estimate(0, now=10.0, load=1.0).cost_s == pytest.approx(0.20)
+    # Age restarts it too, but age is decode time: after an hour idle at the same load the
+    # history still describes this machine, and the new sample joins it...
+    for i in range(20):
+        m.record(C(depth=0, cycle_s=0.20), now=10.1 + 0.1 * i, load=1.0)
+    m.record(C(depth=0, cycle_s=0.80), now=3600.0, load=1.0)
+    e0 = m.estimate(0, now=3600.0, load=1.0)
+    assert e0.samples == 22 and e0.cost_s == pytest.approx(0.20) and not e0.stale
+    # ...whereas after 30 s of decoding at depth 1 it is history, and a new sample starts afresh.
+    for i in range(310):
+        m.record(C(depth=1, drafted=1, accepted=1, emitted=2, cycle_s=0.1), now=3600.1 + 0.1 * i, load=1.0)
+    assert m.stale(0, now=3700.0, load=1.0)
+    m.record(C(depth=0, cycle_s=0.80), now=3700.0, load=1.0)
+    e0 = m.estimate(0, now=3700.0, load=1.0)
+    assert e0.samples == 1 and e0.source == "blend" and not e0.stale  # one sample, shrunk to its prior
 
 
 def test_forget_after_reverts_to_prior():

@@ -24,10 +24,13 @@ GOOD = [10.0, 13.0, 12.0, 11.0, 10.0]  # depth 1 best, fresh everywhere
 
 class Harness:
     """decide() on a fake clock, with a fake head that applies Load/Evict at once
-    (unless ``apply_head`` is off, to model a load that never completes)."""
+    (unless ``apply_head`` is off, to model a load that never completes). The decode clock
+    (Observation.decode_s) advances with the fake clock while ``decoding`` (the default), and
+    stands still while not (``tick(decoding=False)``: an idle gap between bursts)."""
 
     def __init__(self, cfg: GovernorConfig = CFG, state: State | None = None, apply_head: bool = True, **obs):
         self.cfg, self.t, self.apply_head = cfg, 0.0, apply_head
+        self.decode_s, self.decoding = 0.0, True
         self.state = state or State(depth=1, head_target=True)
         self.obs = dict(pressure="normal", available_bytes=16 * GiB, head_resident=True, head_bytes=850 * MiB,
                         active_streams=1, cpu_load=0.1, estimates=make_estimates(GOOD))  # fmt: skip
@@ -40,8 +43,9 @@ class Harness:
     def tick(self, **changes):
         if "scores" in changes:
             changes["estimates"] = make_estimates(changes.pop("scores"), stale=changes.pop("stale", False))
+        self.decoding = changes.pop("decoding", self.decoding)
         self.obs.update(changes)
-        obs = Observation(**self.obs)
+        obs = Observation(**self.obs, decode_s=self.decode_s)
         before = self.state.depth
         self.state, actions, reasons = decide(self.state, obs, self.t, self.cfg)
         assert reasons and all("decision" in r and "sentence" in r for r in reasons)
@@ -54,6 +58,8 @@ class Harness:
                 self.obs["head_resident"] = False
         self.pressure_log.append((self.t, obs.pressure))
         self.t += self.cfg.tick_s
+        if self.decoding:
+            self.decode_s += self.cfg.tick_s
         return actions, reasons
 
     def run(self, seconds: float, **changes):
@@ -399,3 +405,41 @@ def test_config_from_the_daemon_table_is_validated():
     for bad in ({"tick_s": 0}, {"initial_depth": 9}, {"probe_s": 60}, {"no_such": 1}, {"cost_alpha": 2}):
         with pytest.raises(msgspec.ValidationError):
             load_config(bad)
+
+
+# ---------------------------------------------------------------- decode clock
+
+
+def test_probe_interval_counts_decode_time_not_idle_time():
+    """Bursts with long idle gaps between them (a council's turn-taking): the wall clock
+    passes probe_interval_s many times over, but a probe comes due only after
+    probe_interval_s seconds of decoding, and then lasts probe_s seconds of decoding."""
+    cfg = GovernorConfig(probe_interval_s=30.0, probe_s=2.0)
+    stale2 = [False, False, True, False, False]
+    h = Harness(cfg=cfg, state=State(depth=1, head_target=True), scores=GOOD)
+    for _ in range(5):  # 5 bursts of 5 s decoding, each followed by 60 s idle
+        h.run(5.0, scores=GOOD, stale=stale2, decoding=True)
+        h.run(60.0, decoding=False)
+    assert h.t > 300 and h.decode_s == pytest.approx(25.0)
+    assert not h.times(SetDepth) and h.state.probe_count == 0
+    h.run(4.5, decoding=True)  # 29.5 s of decoding: not yet
+    assert not h.times(SetDepth)
+    h.run(1.0)
+    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]  # probing depth 2
+    probe_start = h.times(SetDepth)[0]
+    h.run(1.0)  # the burst ends 1 s into the probe: an idle minute does not end it
+    h.run(60.0, decoding=False)
+    assert h.state.probe_depth == 2 and h.state.depth == 2
+    h.run(1.5, scores=GOOD, stale=False, decoding=True)  # 2 s of decoding at depth 2: judged
+    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2, 1]
+    assert h.times(SetDepth)[1] - probe_start > 60.0
+
+
+def test_wall_clock_interval_would_have_probed_every_burst():
+    """The same bursts, decoding the whole time (decode clock = wall clock): the probe is due
+    after 30 s, as before the decode clock. Guards against a decode clock that never runs."""
+    cfg = GovernorConfig(probe_interval_s=30.0, probe_s=2.0)
+    h = Harness(cfg=cfg, state=State(depth=1, head_target=True))
+    h.run(31.0, scores=GOOD, stale=[False, False, True, False, False])
+    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]
+

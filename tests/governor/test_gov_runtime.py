@@ -189,3 +189,45 @@ def test_reconfigure_takes_new_settings_live_and_replays():
     gov.tick()
     rows = replay(trace.getvalue().splitlines(), all_ticks=True)
     assert len(rows) == 2 and all(r["depth"] <= 1 for r in rows[1:])
+
+
+# ---------------------------------------------------------------- decode clock
+
+# This CPU (bench run 6): a depth-k cycle costs ~(1 + 0.97 k) serial steps of 10 ms.
+def _slow_cpu(k, ld):
+    return 0.010 * (1.0 + 0.97 * k)
+
+
+SLOW_PROFILE = {"cost_s": {str(k): _slow_cpu(k, 0.0) for k in range(5)}, "acceptance": [0.79, 0.7, 0.6, 0.5]}
+
+
+def test_bursts_after_idle_gaps_do_not_start_with_a_probe():
+    """A council's turn-taking: 5 s bursts, 35 s idle. Staleness and probe timing run on the
+    decode clock, so the idle gaps neither make every burst's estimates stale nor make a probe
+    due at each burst's start (with wall-clock timing, bench run 1 probed in 9 of its bursts'
+    first seconds, 41% of its time)."""
+    clock = FakeClock(0.0)
+    probes: list[float] = []
+
+    class Logger(RecordingLogger):
+        def info(self, event, **kw):
+            super().info(event, **kw)
+            if kw.get("decision") == "probe":
+                probes.append(clock.t)
+
+    load = FakeLoad()
+    gov = Governor(GovernorConfig(probe_interval_s=30.0, stale_after_s=30.0), clock=clock, load=load,
+                   memory_probes=[FakeMemoryProbe()], head_resident=True, head_bytes=850 * MiB, logger=Logger())
+    period, burst = 40.0, 5.0
+    eng = SimEngine(gov, _slow_cpu, acceptance=0.79, load_fn=lambda: load.cpu_load,
+                    streams_fn=lambda: 1 if clock.t % period < burst else 0)  # fmt: skip
+    eng.run(12 * period, clock)
+    assert abs(gov.cost.decode_s - 12 * burst) < 0.5
+    # 60 s of decoding: one or two probes, where wall-clock timing would make one due at
+    # almost every burst's start (the interval passes in every 35 s gap).
+    assert 1 <= len(probes) <= 2
+    assert all(t % period >= 1.0 for t in probes), probes  # none in a burst's first second
+    # Depth 1, decoded in the last burst, is still fresh 35 s of idling later (on the wall
+    # clock it would be stale: more than stale_after_s since its last sample).
+    assert clock.t - gov.cost._cost[1].last_at > gov.cfg.stale_after_s
+    assert not gov.cost.stale(1, clock.t, load.cpu_load)
