@@ -51,7 +51,9 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # Matches daemon SpeculationConfig.max_depth: the seed measured depth 4 as a regression
     # (0.85-0.97x), so deeper is never worth a slot.
     max_depth: int = 4
-    # Depth used before there are measurements (daemon SpeculationConfig.depth).
+    # Depth used before there are measurements (daemon SpeculationConfig.depth), when no
+    # tuned profile (`councild tune`) matches: a profile's best depth replaces it
+    # (policy.start_depth), since the profile measured this machine and this is a guess.
     initial_depth: int = 1
     # Change depth only for a >= 10% better score: the measured gains are 6-20%, and the
     # per-cycle noise of cost EWMAs is a few %, so a smaller margin flaps.

@@ -2,6 +2,8 @@
 
     decide(state, obs, now, cfg) -> (new_state, actions, reasons)
 
+``start_depth(obs, cfg, configured)`` picks the depth a governor starts at (pure too).
+
 No clock, no probes, no randomness, no I/O: the same inputs always give the same outputs,
 which is what makes a recorded trace replayable and every rule below testable with fakes.
 
@@ -333,6 +335,48 @@ def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, ou
     return replace(s, last_probe_decode_s=obs.decode_s)
 
 
+# ---------------------------------------------------------------- start
+
+
+def start_depth(obs: Observation, cfg: GovernorConfig, configured: int) -> tuple[int, Reason]:
+    """The depth to start at, before any cycle is measured, and why.
+
+    With a tuned profile (``councild tune``: estimates whose source is "profile"), the
+    profile's best depth by the score the policy uses, E(k) / cost(k), over the depths the
+    profile measured up to max_depth, if it beats serial by ``depth_margin``; else 0. Only
+    measured depths count: a depth the profile lacks would be priced by the optimistic
+    prior, which is what the profile is there to replace. Without one, ``configured`` (the
+    daemon's speculation.depth), as before. No head resident: 0. An operator pin wins.
+
+    This is a start, not a move: the estimates stay "profile" (stale) until this daemon
+    measures them, so the policy holds here until it has a measurement of its own, and
+    reaches any other depth only through a probe that confirms it.
+    """
+    out = _Out(obs)
+    ests = obs.estimates
+    rounded = _rounded(obs)
+    configured = min(max(configured, 0), cfg.max_depth)
+
+    def done(k: int, sentence: str) -> tuple[int, Reason]:
+        out.emit(None, "start_depth", sentence, depth_from=configured, depth_to=k, scores=rounded,
+                 sources=[e.source for e in ests])  # fmt: skip
+        return k, out.reasons[0]
+
+    if not (obs.head_available and obs.head_resident):
+        return done(0, "head not resident: serial")
+    serial = ests[0] if ests else None
+    tuned = [e for e in ests[1:cfg.max_depth + 1] if e.source == "profile" and e.score is not None]
+    if serial is None or serial.source != "profile" or serial.score is None or not tuned:
+        return done(configured, f"no tuned costs: configured depth {configured} (a prior)")
+    best = max(tuned, key=lambda e: (e.score, -e.depth))  # ties go to the shallower depth
+    margin = f"{cfg.depth_margin:.0%}"
+    if best.score >= serial.score * (1 + cfg.depth_margin):
+        return done(best.depth, f"tuned profile: depth {best.depth} scores {_fmt(best.score)} vs serial "
+                                f"{_fmt(serial.score)} (>= {margin} better)")  # fmt: skip
+    return done(0, f"tuned profile: no depth beats serial by {margin}: best depth {best.depth} scores "
+                   f"{_fmt(best.score)} vs serial {_fmt(serial.score)}")  # fmt: skip
+
+
 # ---------------------------------------------------------------- decide
 
 
@@ -383,4 +427,4 @@ def apply_override(state: State, action: str, depth: int | None = None) -> State
     raise ValueError(f"unknown governor override {action!r}")
 
 
-__all__ = ["decide", "apply_override", "Reason"]
+__all__ = ["decide", "apply_override", "start_depth", "Reason"]

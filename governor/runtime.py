@@ -23,7 +23,7 @@ import structlog
 
 from .config import GovernorConfig
 from .cost_model import CostModel
-from .policy import Reason, apply_override, decide
+from .policy import Reason, apply_override, decide, start_depth
 from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
 
@@ -58,7 +58,16 @@ class Governor:
         self._head = {"head_available": head_available, "head_resident": head_resident, "head_loading": False,
                       "head_bytes": int(head_bytes)}  # fmt: skip
         depth = self.cfg.initial_depth if initial_depth is None else initial_depth
-        self.state = State(depth=min(depth, self.cfg.max_depth) if head_resident else 0)
+        depth = min(depth, self.cfg.max_depth) if head_resident else 0
+        self.start_reason: Reason | None = None
+        if profile and profile.get("cost_s"):
+            # A tuned profile: start at its best depth (policy.start_depth), logged as one
+            # decision, rather than at the configured depth the priors would keep us at.
+            now = self.clock()
+            obs = Observation(**self._head, estimates=self.cost.estimates(now), decode_s=self.cost.decode_s)
+            depth, self.start_reason = start_depth(obs, self.cfg, depth)
+            self.log.info("governor.decision", **{"depth": depth, "actions": [], **self.start_reason})
+        self.state = State(depth=depth)
         self.last_observation: Observation | None = None
         self.last_actions: list[Action] = []
         self.last_reasons: list[Reason] = []

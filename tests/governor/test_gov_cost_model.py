@@ -85,6 +85,22 @@ def test_profile_ratios_scale_with_live_serial_cost():
     assert e2.cost_s == pytest.approx(0.16) and e2.source == "prior"
 
 
+def test_profile_ranking_survives_the_first_few_live_cycles():
+    """A few fast cycles at depth 0 must not make the depths priced from it look better
+    than depth 0 itself: the anchor is shrunk to the profile exactly as depth 0's own
+    estimate is, so until depth 0 is trusted the profile's ratio of scores holds."""
+    prof = {"cost_s": {"0": 0.0086, "1": 0.0165}, "acceptance": [0.776]}
+    m = CostModel(CFG, profile=prof)
+    ratio = m.score(1, 0.0) / m.score(0, 0.0)
+    assert ratio < 1.0
+    for i in range(1, CFG.trust_samples + 4):
+        m.record(C(depth=0, cycle_s=0.0066), now=0.01 * i)
+        e0, e1 = m.estimate(0, 0.01 * i), m.estimate(1, 0.01 * i)
+        assert e1.score / e0.score == pytest.approx(ratio), i
+        assert e1.score < e0.score * (1 + CFG.depth_margin)
+    assert m.estimate(0, 1.0).source == "measured" and m.estimate(0, 1.0).cost_s == pytest.approx(0.0066)
+
+
 def test_score_is_tokens_per_second():
     m = CostModel(CFG, profile={"acceptance": [0.5]})
     for i in range(20):

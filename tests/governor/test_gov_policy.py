@@ -6,7 +6,7 @@ import pytest
 
 from governor.config import GovernorConfig
 from governor.fakes import make_estimates
-from governor.policy import apply_override, decide
+from governor.policy import apply_override, decide, start_depth
 from governor.types import (
     ClearCache,
     EvictHead,
@@ -443,3 +443,71 @@ def test_wall_clock_interval_would_have_probed_every_burst():
     h.run(31.0, scores=GOOD, stale=[False, False, True, False, False])
     assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]
 
+
+# ---------------------------------------------------------------- start depth
+
+
+def _profile_obs(profile, cfg=CFG, **head):
+    from governor.cost_model import CostModel
+
+    fields = dict(head_available=True, head_resident=True, head_bytes=850 * MiB)
+    fields.update(head)
+    return Observation(**fields, estimates=CostModel(cfg, profile).estimates(0.0))
+
+
+# This CPU (run 6): depth 1 costs ~1.97 serial steps for ~1.79 tokens.
+SLOW_SPEC = {"cost_s": {"0": 0.010, "1": 0.0197, "2": 0.028, "3": 0.036, "4": 0.044},
+             "acceptance": [0.79, 0.6, 0.5, 0.4]}
+FAST_SPEC = {"cost_s": {"0": 0.010, "1": 0.0115, "2": 0.013, "3": 0.015, "4": 0.020},
+             "acceptance": [0.9, 0.85, 0.8, 0.7]}
+
+
+def test_start_depth_is_zero_when_the_profile_says_speculation_does_not_pay():
+    k, why = start_depth(_profile_obs(SLOW_SPEC), CFG, configured=1)
+    assert k == 0
+    assert why["decision"] == "start_depth" and why["depth_from"] == 1 and why["depth_to"] == 0
+    assert why["sentence"].startswith("tuned profile: no depth beats serial by 10%")
+    assert "vs serial 100.0" in why["sentence"] and why["sources"][:2] == ["profile", "profile"]
+    assert why["scores"][1] < why["scores"][0]
+
+
+def test_start_depth_is_the_profiles_best_by_the_policys_score():
+    obs = _profile_obs(FAST_SPEC)
+    scores = [e.score for e in obs.estimates]
+    best = max(range(1, 5), key=lambda k: scores[k])
+    assert best == 3  # E(3)/cost(3): 3.28 tokens / 15 ms beats depth 2 (2.67 / 13 ms)
+    k, why = start_depth(obs, CFG, configured=1)
+    assert k == 3 and why["sentence"].startswith("tuned profile: depth 3 scores")
+    # max_depth caps it: with max_depth 2 the best allowed is 2.
+    cfg2 = GovernorConfig(max_depth=2, initial_depth=1)
+    assert start_depth(_profile_obs(FAST_SPEC, cfg2), cfg2, configured=1)[0] == 2
+    # A margin the best depth does not clear means serial.
+    cfg_wide = GovernorConfig(depth_margin=2.0)
+    assert start_depth(_profile_obs(FAST_SPEC, cfg_wide), cfg_wide, configured=1)[0] == 0
+
+
+def test_start_depth_needs_a_resident_head_and_measured_depths():
+    assert start_depth(_profile_obs(FAST_SPEC, head_resident=False), CFG, configured=2)[0] == 0
+    assert start_depth(_profile_obs(FAST_SPEC, head_available=False), CFG, configured=2)[0] == 0
+    # No profile: the configured depth, said to be a prior.
+    k, why = start_depth(_profile_obs(None), CFG, configured=2)
+    assert k == 2 and "no tuned costs" in why["sentence"]
+    # A profile without depth 0 or without any measured speculative depth: configured.
+    assert start_depth(_profile_obs({"cost_s": {"1": 0.01}}), CFG, configured=1)[0] == 1
+    assert start_depth(_profile_obs({"cost_s": {"0": 0.01}}), CFG, configured=1)[0] == 1
+    # A depth the profile did not measure is priced by the optimistic prior: never chosen.
+    only_slow_1 = {"cost_s": {"0": 0.010, "1": 0.0197}, "acceptance": [0.79, 0.95, 0.95, 0.95]}
+    obs = _profile_obs(only_slow_1)
+    assert obs.estimates[3].source == "prior" and obs.estimates[3].score > obs.estimates[0].score * 1.1
+    assert start_depth(obs, CFG, configured=1)[0] == 0
+
+
+def test_a_profile_start_is_held_until_this_daemon_measures():
+    """After a start at 0 from the profile, the first ticks have only profile (stale)
+    estimates: no move, and no probe before probe_interval_s of decoding."""
+    obs = _profile_obs(SLOW_SPEC)
+    k, _ = start_depth(obs, CFG, configured=1)
+    s = State(depth=k)
+    for i in range(40):
+        s, acts, reasons = decide(s, obs, i * 0.25, CFG)
+        assert acts == [] and s.depth == 0

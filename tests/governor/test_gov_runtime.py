@@ -191,7 +191,7 @@ def test_reconfigure_takes_new_settings_live_and_replays():
     assert len(rows) == 2 and all(r["depth"] <= 1 for r in rows[1:])
 
 
-# ---------------------------------------------------------------- decode clock
+# ---------------------------------------------------------------- tuned profile start, decode clock
 
 # This CPU (bench run 6): a depth-k cycle costs ~(1 + 0.97 k) serial steps of 10 ms.
 def _slow_cpu(k, ld):
@@ -199,6 +199,48 @@ def _slow_cpu(k, ld):
 
 
 SLOW_PROFILE = {"cost_s": {str(k): _slow_cpu(k, 0.0) for k in range(5)}, "acceptance": [0.79, 0.7, 0.6, 0.5]}
+
+
+def test_tuned_profile_start_is_its_best_depth_and_is_logged_once():
+    gov, clock, mem, load, logger = make(profile=SLOW_PROFILE, initial_depth=1)
+    assert gov.depth == 0
+    starts = [e for e in logger.events if e[2].get("decision") == "start_depth"]
+    assert len(starts) == 1 and logger.events[0] is starts[0]
+    level, event, f = starts[0]
+    assert (level, event) == ("info", "governor.decision")
+    assert f["depth"] == 0 and f["depth_from"] == 1 and f["depth_to"] == 0 and f["actions"] == []
+    assert f["sentence"].startswith("tuned profile: no depth beats serial by 10%: best depth 1 scores")
+    assert gov.start_reason == {k: v for k, v in f.items() if k not in ("depth", "actions")}
+    # No profile: the configured depth, and no start event (profile.absent says so already).
+    gov2, *_, logger2 = make(initial_depth=1)
+    assert gov2.depth == 1 and gov2.start_reason is None and not logger2.events
+    # A profile in which depth 2 pays: start there.
+    fast = {"cost_s": {"0": 0.010, "1": 0.0115, "2": 0.013}, "acceptance": [0.9, 0.85]}
+    gov3, *_ = make(profile=fast, initial_depth=1)
+    assert gov3.depth == 2
+    # Head not resident: 0, whatever the profile says.
+    gov4, *_ = make(profile=fast, initial_depth=1, head_resident=False)
+    assert gov4.depth == 0 and gov4.start_reason["sentence"] == "head not resident: serial"
+
+
+def test_profile_start_at_zero_stays_at_zero_on_the_machine_it_describes():
+    """Started at 0 by the profile, on a machine where the profile is right: depth 1 is
+    visited only by probes (measured, not better, left), never moved to."""
+    gov, clock, mem, load, logger = make(profile=SLOW_PROFILE, initial_depth=1)
+    eng = SimEngine(gov, _slow_cpu, acceptance=0.79, load_fn=lambda: load.cpu_load)
+    eng.run(120.0, clock)
+    assert gov.depth == 0
+    decisions = [e[2]["decision"] for e in logger.events if e[0] == "info"]
+    assert "depth" not in decisions  # no move, only probes and their ends
+    assert decisions.count("probe") == decisions.count("probe_end") <= 4
+    time_at = {0: 0.0, 1: 0.0}
+    depth, last = 0, clock.t - 120.0
+    for t, a in eng.history:
+        if isinstance(a, SetDepth):
+            time_at[depth] = time_at.get(depth, 0.0) + t - last
+            depth, last = a.depth, t
+    time_at[depth] = time_at.get(depth, 0.0) + clock.t - last
+    assert time_at[0] > 0.9 * 120.0
 
 
 def test_bursts_after_idle_gaps_do_not_start_with_a_probe():
