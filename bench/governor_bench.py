@@ -26,6 +26,12 @@ log events are counted by kind, to explain what the governor did.
     python bench/governor_bench.py --rounds 5            # ~10-15 min on 2 cores
     python bench/governor_bench.py --rounds 1 --requests 1 --max-tokens 16   # smoke run
 
+Before the daemons start, ``councild tune`` measures the model once into the workdir's cache
+dir (COUNCILD_CACHE_DIR, for tune and for every daemon), as a deployed daemon would have run
+it: the governor starts from that profile (its best depth, its cost ratios). ``--no-tune``
+gives the daemons an empty cache dir instead (runs 1-6: no profile, priors only). The result
+JSON records whether a profile was used, its contents, and what the auto daemon made of it.
+
 Goal (issue 6): auto within 5% of the best fixed depth in each regime, and ahead of every
 fixed depth overall. The table says whether it was met.
 """
@@ -70,7 +76,7 @@ REGIMES = ("quiet", "busy", "mixed")
 
 
 class Daemon:
-    def __init__(self, name: str, workdir: Path, model: Path, config: str):
+    def __init__(self, name: str, workdir: Path, model: Path, config: str, cache_dir: Path):
         self.name = name
         run = workdir / name
         run.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -81,7 +87,7 @@ class Daemon:
         cfg.write_text(f'governor_trace = "{self.trace_path}"\n' + config)
         cmd = [sys.executable, "-m", "daemon.cli", "serve", "--model", str(model), "--endpoint", self.endpoint,
                "--log-format", "json", "--config", str(cfg)]
-        env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(run), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(run), COUNCILD_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT)
         self._wait_ready()
 
@@ -123,6 +129,40 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def run_tune(model: Path, cache_dir: Path, config: str, workdir: Path) -> dict:
+    """``councild tune`` for the model into ``cache_dir`` (the daemons' COUNCILD_CACHE_DIR),
+    with the daemons' [speculation] settings; returns the profile and how it was made."""
+    cfg = workdir / "tune.toml"
+    cfg.write_text(config)
+    env = dict(os.environ, COUNCILD_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "daemon.cli", "tune", "--model", str(model), "--config", str(cfg)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    secs = round(time.perf_counter() - t0, 1)
+    (workdir / "tune.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"councild tune failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    paths = sorted(cache_dir.glob("profile-*.json"))
+    if len(paths) != 1:
+        raise RuntimeError(f"councild tune left {len(paths)} profiles in {cache_dir}")
+    print(proc.stdout, end="", flush=True)
+    return {"used": True, "path": str(paths[0]), "tune_s": secs, "tune_command": " ".join(cmd[1:]),
+            "contents": json.loads(paths[0].read_text())}
+
+
+def profile_seen_by(daemon: "Daemon") -> dict:
+    """What a daemon's log says about the profile (profile.loaded / absent / refused) and
+    the governor's start decision."""
+    out: dict = {}
+    for e in daemon.events():
+        ev = e.get("event")
+        if ev in ("profile.loaded", "profile.absent", "profile.refused") and "profile_event" not in out:
+            out["profile_event"] = {k: e.get(k) for k in ("event", "path", "reason", "cost_s", "acceptance") if k in e}
+        if ev == "governor.decision" and e.get("decision") == "start_depth" and "start" not in out:
+            out["start"] = {k: e.get(k) for k in ("depth", "depth_from", "depth_to", "sentence", "scores", "sources")}
+    return out
 
 
 # ---------------------------------------------------------------- contention schedule
@@ -435,8 +475,17 @@ def auto_diagnostics(samples: list[dict], daemon: Daemon, regimes: list[str]) ->
 def markdown(result: dict) -> str:
     s, meta = result["summary"], result["meta"]
     arms, regimes = meta["arms"], meta["regimes"]
+    prof = meta.get("profile") or {}
+    start = (result.get("auto") or {}).get("start") or {}
     lines = [
         f"## governor bench: {meta['model']}, {meta['machine']}",
+        "",
+        ("Tuned profile (`councild tune`, " + f"{prof.get('tune_s')} s): cycle ms "
+         + ", ".join(f"d{k} {1000 * v:.2f}" for k, v in sorted(prof["contents"]["cost_s"].items(), key=lambda kv: int(kv[0])))
+         + "; acceptance " + " ".join(f"{a:.3f}" for a in prof["contents"].get("acceptance", []))
+         + (f". Auto daemon's start: depth {start.get('depth')} ({start.get('sentence')})." if start else ".")
+         if prof.get("used") else "No tuned profile (`--no-tune`, or a run before the bench tuned): the governor "
+                                  "started from its priors."),
         "",
         f"{meta['rounds']} rounds (+{meta['warmup_rounds']} warm-up), per sample {meta['requests']} requests x "
         f"{meta['max_tokens']} tokens, temperature 0, exact; arms interleaved "
@@ -506,6 +555,14 @@ def _keep_traces(out_json: Path, traces: dict[str, Path]) -> None:
             (d / f"{name}.trace.jsonl.gz").write_bytes(gzip.compress(p.read_bytes(), mtime=0))
 
 
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except Exception:  # noqa: BLE001
+        return None
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -527,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="arm order per round: abab = forward/reversed (every committed run so far; puts auto "
                          "at a regime's first or last slot), latin = rotated each round so every arm visits "
                          "every slot (use with rounds a multiple of the arm count)")
+    ap.add_argument("--no-tune", action="store_true",
+                    help="do not run `councild tune` first: the daemons get an empty cache dir and no profile "
+                         "(how runs 1-6 ran)")
     ap.add_argument("--shared-fixed", action="store_true",
                     help="serve all fixed arms from one daemon (the first version's layout) instead of one per arm")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
@@ -565,12 +625,21 @@ def main(argv: list[str] | None = None) -> int:
     clients: dict[str, Client] = {}
     samples: list[dict] = []
     t_start = time.time()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cache_dir = workdir / "cache"
+    if cache_dir.exists():  # a profile left by an earlier run in this workdir must not leak in
+        for old in cache_dir.glob("profile-*.json"):
+            old.unlink()
+    cache_dir.mkdir(exist_ok=True)
+    profile = {"used": False, "cache_dir": str(cache_dir)}
+    if not a.no_tune:
+        profile = {**run_tune(Path(a.model), cache_dir, base, workdir), "cache_dir": str(cache_dir)}
     try:
-        daemons["auto"] = Daemon("auto", workdir, Path(a.model), base + gov_table)
+        daemons["auto"] = Daemon("auto", workdir, Path(a.model), base + gov_table, cache_dir)
         for arm in arms[1:]:
             name = "fixed" if a.shared_fixed else arm
             if name not in daemons:
-                daemons[name] = Daemon(name, workdir, Path(a.model), base + "[governor]\n")
+                daemons[name] = Daemon(name, workdir, Path(a.model), base + "[governor]\n", cache_dir)
         for arm in arms:
             d = daemons["auto" if arm == "auto" else "fixed" if a.shared_fixed else arm]
             clients[arm] = Client(d.endpoint, seat="bench", timeout_s=120)
@@ -606,9 +675,11 @@ def main(argv: list[str] | None = None) -> int:
             "machine": f"{platform.machine()} {os.cpu_count()} cpus, {platform.platform()}",
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "daemon_exit": codes, "shared_fixed": a.shared_fixed, "order": a.order, "workdir": str(workdir),
+            "profile": profile, "commit": _git_commit(),
         },
         "summary": summary,
-        "auto": {**auto_diagnostics(samples, auto, regimes), "probe_stats": probe_stats(samples, auto.trace_path)},
+        "auto": {**auto_diagnostics(samples, auto, regimes), "probe_stats": probe_stats(samples, auto.trace_path),
+                 **profile_seen_by(auto)},
         "cycle_stats": cycle_stats(samples, traces, arms, regimes),
         "estimator_check": estimator_check(samples, [p for n, p in traces.items() if n != "auto"], regimes),
         "samples": samples,
