@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("serial", help="daemon over the socket vs in-process vs mlx_lm.generate, interleaved",
                          add_help=False)
     bench_sub.add_parser("spec", help="speculation by depth against serial, interleaved", add_help=False)
+    bench_sub.add_parser("compile", help="compiled vs eager one-token decode (serial and speculation), interleaved",
+                         add_help=False)
 
     gov = sub.add_parser("governor", help="governor tools: replay a trace, or override a running daemon")
     gov_sub = gov.add_subparsers(dest="governor", metavar="ACTION")
@@ -307,6 +309,7 @@ DELEGATED = {
     ("tune",): "daemon.tune",
     ("bench", "serial"): "daemon.bench_serial",
     ("bench", "spec"): "daemon.engine.decode_bench",
+    ("bench", "compile"): "daemon.engine.compile_bench",
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",
     ("keys",): "daemon.keys",

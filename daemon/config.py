@@ -81,6 +81,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     client_send_hwm: PositiveInt = 1000
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Run decode steps and verifies through mx.compile'd layers (daemon/engine/compiled.py); it is
+    # used only where a start-up check finds it bit-identical to the eager forward, so it
+    # changes speed, never tokens. false: always eager (for A/B measurements).
+    compile_decode: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).

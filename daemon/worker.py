@@ -158,9 +158,9 @@ class EngineWorker(threading.Thread):
         from .engine.model import load_model
 
         t0 = time.perf_counter()
-        self.lm = load_model(self.model_path)
+        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
-                 seconds=round(time.perf_counter() - t0, 3))
+                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3))
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
         self.batch = None

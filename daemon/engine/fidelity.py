@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--alpha", type=float, default=1e-3)
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="decode eagerly (no compiled one-token forward), to tell the two paths apart")
     ap.add_argument("--no-deviation", dest="deviation", action="store_false",
                     help="skip measuring verify-vs-serial logit deviation (informs the guard)")
     ap.add_argument("--logit-jitter", type=float, default=0.0,
@@ -404,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     from .mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
-    lm = load_model(path)
+    lm = load_model(path, compile_decode=args.compile)
+    print(f"decode path: {lm.decode_path}", file=sys.stderr)
     try:
         head = load_mtp_head(lm)
     except NoMTPHead as exc:

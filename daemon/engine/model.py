@@ -29,6 +29,11 @@ class LoadedModel:
     config: dict
     model_type: str
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Set by ``compiled.enable_compiled_decode`` once its one-token forward proved
+    # bit-identical to the eager one; None = every forward is eager.
+    compiled_decode: Any = None
+    # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
+    decode_path: str = "eager: not requested"
 
     @property
     def name(self) -> str:
@@ -53,6 +58,10 @@ class LoadedModel:
 
     def hidden(self, tokens: mx.array, cache: list | None) -> mx.array:
         """Final-normed hidden states, shape [B, T, H]."""
+        if self.compiled_decode is not None:
+            h = self.compiled_decode.try_hidden(tokens, cache)
+            if h is not None:
+                return h
         return self.backbone(tokens, cache)
 
     def logits(self, hidden: mx.array) -> mx.array:
@@ -79,9 +88,10 @@ class LoadedModel:
         return list(self.tokenizer.encode(prompt or ""))
 
 
-def load_model(path: str | Path) -> LoadedModel:
+def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
-    the path in the message on a missing or unsupported model."""
+    the path in the message on a missing or unsupported model. ``compile_decode``: use the
+    compiled one-token forward (``compiled.py``) where it is bit-identical to eager."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -92,7 +102,7 @@ def load_model(path: str | Path) -> LoadedModel:
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
-    return LoadedModel(
+    lm = LoadedModel(
         model=model,
         tokenizer=tokenizer,
         path=path,
@@ -100,3 +110,11 @@ def load_model(path: str | Path) -> LoadedModel:
         model_type=config.get("model_type", ""),
         eos_token_ids=frozenset(eos),
     )
+    if compile_decode and lm.supports_mtp:
+        from .compiled import enable_compiled_decode
+
+        reason = enable_compiled_decode(lm)
+        lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
+    elif compile_decode:
+        lm.decode_path = f"eager: no compiled step for model type {lm.model_type!r}"
+    return lm

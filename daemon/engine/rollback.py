@@ -95,13 +95,12 @@ class _Capture:
     n_keep: int
 
 
-def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache, rec: list) -> mx.array:
+def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
-    plus the per-token states. Matches mlx-lm's ops path (CPU, CUDA) bit for bit."""
+    plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
+    ops path (CPU, CUDA) bit for bit. Returns (output, conv_input, per-token states)."""
     from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
 
-    if mask is not None:
-        raise ValueError("capture runs unpadded sequences only")
     B, S, _ = inputs.shape
     if hasattr(attn, "in_proj_qkvz"):  # qwen3_next
         q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(inputs), attn.in_proj_ba(inputs))
@@ -112,12 +111,7 @@ def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCach
         b = attn.in_proj_b(inputs)
         a = attn.in_proj_a(inputs)
 
-    conv_state = cache[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=inputs.dtype)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    n_keep = attn.conv_kernel_size - 1
-    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
     conv_out = nn.silu(attn.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -132,9 +126,6 @@ def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCach
     # gated_delta_update -> gated_delta_ops, keeping every intermediate state.
     beta = mx.sigmoid(b)
     g = compute_g(attn.A_log, a, attn.dt_bias)
-    state = cache[1]
-    if state is None:
-        state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
     if (rf := attn.num_v_heads // attn.num_k_heads) > 1:
         q = mx.repeat(q, rf, -2)
         k = mx.repeat(k, rf, -2)
@@ -144,18 +135,45 @@ def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCach
         ys.append(y)
         states.append(state)
     out = mx.stack(ys, axis=1)  # y is cast to q's dtype inside the step: no float32 leak
-
-    cache[1] = state
-    cache.advance(S)
-    rec.append(_Capture(cache, conv_input, states, n_keep))
     out = attn.norm(out, z)
-    return attn.out_proj(out.reshape(B, S, -1))
+    return attn.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+def initial_states(attn: nn.Module, cache: ArraysCache, B: int, dtype) -> tuple[mx.array, mx.array]:
+    """The layer's (conv state, recurrent state), zeros where the cache has none yet."""
+    conv_state, state = cache[0], cache[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=dtype)
+    if state is None:
+        state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
+    return conv_state, state
+
+
+def record_capture(attn: nn.Module, cache: ArraysCache, conv_input: mx.array, states: list, rec: list) -> None:
+    """Advance the layer's cache past the whole verify and keep what commit() needs."""
+    n_keep = attn.conv_kernel_size - 1
+    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    cache[1] = states[-1]
+    cache.advance(len(states))
+    rec.append(_Capture(cache, conv_input, states, n_keep))
+
+
+def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache, rec: list) -> mx.array:
+    if mask is not None:
+        raise ValueError("capture runs unpadded sequences only")
+    conv_state, state = initial_states(attn, cache, inputs.shape[0], inputs.dtype)
+    out, conv_input, states = gdn_capture_forward(attn, inputs, conv_state, state)
+    record_capture(attn, cache, conv_input, states, rec)
+    return out
 
 
 def capture_hidden(lm: LoadedModel, tokens: mx.array, cache: list, rec: list) -> mx.array:
     """``lm.hidden`` with capture: qwen3_5/qwen3_next backbone forward, op for op."""
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
+    compiled = lm.compiled_decode
+    if compiled is not None and compiled.applies(tokens, cache):
+        return compiled.capture_hidden(tokens, cache, rec)
     bb = lm.backbone
     h = bb.embed_tokens(tokens)
     layers = _layers(bb)
