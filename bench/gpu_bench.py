@@ -467,6 +467,62 @@ def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dic
             for k in (1, 2, 3, 4)))
 
 
+def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
+    """Before/after for daemon/engine/compiled.py on this dtype: the start-up self-check's
+    verdict, verify cost eager vs compiled, and serial + oracle speculation, interleaved."""
+    from daemon.engine.compile_bench import decode_path, run_compile_ab
+    from daemon.engine.compiled import CompiledDecode, self_check
+    from daemon.engine.decode_bench import verify_cost
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.serial import serial_decode
+    from daemon.engine.types import SamplingParams
+
+    r: dict = {}
+    results.setdefault("compile_ab", {})[name] = r
+    compiled = CompiledDecode(lm.backbone)  # a fresh trace: the weights may have been quantized
+    t = time.perf_counter()
+    reason = self_check(lm, compiled)
+    r["self_check"] = reason or "bit-identical"
+    r["self_check_s"] = time.perf_counter() - t
+    log(f"{name} compile: self-check {r['self_check']} ({r['self_check_s']:.1f} s, includes tracing)")
+    from daemon.engine.compile_bench import format_paired, paired_forward_times
+
+    r["paired"] = paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4, 5), pairs=args.compile_pairs, context=len(prompt))
+    log(f"{name} compile: paired forwards\n" + format_paired(r["paired"]))
+    if args.compile_skip_tokps:
+        return
+    with decode_path(lm, None):
+        r["verify_eager"] = verify_cost(lm, [1, 2, 3, 4], context=len(prompt), reps=args.reps)
+    with decode_path(lm, compiled):
+        r["verify_compiled"] = verify_cost(lm, [1, 2, 3, 4], context=len(prompt), reps=args.reps)
+    for p in ("eager", "compiled"):
+        v = r[f"verify_{p}"]
+        log(f"{name} compile: {p} step {1000 * v['serial_step_s']:.2f} ms, verify T=2..5 plain "
+            + " ".join(f"{v['plain'][k]:.2f}" for k in (1, 2, 3, 4)) + " capture "
+            + " ".join(f"{v['capture'][k]:.2f}" for k in (1, 2, 3, 4)))
+    with decode_path(lm, None):  # the oracle follows the eager serial run
+        gen = serial_decode(lm, prompt, Sampler(SamplingParams()))
+        seq: list[int] = []
+        for step in gen:
+            seq += step.tokens
+            if len(seq) >= args.tokens + 8:
+                break
+        gen.close()
+    acc = PROFILES[args.compile_profile]
+    oracle = OracleHead(head, list(prompt) + seq, acc, lm.text_args.vocab_size, seed=1)
+    lm.compiled_decode = compiled
+    try:
+        depths = [int(d) for d in args.compile_depths.split(",") if d.strip()]
+        res = run_compile_ab(lm, oracle, [prompt], depths, args.rounds, args.tokens, log=log)
+    finally:
+        lm.compiled_decode = None
+    res["profile"] = {args.compile_profile: acc}
+    r["ab"] = res
+    log(f"{name} compile: compiled/eager " + ", ".join(
+        f"{k} {v['median']:.3f}x ({v['min']:.3f}-{v['max']:.3f})" for k, v in res["ratio"].items())
+        + f"; token mismatches: {len(res['token_mismatches'])}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/out/gpu")
@@ -482,6 +538,14 @@ def main(argv=None) -> int:
                     help="run bf16 speculation only if this many seconds have not passed yet")
     ap.add_argument("--profiles", default=",".join(PROFILES), help="4-bit oracle profiles (comma list)")
     ap.add_argument("--bf16-profiles", default="seed_0.83", help="profiles to run at bf16 (comma list, or none)")
+    ap.add_argument("--compile-ab", action="store_true",
+                    help="instead of the full bench: compiled vs eager decode (daemon/engine/compiled.py) per dtype")
+    ap.add_argument("--compile-profile", default="paired_0.98", choices=sorted(PROFILES),
+                    help="oracle acceptance profile for --compile-ab's speculation arms")
+    ap.add_argument("--compile-depths", default="1,2,3", help="speculation depths for --compile-ab")
+    ap.add_argument("--compile-pairs", type=int, default=20, help="interleaved eager/compiled forward pairs per T")
+    ap.add_argument("--compile-skip-tokps", action="store_true",
+                    help="--compile-ab: only the self-check and the paired forwards (no verify-cost or tok/s arms)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -510,6 +574,21 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompt = [rng.randrange(cfg["vocab_size"]) for _ in range(args.context)]
     dtypes = args.dtypes.split(",")
+    if args.compile_ab:
+        try:
+            for name in dtypes:
+                if name == "4bit":
+                    quantize_4bit(lm, head)
+                    mx.clear_cache()
+                compile_ab_dtype(name, lm, head, prompt, args, results)
+                save()
+        finally:
+            results["elapsed_s"] = time.perf_counter() - T0
+            save()
+        md = format_compile_summary(results)
+        print(md)
+        (out / "gpu_compile_ab.md").write_text(md + "\n")
+        return 0
     try:
         if "bf16" in dtypes:
             profs = {} if args.bf16_profiles == "none" else {p: PROFILES[p] for p in args.bf16_profiles.split(",")}
@@ -527,6 +606,33 @@ def main(argv=None) -> int:
     print(format_summary(results))
     (out / "gpu_bench.md").write_text(format_summary(results) + "\n")
     return 0
+
+
+def format_compile_summary(res: dict) -> str:
+    from daemon.engine.compile_bench import format_compile_ab
+
+    lines = [f"## compiled vs eager decode: {res['machine']['device']}, mlx {res['machine']['mlx']}", ""]
+    for name, r in res.get("compile_ab", {}).items():
+        lines += [f"### {name}", "", f"Self-check (the daemon's start-up test): **{r['self_check']}**.", ""]
+        if "paired" in r:
+            from daemon.engine.compile_bench import format_paired
+
+            lines += [format_paired(r["paired"]), ""]
+        if "verify_eager" not in r:
+            continue
+        lines += [
+                  "| path | step ms | verify T=2 | T=3 | T=4 | T=5 | capture T=2 | T=3 | T=4 | T=5 |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for p in ("eager", "compiled"):
+            v = r[f"verify_{p}"]
+            lines.append(f"| {p} | {1000 * v['serial_step_s']:.2f} | "
+                         + " | ".join(f"{v['plain'][k]:.2f}x" for k in (1, 2, 3, 4)) + " | "
+                         + " | ".join(f"{v['capture'][k]:.2f}x" for k in (1, 2, 3, 4)) + " |")
+        if "ab" in r:
+            lines += ["", format_compile_ab(r["ab"], f"{name}: serial and oracle speculation "
+                                                     f"({', '.join(r['ab']['profile'])})")]
+        lines.append("")
+    return "\n".join(lines)
 
 
 def format_summary(res: dict) -> str:
