@@ -61,6 +61,11 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # margin is within this fraction of the top logit: 2**-5, four bf16 ulps, above the
     # one-or-two-ulp differences between batch-height kernels. Wider is safer and slower.
     guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = 2.0**-5
+    # Exact temperature-0 requests where a verify does not compute serial's numerics bit for
+    # bit (probed at start-up, engine/exactness.py: CPU does, MLX on CUDA does not): "serial"
+    # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
+    # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
+    exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -98,6 +103,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # it are unaffected. Applied by wrapping the decode generator at request start, so an
     # unset value costs nothing per step. Also $COUNCILD_DEBUG_FAIL_AFTER_TOKENS.
     debug_fail_after_tokens: PositiveInt | None = None
+    # Test-only, OFF unless set: treat this backend as one whose verify rounds unlike serial
+    # steps (as MLX on CUDA does), so the CPU test suite can exercise
+    # speculation.exact_on_inexact_backend through a real daemon.
+    debug_inexact_verify: bool = False
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)

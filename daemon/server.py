@@ -531,6 +531,8 @@ class Server:
                 "draining": self.draining_since is not None,
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
+                "exact_decode": snap.exact_decode,
+                "decode_path": snap.decode_path,
                 "depth": snap.depth,
                 "in_flight": len(self.live),
                 "active_requests": snap.active,

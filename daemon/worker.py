@@ -75,6 +75,10 @@ class EngineSnapshot:
     head_resident: bool = False
     head_bytes: int = 0
     head_error: str | None = None
+    # What an exact temperature-0 request gets here: "speculate" (verify is bit-identical
+    # to serial), "serial" or "guarded" (it is not; speculation.exact_on_inexact_backend).
+    exact_decode: str = "speculate"
+    decode_path: str = ""
     depth: int = 0
     active: list[dict] = field(default_factory=list)
     queued: dict[str, int] = field(default_factory=dict)
@@ -163,6 +167,9 @@ class EngineWorker(threading.Thread):
                  decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3))
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
+        self.verify_exact = True
+        if self.head_available:
+            self._probe_exactness()
         self.batch = None
         if self.cfg.scheduler.batching:
             from .engine.batch import BatchDecoder
@@ -178,7 +185,30 @@ class EngineWorker(threading.Thread):
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
+            self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def _probe_exactness(self) -> None:
+        """Whether a verify reproduces serial decode bit for bit on this backend, and so
+        what exact temperature-0 requests get (engine/exactness.py)."""
+        from .engine.exactness import verify_matches_serial
+        from .engine.speculative import resolve_rollback
+
+        spec = self.cfg.speculation
+        rollback = resolve_rollback(spec.rollback)
+        t0 = time.perf_counter()
+        self.verify_exact = verify_matches_serial(self.lm, rollback) and not self.cfg.debug_inexact_verify
+        exact_decode = "speculate" if self.verify_exact else spec.exact_on_inexact_backend
+        with self.snapshot_lock:
+            self.snapshot.exact_decode = exact_decode
+        log.info("speculation.exactness", verify_bit_identical=self.verify_exact, rollback=rollback,
+                 forced_inexact=self.cfg.debug_inexact_verify,
+                 exact_requests=exact_decode, probe_ms=round((time.perf_counter() - t0) * 1000, 1),
+                 reason=("a verify here computes what serial steps compute, bit for bit" if self.verify_exact else
+                         "a verify here rounds differently from serial steps, so speculation cannot promise "
+                         "serial's tokens at temperature 0: exact requests "
+                         + ("decode serially" if exact_decode == "serial" else
+                            "speculate with the near-tie guard, which bounds flips but cannot exclude them")))
 
     def _load_head(self, keep: bool) -> None:
         """Load the head at start-up (``keep`` False: only learn whether one exists)."""
@@ -384,6 +414,9 @@ class EngineWorker(threading.Thread):
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = mode != "fast"
+        if (mode == "exact" and sampler.greedy and not self.verify_exact
+                and self.cfg.speculation.exact_on_inexact_backend == "serial"):
+            mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
         # Interactive work is latency-bound: it decodes on its own (the scheduler's class
         # order gives it every forward first), speculating if it can, rather than sharing
         # each forward with background rows.

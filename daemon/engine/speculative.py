@@ -25,10 +25,14 @@ exact (temperature 0 only): where a verify position's top-2 logprob margin is wi
 guard, that position is decided with serial numerics: keep the verify prefix before it,
 run it as a one-token (M=1) forward like serial_decode, and commit what that says. So
 every committed token was decided either with a top-2 margin wider than the guard or by
-the serial computation itself. That is exact as long as the verify's logits stay within
-half the guard of serial's (kernel rounding by batch height, plus the drift of caches
-written by batched forwards): ``councild gate fidelity`` measures that deviation and
-prints the guard's headroom; on CPU it is 0 (bit-identical). fast: takes the verify's
+the serial computation itself. Where the verify is bit-identical to serial steps (CPU)
+that is exact by construction. Where it is not (MLX on CUDA: other kernels for 2-5 rows),
+the guard bounds flips but cannot exclude them: the committed cache was written by the
+verify, so even the serial re-decision runs on slightly different state, and an exact tie
+can fall either way (H200, bundled model: 1 prompt in 10, 1.6-1.7 flips per 1000 tokens).
+``exactness.verify_matches_serial`` tells the two apart at start-up and the daemon then
+serves exact greedy requests serially (``speculation.exact_on_inexact_backend``);
+``councild gate fidelity`` measures the deviation and the flips. fast: takes the verify's
 argmax everywhere.
 
 Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to

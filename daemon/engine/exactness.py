@@ -1,0 +1,92 @@
+"""Does a speculative verify compute what serial decode computes, bit for bit, here?
+
+Exact mode promises serial's tokens at temperature 0. Speculation keeps that promise by
+construction only where a verify forward of T tokens gives the same logits and leaves the
+same cache as T one-token steps. On CPU it does (the fidelity gate: 0 deviation). On the
+H200 (MLX on CUDA) it does not: matmuls of 2-5 rows run other kernels than the one-row
+ones, and the rounding differences live on in the committed cache, so a later near-tie can
+fall the other way even when the exact guard re-decides it serially (bench/results:
+fidelity_h200_*: 1 prompt in 10, 1.6-1.7 flips per 1000 tokens, with and without the
+compiled path). The guard bounds the rate; it cannot make it zero.
+
+``verify_matches_serial`` probes it once per model and rollback strategy: a few short
+prompts, T one-token steps against one T-token verify through the strategy (capture: the
+per-token states; snapshot: the plain forward and the prefix re-forward), comparing every
+position's logits and the caches after a full and after a partial accept. The worker uses
+it to decide what an exact temperature-0 request gets on this backend
+(``speculation.exact_on_inexact_backend``).
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+
+from .rollback import make_rollback
+
+PROBE_T = 4  # verify length probed (depth 3); shorter ones use the same kernels here
+PROBE_LENGTHS = (7, 33)
+
+
+def _cache_arrays(cache: list) -> list[mx.array]:
+    """Every array a cache holds, cut to its filled part (KV offsets), evaluated now: KV
+    buffers are written in place later."""
+    from mlx_lm.models.cache import ArraysCache
+
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out += [mx.array(x) for x in c.cache if x is not None]
+        else:  # KV: only the filled slots (a trim leaves stale ones past the offset)
+            out += [mx.array(x[..., : c.offset, :]) for x in (c.keys, c.values) if x is not None]
+    mx.eval(out)
+    return out
+
+
+def _same(a: list[mx.array], b: list[mx.array]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def verify_matches_serial(lm, strategy: str, seed: int = 0) -> bool:
+    """True when a T-token verify through ``strategy`` equals T serial steps bit for bit
+    (logits at every position; caches after a full and a partial accept). Cached on ``lm``."""
+    probed = lm.__dict__.setdefault("_verify_matches_serial", {})
+    if strategy in probed:
+        return probed[strategy]
+    rng = random.Random(seed)
+    V = lm.text_args.vocab_size
+    ok = True
+    for n in PROBE_LENGTHS:
+        prompt = [rng.randrange(V) for _ in range(n)]
+        block = [rng.randrange(V) for _ in range(PROBE_T)]
+
+        def fresh() -> list:
+            cache = lm.make_cache()
+            lm.hidden(mx.array([prompt], dtype=mx.uint32), cache)
+            mx.eval([c.state for c in cache])
+            return cache
+
+        cache = fresh()
+        serial_logits, after = [], {}
+        for i, tok in enumerate(block):
+            lg = lm.logits(lm.hidden(mx.array([[tok]], dtype=mx.uint32), cache))[0, -1]
+            mx.eval(lg)
+            serial_logits.append(lg)
+            if i + 1 in (2, PROBE_T):
+                after[i + 1] = _cache_arrays(cache)
+
+        for keep in (PROBE_T, 2):
+            cache = fresh()
+            rb = make_rollback(strategy, lm, cache)
+            logits = lm.logits(rb.forward(mx.array([block], dtype=mx.uint32)))[0]
+            mx.eval(logits)
+            if not all(mx.array_equal(logits[i], serial_logits[i]).item() for i in range(PROBE_T)):
+                ok = False
+            rb.commit(keep)
+            if not _same(_cache_arrays(cache), after[keep]):
+                ok = False
+        if not ok:
+            break
+    probed[strategy] = ok
+    return ok

@@ -1,0 +1,65 @@
+"""Exact requests where a verify does not reproduce serial steps (MLX on CUDA): a real
+daemon, told by its test-only knob to treat this CPU as such a backend."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+from e2e_harness import start_daemon
+
+PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def inexact_daemon(tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("inexact"), BUNDLED_MODEL, config="debug_inexact_verify = true\n")
+    yield d
+    assert d.stop() == 0
+
+
+def test_exact_greedy_requests_decode_serially_there(inexact_daemon):
+    with Client(inexact_daemon.endpoint, seat="exact", timeout_s=60) as c:
+        assert c.status().detail["exact_decode"] == "serial"
+        assert c.governor("pin_depth", 2).ok
+        serial = c.complete(PROMPT, max_tokens=32, speculation="off")
+        exact = c.complete(PROMPT, max_tokens=32, speculation="exact")
+        assert exact.text == serial.text
+        assert exact.speculation is None  # served by serial decode, the only exact path here
+        fast = c.complete(PROMPT, max_tokens=32, speculation="fast")
+        assert fast.speculation is not None and fast.speculation.mode == "fast" and fast.speculation.drafted > 0
+        sampled = c.complete(PROMPT, max_tokens=16, speculation="exact", temperature=0.8, seed=3)
+        # Sampling is exact in distribution whatever the rounding: it still speculates.
+        assert sampled.speculation is not None and sampled.speculation.mode == "exact"
+        assert c.governor("auto").ok
+    (probe,) = [e for e in inexact_daemon.events() if e["event"] == "speculation.exactness"]
+    assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
+    assert probe["exact_requests"] == "serial" and "decode serially" in probe["reason"]
+
+
+def test_guarded_policy_speculates_exact_requests(tmp_path):
+    d = start_daemon(tmp_path, BUNDLED_MODEL,
+                     config='debug_inexact_verify = true\n[speculation]\nexact_on_inexact_backend = "guarded"\n')
+    try:
+        with Client(d.endpoint, seat="exact", timeout_s=60) as c:
+            assert c.status().detail["exact_decode"] == "guarded"
+            assert c.governor("pin_depth", 1).ok
+            exact = c.complete(PROMPT, max_tokens=32, speculation="exact")
+            assert exact.speculation is not None and exact.speculation.mode == "exact" and exact.speculation.drafted > 0
+    finally:
+        assert d.stop() == 0
+
+
+def test_this_cpu_speculates_exact_requests(tmp_path):
+    """Without the knob the probe finds CPU verifies bit-identical, and says so."""
+    d = start_daemon(tmp_path, BUNDLED_MODEL)
+    try:
+        with Client(d.endpoint, seat="exact", timeout_s=60) as c:
+            detail = c.status().detail
+            assert detail["exact_decode"] == "speculate" and detail["decode_path"] == "compiled"
+    finally:
+        assert d.stop() == 0
+    (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
+    assert probe["verify_bit_identical"] is True and probe["exact_requests"] == "speculate"
