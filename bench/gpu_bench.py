@@ -379,6 +379,13 @@ def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dic
 
     r: dict = {}
     results[name] = r
+    if args.compiled:  # after any quantization: the traces hold the weights they were made with
+        from daemon.engine.compiled import enable_compiled_decode
+
+        lm.compiled_decode = None
+        reason = enable_compiled_decode(lm)
+        r["decode_path"] = "compiled" if reason is None else f"eager: {reason}"
+        log(f"{name}: decode path {r['decode_path']}")
     wb = weight_bytes(lm.model)
     emb = weight_bytes(lm.text_module.model.embed_tokens)
     r["weight_bytes"] = wb
@@ -538,6 +545,8 @@ def main(argv=None) -> int:
                     help="run bf16 speculation only if this many seconds have not passed yet")
     ap.add_argument("--profiles", default=",".join(PROFILES), help="4-bit oracle profiles (comma list)")
     ap.add_argument("--bf16-profiles", default="seed_0.83", help="profiles to run at bf16 (comma list, or none)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="run the full bench on the compiled decode path (daemon/engine/compiled.py), as the daemon does")
     ap.add_argument("--compile-ab", action="store_true",
                     help="instead of the full bench: compiled vs eager decode (daemon/engine/compiled.py) per dtype")
     ap.add_argument("--compile-profile", default="paired_0.98", choices=sorted(PROFILES),

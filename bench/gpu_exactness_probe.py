@@ -1,0 +1,34 @@
+"""On the GPU machine: the exactness probe, and a daemon's answer to an exact request."""
+import json, os, subprocess, sys, tempfile, time
+sys.path.insert(0, os.getcwd())
+from daemon.engine.model import load_model
+from daemon.engine.exactness import verify_matches_serial
+lm = load_model("daemon/assets/tiny-qwen35")
+print("decode_path", lm.decode_path)
+print("probe capture", verify_matches_serial(lm, "capture"), "snapshot", verify_matches_serial(lm, "snapshot"))
+run = tempfile.mkdtemp(); os.chmod(run, 0o700)
+ep = f"ipc://{run}/c.sock"
+log = open(f"{run}/d.log", "w")
+p = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--endpoint", ep, "--log-format", "json"],
+                     env=dict(os.environ, COUNCILD_RUNTIME_DIR=run), stdout=log, stderr=subprocess.STDOUT)
+from protocol.client import Client
+try:
+    for _ in range(120):
+        try:
+            with Client(ep, timeout_s=2) as c:
+                c.status(); break
+        except Exception:
+            time.sleep(1)
+    with Client(ep, timeout_s=60) as c:
+        d = c.status().detail
+        print("status exact_decode", d.get("exact_decode"), "decode_path", d.get("decode_path"))
+        c.governor("pin_depth", 2)
+        s = c.complete("def fibonacci(n):\n", max_tokens=48, speculation="off")
+        e = c.complete("def fibonacci(n):\n", max_tokens=48, speculation="exact")
+        f = c.complete("def fibonacci(n):\n", max_tokens=48, speculation="fast")
+        print("exact == serial:", e.text == s.text, "exact speculation:", e.speculation, "fast drafted:", f.speculation and f.speculation.drafted)
+finally:
+    p.terminate(); p.wait(30)
+for line in open(f"{run}/d.log"):
+    if "speculation.exactness" in line or "model.loaded" in line:
+        print(line.strip())
