@@ -173,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 5:
         print("councild bench compile: --rounds must be >= 5", file=sys.stderr)
         return 2
+    for name in ("tokens", "prompts", "pairs"):
+        if getattr(args, name) < 1:
+            print(f"councild bench compile: --{name} must be >= 1", file=sys.stderr)
+            return 2
     try:
         depths = [int(d) for d in args.depths.split(",") if d.strip()]
     except ValueError:
