@@ -211,6 +211,14 @@ def _uptime(seconds: float) -> str:
     return (f"{days}d " if days else "") + f"{hours}h {minutes:02d}m {s:02d}s"
 
 
+def _decoding(d: dict) -> str:
+    """The decode path, and what exact temperature-0 requests get on this backend."""
+    exact = {"speculate": "exact requests speculate (verify is bit-identical to serial here)",
+             "serial": "exact greedy requests decode serially (verify rounds unlike serial here)",
+             "guarded": "exact requests speculate with the near-tie guard (verify rounds unlike serial here)"}
+    return f"{d.get('decode_path') or '?'}; " + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}")
+
+
 def format_status(reply) -> str:
     """The `councild status` table: one row per fact, then one row per seat."""
     d = reply.detail or {}
@@ -233,6 +241,7 @@ def format_status(reply) -> str:
         ("endpoint", d.get("endpoint", "?")),
         ("MTP head", head),
         ("depth", depth),
+        *([("decoding", _decoding(d))] if "decode_path" in d else []),
         ("in flight", f"{reply.active} active, {reply.queued} queued"
                       + (f", {d['clients']} clients" if "clients" in d else "")),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),

@@ -16,7 +16,7 @@ def reply(**detail) -> StatusReply:
 FULL = dict(
     pid=4242, endpoint="ipc:///run/user/1000/councild/councild.sock", model_type="qwen3_5", draining=False,
     head_resident=True, head_bytes=850_000_000, depth=2, in_flight=3, clients=2, tokens_total=12345,
-    recent_tokens_per_s=41.26,
+    recent_tokens_per_s=41.26, decode_path="compiled", exact_decode="serial",
     memory={"active_bytes": 17_500_000_000, "cache_bytes": 250_000_000, "peak_bytes": 18_000_000_000},
     governor={"depth": 2, "head": {"head_available": True, "head_resident": True, "head_loading": False,
                                    "head_bytes": 850_000_000, "target": "resident"},
@@ -44,6 +44,7 @@ def test_status_table_has_every_fact():
     assert r["uptime"] == "1h 02m 05s"
     assert r["MTP head"] == "resident, 850.0 MB"
     assert r["depth"] == "2"
+    assert r["decoding"] == "compiled; exact greedy requests decode serially (verify rounds unlike serial here)"
     assert r["in flight"] == "1 active, 2 queued, 2 clients"
     assert r["throughput"].startswith("41.3 tok/s") and "12345 tokens total" in r["throughput"]
     assert r["memory"] == "active 17500.0 MB, cache 250.0 MB, peak 18000.0 MB"
@@ -53,6 +54,11 @@ def test_status_table_has_every_fact():
     # The rows line up: every value starts in the same column.
     first = text.split("\n\n")[0].splitlines()
     assert len({len(line) - len(line[len(line.split("  ")[0]):].lstrip()) for line in first}) == 1
+
+
+def test_status_from_an_older_daemon_has_no_decoding_row():
+    detail = {k: v for k, v in FULL.items() if k not in ("decode_path", "exact_decode")}
+    assert "decoding" not in rows(format_status(reply(**detail)))
 
 
 def test_status_seat_rows():
