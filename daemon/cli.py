@@ -158,16 +158,19 @@ def cmd_serve(args) -> int:
     endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
     try:
         model = resolve_model(cfg.model)
-        return Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
+        code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
         print(f"councild: {exc}", file=sys.stderr)
-        # Leave without interpreter teardown: with mlx loaded on the engine thread, a normal
-        # exit sometimes aborts (SIGABRT), which a service manager would read as a crash
-        # and restart, where the exit code says a restart will not help.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(exc.exit_code)
+        code = exc.exit_code
+    # Leave without interpreter teardown, once the server has closed its sockets, removed
+    # its socket file and logged daemon.stop: with mlx loaded on the engine thread (and its
+    # compiled-function cache alive), finalization can abort ("terminate called without an
+    # active exception", SIGABRT), which a service manager would read as a crash and restart.
+    # The kernel releases the instance lock; nothing else is left to clean up.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_generate(args) -> int:
