@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     rollback = args.rollback or cfg.speculation.rollback or DEFAULT_ROLLBACK
     exact = cfg.speculation.mode != "fast"
     mx.random.seed(0)
-    lm = load_model(model)
+    lm = load_model(model, compile_decode=cfg.compile_decode)  # the decode path the daemon will run
     try:
         head = load_mtp_head(lm)
     except NoMTPHead as exc:
@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": str(Path(model).expanduser().resolve()), "hash": model_hash(model)},
         "mode": "exact" if exact else "fast",
         "rollback": rollback,
+        "decode_path": lm.decode_path,
         "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/engine/fidelity_prompts.json"},
         **measured,
     }
