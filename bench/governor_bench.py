@@ -56,12 +56,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
-import zmq  # noqa: E402
 
 from contention import burn, hold  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
-from protocol import Ping, decode_daemon, encode  # noqa: E402
 from protocol.client import Client  # noqa: E402
+from protocol.readiness import wait_until_answering  # noqa: E402
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -92,24 +91,8 @@ class Daemon:
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 120.0) -> None:
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 300)
-        sock.connect(self.endpoint)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} daemon exited:\n{self.log_path.read_text()[-3000:]}")
-                sock.send(encode(Ping(nonce=1)))
-                try:
-                    decode_daemon(sock.recv())
-                    return
-                except zmq.Again:
-                    continue
-            raise RuntimeError(f"{self.name} daemon not ready after {timeout_s} s")
-        finally:
-            sock.close()
+        wait_until_answering(self.endpoint, self.proc, timeout_s=timeout_s, log_path=self.log_path,
+                             name=f"{self.name} daemon")
 
     def events(self) -> list[dict]:
         out = []

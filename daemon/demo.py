@@ -47,19 +47,12 @@ def member(endpoint: str, seat: str, priority: str, prompt: str, max_tokens: int
 
 
 def wait_ready(endpoint: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    from protocol.client import Client, DaemonUnavailable
+    from protocol.readiness import DaemonNotReady, wait_until_answering
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"demo: the daemon exited with code {proc.returncode} before it was ready")
-        try:
-            with Client(endpoint, seat="demo", timeout_s=1.0) as c:
-                c.ping()
-                return
-        except DaemonUnavailable:
-            time.sleep(0.3)
-    raise SystemExit(f"demo: the daemon did not answer on {endpoint} within {timeout_s:.0f} s")
+    try:
+        wait_until_answering(endpoint, proc, timeout_s=timeout_s)
+    except DaemonNotReady as exc:
+        raise SystemExit(f"demo: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

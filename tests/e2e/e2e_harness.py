@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import zmq
 
-from protocol import Ping, decode_daemon, encode
+from protocol.readiness import wait_until_answering
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,20 +68,6 @@ def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None,
 
 
 def wait_ready(d: DaemonProcess, timeout_s: float = 90.0) -> None:
-    sock = d.raw_socket(timeout_ms=300)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while time.monotonic() < deadline:
-            if d.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {d.proc.returncode}:\n{d.log_path.read_text()[-3000:]}")
-            sock.send(encode(Ping(nonce=1)))
-            try:
-                decode_daemon(sock.recv())
-                return
-            except zmq.Again:
-                continue
-        raise RuntimeError(f"daemon not ready after {timeout_s} s:\n{d.log_path.read_text()[-3000:]}")
-    finally:
-        sock.close()
+    wait_until_answering(d.endpoint, d.proc, timeout_s=timeout_s, log_path=d.log_path)
 
 
