@@ -151,7 +151,7 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
         return out
 
     def verify(use_compiled: bool, capture: bool) -> list[mx.array]:
-        from .rollback import capture_hidden
+        from .rollback import cache_arrays, capture_hidden
 
         saved = lm.compiled_decode
         lm.compiled_decode = compiled if use_compiled else None
@@ -163,7 +163,7 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
             h = capture_hidden(lm, block, cache, rec) if capture else lm.hidden(block, cache)
             if use_compiled and not compiled.applies(block, cache):
                 raise RuntimeError(f"the compiled step declined a {VERIFY_T}-token verify")
-            out = [h] + [s for cap in rec for s in cap.states] + [x for c in cache for x in _arrays(c)]
+            out = [h] + [s for cap in rec for s in cap.states] + cache_arrays(cache)
             mx.eval(out)
             return out
         finally:
@@ -178,13 +178,6 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
                 diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
                 return f"{what} {i}: compiled differs from eager by up to {diff:.3g}"
     return None
-
-
-def _arrays(c) -> list[mx.array]:
-    state = c.state
-    if isinstance(c, ArraysCache):
-        state = state[0]
-    return [x for x in state if isinstance(x, mx.array)]
 
 
 def enable_compiled_decode(lm) -> str | None:

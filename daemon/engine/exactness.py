@@ -23,25 +23,10 @@ import random
 
 import mlx.core as mx
 
-from .rollback import make_rollback
+from .rollback import cache_arrays, make_rollback
 
 PROBE_T = 4  # verify length probed (depth 3); shorter ones use the same kernels here
 PROBE_LENGTHS = (7, 33)
-
-
-def _cache_arrays(cache: list) -> list[mx.array]:
-    """Every array a cache holds, cut to its filled part (KV offsets), evaluated now: KV
-    buffers are written in place later."""
-    from mlx_lm.models.cache import ArraysCache
-
-    out = []
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            out += [mx.array(x) for x in c.cache if x is not None]
-        else:  # KV: only the filled slots (a trim leaves stale ones past the offset)
-            out += [mx.array(x[..., : c.offset, :]) for x in (c.keys, c.values) if x is not None]
-    mx.eval(out)
-    return out
 
 
 def _same(a: list[mx.array], b: list[mx.array]) -> bool:
@@ -74,7 +59,7 @@ def verify_matches_serial(lm, strategy: str, seed: int = 0) -> bool:
             mx.eval(lg)
             serial_logits.append(lg)
             if i + 1 in (2, PROBE_T):
-                after[i + 1] = _cache_arrays(cache)
+                after[i + 1] = cache_arrays(cache)
 
         for keep in (PROBE_T, 2):
             cache = fresh()
@@ -84,7 +69,7 @@ def verify_matches_serial(lm, strategy: str, seed: int = 0) -> bool:
             if not all(mx.array_equal(logits[i], serial_logits[i]).item() for i in range(PROBE_T)):
                 ok = False
             rb.commit(keep)
-            if not _same(_cache_arrays(cache), after[keep]):
+            if not _same(cache_arrays(cache), after[keep]):
                 ok = False
         if not ok:
             break

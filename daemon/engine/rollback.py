@@ -76,6 +76,19 @@ class Snapshot:
             c.trim(c.offset - off)
 
 
+def cache_arrays(cache: list) -> list[mx.array]:
+    """Every array a cache holds, cut to its filled part (KV offsets), evaluated now: KV
+    buffers are written in place later."""
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out += [mx.array(x) for x in c.cache if x is not None]
+        else:  # KV: only the filled slots (a trim leaves stale ones past the offset)
+            out += [mx.array(x[..., : c.offset, :]) for x in (c.keys, c.values) if x is not None]
+    mx.eval(out)
+    return out
+
+
 def check_cache(cache: list) -> None:
     for c in cache:
         if not isinstance(c, (ArraysCache, KVCache)):
