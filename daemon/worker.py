@@ -160,7 +160,7 @@ class EngineWorker(threading.Thread):
             self._out.close()
 
     def _load(self) -> None:
-        from .engine.model import load_model
+        from .engine.loading import load_model
 
         t0 = time.perf_counter()
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)

@@ -109,7 +109,7 @@ def test_streamed_and_final_text_are_the_decoding_of_the_token_ids(bundled_daemo
     ids are one and the same text: no leading space lost, nothing added."""
     from transformers import AutoTokenizer
 
-    from daemon.engine.fidelity import load_prompts
+    from daemon.measure.fidelity import load_prompts
 
     tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
     prompts = load_prompts()
