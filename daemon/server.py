@@ -27,7 +27,11 @@ from .config import Config
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
 from .logs import get_logger
 from .requests import Job
-from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor, Stop, Submit
+from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
+                     ReloadScheduler, Stop, Submit)
+
+# What SIGHUP applies to a running daemon; any other key that changed needs a restart.
+LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s"})
 
 log = get_logger("councild.server")
 
@@ -497,18 +501,24 @@ class Server:
             if self.notifier:
                 self.notifier.ready()
             return
-        # Scheduling and governor settings apply live; model and endpoint need a restart.
-        self.cfg.scheduler = new.scheduler
-        self.worker.scheduler.cfg = new.scheduler
+        # The settings in LIVE_ON_RELOAD apply now, each by its one path (the engine's take a
+        # command on its queue); every other key that changed is named as needing a restart,
+        # so no change is ever dropped in silence.
+        changed = [k for k in new.__struct_fields__ if getattr(new, k) != getattr(self.cfg, k)]
+        if new.scheduler != self.cfg.scheduler:
+            self.cfg.scheduler = new.scheduler
+            self.worker.commands.put(ReloadScheduler(new.scheduler))
         if new.governor != self.cfg.governor:
             self.cfg.governor = new.governor
             self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
-        needs_restart = [k for k in ("model", "endpoint", "speculation", "max_frame_bytes", "insecure_tcp",
-                                     "curve_secret_key_file", "governor_enabled", "governor_trace")
-                         if getattr(new, k) != getattr(self.cfg, k)]
-        log.info("config.reloaded", path=self.config_path, needs_restart=needs_restart)
+        applied = [k for k in changed if k in LIVE_ON_RELOAD]
+        needs_restart = [k for k in changed if k not in LIVE_ON_RELOAD]
+        log.info("config.reloaded", path=self.config_path, applied=applied, needs_restart=needs_restart)
+        if needs_restart:
+            log.warning("config.needs_restart", keys=needs_restart,
+                        message="these changed in the file but apply only at the next start: restart the daemon")
         if self.notifier:
             self.notifier.ready()
 

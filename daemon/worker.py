@@ -60,6 +60,11 @@ class ReloadGovernor:
 
 
 @dataclass
+class ReloadScheduler:
+    cfg: Any  # SchedulerConfig: seats, weights, bounds; applies from the next admission
+
+
+@dataclass
 class GovernorOverride:
     identity: bytes
     action: str
@@ -308,6 +313,8 @@ class EngineWorker(threading.Thread):
             elif isinstance(cmd, ReloadGovernor):
                 if self.governance is not None:
                     self.governance.reconfigure(cmd.table)
+            elif isinstance(cmd, ReloadScheduler):
+                self.scheduler.cfg = cmd.cfg
             elif isinstance(cmd, Stop):
                 self._stopping = True
                 if not self.scheduler.has_work():
