@@ -142,6 +142,10 @@ def cmd_serve(args) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
+        # The event OPERATIONS.md promises for every failed start, in the format the flags
+        # ask for (the file's own log settings are what failed to load).
+        configure_logging(args.log_format or "auto", args.log_level or "info")
+        get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
         print(f"councild: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)

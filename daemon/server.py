@@ -212,14 +212,25 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        # Bind before the load: a malformed endpoint or a TCP port in use is an answer the
+        # operator should get in a second, not after minutes of loading a 15 GB model.
+        # Clients that connect meanwhile queue; they are answered once the loop runs.
+        try:
+            router = self._router = self._bind()
+        except StartupError:
+            engine_out.close(linger=0)
+            raise
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
         self.worker.loaded.wait()
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
+            router.close(linger=0)
+            engine_out.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
             raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
-        router = self._router = self._bind()
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
                  version=daemon.__version__, protocol=PROTOCOL_VERSION)

@@ -267,6 +267,16 @@ def test_bad_config_exits_78_naming_the_key(tmp_path, e2e_model, config, names):
     assert out.returncode == 78, out.stderr
     for name in names:
         assert name in out.stderr, out.stderr
+    # The event OPERATIONS.md promises for every failed start, as a JSON line.
+    failed = [json.loads(line) for line in out.stderr.splitlines() if '"daemon.startup_failed"' in line]
+    assert failed and failed[0]["exit_code"] == 78 and names[0] in failed[0]["error"], out.stderr
+
+
+@pytest.mark.parametrize("endpoint, code", [("tcp://not a host:x", 78), ("garbage", 78)])
+def test_a_bad_endpoint_is_refused_before_the_model_loads(tmp_path, e2e_model, endpoint, code):
+    out = serve(tmp_path, "--model", str(e2e_model), "--endpoint", endpoint, "--insecure-tcp", timeout=60)
+    assert out.returncode == code, out.stderr
+    assert "cannot bind" in out.stderr and '"daemon.loading"' not in out.stderr, out.stderr
 
 
 def test_missing_config_file_exits_78(tmp_path):
