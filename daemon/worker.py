@@ -166,7 +166,9 @@ class EngineWorker(threading.Thread):
 
     def _load(self) -> None:
         from .engine.loading import load_model
+        from .logs import route_library_logs
 
+        route_library_logs()
         t0 = time.perf_counter()
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
