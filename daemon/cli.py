@@ -219,6 +219,13 @@ def _decoding(d: dict) -> str:
     return f"{d.get('decode_path') or '?'}; " + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}")
 
 
+def _clients(d: dict) -> str:
+    if "clients" not in d:
+        return ""
+    with_work = f"{d['clients_with_work']} with work in flight, " if "clients_with_work" in d else ""
+    return f"; clients: {with_work}{d['clients']} heard from within the heartbeat timeout"
+
+
 def format_status(reply) -> str:
     """The `councild status` table: one row per fact, then one row per seat."""
     d = reply.detail or {}
@@ -242,8 +249,7 @@ def format_status(reply) -> str:
         ("MTP head", head),
         ("depth", depth),
         *([("decoding", _decoding(d))] if "decode_path" in d else []),
-        ("in flight", f"{reply.active} active, {reply.queued} queued"
-                      + (f", {d['clients']} clients" if "clients" in d else "")),
+        ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
     mem = d.get("memory")

@@ -556,7 +556,10 @@ class Server:
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
+                # Heard from within heartbeat_timeout_s (a client that left counts until then:
+                # a ROUTER socket is not told when a peer goes), and those with work in flight.
                 "clients": len(self.last_seen),
+                "clients_with_work": len(set(self.live.values())),
                 "memory": snap.memory,
                 "governor": snap.governor,
             },
