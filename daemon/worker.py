@@ -264,6 +264,7 @@ class EngineWorker(threading.Thread):
                 return
             self._expire_deadlines()
             admitted = self.scheduler.admit()
+            self._log_displaced()
             if self.batch is not None and self.scheduler.parked:
                 self._park_batched()
             for job in admitted:
@@ -474,6 +475,14 @@ class EngineWorker(threading.Thread):
             job = self.jobs.get(key)
             if job is not None:
                 self._deliver(job, DecodeStep(tokens=[token], cycle_s=dt))
+
+    def _log_displaced(self) -> None:
+        for parked, made_room_for, why, waited in self.scheduler.displaced:
+            log.info("scheduler.parked", request_id=parked.request_id, seat=parked.seat, rule=why,
+                     for_request_id=made_room_for.request_id, for_seat=made_room_for.seat,
+                     for_waited_s=round(waited, 3),
+                     running=self.scheduler.running_counts())
+        self.scheduler.displaced.clear()
 
     def _park_batched(self) -> None:
         """A parked job must not advance with the batch: take its row out, keeping its
