@@ -249,6 +249,10 @@ def format_status(reply) -> str:
                       + (f", {d['clients']} clients" if "clients" in d else "")),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
+    prefilling = [a for a in d.get("active_requests") or [] if a.get("prefill")]
+    if prefilling:
+        rows.append(("prefilling", ", ".join(f"{a['seat']}/{a['request_id']} {a['prefill']['done']}/"
+                                             f"{a['prefill']['total']} tokens" for a in prefilling)))
     mem = d.get("memory")
     if mem:
         rows.append(("memory", ", ".join(f"{k.removesuffix('_bytes')} {_mb(v)}" for k, v in mem.items())))

@@ -85,12 +85,16 @@ class Job:
         self.exact = True
         self.batched = False
         self.parked_state = None
+        # While its prompt is being prefilled (engine/prefill.py): the ChunkedPrefill, and
+        # the speculation mode its decode will use.
+        self.prefill = None
+        self.mode = "off"
 
     # ------------------------------------------------------------------ output
     def start(self, generator, detokenizer, spec_mode: str) -> None:
         self.generator = generator
         self.detok = detokenizer
-        self.started_at = time.monotonic()
+        self.started_at = self.started_at or time.monotonic()  # set when its prefill began
         self.spec.mode = spec_mode
 
     def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:

@@ -538,6 +538,7 @@ class Server:
                 "active_requests": snap.active,
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
+                "prefill_tokens_total": snap.prefill_tokens_total,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 "clients": len(self.last_seen),
                 "memory": snap.memory,

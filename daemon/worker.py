@@ -84,6 +84,7 @@ class EngineSnapshot:
     active: list[dict] = field(default_factory=list)
     queued: dict[str, int] = field(default_factory=dict)
     tokens_total: int = 0
+    prefill_tokens_total: int = 0
     recent_tokens_per_s: float = 0.0
     steps_total: int = 0
     last_step_at: float = 0.0
@@ -252,7 +253,8 @@ class EngineWorker(threading.Thread):
         return nbytes
 
     def requests_holding_head(self) -> int:
-        return sum(1 for j in self.scheduler.active + self.scheduler.parked if j.spec.mode != "off")
+        return sum(1 for j in self.scheduler.active + self.scheduler.parked
+                   if j.spec.mode != "off" or (j.prefill is not None and j.prefill.history is not None))
 
     def current_depth(self) -> int:
         """Read by speculative generators at the start of every cycle."""
@@ -391,16 +393,17 @@ class EngineWorker(threading.Thread):
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now >= j.deadline]:
-            where = "in the queue" if job.generator is None else "mid-generation"
+            where = ("mid-prefill" if job.prefill is not None else
+                     "in the queue" if job.generator is None else "mid-generation")
             self._finish(job, m.Error(request_id=job.request_id, code="deadline_exceeded",
                                       message=f"deadline of {job.msg.deadline_ms} ms passed {where}"))
 
     # ------------------------------------------------------------------ decoding
     def _start(self, job: Job) -> None:
-        """Give an admitted job its decode path: speculation when it runs alone, a row in
-        the continuous batch when others run too, else its own serial generator."""
+        """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
+        chunk per cycle by ``_advance``; its decode path is chosen when that ends."""
+        from .engine.prefill import ChunkedPrefill
         from .engine.sampling import Sampler
-        from .engine.serial import serial_decode
         from .engine.types import SamplingParams
 
         if job.generator is not None:  # back from parking: its state was kept
@@ -409,16 +412,35 @@ class EngineWorker(threading.Thread):
                 job.parked_state = None
                 self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
             return
+        if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
+            return
         p = job.msg
-        sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
-        mode = p.speculation or self.cfg.speculation.mode
-        job.sampler = sampler
+        job.sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
-        job.exact = mode != "fast"
-        if (mode == "exact" and sampler.greedy and not self.verify_exact
+        job.exact = job.mode != "fast"
+        if (job.mode == "exact" and job.sampler.greedy and not self.verify_exact
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
-            mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+            job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+        history = None
+        if job.mode != "off" and self.head is not None:
+            from .engine.speculative import HeadHistory
+
+            history = HeadHistory(self.head)  # primed during prefill, in case it speculates
+        job.started_at = time.monotonic()
+        job.prefill = ChunkedPrefill(self.lm, job.prompt, self.scheduler.cfg.prefill_chunk,
+                                     self.lm.make_cache(), history)
+
+    def _begin_decode(self, job: Job) -> None:
+        """The prefill is done: give the job its decode path, continuing from the prefilled
+        cache: speculation when it runs alone, a row in the continuous batch when others
+        run too, else its own serial generator."""
+        from .engine.serial import serial_decode
+
+        pre, job.prefill = job.prefill, None
+        last = [pre.last_token]
+        sampler, mode = job.sampler, job.mode
         # Interactive work is latency-bound: it decodes on its own (the scheduler's class
         # order gives it every forward first), speculating if it can, rather than sharing
         # each forward with background rows.
@@ -427,7 +449,7 @@ class EngineWorker(threading.Thread):
         speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
         if (not speculate and not latency_first and self.batch is not None
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
-            self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
+            self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
             job.batched = True
             job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
             return
@@ -435,17 +457,35 @@ class EngineWorker(threading.Thread):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
+            history = pre.history if pre.history is not None and pre.history.head is self.head else None
+            gen = speculative_decode(self.lm, self.head, last, sampler, depth=self.current_depth,
                                      exact=mode == "exact", guard_margin=spec.guard_margin,
-                                     rollback=spec.rollback)
+                                     rollback=spec.rollback, cache=pre.cache, history=history)
         else:
             mode = "off"
-            gen = serial_decode(self.lm, job.prompt, sampler)
+            gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
 
+    def _prefill_chunk(self, job: Job) -> None:
+        """One unit of a job's prefill; the loop checks commands, deadlines and the drain,
+        and feeds the watchdog, before the next."""
+        try:
+            n = job.prefill.step()
+            if job.prefill.done:
+                self._begin_decode(job)
+        except Exception as exc:
+            self._failed(job, exc)
+            return
+        self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
+        with self.snapshot_lock:
+            self.snapshot.prefill_tokens_total += n
+
     def _advance(self, job: Job) -> None:
+        if job.prefill is not None:
+            self._prefill_chunk(job)
+            return
         if job.batched:
             self._step_batch()
             return
@@ -519,6 +559,8 @@ class EngineWorker(threading.Thread):
         if job.generator is not None:
             job.generator.close()
             job.generator = None
+        prefilled = job.prefill.pos if job.prefill is not None else None
+        job.prefill = None  # its cache goes with it
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
             # Flush any held-back tail before the terminal message.
             rest = job.chunk([])
@@ -528,7 +570,7 @@ class EngineWorker(threading.Thread):
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
-                     prompt_tokens=terminal.usage.prompt_tokens,
+                     prompt_tokens=terminal.usage.prompt_tokens, prefilled_tokens=prefilled,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
@@ -536,7 +578,7 @@ class EngineWorker(threading.Thread):
                          "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted})
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
-                     message=terminal.message)
+                     message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
         self._published_at = 0.0  # status shows the finish at once
 
@@ -576,6 +618,7 @@ class EngineWorker(threading.Thread):
             per_seat[seat] = per_seat.get(seat, 0) + n
         active = [
             {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
+            | ({"prefill": {"done": j.prefill.pos, "total": j.prefill.total}} if j.prefill is not None else {})
             for j in self.scheduler.active
         ]
         seats: dict[str, dict] = {}
