@@ -76,6 +76,14 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
 
 
+class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Keep state snapshots at prefill-chunk-aligned boundaries (a prompt's last one, and a
+    # chat's first message's) and continue later prompts that start with them.
+    enabled: bool = True
+    # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
+    max_bytes: PositiveInt = 1 << 30
+
+
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     endpoint: str | None = None
@@ -100,6 +108,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     compile_decode: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True

@@ -89,6 +89,11 @@ class Job:
         # the speculation mode its decode will use.
         self.prefill = None
         self.mode = "off"
+        # Prefix cache (engine/prefix_cache.py): prompt tokens restored from a snapshot,
+        # the prompt's segment ends (chat messages), and where its prefill takes snapshots.
+        self.cached_tokens = 0
+        self.segment_ends: list[int] = []
+        self.snapshot_at: set[int] = set()
 
     # ------------------------------------------------------------------ output
     def start(self, generator, detokenizer, spec_mode: str) -> None:
@@ -159,7 +164,7 @@ class Job:
             request_id=self.request_id,
             finish_reason=reason or self.finished_reason or "stop",
             text=self.text,
-            usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n),
+            usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=m.Timings(
                 queue_s=started - self.received_at,
                 prefill_s=first - started,

@@ -90,6 +90,7 @@ class EngineSnapshot:
     queued: dict[str, int] = field(default_factory=dict)
     tokens_total: int = 0
     prefill_tokens_total: int = 0
+    prefix_cache: dict = field(default_factory=dict)
     recent_tokens_per_s: float = 0.0
     steps_total: int = 0
     last_step_at: float = 0.0
@@ -179,6 +180,11 @@ class EngineWorker(threading.Thread):
         if self.head_available:
             self._probe_exactness()
         self.batch = None
+        self.prefix_cache = None
+        if self.cfg.prefix_cache.enabled:
+            from .engine.prefix_cache import PrefixCache
+
+            self.prefix_cache = PrefixCache(self.cfg.prefix_cache.max_bytes, self.cfg.scheduler.prefill_chunk)
         if self.cfg.scheduler.batching:
             from .engine.batch import BatchDecoder
 
@@ -353,6 +359,8 @@ class EngineWorker(threading.Thread):
                                       message=f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"),
                          registered=False)
             return
+        if msg.messages is not None and self.cfg.prefix_cache.enabled:
+            job.segment_ends = self._segment_ends(msg, job.prompt)
         self.jobs[job.key] = job
         self.scheduler.submit(job)
         if self.governance is not None:
@@ -362,6 +370,21 @@ class EngineWorker(threading.Thread):
                                             prompt_tokens=len(job.prompt)), key=job.key)
         log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
+
+    def _segment_ends(self, msg, prompt: list[int]) -> list[int]:
+        """Where the chat's first message (the shared system prompt) ends in the prompt's
+        tokens, when the chat template renders it as a prefix; the prefix cache keeps a
+        snapshot there so other seats start from it."""
+        try:
+            first = [{"role": msg.messages[0].role, "content": msg.messages[0].content}]
+            tok = self.lm.tokenizer
+            if getattr(tok, "chat_template", None):
+                ids = list(tok.apply_chat_template(first, add_generation_prompt=False, tokenize=True))
+            else:
+                ids = list(tok.encode(f"{first[0]['role']}: {first[0]['content']}\n"))
+        except Exception:
+            return []
+        return [len(ids)] if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else []
 
     def _override(self, cmd: GovernorOverride) -> None:
         if self.governance is None:
@@ -431,14 +454,23 @@ class EngineWorker(threading.Thread):
         if (job.mode == "exact" and job.sampler.greedy and not self.verify_exact
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
             job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
-        history = None
-        if job.mode != "off" and self.head is not None:
+        chunk = self.scheduler.cfg.prefill_chunk
+        want_head = job.mode != "off" and self.head is not None
+        cache, history, start = None, None, 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.set_chunk(chunk)
+            snap, start = self.prefix_cache.lookup(job.prompt, want_head)
+            if snap is not None:
+                cache, history = self.prefix_cache.restore(snap, job.prompt[start], self.head if want_head else None)
+            job.snapshot_at = self.prefix_cache.boundaries(len(job.prompt), start, job.segment_ends)
+        if history is None and want_head:
             from .engine.speculative import HeadHistory
 
             history = HeadHistory(self.head)  # primed during prefill, in case it speculates
+        job.cached_tokens = start
         job.started_at = time.monotonic()
-        job.prefill = ChunkedPrefill(self.lm, job.prompt, self.scheduler.cfg.prefill_chunk,
-                                     self.lm.make_cache(), history)
+        job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
+                                     history, start=start)
 
     def _begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled
@@ -481,6 +513,8 @@ class EngineWorker(threading.Thread):
         and feeds the watchdog, before the next."""
         try:
             n = job.prefill.step()
+            if job.prefill.pos in job.snapshot_at and self.prefix_cache is not None:
+                self.prefix_cache.store(job.prompt[: job.prefill.pos], job.prefill.cache, job.prefill.history)
             if job.prefill.done:
                 self._begin_decode(job)
         except Exception as exc:
@@ -578,7 +612,8 @@ class EngineWorker(threading.Thread):
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
-                     prompt_tokens=terminal.usage.prompt_tokens, prefilled_tokens=prefilled,
+                     prompt_tokens=terminal.usage.prompt_tokens, cached_tokens=terminal.usage.cached_tokens,
+                     prefilled_tokens=prefilled,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
@@ -642,6 +677,8 @@ class EngineWorker(threading.Thread):
             self.snapshot.recent_tokens_per_s = total_rate
             self.snapshot.seats = seats
             self.snapshot.memory = memory
+            if self.prefix_cache is not None:
+                self.snapshot.prefix_cache = self.prefix_cache.stats()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed
