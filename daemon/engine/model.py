@@ -34,6 +34,9 @@ class LoadedModel:
     compiled_decode: Any = None
     # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
     decode_path: str = "eager: not requested"
+    # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
+    # instead of token by token; load_model turns it on where mlx-lm has no fused kernel.
+    chunked_prefill: bool = False
 
     @property
     def name(self) -> str:
@@ -64,6 +67,16 @@ class LoadedModel:
                 return h
         return self.backbone(tokens, cache)
 
+    def prefill_hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """``hidden`` for a prompt chunk: the chunked recurrence where enabled and it applies
+        (long enough, one unpadded sequence); decode steps and verifies never come here."""
+        if self.chunked_prefill:
+            from . import chunked_prefill
+
+            if chunked_prefill.applies(self, tokens, cache):
+                return chunked_prefill.prefill_hidden(self, tokens, cache)
+        return self.hidden(tokens, cache)
+
     def logits(self, hidden: mx.array) -> mx.array:
         text = self.text_module
         if text.args.tie_word_embeddings:
@@ -88,10 +101,12 @@ class LoadedModel:
         return list(self.tokenizer.encode(prompt or ""))
 
 
-def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
+def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
-    compiled one-token forward (``compiled.py``) where it is bit-identical to eager."""
+    compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
+    ``chunked_prefill``: prefill GatedDeltaNet layers in chunked form (None: off Metal's GPU,
+    where mlx-lm's fused kernel is absent)."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -110,6 +125,11 @@ def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
         model_type=config.get("model_type", ""),
         eos_token_ids=frozenset(eos),
     )
+    if chunked_prefill is None:
+        from .chunked_prefill import default_enabled
+
+        chunked_prefill = default_enabled()
+    lm.chunked_prefill = bool(chunked_prefill) and lm.supports_mtp
     if compile_decode and lm.supports_mtp:
         from .compiled import enable_compiled_decode
 
