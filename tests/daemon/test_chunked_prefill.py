@@ -23,9 +23,9 @@ import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from daemon.engine import chunked_prefill as cp
-from daemon.engine.fidelity import load_prompts
-from daemon.engine.model import load_model
-from daemon.engine.rollback import cache_arrays
+from daemon.measure.fidelity import load_prompts
+from daemon.engine.loading import load_model
+from daemon.engine.forward import cache_arrays
 from daemon.engine.serial import prefill
 
 BUNDLED = Path(__file__).resolve().parents[2] / "daemon" / "assets" / "tiny-qwen35"
