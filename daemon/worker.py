@@ -653,7 +653,7 @@ class EngineWorker(threading.Thread):
                   "peak_bytes": mx.get_peak_memory()}
         stats = self._seat_stats
         busy = {job.seat for job in self.jobs.values()}
-        stats.touch(busy)
+        stats.mark_busy(busy)
         stats.prune(busy)
         total_rate, per_seat = stats.rates()
         active = [
