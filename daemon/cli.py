@@ -118,25 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model(explicit: str | None) -> str:
-    """--model / config, else the bundled model, else a cached random-weight model."""
-    from .paths import BUNDLED_MODEL
-
-    if explicit:
-        return str(Path(explicit).expanduser())
-    if (BUNDLED_MODEL / "config.json").exists():
-        return str(BUNDLED_MODEL)
-    from .engine.random_model import cached_random_model
-
-    print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
-          file=sys.stderr)
-    return str(cached_random_model())
-
-
 def cmd_serve(args) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging, get_logger
-    from .paths import ensure_runtime_dir
+    from .paths import ensure_runtime_dir, resolve_model
     from .server import EXIT_CONFIG, Server, StartupError, startup_fs_error
     from protocol.paths import default_endpoint
 
@@ -329,12 +314,12 @@ def cmd_governor_override(args) -> int:
 
 # Subcommands implemented in their own modules, each with its own argparse and help.
 DELEGATED = {
-    ("gate", "fidelity"): "daemon.engine.fidelity",
-    ("gate", "perf"): "daemon.perf_gate",
-    ("tune",): "daemon.tune",
-    ("bench", "serial"): "daemon.bench_serial",
-    ("bench", "spec"): "daemon.engine.decode_bench",
-    ("bench", "compile"): "daemon.engine.compile_bench",
+    ("gate", "fidelity"): "daemon.measure.fidelity",
+    ("gate", "perf"): "daemon.measure.perf_gate",
+    ("tune",): "daemon.measure.tune",
+    ("bench", "serial"): "daemon.measure.serial_bench",
+    ("bench", "spec"): "daemon.measure.spec_bench",
+    ("bench", "compile"): "daemon.measure.compile_bench",
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",
     ("keys",): "daemon.keys",
