@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 from daemon.engine.batch import BatchDecoder
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import load_mtp_head
 from daemon.engine.sampling import GREEDY_BELOW, Sampler
 from daemon.engine.serial import serial_decode
