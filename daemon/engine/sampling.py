@@ -23,6 +23,11 @@ from .types import SamplingParams
 GREEDY_BELOW = 1e-5
 
 
+def logprobs(logits: mx.array) -> mx.array:
+    """Log-softmax over the vocabulary (the last axis)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
