@@ -130,7 +130,7 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .server import Server, StartupError
+    from .server import Server, StartupError, startup_fs_error
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -146,28 +146,41 @@ def cmd_serve(args) -> int:
         # ask for (the file's own log settings are what failed to load).
         configure_logging(args.log_format or "auto", args.log_level or "info")
         get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
     # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
     faulthandler.enable()
     log = get_logger("councild")
-    endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
     try:
+        try:
+            endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+        except OSError as exc:
+            raise startup_fs_error(f"cannot create the runtime folder {exc.filename or ''}".rstrip(), exc) from None
         model = resolve_model(cfg.model)
         code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         code = exc.exit_code
     # Leave without interpreter teardown, once the server has closed its sockets, removed
     # its socket file and logged daemon.stop: with mlx loaded on the engine thread (and its
     # compiled-function cache alive), finalization can abort ("terminate called without an
     # active exception", SIGABRT), which a service manager would read as a crash and restart.
     # The kernel releases the instance lock; nothing else is left to clean up.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a full disk under the log must not change the exit code
+        pass
     os._exit(code)
+
+
+def _print_err(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def cmd_generate(args) -> int:

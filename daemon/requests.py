@@ -67,6 +67,8 @@ class Job:
         self.request_id = msg.request_id
         self.key = (seat, msg.request_id)
         self.prompt: list[int] = []
+        # (code, message) when the intake thread refused the prompt (intake.py).
+        self.rejection: tuple[str, str] | None = None
         self.generator = None
         self.detok = None
         self.cancelled = False
@@ -96,10 +98,13 @@ class Job:
         self.snapshot_at: set[int] = set()
 
     # ------------------------------------------------------------------ output
-    def start(self, generator, detokenizer, spec_mode: str) -> None:
+    def start(self, generator, detokenizer, spec_mode: str, started_at: float | None = None) -> None:
+        """``started_at``: when work on it began, if before this call (a batch row's
+        prefill runs before its generator exists)."""
         self.generator = generator
         self.detok = detokenizer
-        self.started_at = self.started_at or time.monotonic()  # set when its prefill began
+        # Set already when its chunked prefill began; a batch row's prefill passes it here.
+        self.started_at = started_at if started_at is not None else (self.started_at or time.monotonic())
         self.spec.mode = spec_mode
 
     def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:
