@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description=SERVE_DESCRIPTION,
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", help="TOML config file (see docs/OPERATIONS.md for the keys)")
-    serve.add_argument("--model", help="model folder (HF or mlx format); default: the bundled tiny-qwen35")
+    serve.add_argument("--model", help="model folder (HF or mlx format) or a pulled Hub repo id org/name[@revision]; "
+                                       "default: the bundled tiny-qwen35")
     _add_endpoint(serve)
     serve.add_argument("--log-format", choices=["auto", "json", "console"], help="default: json unless stderr is a terminal")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -115,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("service", help="install/uninstall/print/status the launchd or systemd service", add_help=False)
     sub.add_parser("keys", help="generate a CURVE key pair for a TCP endpoint", add_help=False)
+    sub.add_parser("model", help="pull a model from the Hub (and its MTP head), inspect one, list the cache",
+                   add_help=False)
     return parser
 
 
@@ -123,7 +126,14 @@ def resolve_model(explicit: str | None) -> str:
     from .paths import BUNDLED_MODEL
 
     if explicit:
-        return str(Path(explicit).expanduser())
+        # A folder, or a Hub repo id found in the Hugging Face cache (never downloaded here).
+        from .models.refs import ModelRefError, resolve_local
+        from .server import EXIT_CONFIG, StartupError
+
+        try:
+            return str(resolve_local(explicit))
+        except ModelRefError as exc:
+            raise StartupError(str(exc), EXIT_CONFIG) from None
     if (BUNDLED_MODEL / "config.json").exists():
         return str(BUNDLED_MODEL)
     from .engine.random_model import cached_random_model
@@ -325,6 +335,7 @@ DELEGATED = {
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",
     ("keys",): "daemon.keys",
+    ("model",): "daemon.models.cli",
 }
 
 
