@@ -121,32 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_model(explicit: str | None) -> str:
-    """--model / config, else the bundled model, else a cached random-weight model."""
-    from .paths import BUNDLED_MODEL
-
-    if explicit:
-        # A folder, or a Hub repo id found in the Hugging Face cache (never downloaded here).
-        from .models.refs import ModelRefError, resolve_local
-        from .server import EXIT_CONFIG, StartupError
-
-        try:
-            return str(resolve_local(explicit))
-        except ModelRefError as exc:
-            raise StartupError(str(exc), EXIT_CONFIG) from None
-    if (BUNDLED_MODEL / "config.json").exists():
-        return str(BUNDLED_MODEL)
-    from .engine.random_model import cached_random_model
-
-    print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
-          file=sys.stderr)
-    return str(cached_random_model())
-
-
 def cmd_serve(args) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging, get_logger
-    from .paths import ensure_runtime_dir
+    from .paths import ensure_runtime_dir, resolve_model
     from .server import EXIT_CONFIG, Server, StartupError
     from protocol.paths import default_endpoint
 
@@ -166,8 +144,13 @@ def cmd_serve(args) -> int:
     faulthandler.enable()
     log = get_logger("councild")
     endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+    from .models.refs import ModelRefError
+
     try:
-        model = resolve_model(cfg.model)
+        try:
+            model = resolve_model(cfg.model)
+        except ModelRefError as exc:  # a repo id that was never pulled: fix the config, no retry
+            raise StartupError(str(exc), EXIT_CONFIG) from None
         code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
@@ -326,12 +309,12 @@ def cmd_governor_override(args) -> int:
 
 # Subcommands implemented in their own modules, each with its own argparse and help.
 DELEGATED = {
-    ("gate", "fidelity"): "daemon.engine.fidelity",
-    ("gate", "perf"): "daemon.perf_gate",
-    ("tune",): "daemon.tune",
-    ("bench", "serial"): "daemon.bench_serial",
-    ("bench", "spec"): "daemon.engine.decode_bench",
-    ("bench", "compile"): "daemon.engine.compile_bench",
+    ("gate", "fidelity"): "daemon.measure.fidelity",
+    ("gate", "perf"): "daemon.measure.perf_gate",
+    ("tune",): "daemon.measure.tune",
+    ("bench", "serial"): "daemon.measure.serial_bench",
+    ("bench", "spec"): "daemon.measure.spec_bench",
+    ("bench", "compile"): "daemon.measure.compile_bench",
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",
     ("keys",): "daemon.keys",

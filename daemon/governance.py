@@ -50,7 +50,7 @@ class Governance:
         head = worker.head
         # Start from this machine's tuned profile (`councild tune`) when one matches the
         # model and versions; otherwise from the config's priors.
-        from .tune import governor_profile, load_profile
+        from .profile import governor_profile, load_profile
 
         profile = governor_profile(load_profile(worker.lm.path))
         self.gov = Governor(

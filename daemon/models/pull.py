@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from .layout import INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files, is_mtp_key, read_header
+from daemon.engine.head_layout import INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files, is_mtp_key, read_header
 from .refs import ALLOW_PATTERNS, ModelRef, ModelRefError, parse_ref
 
 MIN_ACCEPTANCE = 0.1  # well-paired heads measure 0.6-0.98 at depth 1; a foreign trunk ~0
@@ -333,8 +333,8 @@ def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
                      tokens: int = CHECK_TOKENS) -> tuple[float, int, int]:
     """Greedy depth-1 speculation with the base in ``folder`` and the head in ``head_dir``
     over the first few fixed prompts. Returns (acceptance, accepted, drafted)."""
-    from daemon.engine.fidelity import load_prompts
-    from daemon.engine.model import load_model
+    from daemon.measure.fidelity import load_prompts
+    from daemon.engine.loading import load_model
     from daemon.engine.mtp_head import load_mtp_head
     from daemon.engine.sampling import Sampler
     from daemon.engine.speculative import speculative_decode

@@ -10,7 +10,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from daemon.engine.batch import DEFAULT_GUARD, BatchDecoder, batch_matches_serial, resume_serial  # noqa: E402
-from daemon.engine.model import load_model  # noqa: E402
+from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.models.layout import read_header
+from daemon.engine.head_layout import read_header
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 

@@ -101,3 +101,37 @@ def test_cli_reports_an_absent_daemon_clearly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--timeout", "1"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "nobody.sock" in out.stderr
+
+
+def test_streamed_and_final_text_are_the_decoding_of_the_token_ids(bundled_daemon):
+    """On the fidelity prompts, in every decode path (serial, exact and fast speculation,
+    the continuous batch), the streamed chunks, Done.text and the decoding of the committed
+    ids are one and the same text: no leading space lost, nothing added."""
+    from transformers import AutoTokenizer
+
+    from daemon.measure.fidelity import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    prompts = load_prompts()
+    begins_with_space = 0
+
+    def check(stream, chunks):
+        done = stream.done
+        assert "".join(chunks) == done.text
+        assert len(stream.token_ids) == done.usage.completion_tokens
+        assert done.text == tok.decode(stream.token_ids), (stream.request_id, done.text)
+        return tok.decode(stream.token_ids)[:1] == " "
+
+    with Client(bundled_daemon.endpoint, seat="text", timeout_s=60) as c:
+        for depth, mode in ((0, "off"), (1, "exact"), (2, "fast")):
+            assert c.governor("pin_depth", depth).ok
+            for p in prompts:
+                stream = c.generate(p, max_tokens=24, speculation=mode)
+                begins_with_space += check(stream, list(stream))
+        assert c.governor("pin_depth", 0).ok
+        # Several at once: they share the batched forward.
+        streams = [c.generate(p, max_tokens=24, speculation="off") for p in prompts[:4]]
+        for s in streams:
+            check(s, list(s))
+        assert c.governor("auto").ok
+    assert begins_with_space > 0, "no completion began with a space: the test lost its point"

@@ -1,4 +1,4 @@
-"""Where an MTP head sits in a checkpoint, in the layouts conversions use in the wild.
+"""Where an MTP head sits in a checkpoint (no mlx here: `councild model inspect` reads it too), in the layouts conversions use in the wild.
 
 Tensor names (one decoder layer plus fc and four norms, see engine/mtp_head.py):
 - ``mtp.*``: Qwen3.5 / Qwen3-Next releases (Qwen/...), MTPLX, vLLM's and SGLang's loaders;
