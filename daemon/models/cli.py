@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--no-check", action="store_true", help="skip the depth-1 acceptance check of the head")
     pull.add_argument("--min-acceptance", type=float, default=None,
                       help="refuse a head accepted less often than this at depth 1 (default 0.1)")
+    pull.add_argument("--check-tokens", type=int, default=None,
+                      help="tokens per prompt in the acceptance check (default 32, 4 prompts)")
     ins = sub.add_parser("inspect", help="architecture, size, quantization, MTP head and memory estimate",
                          description="What a model is and whether it fits this machine, read from its config and "
                                      "safetensors headers (nothing is loaded). A repo id not in the cache is read "
@@ -54,11 +56,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.action == "pull":
-            from .pull import MIN_ACCEPTANCE, PullError, pull
+            from .pull import CHECK_TOKENS, MIN_ACCEPTANCE, PullError, pull
 
+            if args.check_tokens is not None and args.check_tokens < 1:
+                print("councild: --check-tokens must be at least 1", file=sys.stderr)
+                return 2
             try:
                 pull(args.repo, mtp_from=args.mtp_from, check=not args.no_check,
-                     min_acceptance=MIN_ACCEPTANCE if args.min_acceptance is None else args.min_acceptance)
+                     min_acceptance=MIN_ACCEPTANCE if args.min_acceptance is None else args.min_acceptance,
+                     check_tokens=args.check_tokens or CHECK_TOKENS)
             except PullError as exc:
                 print(f"councild: {exc}", file=sys.stderr)
                 return 1

@@ -357,7 +357,7 @@ def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
 
 
 def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = True,
-             min_acceptance: float = MIN_ACCEPTANCE) -> tuple[str, float | None]:
+             min_acceptance: float = MIN_ACCEPTANCE, check_tokens: int = CHECK_TOKENS) -> tuple[str, float | None]:
     """Extract the head from ``source_text`` into ``folder/mtp.safetensors``. Returns
     (where the head now is, measured acceptance or None without the check)."""
     import mlx.core as mx
@@ -393,8 +393,8 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
         mx.save_safetensors(str(staging / SIDECAR), tensors, metadata=metadata)
         acceptance = None
         if check:
-            _say(f"acceptance check: depth 1, {CHECK_PROMPTS} prompts x {CHECK_TOKENS} tokens, greedy ...")
-            acceptance, acc, drafted = acceptance_check(folder, staging)
+            _say(f"acceptance check: depth 1, {CHECK_PROMPTS} prompts x {check_tokens} tokens, greedy ...")
+            acceptance, acc, drafted = acceptance_check(folder, staging, tokens=check_tokens)
             _say(f"acceptance at depth 1: {acceptance:.3f} ({acc} of {drafted} drafts accepted)")
             if acceptance < min_acceptance:
                 raise PullError(
@@ -411,7 +411,7 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
 # -- the command --------------------------------------------------------------------------
 
 def pull(text: str, *, mtp_from: str | None = None, check: bool = True,
-         min_acceptance: float = MIN_ACCEPTANCE) -> PullResult:
+         min_acceptance: float = MIN_ACCEPTANCE, check_tokens: int = CHECK_TOKENS) -> PullResult:
     ref = parse_ref(text)
     if not ref.is_repo:
         raise PullError(f"{text!r} is a folder, not a Hub repo id (org/name[@revision]); "
@@ -427,7 +427,8 @@ def pull(text: str, *, mtp_from: str | None = None, check: bool = True,
         if mtp_from:
             _say(f"{ref.text} already has an MTP head ({result.head}); --mtp-from {mtp_from} not needed")
     elif mtp_from:
-        result.head, result.acceptance = add_head(folder, ref, mtp_from, check=check, min_acceptance=min_acceptance)
+        result.head, result.acceptance = add_head(folder, ref, mtp_from, check=check, min_acceptance=min_acceptance,
+                                                  check_tokens=check_tokens)
     else:
         cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
         if _text_config(cfg).get("mtp_num_hidden_layers") or cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next")):

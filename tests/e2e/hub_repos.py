@@ -6,7 +6,9 @@
   with ``model.safetensors.index.json``), the head alone in the last shard;
 - ``Qwen/Qwen3.6-Tiny``: another release with a head of the same shapes trained on another
   trunk (here: random weights), which `--mtp-from` must refuse;
-- ``mlx-community/Qwen3.5-Tiny-truncated``: a base whose published shard is cut short.
+- ``mlx-community/Qwen3.5-Tiny-truncated``: a base whose published shard is cut short;
+- ``mlx-community/Qwen3.5-Tiny-4bit``: what ``mlx_lm.convert -q`` makes of the bundled model
+  (4-bit affine, group 64, mlx layout, head dropped), as mlx-community's 4-bit repos are made.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ BASE = "mlx-community/Qwen3.5-Tiny-bf16"
 SOURCE = "Qwen/Qwen3.5-Tiny"
 FOREIGN = "Qwen/Qwen3.6-Tiny"
 TRUNCATED = "mlx-community/Qwen3.5-Tiny-truncated"
+QUANTIZED = "mlx-community/Qwen3.5-Tiny-4bit"
 TEXT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -51,6 +54,15 @@ def _sharded(base: dict, head: dict) -> dict[str, bytes]:
     return files
 
 
+def _mlx_4bit() -> dict[str, bytes]:
+    from mlx_lm import convert
+
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "q4"
+        convert(str(BUNDLED_MODEL), mlx_path=str(out), quantize=True, q_bits=4, q_group_size=64)
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+
 def build_repos() -> dict[str, dict[str, bytes]]:
     weights = mx.load(str(BUNDLED_MODEL / "model.safetensors"))
     base = {k: v for k, v in weights.items() if not is_mtp_key(k)}
@@ -64,4 +76,5 @@ def build_repos() -> dict[str, dict[str, bytes]]:
         SOURCE: {**_text_files(), **_sharded(base, head)},
         FOREIGN: {**_text_files(), **_sharded(base, foreign_head)},
         TRUNCATED: {**_text_files(), "model.safetensors": base_file[: len(base_file) * 2 // 3]},
+        QUANTIZED: _mlx_4bit(),
     }

@@ -20,7 +20,7 @@ from protocol.client import Client
 
 from e2e_harness import REPO, start_daemon
 from fake_hub import FakeHub
-from hub_repos import BASE, FOREIGN, SOURCE, TRUNCATED, build_repos
+from hub_repos import BASE, FOREIGN, QUANTIZED, SOURCE, TRUNCATED, build_repos
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,33 @@ def test_pull_with_mtp_from_fetches_only_the_head_shard_and_serves_it(hub, tmp_p
     info = json.loads(councild(env, "model", "inspect", BASE, "--json").stdout)
     assert info["head"]["files"] == {"mtp.safetensors": 15}
     assert info["head"]["provenance"]["mtp.safetensors"]["source"] == meta["source"]
+
+
+def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    # 4-bit matmuls are slow on this CPU backend: a shorter check (on a Mac's GPU they are not).
+    r = councild(env, "model", "pull", QUANTIZED, "--mtp-from", SOURCE, "--check-tokens", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    folder = snapshot(tmp_path / "hf", QUANTIZED)
+    header = read_header(folder / "mtp.safetensors")
+    declared = json.loads(header["__metadata__"]["councild_quantization"])
+    assert declared["layers.0.self_attn.q_proj"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert header["mtp.layers.0.self_attn.q_proj.weight"]["dtype"] == "U32"
+    assert header["mtp.layers.0.mlp.down_proj.scales"]["shape"] == [256, 768 // 64]
+    assert header["mtp.fc.weight"]["dtype"] == "BF16"  # fc and norms stay float
+    accepted = re.search(r"acceptance at depth 1: ([0-9.]+)", r.stdout)
+    assert accepted and float(accepted.group(1)) >= 0.3, r.stdout
+
+    import mlx.nn as nn
+
+    from daemon.engine.loading import load_model
+    from daemon.engine.mtp_head import load_mtp_head
+
+    lm = load_model(folder, compile_decode=False)
+    head = load_mtp_head(lm)
+    q = head.layers[0].self_attn.q_proj
+    assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 64)
+    assert type(head.fc) is nn.Linear
 
 
 def test_a_head_from_another_trunk_is_refused(hub, tmp_path):
