@@ -262,6 +262,11 @@ def format_status(reply) -> str:
         rows.append(("governor", "disabled"))
     if d.get("draining"):
         rows.append(("state", "draining (no new work; exits when in-flight requests finish)"))
+    elif d.get("state") == "loading":
+        lp = d.get("load_progress") or {}
+        rows.append(("state", f"loading: {lp.get('percent', 0)}% of the weights read "
+                              f"({_mb(lp.get('bytes_loaded'))} of {_mb(lp.get('bytes_total'))}, "
+                              f"{lp.get('seconds', 0)} s); requests are refused until it serves"))
     width = max(len(k) for k, _ in rows)
     out = [f"{k:<{width}}  {v}" for k, v in rows]
     seats = d.get("seats") or {}

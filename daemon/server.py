@@ -35,6 +35,8 @@ EXIT_OK = 0
 EXIT_SOFTWARE = 70  # crash or the model failed to load
 EXIT_TEMPFAIL = 75  # another daemon already serves this endpoint
 EXIT_CONFIG = 78  # bad configuration: restarting will not help
+# Each progress step of a model load extends systemd's start timeout this far past now.
+LOAD_EXTEND_S = 120.0
 
 
 class StartupError(Exception):
@@ -51,6 +53,9 @@ class _Hooks:
 
     def on_step(self) -> None:
         self.server.notifier_progress()
+
+    def on_load_progress(self, percent: int) -> None:
+        self.server.load_progress(percent)
 
 
 class Server:
@@ -212,14 +217,23 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        self._make_notifier()
+        # Bound before the load, so `councild status` can say "loading, 40%" meanwhile.
+        router = self._router = self._bind()
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
-        self.worker.loaded.wait()
+        self.load_progress(0)
+        try:
+            self._answer_while_loading(router)
+        finally:
+            if self.worker.load_error is not None:
+                router.close(linger=0)
+                if self.endpoint.startswith("ipc://"):
+                    Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
             raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
-        router = self._router = self._bind()
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
                  version=daemon.__version__, protocol=PROTOCOL_VERSION)
@@ -271,12 +285,59 @@ class Server:
         log.info("daemon.stop", reason="signal", forced=self.stop_now)
         return EXIT_OK
 
+    def _make_notifier(self) -> None:
+        try:
+            from .notify import Notifier
+        except ImportError:  # the service integration is optional
+            return
+        self.notifier = Notifier()
+
+    def load_progress(self, percent: int) -> None:
+        """Each step of the weights read (engine thread) pushes systemd's start timeout
+        LOAD_EXTEND_S past now: a big model may take longer than TimeoutStartSec, while a
+        load that stops making progress is still killed LOAD_EXTEND_S later."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(LOAD_EXTEND_S)
+            self.notifier.status(f"loading {Path(self.model_path).name}: {percent}%")
+
+    def _answer_while_loading(self, router: zmq.Socket) -> None:
+        """Until the engine has loaded: Status answers with the load's progress, Hello with a
+        Welcome; Generate is refused (``overloaded`` with a retry hint); Ping gets no Pong
+        yet (a Pong means ready: launchers wait for it)."""
+        while not self.worker.loaded.wait(0.05):
+            if not router.poll(200, zmq.POLLIN):
+                continue
+            for _ in range(256):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    continue
+                identity = frames[0]
+                try:
+                    msg = decode_client(frames[1], self.cfg.max_frame_bytes)
+                except ProtocolError:
+                    continue  # judged properly once serving; nothing is lost by silence now
+                pct = self.worker.read_snapshot().load_progress.get("percent", 0)
+                if isinstance(msg, m.Status):
+                    self._reply(router, identity, self.status_reply())
+                elif isinstance(msg, m.Hello):
+                    self.seats[identity] = msg.seat
+                    self._reply(router, identity, self._welcome(msg.seat))
+                elif isinstance(msg, m.Generate):
+                    self._reply(router, identity, m.Error(
+                        code="overloaded", request_id=msg.request_id, retry_after_s=2.0,
+                        message=f"the model is still loading ({pct}% of its weights read)"))
+                elif isinstance(msg, m.GovernorCommand):
+                    self._reply(router, identity, m.GovernorReply(ok=False, message="the model is still loading"))
+
     def _start_notifier(self) -> None:
         try:
             from .notify import Notifier, WatchdogPacer
         except ImportError:  # the service integration is optional
             return
-        self.notifier = Notifier()
+        self.notifier = self.notifier or Notifier()
         self.notifier.ready()
         self.notifier.status(f"serving {Path(self.model_path).name} on {self.endpoint}")
         self._watchdog = WatchdogPacer(self.notifier)
@@ -520,7 +581,7 @@ class Server:
         snap = self.worker.read_snapshot()
         return m.StatusReply(
             server=f"councild {daemon.__version__}",
-            model=snap.model,
+            model=snap.model or Path(self.model_path).name,
             uptime_s=round(time.monotonic() - self.started, 3),
             active=len(snap.active),
             queued=sum(snap.queued.values()),
@@ -529,6 +590,9 @@ class Server:
                 "endpoint": self.endpoint,
                 "model_type": snap.model_type,
                 "draining": self.draining_since is not None,
+                "state": ("loading" if not snap.ready else "draining" if self.draining_since is not None
+                          else "serving"),
+                "load_progress": snap.load_progress,
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,
