@@ -40,7 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import DEFAULT_GUARD, BatchDecoder, max_logit_diff  # noqa: E402
+from daemon.engine.batch import BatchDecoder, max_logit_diff  # noqa: E402
+from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
 from daemon.engine.loading import load_model
 from daemon.engine.model import LoadedModel  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402

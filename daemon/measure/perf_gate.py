@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from ..exits import EXIT_CONFIG
 from .bench_io import spread, write_results
 
 DEFAULT_NOISE_FLOOR = 0.02
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"councild gate perf: {exc}", file=sys.stderr)
-        return 78
+        return EXIT_CONFIG
     depth = cfg.speculation.depth if args.depth is None else args.depth
     mode = args.mode or (cfg.speculation.mode if cfg.speculation.mode != "off" else "exact")
     if cfg.speculation.mode == "off" and args.depth is None:

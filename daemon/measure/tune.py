@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from daemon.exits import EXIT_CONFIG
 from daemon.profile import (PROFILE_FORMAT, check_profile, current_device, current_versions,
                             default_profile_path, model_hash)
 
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"councild tune: {exc}", file=sys.stderr)
-        return 78
+        return EXIT_CONFIG
     model = resolve_model(args.model or cfg.model)
     path = Path(args.out) if args.out else default_profile_path(model)
 
