@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--template-kwarg", action="append", metavar="KEY=VALUE",
+                     help="chat template variable (with --chat; repeatable), e.g. enable_thinking=false; "
+                          "the thinking text, where the template marks it, goes to stderr")
     gen.add_argument("--priority", choices=["interactive", "normal", "background"])
     gen.add_argument("--speculation", choices=["off", "exact", "fast"])
     gen.add_argument("--deadline-ms", type=int)
@@ -176,6 +179,16 @@ def cmd_serve(args) -> int:
     os._exit(code)
 
 
+def _template_kwarg(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as JSON where it is (true, 3, 0.5), else as a string."""
+    key, _, raw = text.partition("=")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value if isinstance(value, (str, bool, int, float)) else raw
+
+
 def cmd_generate(args) -> int:
     from protocol.client import Client, CouncilError, DaemonUnavailable
 
@@ -185,6 +198,8 @@ def cmd_generate(args) -> int:
                   deadline_ms=args.deadline_ms)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": prompt}]
+        if args.template_kwarg:
+            kwargs["chat_template_kwargs"] = dict(_template_kwarg(kv) for kv in args.template_kwarg)
     else:
         kwargs["prompt"] = prompt
     try:
@@ -197,6 +212,8 @@ def cmd_generate(args) -> int:
     except (CouncilError, DaemonUnavailable) as exc:
         print(f"\ncouncild: {exc}", file=sys.stderr)
         return 1
+    if done.reasoning:
+        print(f"\n[thinking]\n{done.reasoning}", file=sys.stderr)
     t = done.timings
     print(f"\n[{done.finish_reason}] {done.usage.completion_tokens} tokens, {t.tokens_per_s:.1f} tok/s, "
           f"ttft {t.ttft_s * 1000:.0f} ms", file=sys.stderr)

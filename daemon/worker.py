@@ -22,6 +22,7 @@ from protocol import messages as m
 
 from .config import Config
 from .detokenize import CommittedText
+from .reasoning import reasoning_split_for
 from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
@@ -342,11 +343,17 @@ class EngineWorker(threading.Thread):
         msg = job.msg
         try:
             kind = msg.prompt_kind()
+            # The daemon's [chat] defaults, then the request's own (chat requests only).
+            template_kwargs = ({**self.cfg.chat.template_kwargs, **(msg.chat_template_kwargs or {})}
+                               if msg.messages is not None else msg.chat_template_kwargs)
             job.prompt = self.lm.encode_prompt(
                 msg.prompt,
                 [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
                 msg.prompt_tokens,
+                template_kwargs,
             )
+            if msg.messages is not None and self.cfg.chat.separate_reasoning:
+                job.reasoning = reasoning_split_for(self.lm.tokenizer, job.prompt)
         except Exception as exc:
             self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
                                       message=f"could not tokenize the {kind}: {exc}"), registered=False)
