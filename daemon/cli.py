@@ -275,6 +275,14 @@ def format_status(reply) -> str:
         ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
+    prefilling = [a for a in d.get("active_requests") or [] if a.get("prefill")]
+    if prefilling:
+        rows.append(("prefilling", ", ".join(f"{a['seat']}/{a['request_id']} {a['prefill']['done']}/"
+                                             f"{a['prefill']['total']} tokens" for a in prefilling)))
+    pc = d.get("prefix_cache")
+    if pc:
+        rows.append(("prefix cache", f"{pc['entries']} snapshots, {_mb(pc['bytes'])} of {_mb(pc['max_bytes'])}, "
+                                     f"{pc['hits']} hits / {pc['misses']} misses, {pc['cached_tokens']} tokens reused"))
     mem = d.get("memory")
     if mem:
         rows.append(("memory", ", ".join(f"{k.removesuffix('_bytes')} {_mb(v)}" for k, v in mem.items())))

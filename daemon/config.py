@@ -43,6 +43,12 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # batched kernels round differently from one-token ones (Metal, CUDA), requests that
     # must be exact at temperature 0 still decode alone; "fast" and sampled ones batch.
     batching: bool = True
+    # A prompt is prefilled this many tokens at a time, each chunk one unit of work between
+    # other streams' decode cycles; cancel, deadlines and the drain are checked between
+    # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
+    # prefill throughput. (On CPU, chunks of a multiple of 8 tokens leave the cache bit-
+    # identical to one-shot prefill; other sizes can differ in the last ulp.)
+    prefill_chunk: PositiveInt = 256
     seats: dict[str, SeatConfig] = {}
     default_seat: SeatConfig = SeatConfig()
 
@@ -68,6 +74,14 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
     # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
+
+
+class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Keep state snapshots at prefill-chunk-aligned boundaries (a prompt's last one, and a
+    # chat's first message's) and continue later prompts that start with them.
+    enabled: bool = True
+    # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
+    max_bytes: PositiveInt = 1 << 30
 
 
 class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -103,6 +117,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     compile_decode: bool = True
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}

@@ -90,12 +90,21 @@ class Job:
         self.exact = True
         self.batched = False
         self.parked_state = None
+        # While its prompt is being prefilled (engine/prefill.py): the ChunkedPrefill, and
+        # the speculation mode its decode will use.
+        self.prefill = None
+        self.mode = "off"
+        # Prefix cache (engine/prefix_cache.py): prompt tokens restored from a snapshot,
+        # the prompt's segment ends (chat messages), and where its prefill takes snapshots.
+        self.cached_tokens = 0
+        self.segment_ends: list[int] = []
+        self.snapshot_at: set[int] = set()
 
     # ------------------------------------------------------------------ output
     def start(self, generator, detokenizer, spec_mode: str) -> None:
         self.generator = generator
         self.detok = detokenizer
-        self.started_at = time.monotonic()
+        self.started_at = self.started_at or time.monotonic()  # set when its prefill began
         self.spec.mode = spec_mode
 
     def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:
@@ -175,7 +184,7 @@ class Job:
             finish_reason=reason or self.finished_reason or "stop",
             text=self.text if self.reasoning is None else self.reasoning.split(self.text)[1],
             reasoning="" if self.reasoning is None else self.reasoning.split(self.text)[0],
-            usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n),
+            usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=m.Timings(
                 queue_s=started - self.received_at,
                 prefill_s=first - started,

@@ -613,6 +613,8 @@ class Server:
                 "active_requests": snap.active,
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
+                "prefill_tokens_total": snap.prefill_tokens_total,
+                "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 # Heard from within heartbeat_timeout_s (a client that left counts until then:
                 # a ROUTER socket is not told when a peer goes), and those with work in flight.

@@ -152,6 +152,9 @@ class Tokens(_DaemonMessage, tag="tokens"):
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens served from the daemon's prefix cache (not recomputed); 0 from a daemon
+    # without one. Included in prompt_tokens.
+    cached_tokens: int = 0
 
 
 class Timings(Struct, kw_only=True):
