@@ -93,6 +93,15 @@ class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     max_bytes: PositiveInt = 1 << 30
 
 
+class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Variables for the model's chat template on every chat request (a request's own
+    # chat_template_kwargs override them), e.g. {enable_thinking = false} for Qwen3.5.
+    template_kwargs: dict[str, str | bool | int | float] = {}
+    # Where the template marks thinking (<think>...</think>), stream it in `reasoning`,
+    # apart from the answer in `text` (daemon/reasoning.py). false: one text, markers kept.
+    separate_reasoning: bool = True
+
+
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     endpoint: str | None = None
@@ -123,6 +132,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    chat: ChatConfig = ChatConfig()
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True

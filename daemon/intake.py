@@ -14,6 +14,7 @@ import queue
 import threading
 
 from .logs import get_logger
+from .reasoning import reasoning_split_for
 from .requests import Job
 
 log = get_logger("councild.intake")
@@ -38,18 +39,26 @@ def prompt_bounds(job: Job, limit: int) -> tuple[str, str] | None:
     return None
 
 
-def tokenize(job: Job, lm, limit: int) -> tuple[str, str] | None:
-    """Fill ``job.prompt``; return (code, message) when the request must be refused."""
+def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
+    """Fill ``job.prompt`` (and, for a chat, where its reasoning is split off and where its
+    shared first message ends); return (code, message) when the request must be refused.
+    ``chat``: the daemon's [chat] config (template defaults, reasoning split)."""
     bad = prompt_bounds(job, limit)
     if bad is not None:
         return bad
     msg = job.msg
     try:
+        # The daemon's [chat] defaults, then the request's own (chat requests only).
+        template_kwargs = ({**(chat.template_kwargs if chat else {}), **(msg.chat_template_kwargs or {})}
+                           if msg.messages is not None else msg.chat_template_kwargs)
         job.prompt = lm.encode_prompt(
             msg.prompt,
             [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
             msg.prompt_tokens,
+            template_kwargs,
         )
+        if msg.messages is not None and chat is not None and chat.separate_reasoning:
+            job.reasoning = reasoning_split_for(lm.tokenizer, job.prompt)
     except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer rejects is the client's error
         return "invalid_request", f"could not tokenize the {msg.prompt_kind()}: {exc}"
     if not job.prompt:
@@ -84,8 +93,9 @@ class Intake(threading.Thread):
     """Moves commands from ``source`` to ``sink`` in order, tokenizing each Submit's job on
     the way (a refused one carries ``job.rejection``; the engine sends it)."""
 
-    def __init__(self, source: queue.Queue, sink: queue.Queue, lm, limit: int, submit_type: type):
+    def __init__(self, source: queue.Queue, sink: queue.Queue, lm, limit: int, submit_type: type, chat=None):
         super().__init__(name="councild-intake", daemon=True)
+        self.chat = chat
         self.source = source
         self.sink = sink
         self.lm = lm
@@ -97,7 +107,7 @@ class Intake(threading.Thread):
             cmd = self.source.get()
             if isinstance(cmd, self.submit_type):
                 try:
-                    cmd.job.rejection = tokenize(cmd.job, self.lm, self.limit)
+                    cmd.job.rejection = tokenize(cmd.job, self.lm, self.limit, self.chat)
                 except Exception as exc:  # noqa: BLE001 - never lose the command, whatever failed
                     log.error("intake.failed", request_id=cmd.job.request_id, seat=cmd.job.seat, error=repr(exc))
                     cmd.job.rejection = ("internal", f"tokenization failed: {type(exc).__name__}: {exc}")

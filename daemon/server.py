@@ -37,6 +37,8 @@ LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "dra
 
 log = get_logger("councild.server")
 
+# Each progress step of a model load extends systemd's start timeout this far past now.
+LOAD_EXTEND_S = 120.0
 
 
 class StartupError(Exception):
@@ -67,6 +69,9 @@ class _Hooks:
 
     def on_step(self) -> None:
         self.server.notifier_progress()
+
+    def on_load_progress(self, percent: int) -> None:
+        self.server.load_progress(percent)
 
 
 class Server:
@@ -264,9 +269,10 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        self._make_notifier()
         # Bind before the load: a malformed endpoint or a TCP port in use is an answer the
-        # operator should get in a second, not after minutes of loading a 15 GB model.
-        # Clients that connect meanwhile queue; they are answered once the loop runs.
+        # operator should get in a second, not after minutes of loading a 15 GB model; and
+        # meanwhile Status answers "loading" with the progress (_answer_while_loading).
         try:
             router = self._router = self._bind()
         except StartupError:
@@ -274,17 +280,18 @@ class Server:
             raise
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
-        # Poll, so a SIGTERM/SIGINT during a load (minutes for a big model, and a load cannot
-        # be interrupted) ends the process now: nothing is in flight yet. The caller leaves
-        # with os._exit, which takes the loading thread with it.
-        while not self.worker.loaded.wait(0.1):
-            if self.draining_since is not None:
-                router.close(linger=0)
-                engine_out.close(linger=0)
-                if self.endpoint.startswith("ipc://"):
-                    Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
-                log.info("daemon.stop", reason="signal", forced=False, during_load=True)
-                return EXIT_OK
+        self.load_progress(0)
+        # Answers Status and Hello meanwhile; returns False when a SIGTERM/SIGINT came during
+        # the load (minutes for a big model, and a load cannot be interrupted): nothing is in
+        # flight yet, so the process ends now. The caller leaves with os._exit, which takes
+        # the loading thread with it.
+        if not self._answer_while_loading(router):
+            router.close(linger=0)
+            engine_out.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            log.info("daemon.stop", reason="signal", forced=False, during_load=True)
+            return EXIT_OK
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
@@ -347,12 +354,64 @@ class Server:
         log.info("daemon.stop", reason="signal", forced=self.stop_now)
         return EXIT_OK
 
+    def _make_notifier(self) -> None:
+        try:
+            from .notify import Notifier
+        except ImportError:  # the service integration is optional
+            return
+        self.notifier = Notifier()
+
+    def load_progress(self, percent: int) -> None:
+        """Each step of the weights read (engine thread) pushes systemd's start timeout
+        LOAD_EXTEND_S past now: a big model may take longer than TimeoutStartSec, while a
+        load that stops making progress is still killed LOAD_EXTEND_S later."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(LOAD_EXTEND_S)
+            self.notifier.status(f"loading {Path(self.model_path).name}: {percent}%")
+
+    def _answer_while_loading(self, router: zmq.Socket) -> bool:
+        """Until the engine has loaded: Status answers with the load's progress, Hello with a
+        Welcome; Generate is refused (``overloaded`` with a retry hint); Ping gets no Pong
+        yet (a Pong means ready: launchers wait for it)."""
+        while not self.worker.loaded.wait(0.05):
+            if self.draining_since is not None:
+                return False
+            if not router.poll(200, zmq.POLLIN):
+                continue
+            for _ in range(256):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    continue
+                identity = frames[0]
+                try:
+                    msg = decode_client(frames[1], self.cfg.max_frame_bytes)
+                except ProtocolError as exc:  # answered as when serving: one terminal each
+                    rid = peek_request_id(frames[1]) if exc.code == "invalid_request" else None
+                    self._reply(router, identity, m.Error(code=exc.code, message=exc.message, request_id=rid))
+                    continue
+                pct = self.worker.read_snapshot().load_progress.get("percent", 0)
+                if isinstance(msg, m.Status):
+                    self._reply(router, identity, self.status_reply())
+                elif isinstance(msg, m.Hello):
+                    self.seats[identity] = msg.seat
+                    self._reply(router, identity, self._welcome(msg.seat))
+                elif isinstance(msg, m.Generate):
+                    self._reply(router, identity, m.Error(
+                        code="overloaded", request_id=msg.request_id, retry_after_s=2.0,
+                        message=f"the model is still loading ({pct}% of its weights read)"))
+                elif isinstance(msg, m.GovernorCommand):
+                    self._reply(router, identity, m.GovernorReply(ok=False, message="the model is still loading"))
+        return True
+
     def _start_notifier(self) -> None:
         try:
             from .notify import Notifier, WatchdogPacer
         except ImportError:  # the service integration is optional
             return
-        self.notifier = Notifier()
+        self.notifier = self.notifier or Notifier()
         self.notifier.ready()
         self.notifier.status(f"serving {Path(self.model_path).name} on {self.endpoint}")
         self._watchdog = WatchdogPacer(self.notifier)
@@ -415,7 +474,8 @@ class Server:
             seat=seat,
             server=f"councild {daemon.__version__}",
             model=Path(self.model_path).name,
-            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority"],
+            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
+                          "chat_template_kwargs", "reasoning"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
                             max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
@@ -651,7 +711,7 @@ class Server:
         snap = self.worker.read_snapshot()
         return m.StatusReply(
             server=f"councild {daemon.__version__}",
-            model=snap.model,
+            model=snap.model or Path(self.model_path).name,
             uptime_s=round(time.monotonic() - self.started, 3),
             active=len(snap.active),
             queued=sum(snap.queued.values()),
@@ -660,6 +720,9 @@ class Server:
                 "endpoint": self.endpoint,
                 "model_type": snap.model_type,
                 "draining": self.draining_since is not None,
+                "state": ("loading" if not snap.ready else "draining" if self.draining_since is not None
+                          else "serving"),
+                "load_progress": snap.load_progress,
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,

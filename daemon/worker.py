@@ -98,6 +98,8 @@ class EngineSnapshot:
     governor: dict = field(default_factory=dict)
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
+    # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
+    load_progress: dict = field(default_factory=dict)
 
 
 class InjectedFault(RuntimeError):
@@ -161,7 +163,7 @@ class EngineWorker(threading.Thread):
             return
         from .intake import Intake
 
-        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit).start()
+        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat).start()
         self.loaded.set()
         try:
             self._loop()
@@ -178,7 +180,7 @@ class EngineWorker(threading.Thread):
 
         route_library_logs()
         t0 = time.perf_counter()
-        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
+        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress)
         context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
@@ -228,6 +230,21 @@ class EngineWorker(threading.Thread):
         else:
             self.max_prompt_tokens = configured
         return context
+
+    def _load_progress(self, done: int, total: int, seconds: float) -> None:
+        """One log event per ~5% of the weights read; the status snapshot and the service
+        manager (EXTEND_TIMEOUT_USEC, through the hooks) hear of each."""
+        percent = int(100 * done / total) if total else 100
+        with self.snapshot_lock:
+            last = self.snapshot.load_progress.get("percent", -1)
+            self.snapshot.load_progress = {"percent": percent, "bytes_loaded": done, "bytes_total": total,
+                                           "seconds": round(seconds, 2)}
+        if percent == last:
+            return
+        log.info("model.load_progress", percent=percent, bytes_loaded=done, bytes_total=total,
+                 seconds=round(seconds, 2))
+        if self.hooks is not None and hasattr(self.hooks, "on_load_progress"):
+            self.hooks.on_load_progress(percent)
 
     def _probe_exactness(self) -> None:
         """Whether a verify reproduces serial decode bit for bit on this backend, and so
