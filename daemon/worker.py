@@ -25,6 +25,7 @@ from .config import Config
 from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
+from .stats import Tallies
 
 log = get_logger("councild.engine")
 
@@ -90,6 +91,7 @@ class EngineSnapshot:
     governor: dict = field(default_factory=dict)
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
 
 
 class InjectedFault(RuntimeError):
@@ -135,6 +137,7 @@ class EngineWorker(threading.Thread):
         self._seat_tokens: dict[str, int] = {}
         self._stopping = False
         self._published_at = 0.0
+        self.tallies = Tallies()
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -408,7 +411,11 @@ class EngineWorker(threading.Thread):
                 self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
             return
         p = job.msg
-        sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        sampler = Sampler(SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
+            top_logprobs=p.top_logprobs), prompt=job.prompt)
         mode = p.speculation or self.cfg.speculation.mode
         job.sampler = sampler
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
@@ -442,6 +449,9 @@ class EngineWorker(threading.Thread):
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, self.lm.tokenizer.detokenizer, mode)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.lm.tokenizer.decode([token_id])
 
     def _advance(self, job: Job) -> None:
         if job.batched:
@@ -490,7 +500,8 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
-        kept = job.absorb(step, self.lm.eos_token_ids)
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.logprobs else None)
+        self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
         if job.msg.stream:
@@ -499,6 +510,20 @@ class EngineWorker(threading.Thread):
                 self._send(job.identity, chunk, key=job.key)
         if job.finished_reason is not None:
             self._finish(job, job.done())
+
+    def _tally(self, job: Job, step, kept: list[int]) -> None:
+        """Latency and speculation counters for status readers (daemon/stats.py)."""
+        t = self.tallies
+        t.drafted += step.drafted
+        t.accepted += step.accepted
+        if not kept:
+            return
+        now = time.monotonic()
+        if job.last_token_at is None:
+            t.ttft.observe(now - job.received_at)
+        else:  # a cycle's gap, shared by the tokens it committed
+            t.inter_token.observe((now - job.last_token_at) / len(kept), len(kept))
+        job.last_token_at = now
 
     def _finish(self, job: Job, terminal: m.Done | m.Error, registered: bool = True) -> None:
         """Send the request's one terminal message and forget it."""
@@ -528,6 +553,7 @@ class EngineWorker(threading.Thread):
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message)
         self._send(job.identity, terminal, key=job.key, terminal=True)
+        self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
@@ -584,6 +610,7 @@ class EngineWorker(threading.Thread):
             self.snapshot.recent_tokens_per_s = sum(n for n, _ in window) / span if span > 0.5 else 0.0
             self.snapshot.seats = seats
             self.snapshot.memory = memory
+            self.snapshot.stats = self.tallies.to_dict()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed

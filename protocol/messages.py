@@ -28,6 +28,8 @@ MAX_TOKENS_CEILING = 1 << 20
 MAX_PROMPT_CHARS = 4 << 20
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 class _Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -69,6 +71,17 @@ class Generate(_Message, tag="generate"):
     deadline_ms: Annotated[int, Meta(ge=1, le=7 * 24 * 3600 * 1000)] | None = None
     # None: the daemon's configured default. "off": serial decode.
     speculation: Speculation | None = None
+    # Sampling options (engine/sampling.py has the order they apply in). Penalties and
+    # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: Annotated[dict[Annotated[int, Meta(ge=0, lt=1 << 31)], Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Per output token: its log-probability and the top_logprobs most likely alternatives.
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
 
     def prompt_kind(self) -> str | None:
         """Which prompt field is set, or None when zero or several are (a client error)."""
@@ -131,6 +144,22 @@ class Accepted(_DaemonMessage, tag="accepted"):
     prompt_tokens: int
 
 
+class TopLogprob(Struct, kw_only=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Struct, kw_only=True):
+    """One output token's log-probability under the request's processed distribution
+    (after penalties and logit_bias, before temperature, top-k, top-p and min_p)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
 class Tokens(_DaemonMessage, tag="tokens"):
     """A chunk of a stream. ``seq`` starts at 0 and rises by one per chunk of a request."""
 
@@ -138,11 +167,15 @@ class Tokens(_DaemonMessage, tag="tokens"):
     seq: int
     text: str
     token_ids: list[int]
+    # Only when the request asked for logprobs: one entry per id in token_ids.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    # Prompt tokens served from a prefix cache instead of being prefilled (0 without one).
+    cached_tokens: int = 0
 
 
 class Timings(Struct, kw_only=True):
@@ -174,6 +207,8 @@ class Done(_DaemonMessage, tag="done"):
     usage: Usage
     timings: Timings
     speculation: SpecStats | None = None
+    # Only when the request asked for logprobs and did not stream: one entry per output token.
+    logprobs: list[TokenLogprob] | None = None
 
 
 ErrorCode = Literal[
@@ -243,6 +278,8 @@ __all__ = [
     "Welcome",
     "Accepted",
     "Tokens",
+    "TopLogprob",
+    "TokenLogprob",
     "Usage",
     "Timings",
     "SpecStats",
