@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("service", help="install/uninstall/print/status the launchd or systemd service", add_help=False)
     sub.add_parser("keys", help="generate a CURVE key pair for a TCP endpoint", add_help=False)
+    sub.add_parser("http", help="OpenAI-compatible HTTP API and /metrics for a running daemon (the http extra)",
+                   add_help=False)
     return parser
 
 
@@ -325,6 +327,7 @@ DELEGATED = {
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",
     ("keys",): "daemon.keys",
+    ("http",): "front.main",
 }
 
 
