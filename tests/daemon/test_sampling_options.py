@@ -8,7 +8,7 @@ import math
 import mlx.core as mx
 import pytest
 
-from daemon.engine.fidelity import PROCESSORS, run_fidelity_gate
+from daemon.measure.fidelity import PROCESSORS, run_fidelity_gate
 from daemon.engine.model import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.sampling import Sampler
