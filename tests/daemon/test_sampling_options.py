@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from daemon.measure.fidelity import PROCESSORS, run_fidelity_gate
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.sampling import Sampler
 from daemon.engine.serial import serial_decode
