@@ -38,6 +38,8 @@ SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
 # Status replies for /health and /metrics wait at most this long, so a daemon that is down
 # answers the probe quickly instead of after the client's liveness timeout.
 STATUS_TIMEOUT_S = 3.0
+# Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
+MAX_SEATS = 256
 
 # councild error code -> HTTP status (and OpenAI's error code where it has one of its own).
 HTTP_STATUS = {
@@ -138,6 +140,10 @@ class Front:
     # ------------------------------------------------------------------ daemon side
     def client(self, seat: str) -> AsyncClient:
         c = self.clients.get(seat)
+        if c is None and len(self.clients) >= MAX_SEATS:
+            # Keyless seats come from a header: bound the connections they can open.
+            raise HTTPError(429, f"{MAX_SEATS} seats are connected through this front; reuse one", param="X-Councild-Seat",
+                            code="too_many_seats", retry_after=60.0)
         if c is None:
             c = self.clients[seat] = AsyncClient(self.endpoint, seat=seat, timeout_s=self.cfg.daemon_timeout_s,
                                                  client_name="councild-http")

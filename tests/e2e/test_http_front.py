@@ -27,7 +27,7 @@ PROMPT = "def load(path):\n    with open(path) as f:"
 def stack(tmp_path_factory, e2e_model):
     tmp = tmp_path_factory.mktemp("http")
     d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n"
-                                             "[scheduler]\nmax_queued_per_seat = 3\n")
+                                             "stats_interval_s = 1.0\n[scheduler]\nmax_queued_per_seat = 3\n")
     keys = "\n".join(f'"{k}" = "{v}"' for k, v in KEYS.items())
     front = start_front(tmp, d.endpoint, f"[http.api_keys]\n{keys}\n")
     yield d, front
@@ -307,3 +307,43 @@ def test_eight_streams_with_random_disconnects_lose_and_duplicate_nothing(stack)
             text = "".join(e["choices"][0]["text"] for e in events[:-1])
             # Nothing lost or repeated: the stream is the whole answer, as a plain request gives it.
             assert text == c.complete(prompts[i], max_tokens=20, temperature=0).text
+
+
+def test_the_grafana_dashboard_graphs_series_that_exist(stack):
+    """Every series docs/grafana-councild.json queries is one /metrics serves (the prefix
+    cache's are matched by a regex and appear only when the daemon has one)."""
+    import json
+    import re
+    from pathlib import Path
+
+    _, front = stack
+    httpx.post(front.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+               headers={"Authorization": "Bearer key-main"})
+    served = {k[0] for k in _metrics(front)}
+    dash = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-councild.json").read_text())
+    wanted = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"\bcouncild_[a-z_]+\b", t["expr"])}
+    assert len(wanted) > 15
+    missing = sorted(n for n in wanted if n not in served and not n.startswith("councild_prefix_cache_"))
+    assert not missing, missing
+
+
+def test_stats_log_event_and_wall_clock_status(stack, oai):
+    import datetime
+    import json
+
+    d, _ = stack
+    oai.completions.create(model="any", prompt=PROMPT, max_tokens=3, temperature=0)
+    with Client(d.endpoint, seat="probe") as c:
+        t = c.status().detail["time"]
+    now = datetime.datetime.fromisoformat(t["now"])
+    assert abs(now.timestamp() - time.time()) < 60 and t["started_at_unix"] <= t["now_unix"]
+    deadline = time.monotonic() + 30
+    while True:
+        stats = [json.loads(x) for x in d.log_path.read_text().splitlines() if '"event": "stats"' in x]
+        if stats and stats[-1]["tokens_total"] > 0:
+            break
+        assert time.monotonic() < deadline, "no stats event with tokens"
+        time.sleep(0.5)
+    ev = stats[-1]
+    assert ev["requests"]["http-test"]["length"] >= 1 and ev["ttft_count"] >= 1
+    assert {"memory", "depth", "head_resident", "tokens_per_s", "queued", "drafted", "accepted"} <= set(ev)
