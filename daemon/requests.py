@@ -152,7 +152,7 @@ class Job:
             return None
         self.sent_chars += len(text)
         lps = None
-        if self.msg.logprobs:
+        if self.msg.option("logprobs"):
             lps = self.logprobs[self.sent_logprobs : self.sent_logprobs + len(token_ids)]
             self.sent_logprobs += len(lps)
         msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids, logprobs=lps)
@@ -178,5 +178,5 @@ class Job:
                 tokens_per_s=(n - 1) / decode_s if n > 1 else 0.0,
             ),
             speculation=self.spec.message() if self.spec.mode != "off" else None,
-            logprobs=list(self.logprobs) if self.msg.logprobs and not self.msg.stream else None,
+            logprobs=list(self.logprobs) if self.msg.option("logprobs") and not self.msg.stream else None,
         )

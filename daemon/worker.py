@@ -421,10 +421,8 @@ class EngineWorker(threading.Thread):
             return
         p = job.msg
         sampler = Sampler(SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
-            top_logprobs=p.top_logprobs), prompt=job.prompt)
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
         mode = p.speculation or self.cfg.speculation.mode
         job.sampler = sampler
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
@@ -509,7 +507,7 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
-        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.logprobs else None)
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None)
         self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))

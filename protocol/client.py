@@ -159,8 +159,7 @@ def _check(msg: Any, max_frame_bytes: int) -> bytes:
 
 # Generate fields a caller may pass to ``generate`` as keyword arguments beyond the ones it
 # names (sampling options, logprobs); they are validated with the rest by the daemon's decoder.
-SAMPLING_OPTIONS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
-                    "logprobs", "top_logprobs")
+SAMPLING_OPTIONS = tuple(m.SAMPLING_DEFAULTS)
 
 
 def _build_generate(
@@ -211,8 +210,11 @@ def _build_generate(
         unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
         if unknown:
             raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")
+        # Options at their defaults stay unset (not encoded), so a daemon that predates them
+        # accepts the request.
+        given = {k: v for k, v in options.items() if v != m.SAMPLING_DEFAULTS[k]}
         try:
-            msg = msgspec.structs.replace(msg, **options)
+            msg = msgspec.structs.replace(msg, **given)
         except TypeError as exc:
             raise InvalidRequest("invalid_request", str(exc), request_id=rid) from None
     if msg.prompt_kind() is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 PROTOCOL_VERSION = 1
 
@@ -30,6 +30,9 @@ MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_TOP_LOGPROBS = 20
+# Generate's optional sampling options and what an absent one means.
+SAMPLING_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "logit_bias": None, "logprobs": False, "top_logprobs": 0}
 
 
 class _Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -52,7 +55,11 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
 
 
 class Generate(_Message, tag="generate"):
-    """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``."""
+    """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``.
+
+    The sampling options added within version 1 (min_p ... top_logprobs) are UNSET unless
+    given, and an UNSET field is not encoded: an older daemon still accepts every request
+    that does not use them. Read them with ``option(name)``."""
 
     request_id: RequestId
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -73,15 +80,21 @@ class Generate(_Message, tag="generate"):
     speculation: Speculation | None = None
     # Sampling options (engine/sampling.py has the order they apply in). Penalties and
     # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    # UNSET means SAMPLING_DEFAULTS' value.
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | UnsetType = UNSET
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | UnsetType = UNSET
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | UnsetType = UNSET
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | UnsetType = UNSET
     logit_bias: Annotated[dict[Annotated[int, Meta(ge=0, lt=1 << 31)], Annotated[float, Meta(ge=-100.0, le=100.0)]],
-                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None | UnsetType = UNSET
     # Per output token: its log-probability and the top_logprobs most likely alternatives.
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
+    logprobs: bool | UnsetType = UNSET
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | UnsetType = UNSET
+
+    def option(self, name: str):
+        """A sampling option's value, its default when it was not sent."""
+        value = getattr(self, name)
+        return SAMPLING_DEFAULTS[name] if value is UNSET else value
 
     def prompt_kind(self) -> str | None:
         """Which prompt field is set, or None when zero or several are (a client error)."""

@@ -242,10 +242,19 @@ def test_metrics_move_after_a_request(stack, oai):
     _, front = stack
     before = _metrics(front)
     oai.completions.create(model="any", prompt=PROMPT, max_tokens=7, temperature=0)
-    after = _metrics(front)
 
     def get(m, name, **labels):
         return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    # The daemon publishes its snapshot between decode cycles (at most 0.1 s behind).
+    deadline = time.monotonic() + 10
+    while True:
+        after = _metrics(front)
+        if get(after, "councild_requests_total", seat="http-test", outcome="length") > \
+                get(before, "councild_requests_total", seat="http-test", outcome="length"):
+            break
+        assert time.monotonic() < deadline, "councild_requests_total did not move"
+        time.sleep(0.1)
 
     assert get(after, "councild_up") == 1.0
     assert get(after, "councild_tokens_total", seat="http-test") >= get(before, "councild_tokens_total", seat="http-test") + 7
