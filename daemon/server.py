@@ -33,7 +33,9 @@ from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorO
                      ReloadScheduler, Stop, Submit)
 
 # What SIGHUP applies to a running daemon; any other key that changed needs a restart.
-LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s"})
+LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s", "stats_interval_s"})
+# Tables in the daemon's file that belong to other processes (`councild http` reads [http]).
+NOT_THE_DAEMONS = frozenset({"http"})
 
 log = get_logger("councild.server")
 
@@ -543,7 +545,8 @@ class Server:
         # The settings in LIVE_ON_RELOAD apply now, each by its one path (the engine's take a
         # command on its queue); every other key that changed is named as needing a restart,
         # so no change is ever dropped in silence.
-        changed = [k for k in new.__struct_fields__ if getattr(new, k) != getattr(self.cfg, k)]
+        changed = [k for k in new.__struct_fields__
+                   if k not in NOT_THE_DAEMONS and getattr(new, k) != getattr(self.cfg, k)]
         if new.scheduler != self.cfg.scheduler:
             self.cfg.scheduler = new.scheduler
             self.worker.commands.put(ReloadScheduler(new.scheduler))
@@ -552,6 +555,7 @@ class Server:
             self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
+        self.cfg.stats_interval_s = new.stats_interval_s
         applied = [k for k in changed if k in LIVE_ON_RELOAD]
         needs_restart = [k for k in changed if k not in LIVE_ON_RELOAD]
         log.info("config.reloaded", path=self.config_path, applied=applied, needs_restart=needs_restart)
