@@ -390,6 +390,7 @@ DELEGATED = {
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
     ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),
+    ("http",): ("front.main", "OpenAI-compatible HTTP API and /metrics for a running daemon (the http extra)"),
 }
 
 

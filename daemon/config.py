@@ -129,10 +129,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
+    # log-only shops); 0 turns them off.
+    stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
+    # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
+    # only lets it sit in the same file.
+    http: dict[str, Any] = {}
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True

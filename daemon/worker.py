@@ -26,6 +26,7 @@ from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
+from .stats import Tallies
 
 log = get_logger("councild.engine")
 
@@ -100,6 +101,7 @@ class EngineSnapshot:
     memory: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
 
 
 class InjectedFault(RuntimeError):
@@ -148,6 +150,7 @@ class EngineWorker(threading.Thread):
         self._seat_stats = SeatStats()
         self._stopping = False
         self._published_at = 0.0
+        self.tallies = Tallies()
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -450,7 +453,9 @@ class EngineWorker(threading.Thread):
         if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
             return
         p = job.msg
-        job.sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        job.sampler = Sampler(SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
         job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
@@ -527,6 +532,8 @@ class EngineWorker(threading.Thread):
         self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
         with self.snapshot_lock:
             self.snapshot.prefill_tokens_total += n
+    def _token_text(self, token_id: int) -> str:
+        return self.lm.tokenizer.decode([token_id])
 
     def _advance(self, job: Job) -> None:
         if job.prefill is not None:
@@ -586,7 +593,8 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
-        kept = job.absorb(step, self.lm.eos_token_ids)
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None)
+        self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
         if job.msg.stream:
@@ -595,6 +603,20 @@ class EngineWorker(threading.Thread):
                 self._send(job.identity, chunk, key=job.key)
         if job.finished_reason is not None:
             self._finish(job, job.done())
+
+    def _tally(self, job: Job, step, kept: list[int]) -> None:
+        """Latency and speculation counters for status readers (daemon/stats.py)."""
+        t = self.tallies
+        t.drafted += step.drafted
+        t.accepted += step.accepted
+        if not kept:
+            return
+        now = time.monotonic()
+        if job.last_token_at is None:
+            t.ttft.observe(now - job.received_at)
+        else:  # a cycle's gap, shared by the tokens it committed
+            t.inter_token.observe((now - job.last_token_at) / len(kept), len(kept))
+        job.last_token_at = now
 
     def _finish(self, job: Job, terminal: m.Done | m.Error, registered: bool = True) -> None:
         """Send the request's one terminal message and forget it."""
@@ -627,6 +649,7 @@ class EngineWorker(threading.Thread):
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
+        self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
@@ -683,6 +706,7 @@ class EngineWorker(threading.Thread):
             self.snapshot.memory = memory
             if self.prefix_cache is not None:
                 self.snapshot.prefix_cache = self.prefix_cache.stats()
+            self.snapshot.stats = self.tallies.to_dict()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed
