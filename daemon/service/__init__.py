@@ -214,6 +214,12 @@ def main(
     except ServiceError as exc:
         print(f"councild service: error: {exc}", file=ctx.err)
         return exc.code
+    except BrokenPipeError:
+        # `councild service print | head -3`: the reader left. Say nothing more, as cat would;
+        # stdout goes to /dev/null so the flush at exit does not raise again.
+        if ctx.out is sys.stdout:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     except OSError as exc:
         print(f"councild service: error: {exc}", file=ctx.err)
         return EXIT_FAILED

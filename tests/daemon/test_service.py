@@ -494,3 +494,17 @@ def test_help_answers_questions(capsys):
     text = capsys.readouterr().out
     assert "--memory-high" in text and "--dry-run" in text and "Library/Logs/councild" in text
     assert service.main(["frobnicate"]) == 2
+
+
+def test_a_reader_that_leaves_gets_no_traceback(home):
+    """`councild service print | head -3`: stdout is a pipe nobody reads any more."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, deterministically
+    try:
+        proc = subprocess.run([sys.executable, "-m", "daemon.cli", "service", "print", "--platform", "linux"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "HOME": str(home)})
+    finally:
+        os.close(write_end)
+    assert proc.returncode == service.EXIT_FAILED
+    assert proc.stderr == ""
