@@ -32,6 +32,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .lookup import DraftStopConfig, LookupConfig
 from .model import LoadedModel
 from .sampling import Sampler
 from .serial import serial_decode
@@ -39,6 +40,17 @@ from .speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, spec
 from .types import SamplingParams
 
 PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
+# Prompts that quote their context (edit a given function, continue a listed table), where
+# prompt-lookup drafts fire; the gate's lookup arms run them beside the fixed prompts.
+QUOTING_FILE = Path(__file__).with_name("quoting_prompts.json")
+
+# How each arm drafts: the MTP head alone; the head plus prompt-lookup blocks; and both with
+# the per-request early stop below the depth ceiling.
+DRAFTING = {
+    "mtp": {},
+    "lookup": {"lookup": LookupConfig()},
+    "adaptive": {"lookup": LookupConfig(), "draft_stop": DraftStopConfig()},
+}
 
 
 def load_prompts(path: str | Path | None = None) -> list[str]:
@@ -46,10 +58,15 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
     return list(data["prompts"] if isinstance(data, dict) else data)
 
 
+def load_quoting_prompts(path: str | Path | None = None) -> list[str]:
+    return load_prompts(path or QUOTING_FILE)
+
+
 @dataclass
 class ArmResult:
     mode: str
     depth: int
+    drafting: str = "mtp"
     prompts: int = 0
     identical: int = 0
     tokens_compared: int = 0
@@ -60,6 +77,9 @@ class ArmResult:
     guarded: int = 0
     first_divergence: dict | None = None
     seconds: float = 0.0
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def flips_per_1000(self) -> float:
@@ -84,6 +104,7 @@ class DistributionResult:
     accepted_fraction: float
     observed: dict = field(default_factory=dict)
     expected: dict = field(default_factory=dict)
+    drafting: str = "mtp"
 
 
 @dataclass
@@ -143,50 +164,60 @@ def run_fidelity_gate(
     rollback: str = DEFAULT_ROLLBACK,
     guard_margin: float = DEFAULT_GUARD,
     logit_jitter: float = 0.0,
+    drafting=("mtp",),
+    quoting: list[str] | list[list[int]] = (),
 ) -> FidelityReport:
-    """Serial vs speculative at temperature 0, for each depth and mode."""
+    """Serial vs speculative at temperature 0, for each drafting variant, mode and depth.
+    Arms that use prompt lookup also run the ``quoting`` prompts (where lookup fires)."""
     rollback = resolve_rollback(rollback)
     report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
+    encoded_q = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in quoting]
     refs = [_serial_tokens(lm, p, max_tokens) for p in encoded]
-    for mode in modes:
-        for depth in depths:
-            arm = ArmResult(mode=mode, depth=depth)
-            t0 = time.perf_counter()
-            for pi, (prompt, ref) in enumerate(zip(encoded, refs)):
-                got: list[int] = []
-                gen = speculative_decode(
-                    lm, head, prompt, Sampler(SamplingParams()), depth, exact=(mode == "exact"),
-                    guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter,
-                )
-                for step in gen:
-                    got += step.tokens
-                    arm.cycles += 1
-                    arm.drafted += step.drafted
-                    arm.accepted += step.accepted
-                    arm.guarded += step.guarded
-                    if len(got) >= max_tokens:
-                        break
-                gen.close()
-                got = got[:max_tokens]
-                arm.prompts += 1
-                diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-                if diverge is None:
-                    arm.identical += 1
-                    arm.tokens_compared += max_tokens
-                else:
-                    arm.flips += 1
-                    arm.tokens_compared += diverge + 1
-                    if arm.first_divergence is None:
-                        arm.first_divergence = {
-                            "prompt": pi,
-                            "token": diverge,
-                            "serial": ref[diverge],
-                            "speculative": got[diverge],
-                            "context": ref[max(0, diverge - 8) : diverge],
-                        }
-            arm.seconds = time.perf_counter() - t0
-            report.arms.append(arm)
+    refs_q = [_serial_tokens(lm, p, max_tokens) for p in encoded_q]
+    for variant, mode, depth in itertools.product(drafting, modes, depths):
+        options = DRAFTING[variant]
+        pairs = list(zip(encoded, refs)) + (list(zip(encoded_q, refs_q)) if "lookup" in options else [])
+        arm = ArmResult(mode=mode, depth=depth, drafting=variant)
+        t0 = time.perf_counter()
+        for pi, (prompt, ref) in enumerate(pairs):
+            got: list[int] = []
+            gen = speculative_decode(
+                lm, head, prompt, Sampler(SamplingParams()), depth, exact=(mode == "exact"),
+                guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter, **options,
+            )
+            for step in gen:
+                got += step.tokens
+                arm.cycles += 1
+                arm.drafted += step.drafted
+                arm.accepted += step.accepted
+                arm.guarded += step.guarded
+                if step.draft_source == "lookup":
+                    arm.lookup_cycles += 1
+                    arm.lookup_drafted += step.drafted
+                    arm.lookup_accepted += step.accepted
+                if len(got) >= max_tokens:
+                    break
+            gen.close()
+            got = got[:max_tokens]
+            arm.prompts += 1
+            diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            if diverge is None:
+                arm.identical += 1
+                arm.tokens_compared += max_tokens
+            else:
+                arm.flips += 1
+                arm.tokens_compared += diverge + 1
+                if arm.first_divergence is None:
+                    arm.first_divergence = {
+                        "prompt": pi,
+                        "token": diverge,
+                        "serial": ref[diverge],
+                        "speculative": got[diverge],
+                        "context": ref[max(0, diverge - 8) : diverge],
+                    }
+        arm.seconds = time.perf_counter() - t0
+        report.arms.append(arm)
     return report
 
 
@@ -268,6 +299,23 @@ def second_token_distribution(lm: LoadedModel, prompt: list[int], params: Sampli
     return [v / total for v in out]
 
 
+def lookup_context(lm: LoadedModel, prompt: list[int], params: SamplingParams, ngram: int | None = None) -> list[int]:
+    """A context on which prompt lookup proposes a block at once: ``prompt + [b, c] + tail``,
+    where ``tail`` is the prompt's last ``ngram`` tokens, so the lookup proposes ``b, c, ...``.
+    b is the token among the base's top candidates that the base gives the most probability
+    after the whole context, so the test sees both branches: the point-mass draft accepted
+    (probability p(b)) and rejected (a sample from p without b)."""
+    n = ngram or LookupConfig().max_ngram
+    tail = prompt[-n:]
+    p0 = base_distribution(lm, prompt, params)
+    candidates = sorted(range(len(p0)), key=lambda i: -p0[i])[:6]
+    scored = []
+    for b in candidates:
+        ctx = prompt + [b, candidates[0]] + tail
+        scored.append((abs(base_distribution(lm, ctx, params)[b] - 0.5), ctx))
+    return min(scored)[1]
+
+
 def chi_square_bins(counts: dict[int, int], p: list[float], draws: int, min_expected: float = 5.0):
     order = sorted(range(len(p)), key=lambda i: -p[i])
     bins = [i for i in order if p[i] * draws >= min_expected]
@@ -296,17 +344,20 @@ def distribution_test(
     seed: int = 0,
     rollback: str = DEFAULT_ROLLBACK,
     position: int = 0,
+    drafting: str = "mtp",
 ) -> DistributionResult:
     """Output token ``position`` (0 or 1) of a fresh speculative request, ``draws`` times,
     vs the base model's distribution for it (chi-square). Position 0 tests the accept /
     residual rule at the first draft; position 1 also covers later draft positions, the
-    bonus token and a second cycle after a rollback."""
+    bonus token and a second cycle after a rollback. ``drafting`` "lookup" verifies prompt-lookup
+    blocks (point-mass proposals) where the context offers one (``lookup_context`` builds
+    such a context)."""
     p = base_distribution(lm, prompt, params) if position == 0 else second_token_distribution(lm, prompt, params)
     counts: dict[int, int] = {}
     accepted = 0
     for i in range(draws):
         sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed * 1_000_003 + i))
-        gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback)
+        gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback, **DRAFTING[drafting])
         out: list[int] = []
         first = None
         while len(out) <= position:
@@ -321,7 +372,7 @@ def distribution_test(
     pv = chi2_sf(chi2, df)
     labels = [str(b) for b in bins] + (["rest"] if len(obs) > len(bins) else [])
     return DistributionResult(
-        depth=depth, position=position, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
+        depth=depth, drafting=drafting, position=position, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
         passed=pv >= alpha, accepted_fraction=accepted / draws,
         observed=dict(zip(labels, obs)), expected={k: round(v, 2) for k, v in zip(labels, exp)},
     )
@@ -335,19 +386,20 @@ def format_report(report: FidelityReport) -> str:
         f"fidelity gate: {report.model}  (rollback={report.rollback}, guard={report.guard_margin:g}, "
         f"{report.max_tokens} tokens/prompt)",
         "",
-        "| mode | depth | identical | tokens | flips/1000 | acceptance | guarded | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| drafting | mode | depth | identical | tokens | flips/1000 | acceptance | guarded | lookup cycles (accepted/drafted) | s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in report.arms:
+        lk = f"{a.lookup_cycles} ({a.lookup_accepted}/{a.lookup_drafted})" if a.lookup_cycles else "-"
         lines.append(
-            f"| {a.mode} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | {a.flips_per_1000:.2f} | "
-            f"{a.acceptance:.3f} | {a.guarded} | {a.seconds:.1f} |"
+            f"| {a.drafting} | {a.mode} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | {a.flips_per_1000:.2f} | "
+            f"{a.acceptance:.3f} | {a.guarded} | {lk} | {a.seconds:.1f} |"
         )
     for a in report.arms:
         if a.first_divergence and a.mode == "exact":
             d = a.first_divergence
             lines.append(
-                f"FAIL exact depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
+                f"FAIL exact {a.drafting} depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
                 f"!= speculative {d['speculative']} (after {d['context']})"
             )
     if report.deviation:
@@ -357,11 +409,11 @@ def format_report(report: FidelityReport) -> str:
             lines.append(f"| {d.depth} | {d.positions} | {d.max_abs:.4g} | {d.max_rel:.4g} | {d.argmax_flips} | "
                          f"{d.headroom(report.guard_margin):.3g} |")
     if report.distribution:
-        lines += ["", "| temperature>0 depth | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| temperature>0 drafting | depth | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for d in report.distribution:
             lines.append(
-                f"| {d.depth} | {d.position + 1} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
+                f"| {d.drafting} | {d.depth} | {d.position + 1} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
                 f"{d.accepted_fraction:.3f} | {'pass' if d.passed else 'FAIL'} |"
             )
     lines.append("")
@@ -386,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--prompts", help=f"prompt file (default {PROMPTS_FILE.name})")
+    ap.add_argument("--drafting", default="mtp,lookup,adaptive",
+                    help="drafting variants: mtp (head only), lookup (+ prompt lookup), adaptive (+ per-request depth)")
+    ap.add_argument("--quoting", help=f"prompts that quote their context, for the lookup arms (default {QUOTING_FILE.name})")
     ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("auto", "capture", "snapshot"))
     ap.add_argument("--guard", type=float, default=DEFAULT_GUARD, help="exact-mode guard (relative top-2 margin)")
     ap.add_argument("--draws", type=int, default=1000, help="temperature>0 draws per depth (0: skip)")
@@ -417,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     report = run_fidelity_gate(
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
         modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=args.guard,
-        logit_jitter=args.logit_jitter,
+        logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
+        quoting=load_quoting_prompts(args.quoting),
     )
     if args.deviation:
         report.deviation = batch_deviation(
@@ -430,6 +486,14 @@ def main(argv: list[str] | None = None) -> int:
             for pos in (0, 1):
                 report.distribution.append(distribution_test(
                     lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
+                ))
+        if "lookup" in args.drafting.split(","):
+            # A context whose tail recurs, so the first cycles verify point-mass lookup blocks.
+            lctx = lookup_context(lm, ctx, params)
+            for pos in (0, 1):
+                report.distribution.append(distribution_test(
+                    lm, head, lctx, params, 1, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
+                    position=pos, drafting="lookup",
                 ))
     print(format_report(report))
     if args.json:

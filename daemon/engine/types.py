@@ -31,3 +31,11 @@ class DecodeStep:
     # Positions whose accept decision the exact configuration re-took with serial numerics.
     guarded: int = 0
     cycle_s: float = 0.0
+    # Who proposed the drafts: "head" (the MTP head; a serial step too) or "lookup" (a
+    # prompt-lookup block, lookup.py). A lookup cycle's depth is its block's length.
+    draft_source: str = "head"
+    # The head stopped drafting below the depth ceiling (per-request depth, lookup.DraftStop).
+    stopped_early: bool = False
+    # Decoded under the loop guard's penalty (a sampled request caught looping, loop_guard.py).
+    penalised: bool = False
+

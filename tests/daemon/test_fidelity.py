@@ -97,3 +97,36 @@ def test_gate_passes_on_the_bundled_model():
     head = load_mtp_head(blm)
     report = run_fidelity_gate(blm, head, load_prompts()[:3], depths=(1, 2, 3, 4), max_tokens=24, modes=("exact",))
     assert report.passed, [a.first_divergence for a in report.arms]
+
+
+def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
+    from daemon.engine.fidelity import load_quoting_prompts
+
+    report = run_fidelity_gate(lm, copy_head, load_prompts()[:2], depths=(1, 3), max_tokens=32,
+                               drafting=("lookup", "adaptive"), quoting=load_quoting_prompts()[:2])
+    assert report.passed, [a.first_divergence for a in report.arms]
+    assert {(a.drafting, a.mode) for a in report.arms} == {(v, m) for v in ("lookup", "adaptive") for m in ("exact", "fast")}
+    assert all(a.prompts == 4 and a.identical == 4 for a in report.arms if a.mode == "exact")
+    # lookup blocks were verified, and some of them accepted (the random model loops)
+    assert sum(a.lookup_cycles for a in report.arms) > 0 and sum(a.lookup_accepted for a in report.arms) > 0
+
+
+def test_lookup_blocks_sample_the_base_distribution(lm, copy_head):
+    """Prompt-lookup drafts are point-mass proposals: accept with p(x), else sample p without x.
+    Both output positions must follow the base model's distribution."""
+    from daemon.engine.fidelity import lookup_context
+
+    params = SamplingParams(temperature=1.0, top_k=6)
+    ctx = lookup_context(lm, lm.tokenizer.encode("a b c d e f"), params)
+    from daemon.engine.fidelity import DRAFTING
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.speculative import speculative_decode
+
+    first = next(speculative_decode(lm, copy_head, ctx, Sampler(params), 1, **DRAFTING["lookup"]))
+    assert first.draft_source == "lookup" and first.drafted >= 2  # the test exercises lookup blocks
+    for pos in (0, 1):
+        res = distribution_test(lm, copy_head, ctx, params, 1, draws=250, alpha=1e-3, seed=3 + pos, position=pos,
+                                drafting="lookup")
+        assert res.passed, res
+        if pos == 0:
+            assert 0.05 < res.accepted_fraction < 0.95  # both branches of the point-mass rule ran
