@@ -100,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("serial", help="daemon over the socket vs in-process vs mlx_lm.generate, interleaved",
                          add_help=False)
     bench_sub.add_parser("spec", help="speculation by depth against serial, interleaved", add_help=False)
+    bench_sub.add_parser("drafting", help="MTP head vs + prompt lookup vs per-request depth, quoting and plain prompts",
+                         add_help=False)
     bench_sub.add_parser("compile", help="compiled vs eager one-token decode (serial and speculation), interleaved",
                          add_help=False)
 
@@ -321,6 +323,7 @@ DELEGATED = {
     ("tune",): "daemon.tune",
     ("bench", "serial"): "daemon.bench_serial",
     ("bench", "spec"): "daemon.engine.decode_bench",
+    ("bench", "drafting"): "daemon.engine.drafting_bench",
     ("bench", "compile"): "daemon.engine.compile_bench",
     ("governor", "replay"): "governor.replay",
     ("service",): "daemon.service",

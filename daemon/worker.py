@@ -124,6 +124,9 @@ class EngineWorker(threading.Thread):
         self.hooks = hooks
         self.lm = None
         self.head = None
+        # `councild tune`'s profile when the governor loaded one (governance.py): per
+        # sampling setting, the best depth measured, which caps a request's depth.
+        self.tuned_profile: dict | None = None
         self.head_available = False
         self.head_bytes_hint = 0
         self.depth = cfg.speculation.depth
@@ -422,26 +425,59 @@ class EngineWorker(threading.Thread):
         # each forward with background rows.
         latency_first = job.priority == "interactive"
         alone = len(self.scheduler.active) <= 1 or latency_first
-        speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
+        drafting = self._drafting_options()
+        # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
+        can_draft = self.head is not None and self.current_depth() > 0 or "lookup" in drafting
+        speculate = mode != "off" and can_draft and alone
         if (not speculate and not latency_first and self.batch is not None
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
             self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
             job.batched = True
             job.start(self.batch.handle(job.key), self.lm.tokenizer.detokenizer, "off")
             return
-        if mode != "off" and self.head is not None:
+        if mode != "off" and (self.head is not None or "lookup" in drafting):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
+            gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact", guard_margin=spec.guard_margin,
-                                     rollback=spec.rollback)
+                                     rollback=spec.rollback, **drafting)
         else:
             mode = "off"
             gen = serial_decode(self.lm, job.prompt, sampler)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, self.lm.tokenizer.detokenizer, mode)
+
+    def _request_depth(self, job: Job):
+        """The depth a request drafts at: the governor's, capped by the best depth `councild
+        tune` measured at the request's sampling settings (when it measured them)."""
+        from .tune import best_depth, sampling_entry
+
+        p = job.msg
+        entry = sampling_entry(self.tuned_profile, p.temperature, p.top_p, p.top_k)
+        if entry is None:
+            job.depth_ceiling = None
+            return self.current_depth
+        ceiling = job.depth_ceiling = best_depth(entry)
+        return lambda: min(self.current_depth(), ceiling)
+
+    def _drafting_options(self) -> dict:
+        """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
+        from .engine.lookup import DraftStopConfig, LookupConfig
+        from .engine.model import HYBRID_MTP_TYPES
+
+        spec = self.cfg.speculation
+        out: dict = {}
+        if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
+            out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
+        if spec.draft_stop_threshold > 0:
+            out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
+        if spec.loop_guard:  # speculative_decode arms it for sampled requests only
+            from .engine.loop_guard import LoopGuardConfig
+
+            out["loop_guard"] = LoopGuardConfig()
+        return out
 
     def _advance(self, job: Job) -> None:
         if job.batched:
@@ -490,6 +526,9 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
+        if step.penalised and not job.spec.penalised:  # the first step under the loop guard
+            log.info("request.loop_guard", request_id=job.request_id, seat=job.seat,
+                     completion_tokens=len(job.token_ids))
         kept = job.absorb(step, self.lm.eos_token_ids)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
@@ -523,7 +562,11 @@ class EngineWorker(threading.Thread):
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
                          "mode": terminal.speculation.mode, "cycles": terminal.speculation.cycles,
-                         "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted})
+                         "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted,
+                         "lookup_cycles": job.spec.lookup_cycles, "lookup_drafted": job.spec.lookup_drafted,
+                         "lookup_accepted": job.spec.lookup_accepted,
+                         "depth_ceiling": getattr(job, "depth_ceiling", None),
+                         "draft_stops": job.spec.draft_stops, "loop_guard_steps": job.spec.penalised})
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message)
