@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .engine.types import DEFAULT_GUARD
+
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 
@@ -58,9 +60,9 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # restores and re-forwards; "auto" picks capture off Metal and snapshot on it.
     rollback: Literal["auto", "capture", "snapshot"] = "auto"
     # Exact mode re-decides a verify position with serial numerics when its top-2 logit
-    # margin is within this fraction of the top logit: 2**-5, four bf16 ulps, above the
-    # one-or-two-ulp differences between batch-height kernels. Wider is safer and slower.
-    guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = 2.0**-5
+    # margin is within this fraction of the top logit (engine/types.py says why 2**-5).
+    # Wider is safer and slower.
+    guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = DEFAULT_GUARD
     # Exact temperature-0 requests where a verify does not compute serial's numerics bit for
     # bit (probed at start-up, engine/exactness.py: CPU does, MLX on CUDA does not): "serial"
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
@@ -185,4 +187,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         if "`$.governor" not in message:
             message += " - at `$.governor`"
         raise ConfigError(f"invalid [governor] table{where}: {message}") from None
+    _check_relations(cfg, where)
     return cfg
+
+
+def _check_relations(cfg: Config, where: str) -> None:
+    """Rules between keys, which no single key's type can say."""
+    if cfg.heartbeat_interval_s >= cfg.heartbeat_timeout_s:
+        # Clients ping every interval (the daemon tells them in Welcome); an interval at or
+        # above the timeout would cut every idle client that is doing exactly as told.
+        raise ConfigError(
+            f"invalid configuration{where}: heartbeat_interval_s ({cfg.heartbeat_interval_s}) must be "
+            f"below heartbeat_timeout_s ({cfg.heartbeat_timeout_s}) - at `$.heartbeat_interval_s`")

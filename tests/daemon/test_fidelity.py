@@ -7,8 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from daemon.engine.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
-from daemon.engine.model import load_model
+from daemon.measure.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.types import SamplingParams
 from daemon.paths import BUNDLED_MODEL
@@ -61,7 +61,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     out = tmp_path / "fid.json"
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": load_prompts()[:2]}))
-    common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0"]
+    common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0", "--drafting", "mtp"]
     rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
@@ -100,7 +100,7 @@ def test_gate_passes_on_the_bundled_model():
 
 
 def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
-    from daemon.engine.fidelity import load_quoting_prompts
+    from daemon.measure.fidelity import load_quoting_prompts
 
     report = run_fidelity_gate(lm, copy_head, load_prompts()[:2], depths=(1, 3), max_tokens=32,
                                drafting=("lookup", "adaptive"), quoting=load_quoting_prompts()[:2])
@@ -114,11 +114,11 @@ def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
 def test_lookup_blocks_sample_the_base_distribution(lm, copy_head):
     """Prompt-lookup drafts are point-mass proposals: accept with p(x), else sample p without x.
     Both output positions must follow the base model's distribution."""
-    from daemon.engine.fidelity import lookup_context
+    from daemon.measure.fidelity import lookup_context
 
     params = SamplingParams(temperature=1.0, top_k=6)
     ctx = lookup_context(lm, lm.tokenizer.encode("a b c d e f"), params)
-    from daemon.engine.fidelity import DRAFTING
+    from daemon.measure.fidelity import DRAFTING
     from daemon.engine.sampling import Sampler
     from daemon.engine.speculative import speculative_decode
 

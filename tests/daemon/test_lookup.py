@@ -55,7 +55,7 @@ def test_draft_stop_weighs_confidence_by_running_acceptance():
 
 # -- inside speculative_decode ----------------------------------------------------------------
 
-from daemon.engine.model import load_model  # noqa: E402
+from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402

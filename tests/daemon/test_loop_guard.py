@@ -43,7 +43,7 @@ def test_guard_arms_on_a_loop_and_disarms_after_the_cooldown():
 # -- inside speculative_decode ----------------------------------------------------------------
 
 from daemon.engine.lookup import LookupConfig  # noqa: E402
-from daemon.engine.model import load_model  # noqa: E402
+from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
