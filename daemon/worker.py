@@ -480,7 +480,9 @@ class EngineWorker(threading.Thread):
         out: dict = {}
         if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
             out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
-        if spec.draft_stop_threshold > 0:
+        # An operator's pinned depth is drafted in full; under the governor it is a ceiling.
+        pinned = self.governance is not None and self.governance.gov.state.override == "pin_depth"
+        if spec.draft_stop_threshold > 0 and not pinned:
             out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
         if spec.loop_guard:  # speculative_decode arms it for sampled requests only
             from .engine.loop_guard import LoopGuardConfig

@@ -102,7 +102,7 @@ def test_gate_passes_on_the_bundled_model():
 def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
     from daemon.measure.fidelity import load_quoting_prompts
 
-    report = run_fidelity_gate(lm, copy_head, load_prompts()[:2], depths=(1, 3), max_tokens=32,
+    report = run_fidelity_gate(lm, copy_head, load_prompts()[:2], depths=(3,), max_tokens=24,
                                drafting=("lookup", "adaptive"), quoting=load_quoting_prompts()[:2])
     assert report.passed, [a.first_divergence for a in report.arms]
     assert {(a.drafting, a.mode) for a in report.arms} == {(v, m) for v in ("lookup", "adaptive") for m in ("exact", "fast")}
@@ -111,9 +111,12 @@ def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
     assert sum(a.lookup_cycles for a in report.arms) > 0 and sum(a.lookup_accepted for a in report.arms) > 0
 
 
-def test_lookup_blocks_sample_the_base_distribution(lm, copy_head):
+@pytest.mark.parametrize("pos", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_lookup_blocks_sample_the_base_distribution(lm, copy_head, pos):
     """Prompt-lookup drafts are point-mass proposals: accept with p(x), else sample p without x.
-    Both output positions must follow the base model's distribution."""
+    Both output positions must follow the base model's distribution (the second, which also
+    covers the block's later positions and the bonus token, runs with the slow tests).
+    Replacing the point mass by q = p fails this with p ~ 2e-6 (checked by hand)."""
     from daemon.measure.fidelity import lookup_context
 
     params = SamplingParams(temperature=1.0, top_k=6)
@@ -124,9 +127,8 @@ def test_lookup_blocks_sample_the_base_distribution(lm, copy_head):
 
     first = next(speculative_decode(lm, copy_head, ctx, Sampler(params), 1, **DRAFTING["lookup"]))
     assert first.draft_source == "lookup" and first.drafted >= 2  # the test exercises lookup blocks
-    for pos in (0, 1):
-        res = distribution_test(lm, copy_head, ctx, params, 1, draws=250, alpha=1e-3, seed=3 + pos, position=pos,
-                                drafting="lookup")
-        assert res.passed, res
-        if pos == 0:
-            assert 0.05 < res.accepted_fraction < 0.95  # both branches of the point-mass rule ran
+    res = distribution_test(lm, copy_head, ctx, params, 1, draws=200, alpha=1e-3, seed=3 + pos, position=pos,
+                            drafting="lookup")
+    assert res.passed, res
+    if pos == 0:
+        assert 0.05 < res.accepted_fraction < 0.95  # both branches of the point-mass rule ran
