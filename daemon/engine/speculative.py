@@ -39,9 +39,20 @@ Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to
 serial_decode's; its pair is queued so the head's history stays whole and depth can rise
 again.
 
+Other drafts and limits, per request (lookup.py, loop_guard.py):
+- prompt lookup: when the committed tail recurs in prompt + output, the next cycle verifies
+  that earlier continuation instead of head drafts (at any depth, 0 included, and with no
+  head). Its q is a point mass, so at temperature > 0 the rule above becomes: accept x
+  with probability p(x), on reject sample p without x. Misses put it to sleep (back-off).
+- per-request depth: depth() is a ceiling; past the first position the head drafts the
+  next only while its prefix confidence times the request's running acceptance pays.
+- loop guard (sampled requests only): once the output loops, cycles are serial steps under
+  a DRY penalty, each token known before the next step is built.
+
 Overlap: as serial_decode queues its next step before handing out a token, a cycle here
 queues the next cycle's first draft (head feed + d1) before yielding, and a depth-0 cycle
-queues the next serial step (undone through a snapshot if depth rises).
+queues the next serial step (undone through a snapshot if depth rises). Neither is queued
+when the next cycle will verify a lookup block or run under the loop guard.
 
 The tokens of one DecodeStep may run past an EOS; the caller cuts at the first one. In a
 guarded cycle, draft positions from the guarded one on are reported not accepted (they

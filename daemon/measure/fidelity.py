@@ -483,13 +483,21 @@ def main(argv: list[str] | None = None) -> int:
                 report.distribution.append(distribution_test(
                     lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
                 ))
-        if "lookup" in args.drafting.split(","):
+        variants = args.drafting.split(",")
+        if "lookup" in variants:
             # A context whose tail recurs, so the first cycles verify point-mass lookup blocks.
             lctx = lookup_context(lm, ctx, params)
             for pos in (0, 1):
                 report.distribution.append(distribution_test(
                     lm, head, lctx, params, 1, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
                     position=pos, drafting="lookup",
+                ))
+        if "adaptive" in variants:
+            # Head cycles under a ceiling of 3 that may stop early (and lookup where it fires).
+            for pos in (0, 1):
+                report.distribution.append(distribution_test(
+                    lm, head, ctx, params, 3, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
+                    position=pos, drafting="adaptive",
                 ))
     print(format_report(report))
     if args.json:

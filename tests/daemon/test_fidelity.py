@@ -132,3 +132,14 @@ def test_lookup_blocks_sample_the_base_distribution(lm, copy_head, pos):
     assert res.passed, res
     if pos == 0:
         assert 0.05 < res.accepted_fraction < 0.95  # both branches of the point-mass rule ran
+
+
+@pytest.mark.slow
+def test_per_request_depth_samples_the_base_distribution(lm, copy_head):
+    """Head cycles that stop below the ceiling on the head's own confidence keep p."""
+    params = SamplingParams(temperature=1.0, top_k=6)
+    ctx = lm.tokenizer.encode("a b c d")
+    for pos in (0, 1):
+        res = distribution_test(lm, copy_head, ctx, params, 3, draws=250, alpha=1e-3, seed=7 + pos, position=pos,
+                                drafting="adaptive")
+        assert res.passed, res
