@@ -149,14 +149,15 @@ def test_service_print_renders_from_the_installed_copy(installed):
 
 
 def test_gate_fidelity_runs_from_the_installed_copy(installed):
-    # The short form: 8 tokens, depth 1, exact mode only, no sampling draws or extra passes.
+    # The short form: 8 tokens, depth 1, exact mode, the head's drafts only, no sampling draws
+    # and no extra passes.
     proc = installed.run("gate", "fidelity", "--tokens", "8", "--depths", "1", "--modes", "exact", "--draws", "0",
-                         "--no-deviation", "--no-processors")
+                         "--no-deviation", "--no-processors", "--drafting", "mtp")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     # It reads its prompts and the bundled model from the venv.
     model = installed.site / "daemon" / "assets" / "tiny-qwen35"
     assert f"fidelity gate: {model} " in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| exact |")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|") and "| exact |" in line]
     assert rows, proc.stdout
     for row in rows:  # every prompt token-identical to serial decode
         identical = re.search(r"\| (\d+)/(\d+) \|", row)
