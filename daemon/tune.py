@@ -151,7 +151,8 @@ class Progress:
         self.stream.flush()
 
 
-def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str) -> tuple[list[float], list[list[bool]], int]:
+def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str,
+            guard_margin: float | None) -> tuple[list[float], list[list[bool]], int]:
     from daemon.engine.sampling import Sampler
     from daemon.engine.serial import serial_decode
     from daemon.engine.speculative import speculative_decode
@@ -159,7 +160,7 @@ def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, r
 
     sampler = Sampler(SamplingParams())
     gen = serial_decode(lm, prompt, sampler) if depth == 0 else speculative_decode(
-        lm, head, prompt, sampler, depth, exact=exact, rollback=rollback)
+        lm, head, prompt, sampler, depth, exact=exact, rollback=rollback, guard_margin=guard_margin)
     cycles, masks, got = [], [], 0
     for step in gen:
         cycles.append(step.cycle_s)
@@ -183,12 +184,14 @@ def conditional_acceptance(masks: list[list[bool]], depth: int) -> tuple[list[fl
     return [n / d if d else 0.0 for n, d in zip(num, den)], den
 
 
-def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None) -> dict:
-    """Measure cost per depth and acceptance; returns the measured part of a profile."""
+def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None, *,
+         guard_margin: float | None) -> dict:
+    """Measure cost per depth and acceptance; returns the measured part of a profile.
+    ``guard_margin``: exact mode's near-tie guard as the daemon runs it (exactness.exact_guard)."""
     depths = [0] + [d for d in depths if d > 0] if head is not None else [0]
     # warm-up: one short pass per depth (compiles kernels, fills caches), discarded
     for k in depths:
-        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback)
+        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback, guard_margin)
         if progress:
             progress.step(f"warm-up depth {k}")
     cycles: dict[int, list[float]] = {k: [] for k in depths}
@@ -198,7 +201,7 @@ def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, r
         order = depths if i % 2 == 0 else list(reversed(depths))
         for k in order:
             t = time.perf_counter()
-            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback)
+            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback, guard_margin)
             tok_s[k].append(got / (time.perf_counter() - t))
             cycles[k] += c
             masks[k] += m
@@ -295,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [lm.encode_prompt(p, None, None) for p in all_prompts[: max(1, args.prompts)]]
     n_depths = 1 + (len([d for d in depths if d > 0]) if head is not None else 0)
     progress = Progress(n_depths * (1 + len(prompts)))
-    measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress)
+    from daemon.engine.exactness import exact_guard
+
+    # The guard as the daemon runs exact mode: off where the probe proves verify bit-identical.
+    guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None
+    measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress, guard_margin=guard)
     profile = {
         "format": PROFILE_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": str(Path(model).expanduser().resolve()), "hash": model_hash(model)},
         "mode": "exact" if exact else "fast",
         "rollback": rollback,
+        "guard_margin": guard,
         "decode_path": lm.decode_path,
         "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/engine/fidelity_prompts.json"},
         **measured,

@@ -203,7 +203,8 @@ class EngineWorker(threading.Thread):
             self.snapshot.exact_decode = exact_decode
         log.info("speculation.exactness", verify_bit_identical=self.verify_exact, rollback=rollback,
                  forced_inexact=self.cfg.debug_inexact_verify,
-                 exact_requests=exact_decode, probe_ms=round((time.perf_counter() - t0) * 1000, 1),
+                 exact_requests=exact_decode, near_tie_guard="off" if self.verify_exact else "on",
+                 probe_ms=round((time.perf_counter() - t0) * 1000, 1),
                  reason=("a verify here computes what serial steps compute, bit for bit" if self.verify_exact else
                          "a verify here rounds differently from serial steps, so speculation cannot promise "
                          "serial's tokens at temperature 0: exact requests "
@@ -433,8 +434,11 @@ class EngineWorker(threading.Thread):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
+            # Where the start-up probe proved verify bit-identical to serial steps, the
+            # near-tie guard cannot change a token: exact mode runs without it (issue 18).
             gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
-                                     exact=mode == "exact", guard_margin=spec.guard_margin,
+                                     exact=mode == "exact",
+                                     guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback)
         else:
             mode = "off"

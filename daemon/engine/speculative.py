@@ -151,7 +151,7 @@ def speculative_decode(
     sampler: Sampler,
     depth: Callable[[], int] | int,
     exact: bool = True,
-    guard_margin: float = DEFAULT_GUARD,
+    guard_margin: float | None = DEFAULT_GUARD,
     cache: list | None = None,
     rollback: str = DEFAULT_ROLLBACK,
     logit_jitter: float = 0.0,
@@ -160,7 +160,8 @@ def speculative_decode(
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
     depth() is read at the start of every cycle. ``rollback`` is "capture", "snapshot" or
-    "auto" (see DEFAULT_ROLLBACK).
+    "auto" (see DEFAULT_ROLLBACK). ``guard_margin`` None: exact mode without the near-tie
+    guard, for where a verify is bit-identical to serial steps (exactness.exact_guard).
     ``logit_jitter`` is a test hook: uniform noise of that amplitude on the verify's
     logprobs (never on serial steps), standing in for batch-height-dependent kernels.
     ``history``: pass a fresh ``HeadHistory(head)`` to inspect the head's state afterwards.
@@ -266,7 +267,8 @@ def speculative_decode(
         if greedy:
             targets = mx.argmax(lp, axis=-1)
             to_eval = [targets, d_all, hid]
-            if exact:
+            guarding = exact and guard_margin is not None
+            if guarding:
                 top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
                 hi, lo = top2.max(axis=-1), top2.min(axis=-1)
                 scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
@@ -274,7 +276,7 @@ def speculative_decode(
                 to_eval.append(guard)
             mx.eval(to_eval)
             t_l, d_l = targets.tolist(), d_all.tolist()
-            g_l = guard.tolist() if exact else [False] * (k + 1)
+            g_l = guard.tolist() if guarding else [False] * (k + 1)
             a = 0
             stop_guard = False
             while True:
