@@ -40,8 +40,10 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import DEFAULT_GUARD, BatchDecoder, max_logit_diff  # noqa: E402
-from daemon.engine.model import LoadedModel, load_model  # noqa: E402
+from daemon.engine.batch import BatchDecoder, max_logit_diff  # noqa: E402
+from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
+from daemon.engine.loading import load_model
+from daemon.engine.model import LoadedModel  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import prefill, serial_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
@@ -66,7 +68,7 @@ def make_prompts(lm: LoadedModel, n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     vocab = lm.text_args.vocab_size
     try:
-        from daemon.engine.fidelity import load_prompts
+        from daemon.measure.fidelity import load_prompts
 
         texts = load_prompts()
     except Exception:

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from daemon.bench_io import spread, write_results  # noqa: E402
+from daemon.measure.bench_io import spread, write_results  # noqa: E402
 from protocol.client import Client  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",

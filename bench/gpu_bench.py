@@ -6,15 +6,15 @@ One process, in order:
 1. copy bandwidth: one large elementwise pass (a + 1 over 2 GiB of bf16; bytes read + written).
 2. build the model in bf16 (random weights, layer by layer, so float32 init never piles up),
    then for bf16 and then 4-bit (mlx ``nn.quantize``, group 64, in place):
-   - serial tok/s through the engine's serial path (decode_bench's arm), against the
+   - serial tok/s through the engine's serial path (spec_bench's arm), against the
      weight-read bound = copy bandwidth / bytes of all weights (as DESIGN.md's reference);
-   - verify cost for T = 2..5 (decode_bench.verify_cost: one forward of T tokens / one step);
+   - verify cost for T = 2..5 (spec_bench.verify_cost: one forward of T tokens / one step);
    - draft cost: one MTP-head step (random head of the real shape) + its logits / one step;
    - where the time goes: graph construction vs mx.eval of a prebuilt step graph; one
      GatedDeltaNet layer, one attention layer and the lm_head timed alone, eager vs
      ``mx.compile``d (GDN layer at T=1), against their weight bytes;
    - speculation by depth with ORACLE drafts through daemon.engine.speculative
-     (decode_bench.run_bench), at two acceptance profiles, vs the bound
+     (spec_bench.run_bench), at two acceptance profiles, vs the bound
      E(k) / (verify(k) + k * draft).
 
 Model shape (Qwen3.5-27B text config, from public configs: hidden 5120, 64 layers,
@@ -240,9 +240,9 @@ def expected_tokens(acc: list[float], k: int) -> float:
 
 
 def time_eval(fn, reps: int) -> float:
-    from daemon.engine.decode_bench import _median_time
+    from daemon.measure.spec_bench import median_time
 
-    return _median_time(fn, reps)
+    return median_time(fn, reps)
 
 
 def where_time_goes(lm, prompt: list[int], wbytes: int, bw: float, reps: int = 10) -> dict:
@@ -372,7 +372,7 @@ def draft_cost(lm, head, reps: int = 10) -> float:
 
 def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dict, results: dict,
                 spec_deadline: float) -> None:
-    from daemon.engine.decode_bench import _run_arm, run_bench, verify_cost
+    from daemon.measure.spec_bench import run_arm, run_bench, verify_cost
     from daemon.engine.sampling import Sampler
     from daemon.engine.serial import serial_decode
     from daemon.engine.types import SamplingParams
@@ -412,7 +412,7 @@ def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dic
 
     serial = []
     for _ in range(args.serial_reps + 1):
-        serial.append(_run_arm(lm, None, [prompt], args.tokens, 0, None, True)["tok_s"])
+        serial.append(run_arm(lm, None, [prompt], args.tokens, 0, None, True)["tok_s"])
     r["serial_tok_s"] = {"median": statistics.median(serial[1:]), "runs": serial[1:]}
     r["serial_pct_of_bound"] = 100 * r["serial_tok_s"]["median"] / r["bound_tok_s"]
     log(f"{name}: serial {r['serial_tok_s']['median']:.1f} tok/s = {r['serial_pct_of_bound']:.1f}% of bound")
@@ -477,9 +477,9 @@ def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dic
 def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
     """Before/after for daemon/engine/compiled.py on this dtype: the start-up self-check's
     verdict, verify cost eager vs compiled, and serial + oracle speculation, interleaved."""
-    from daemon.engine.compile_bench import decode_path, run_compile_ab
+    from daemon.measure.compile_bench import decode_path, run_compile_ab
     from daemon.engine.compiled import CompiledDecode, self_check
-    from daemon.engine.decode_bench import verify_cost
+    from daemon.measure.spec_bench import verify_cost
     from daemon.engine.sampling import Sampler
     from daemon.engine.serial import serial_decode
     from daemon.engine.types import SamplingParams
@@ -492,7 +492,7 @@ def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
     r["self_check"] = reason or "bit-identical"
     r["self_check_s"] = time.perf_counter() - t
     log(f"{name} compile: self-check {r['self_check']} ({r['self_check_s']:.1f} s, includes tracing)")
-    from daemon.engine.compile_bench import format_paired, paired_forward_times
+    from daemon.measure.compile_bench import format_paired, paired_forward_times
 
     r["paired"] = paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4, 5), pairs=args.compile_pairs, context=len(prompt))
     log(f"{name} compile: paired forwards\n" + format_paired(r["paired"]))
@@ -618,13 +618,13 @@ def main(argv=None) -> int:
 
 
 def format_compile_summary(res: dict) -> str:
-    from daemon.engine.compile_bench import format_compile_ab
+    from daemon.measure.compile_bench import format_compile_ab
 
     lines = [f"## compiled vs eager decode: {res['machine']['device']}, mlx {res['machine']['mlx']}", ""]
     for name, r in res.get("compile_ab", {}).items():
         lines += [f"### {name}", "", f"Self-check (the daemon's start-up test): **{r['self_check']}**.", ""]
         if "paired" in r:
-            from daemon.engine.compile_bench import format_paired
+            from daemon.measure.compile_bench import format_paired
 
             lines += [format_paired(r["paired"]), ""]
         if "verify_eager" not in r:

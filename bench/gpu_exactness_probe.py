@@ -1,7 +1,7 @@
 """On the GPU machine: the exactness probe, and a daemon's answer to an exact request."""
 import json, os, subprocess, sys, tempfile, time
 sys.path.insert(0, os.getcwd())
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.exactness import verify_matches_serial
 lm = load_model("daemon/assets/tiny-qwen35")
 print("decode_path", lm.decode_path)

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
 import json
+import os
 import sys
-from pathlib import Path
+
+from .exits import EXIT_FAILED, EXIT_USAGE
+
+# The wire protocol's bound on a pinned depth (GovernorCommand.depth); the daemon refuses
+# one above its governor.max_depth with the reason.
+MAX_DEPTH = 16
 
 DESCRIPTION = """\
 councild hosts one local model for a council of agent processes over ZeroMQ.
@@ -43,6 +48,16 @@ loop runs, STOPPING=1 when the drain starts ($NOTIFY_SOCKET; nothing without it)
 logs: stderr, one JSON object per line, or a console format when stderr is a terminal;
 event names are listed in docs/OPERATIONS.md.
 """
+
+
+def _depth(text: str) -> int:
+    try:
+        depth = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= depth <= MAX_DEPTH:
+        raise argparse.ArgumentTypeError(f"{depth} is not a depth from 0 to {MAX_DEPTH}")
+    return depth
 
 
 def _add_endpoint(p: argparse.ArgumentParser) -> None:
@@ -90,54 +105,32 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw StatusReply as JSON")
     st.add_argument("--timeout", type=float, default=5.0)
 
-    gate = sub.add_parser("gate", help="correctness and performance gates")
-    gate_sub = gate.add_subparsers(dest="gate", metavar="GATE")
-    gate_sub.add_parser("fidelity", help="speculative vs serial, token for token (exit 1 on a divergence in exact mode)",
-                        add_help=False)
-
-    bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH")
-    bench_sub.add_parser("serial", help="daemon over the socket vs in-process vs mlx_lm.generate, interleaved",
-                         add_help=False)
-    bench_sub.add_parser("spec", help="speculation by depth against serial, interleaved", add_help=False)
-    bench_sub.add_parser("compile", help="compiled vs eager one-token decode (serial and speculation), interleaved",
-                         add_help=False)
-
-    gov = sub.add_parser("governor", help="governor tools: replay a trace, or override a running daemon")
-    gov_sub = gov.add_subparsers(dest="governor", metavar="ACTION")
-    gov_sub.add_parser("replay", help="run the policy over a trace and print the decision timeline", add_help=False)
-    for action, text in (("pin", "pin the speculation depth"), ("evict", "evict the MTP head now"),
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for name, text in GROUPS.items():
+        groups[name] = sub.add_parser(name, help=text, description=text).add_subparsers(
+            dest=name, metavar=name.upper() if name != "governor" else "ACTION")
+    gov_sub = groups["governor"]
+    for action, text in (("pin", "pin the speculation depth (0..governor.max_depth; 0 = off)"),
+                         ("evict", "evict the MTP head now"),
                          ("load", "load the MTP head now"), ("auto", "hand control back to the governor")):
-        p = gov_sub.add_parser(action, help=text)
+        p = gov_sub.add_parser(action, help=text, description=text)
         if action == "pin":
-            p.add_argument("depth", type=int)
+            p.add_argument("depth", type=_depth, help="0 turns speculation off; at most governor.max_depth")
         _add_endpoint(p)
-
-    sub.add_parser("service", help="install/uninstall/print/status the launchd or systemd service", add_help=False)
-    sub.add_parser("keys", help="generate a CURVE key pair for a TCP endpoint", add_help=False)
+    # Every delegated subcommand is listed from the one table that dispatches it, so help
+    # cannot drift from what runs (each parses its own arguments: `councild X --help`).
+    for path, (_, text) in DELEGATED.items():
+        parent = groups[path[0]] if len(path) == 2 else sub
+        parent.add_parser(path[-1], help=text, add_help=False)
     return parser
-
-
-def resolve_model(explicit: str | None) -> str:
-    """--model / config, else the bundled model, else a cached random-weight model."""
-    from .paths import BUNDLED_MODEL
-
-    if explicit:
-        return str(Path(explicit).expanduser())
-    if (BUNDLED_MODEL / "config.json").exists():
-        return str(BUNDLED_MODEL)
-    from .engine.random_model import cached_random_model
-
-    print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
-          file=sys.stderr)
-    return str(cached_random_model())
 
 
 def cmd_serve(args) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging, get_logger
-    from .paths import ensure_runtime_dir
-    from .server import EXIT_CONFIG, Server, StartupError
+    from .paths import ensure_runtime_dir, resolve_model
+    from .exits import EXIT_CONFIG
+    from .server import Server, StartupError
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -314,23 +307,35 @@ def cmd_governor_override(args) -> int:
     return 0 if reply.ok else 1
 
 
-# Subcommands implemented in their own modules, each with its own argparse and help.
+# Command groups: `councild GROUP --help` lists what is in each.
+GROUPS = {
+    "gate": "correctness and performance gates",
+    "bench": "benchmarks that print a table and write JSON",
+    "governor": "governor tools: replay a trace, or override a running daemon",
+}
+
+# Subcommands implemented in their own modules, each with its own argparse and help:
+# command path -> (module with main(argv), one line for `councild --help`).
 DELEGATED = {
-    ("gate", "fidelity"): "daemon.engine.fidelity",
-    ("gate", "perf"): "daemon.perf_gate",
-    ("tune",): "daemon.tune",
-    ("bench", "serial"): "daemon.bench_serial",
-    ("bench", "spec"): "daemon.engine.decode_bench",
-    ("bench", "compile"): "daemon.engine.compile_bench",
-    ("governor", "replay"): "governor.replay",
-    ("service",): "daemon.service",
-    ("keys",): "daemon.keys",
+    ("gate", "fidelity"): ("daemon.measure.fidelity",
+                           "speculative vs serial, token for token (exit 1 on a divergence in exact mode)"),
+    ("gate", "perf"): ("daemon.measure.perf_gate",
+                       "interleaved serial vs speculation; exit 1 when the configured depth is slower beyond noise"),
+    ("tune",): ("daemon.measure.tune", "measure this machine into the profile the governor starts from"),
+    ("bench", "serial"): ("daemon.measure.serial_bench",
+                          "daemon over the socket vs in-process vs mlx_lm.generate, interleaved"),
+    ("bench", "spec"): ("daemon.measure.spec_bench", "speculation by depth against serial, interleaved"),
+    ("bench", "compile"): ("daemon.measure.compile_bench",
+                           "compiled vs eager one-token decode (serial and speculation), interleaved"),
+    ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
+    ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
+    ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    for prefix, module in DELEGATED.items():
+    for prefix, (module, _) in DELEGATED.items():
         if tuple(argv[: len(prefix)]) == prefix:
             import importlib
 
@@ -340,14 +345,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return cmd_serve(args)
-    if args.command == "generate":
-        return cmd_generate(args)
-    if args.command == "status":
-        return cmd_status(args)
+    client_commands = {"generate": cmd_generate, "status": cmd_status}
     if args.command == "governor" and args.governor in ("pin", "evict", "load", "auto"):
-        return cmd_governor_override(args)
+        return _as_client(cmd_governor_override, args)
+    if args.command in client_commands:
+        return _as_client(client_commands[args.command], args)
     parser.print_help()
-    return 2
+    return EXIT_USAGE
+
+
+def _as_client(command, args) -> int:
+    """Run a command that talks to a daemon; what can go wrong becomes one line and an exit
+    code, never a traceback."""
+    from protocol.client import CouncilError
+
+    try:
+        return command(args)
+    except BrokenPipeError:
+        # `councild status | head -2`: the reader left. Say nothing more, as cat would.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
+    except ValueError as exc:  # a malformed endpoint (the client checks it before connecting)
+        print(f"councild: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CouncilError as exc:
+        print(f"councild: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from .engine.types import DEFAULT_GUARD
+
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 
@@ -58,9 +60,9 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # restores and re-forwards; "auto" picks capture off Metal and snapshot on it.
     rollback: Literal["auto", "capture", "snapshot"] = "auto"
     # Exact mode re-decides a verify position with serial numerics when its top-2 logit
-    # margin is within this fraction of the top logit: 2**-5, four bf16 ulps, above the
-    # one-or-two-ulp differences between batch-height kernels. Wider is safer and slower.
-    guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = 2.0**-5
+    # margin is within this fraction of the top logit (engine/types.py says why 2**-5).
+    # Wider is safer and slower.
+    guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = DEFAULT_GUARD
     # Exact temperature-0 requests where a verify does not compute serial's numerics bit for
     # bit (probed at start-up, engine/exactness.py: CPU does, MLX on CUDA does not): "serial"
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the

@@ -50,7 +50,7 @@ class Governance:
         head = worker.head
         # Start from this machine's tuned profile (`councild tune`) when one matches the
         # model and versions; otherwise from the config's priors.
-        from .tune import governor_profile, load_profile
+        from .profile import governor_profile, load_profile
 
         profile = governor_profile(load_profile(worker.lm.path))
         self.gov = Governor(
@@ -102,13 +102,19 @@ class Governance:
             self.apply(self.gov.tick())
 
     def override(self, action: str, depth: int | None) -> tuple[bool, str]:
+        """Apply an operator command; the reply says in words what now holds."""
+        if action == "pin_depth" and depth is not None and depth > self.cfg.max_depth:
+            # Refused rather than clamped: an operator who asked for 9 and silently got 4
+            # would misread every measurement taken under the pin.
+            return False, (f"depth {depth} is above governor.max_depth = {self.cfg.max_depth}; "
+                           f"pin a depth from 0 to {self.cfg.max_depth} (or raise max_depth in the config)")
+        before = (self.gov.depth, self.worker.head is not None)
         try:
             actions = self.gov.override(action, depth)
         except ValueError as exc:
             return False, str(exc)
         self.apply(actions)
-        return True, f"{action}{'' if depth is None else f' {depth}'}: " + (
-            ", ".join(type(a).__name__ for a in actions) or "no change needed")
+        return True, describe_override(action, depth, actions, before, self.gov.depth)
 
     def apply(self, actions) -> None:
         w = self.worker
@@ -198,3 +204,28 @@ class Governance:
 
     def close(self) -> None:
         self.gov.close()
+
+
+def describe_override(action: str, depth: int | None, actions, before: tuple[int, bool], depth_now: int) -> str:
+    """An operator's reply in words: what the command set, and what it changed now."""
+    was_depth, head_was = before
+    said = {
+        "pin_depth": f"depth pinned to {depth}" + (" (speculation off)" if depth == 0 else ""),
+        "evict_head": "head eviction forced: the head stays out until `auto`",
+        "load_head": "head load forced: the head stays in until `auto`",
+        "auto": "override released: the governor decides depth and head again",
+    }.get(action, action)
+    changes = []
+    for a in actions:
+        if isinstance(a, SetDepth) and a.depth != was_depth:
+            changes.append(f"depth {was_depth} -> {a.depth}")
+        elif isinstance(a, EvictHead) and head_was:
+            changes.append("evicting the MTP head")
+        elif isinstance(a, LoadHead) and not head_was:
+            changes.append("loading the MTP head (it swaps in at the next safe point)")
+        elif isinstance(a, ShedAdmissions):
+            changes.append("shedding new requests" if a.on else "admitting new requests again")
+    if not changes:
+        changes.append(f"nothing had to change now (depth {depth_now}, head "
+                       f"{'resident' if head_was else 'not resident'})")
+    return f"{said}; " + ", ".join(changes)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import zmq
 
+from .exits import EXIT_CANTCREAT
+
 SECRET_NAME = "councild.key_secret"
 PUBLIC_NAME = "councild.key"
 
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         secret_path, public_path, public = generate(out, force=args.force)
     except (FileExistsError, OSError) as exc:
         print(f"councild keys: {exc}", file=sys.stderr)
-        return 73  # EX_CANTCREAT
+        return EXIT_CANTCREAT
     print(f"secret key: {secret_path} (0600; set curve_secret_key_file = \"{secret_path}\")", file=sys.stderr)
     print(f"public key: {public_path}", file=sys.stderr)
     print(public)

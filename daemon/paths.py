@@ -31,3 +31,16 @@ def ensure_runtime_dir() -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
+
+
+def resolve_model(explicit: str | None) -> str:
+    """--model / config, else the bundled model, else a cached random-weight model."""
+    if explicit:
+        return str(Path(explicit).expanduser())
+    if (BUNDLED_MODEL / "config.json").exists():
+        return str(BUNDLED_MODEL)
+    from .engine.random_model import cached_random_model
+
+    print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
+          file=sys.stderr)
+    return str(cached_random_model(cache_dir()))

@@ -1,6 +1,6 @@
 """One accepted request's life on the engine thread: tokens in, text chunks out.
 
-A Job turns committed token ids into text with the tokenizer's streaming detokenizer,
+A Job turns committed token ids into the text they mean (``detokenize.CommittedText``),
 holds back any tail that could still become a stop string, and decides when the request is
 finished (eos, stop string, max tokens). It also aggregates speculation telemetry for the
 Done message. No sockets here: the worker sends what the Job returns.
@@ -90,7 +90,6 @@ class Job:
     def start(self, generator, detokenizer, spec_mode: str) -> None:
         self.generator = generator
         self.detok = detokenizer
-        self.detok.reset()
         self.started_at = time.monotonic()
         self.spec.mode = spec_mode
 
@@ -110,8 +109,7 @@ class Job:
             if len(self.token_ids) + len(kept) >= self.msg.max_tokens:
                 self.finished_reason = "length"
                 break
-        for tok in kept:
-            self.detok.add_token(tok)
+        self.detok.add(kept)
         self.token_ids.extend(kept)
         self.text = self.detok.text if self.finished_reason is None else self._final_text()
         self._apply_stop_strings()

@@ -24,17 +24,13 @@ from protocol import messages as m
 from protocol.codec import peek_request_id
 
 from .config import Config
+from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
 from .logs import get_logger
 from .requests import Job
 from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor, Stop, Submit
 
 log = get_logger("councild.server")
 
-# sysexits-style codes, so launchd/systemd (and people) can tell failures apart.
-EXIT_OK = 0
-EXIT_SOFTWARE = 70  # crash or the model failed to load
-EXIT_TEMPFAIL = 75  # another daemon already serves this endpoint
-EXIT_CONFIG = 78  # bad configuration: restarting will not help
 
 
 class StartupError(Exception):

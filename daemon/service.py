@@ -33,16 +33,14 @@ from typing import Mapping, Sequence, TextIO
 from urllib.parse import quote
 from xml.sax.saxutils import escape as xml_escape
 
+from .exits import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+
 LABEL = "com.councild.daemon"
 UNIT_NAME = "councild.service"
 SERVICE = "councild"
 
-# Exit statuses of `councild service` (sysexits.h where one fits).
-EXIT_OK = 0
-EXIT_FAILED = 1  # a service-manager command failed, or `status`: not installed
-EXIT_USAGE = 2  # bad flags (argparse's own status)
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: --now, but systemctl/launchctl is not on PATH
-EXIT_CONFIG = 78  # EX_CONFIG: --now, but the config file does not exist
+# Exit statuses (daemon/exits.py): 1 a service-manager command failed or `status` found
+# nothing installed; 69 --now without systemctl/launchctl; 78 --now without the config file.
 
 RETRY_DELAY_S = 1.0
 

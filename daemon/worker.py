@@ -22,6 +22,7 @@ from protocol import encode
 from protocol import messages as m
 
 from .config import Config
+from .detokenize import CommittedText
 from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
@@ -159,7 +160,7 @@ class EngineWorker(threading.Thread):
             self._out.close()
 
     def _load(self) -> None:
-        from .engine.model import load_model
+        from .engine.loading import load_model
 
         t0 = time.perf_counter()
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
@@ -428,7 +429,7 @@ class EngineWorker(threading.Thread):
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
             self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
             job.batched = True
-            job.start(self.batch.handle(job.key), self.lm.tokenizer.detokenizer, "off")
+            job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
             return
         if mode != "off" and self.head is not None:
             from .engine.speculative import speculative_decode
@@ -445,7 +446,7 @@ class EngineWorker(threading.Thread):
             gen = serial_decode(self.lm, job.prompt, sampler)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
-        job.start(gen, self.lm.tokenizer.detokenizer, mode)
+        job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
 
     def _advance(self, job: Job) -> None:
         if job.batched:

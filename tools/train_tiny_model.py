@@ -764,7 +764,7 @@ RUN_NOTES = [
     "acceptance was measured. Device time for both calls: about 10.3 minutes of the H200, machine "
     "start and a first call that failed in 20 s (transformers 5.17 wants 3-d rope positions) included.",
     "\nCross-check with councild's own MLX engine (2026-11-29, the engine as committed then): "
-    "`python -m daemon.engine.decode_bench --model daemon/assets/tiny-qwen35 --rounds 5 --tokens 32 "
+    "`python -m daemon.measure.spec_bench --model daemon/assets/tiny-qwen35 --rounds 5 --tokens 32 "
     "--prompts 2 --depths 1,2` loads this head from model.safetensors and reports depth-1 acceptance 0.67 at 1.64 tokens/cycle "
     "on its first two (short, code) prompts, i.e. about 26 accepted of about 39 drafts; this script's "
     "torch simulation on the same prompts and 32 greedy tokens accepted 26 of 37 (0.70; the engine's "

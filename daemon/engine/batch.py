@@ -20,36 +20,19 @@ one extracts the survivor's plain cache again.
 
 Exactness (temperature 0). Matmuls can round differently at batch height M>=2 than at
 M=1, so a batched row can flip an argmax at a near-tie, and its cache drifts by ulps from
-the one serial_decode would hold. Measured with bench/batch_bench.py (rows of 4 of mixed
-prompt lengths; CUDA 32 prompts x 128 tokens, CPU 16 x 64; bench/results/batch_cuda_h200.*
-and batch_cpu.*), batched row vs serial_decode alone:
-
-  | backend, model | max abs logit diff, batched vs M=1 (B=2..16) | teacher-forced flips/1000 | free-running rows identical to serial: no guard / guard | guard redos/1000 |
-  | CPU (this machine), tiny-qwen35 and random, bf16 (and f32) | 0: bit-identical | 0 | 16/16 / 16/16 | 43-82, none changed a token |
-  | MLX CUDA H200, tiny-qwen35 (32 rows) | 0.078-0.094 | 1.71 | 24/32 / 26/32 | 55 |
-  | MLX CUDA H200, random qwen3_5 (32 rows) | up to 0.016 | 0.49 | 30/32 / 29/32 | 47 |
-
-  Throughput (CUDA, tiny model): 8 streams 4.79x time-sliced serial without the guard,
-  2.78x with it; 4 streams 2.25x vs 1.82x; 2 streams 1.24x vs 0.87x.
-
-The near-tie guard (``guard_margin``: where the batched top-2 logprob margin is within
-``guard * max(1, |top1 logit|)``, re-decide that row with an M=1 forward from its pre-step
-state: KV minus the slot just written, GDN state from before the forward kept by reference)
-catches every flip under teacher forcing (flips outside the guard: 0, largest flip margin
-0.0625), and with a logit jitter that leaves the state alone it restores serial's tokens
-exactly (tests). But it does NOT make free-running rows exact on a backend whose kernels
-differ: the row's cache has already drifted under the batched kernels, so an M=1 redo from
-that state is not serial_decode's computation, and near-ties still go the other way (6 of
-32 and 3 of 32 rows diverged with the guard on). It costs an M=1 forward for ~5% of
-row-steps and ~40% of the 8-stream gain. Decision, by these numbers:
+the one serial_decode would hold. bench/batch_bench.py measures it (bench/results/README.md
+has the tables): on CPU a batched row is bit-identical to serial; on MLX CUDA it is not, and
+a near-tie guard (``guard_margin``: re-decide a row with an M=1 forward from its pre-step
+state where the batched top-2 margin is within ``guard * max(1, |top1 logit|)``) catches
+every flip under teacher forcing but cannot make free-running rows exact (their cache has
+already drifted under the batched kernels), at a large share of the batching gain. So:
 - the guard is off by default (``guard_margin=None``; kept as an option);
 - a row that must be exact at temperature 0 is batched only where the batched forward is
   bit-identical to M=1 on this backend: ``batch_matches_serial(lm)`` probes it once (mixed
-  prompt lengths, heights 2..``max_rows``). CPU: yes, so exact rows batch for free there.
-  Metal/CUDA: no, so exact greedy rows decode alone (serial_decode, or exact speculation)
-  and ``add(..., exact=True)`` refuses them;
-- fast rows and every temperature > 0 row always batch; the fast configuration's flips are
-  the CUDA rows above (0.5-2.4 per 1000 tokens; the design's Metal figure is 2.7).
+  prompt lengths, heights 2..``max_rows``). Where it is not, exact greedy rows decode alone
+  (serial_decode, or exact speculation) and ``add(..., exact=True)`` refuses them;
+- fast rows and every temperature > 0 row always batch (the fast configuration accepts the
+  flips; the results README counts them).
 
 Temperature > 0: each row samples with its own Sampler (own key), consumed in the same
 order as serial_decode consumes it, so a seed reproduces a request; batch numerics can
@@ -65,26 +48,23 @@ that ``_finish``'s ``close()`` removes the row.
 Adoption: serial_decode and speculative_decode keep their cache and the token they have
 already decided (issued ahead) inside the generator, so an in-flight generator cannot be
 adopted. Instead a stream that must leave the batch is ``extract``-ed: its (cache,
-next_token) resumes alone with ``resume_serial`` (serial numerics) or rejoins later with
+next_token) resumes alone (``serial_decode`` from that cache, after emitting next_token) or
+rejoins later with
 ``add(row_id, sampler, cache=..., next_token=...)``, never recomputing its prompt.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .model import LoadedModel
-from .sampling import Sampler
-from .serial import PREFILL_CHUNK, prefill, serial_decode
-from .types import DecodeStep
+from .sampling import Sampler, logprobs as _logprobs
+from .serial import PREFILL_CHUNK, prefill
 
-# The guard speculation's exact mode uses (speculative.DEFAULT_GUARD): four bf16 ulps relative.
-DEFAULT_GUARD = 2.0**-5
 # The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
 DEFAULT_MAX_ROWS = 16
 
@@ -141,10 +121,6 @@ class BatchStats:
     guard_changed: int = 0  # of those, where the M=1 token differed from the batched argmax
 
 
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
 class BatchDecoder:
     """Drive from one thread, at step boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. Row ids are any hashable (the worker's job key)."""
@@ -186,9 +162,6 @@ class BatchDecoder:
     @property
     def row_ids(self) -> list:
         return [r.row_id for r in self._rows]
-
-    def row_guarded(self, row_id: Hashable) -> int:
-        return self._rows[self._index(row_id)].guarded
 
     @property
     def nbytes(self) -> int:
@@ -263,7 +236,8 @@ class BatchDecoder:
     def extract(self, row_id: Hashable) -> tuple[list, int]:
         """Take a row out with its state: (plain per-request cache, next_token). The cache
         holds the prompt and everything emitted; next_token is decided but not emitted.
-        Resume alone with ``resume_serial`` or rejoin with ``add(cache=, next_token=)``."""
+        Resume alone (emit next_token, then serial_decode from the cache) or rejoin with
+        ``add(cache=, next_token=)``."""
         self._settle()
         i = self._index(row_id)
         cache = self._cache if len(self._rows) == 1 else self._plain(i)
@@ -408,11 +382,3 @@ class RowHandle:
     def close(self) -> None:
         if self.row_id in self.decoder:
             self.decoder.remove(self.row_id)
-
-
-def resume_serial(lm: LoadedModel, cache: list, next_token: int, sampler: Sampler) -> Iterator[DecodeStep]:
-    """Continue an extracted row alone, with serial numerics: first emits next_token (decided
-    in the batch, not yet emitted), then serial_decode from that state."""
-    t0 = time.perf_counter()
-    yield DecodeStep(tokens=[int(next_token)], cycle_s=time.perf_counter() - t0)
-    yield from serial_decode(lm, [int(next_token)], sampler, cache=cache)

@@ -37,6 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from .forward import cache_arrays, capture_hidden, compiled_forward, gdn_capture_forward
+
 SELF_CHECK_STEPS = 4
 VERIFY_T = 4  # the self-check's verify length (depth 3)
 # Longest forward compiled: verify is k + 1 <= 9 tokens; longer ones are prompt chunks,
@@ -55,8 +57,6 @@ def _linear_layer_step(layer: nn.Module) -> Callable:
 
 
 def _linear_layer_capture(layer: nn.Module) -> Callable:
-    from .rollback import gdn_capture_forward
-
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         r, conv_input, states = gdn_capture_forward(layer.linear_attn, layer.input_layernorm(x), conv_state, state)
         h = x + r
@@ -104,30 +104,11 @@ class CompiledDecode:
     def try_hidden(self, tokens: mx.array, cache: list | None) -> mx.array | None:
         if not self.applies(tokens, cache):
             return None
-        return self._forward(tokens, cache, None)
+        return compiled_forward(self, tokens, cache, None)
 
     def capture_hidden(self, tokens: mx.array, cache: list, rec: list) -> mx.array:
         """rollback.capture_hidden's forward, compiled (the caller checked ``applies``)."""
-        return self._forward(tokens, cache, rec)
-
-    def _forward(self, tokens: mx.array, cache: list, rec: list | None) -> mx.array:
-        from mlx_lm.models.base import create_attention_mask
-
-        from .rollback import record_capture
-
-        h = self.backbone.embed_tokens(tokens)
-        fa_mask = create_attention_mask(h, cache[self.fa_idx]) if self.fa_idx is not None else None
-        for i, (layer, c) in enumerate(zip(self.layers, cache)):
-            if not layer.is_linear:
-                r = layer.self_attn(layer.input_layernorm(h), fa_mask, c)
-                h = self.steps[i](h, r)
-            elif rec is None:
-                h, c[0], c[1] = self.steps[i](h, c[0], c[1])
-                c.advance(tokens.shape[1])
-            else:
-                h, conv_input, *states = self.capture_steps[i](h, c[0], c[1])
-                record_capture(layer.linear_attn, c, conv_input, states, rec)
-        return self.norm(h)
+        return compiled_forward(self, tokens, cache, rec)
 
 
 def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> str | None:
@@ -151,8 +132,6 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
         return out
 
     def verify(use_compiled: bool, capture: bool) -> list[mx.array]:
-        from .rollback import cache_arrays, capture_hidden
-
         saved = lm.compiled_decode
         lm.compiled_decode = compiled if use_compiled else None
         try:

@@ -23,7 +23,8 @@ import random
 
 import mlx.core as mx
 
-from .rollback import cache_arrays, make_rollback
+from .forward import cache_arrays
+from .rollback import make_rollback
 
 PROBE_T = 4  # verify length probed (depth 3); shorter ones use the same kernels here
 PROBE_LENGTHS = (7, 33)

@@ -1,4 +1,5 @@
-"""Loading a model with mlx-lm, and the two halves of its forward that speculation needs.
+"""A loaded model, and the two halves of its forward that speculation needs (loading it
+is ``loading.py``).
 
 mlx-lm's ``model(tokens, cache)`` returns logits only. Native MTP needs the base model's
 final-normed hidden states as well, so the forward is split: ``hidden(tokens, cache)`` runs
@@ -8,7 +9,6 @@ speculative paths go through the same halves, so their numerics match.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,35 +86,3 @@ class LoadedModel:
                 return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
             prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(self.tokenizer.encode(prompt or ""))
-
-
-def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
-    """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
-    the path in the message on a missing or unsupported model. ``compile_decode``: use the
-    compiled one-token forward (``compiled.py``) where it is bit-identical to eager."""
-    import mlx_lm
-
-    path = Path(path).expanduser().resolve()
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no model at {path}: config.json is missing")
-    model, tokenizer = mlx_lm.load(str(path))
-    config = json.loads((path / "config.json").read_text())
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    lm = LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        path=path,
-        config=config,
-        model_type=config.get("model_type", ""),
-        eos_token_ids=frozenset(eos),
-    )
-    if compile_decode and lm.supports_mtp:
-        from .compiled import enable_compiled_decode
-
-        reason = enable_compiled_decode(lm)
-        lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
-    elif compile_decode:
-        lm.decode_path = f"eager: no compiled step for model type {lm.model_type!r}"
-    return lm

@@ -131,11 +131,9 @@ def build_random_model(
     return folder
 
 
-def cached_random_model(cache_root: Path | None = None, seed: int = 0) -> Path:
-    """Build once per seed under the user's cache dir and reuse it afterwards."""
-    from daemon.paths import cache_dir
-
-    folder = (cache_root or cache_dir()) / f"random-qwen35-s{seed}"
+def cached_random_model(cache_root: Path, seed: int = 0) -> Path:
+    """Build once per seed under ``cache_root`` (the user's cache dir) and reuse it."""
+    folder = cache_root / f"random-qwen35-s{seed}"
     if not (folder / "config.json").exists() or not (folder / "mtp.safetensors").exists():
         tmp = folder.with_name(folder.name + ".partial")
         build_random_model(tmp, seed=seed)

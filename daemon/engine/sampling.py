@@ -16,6 +16,11 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from .types import SamplingParams
 
 
+def logprobs(logits: mx.array) -> mx.array:
+    """Log-softmax over the vocabulary (the last axis)."""
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params

@@ -57,14 +57,9 @@ import mlx.core as mx
 
 from .model import LoadedModel
 from .rollback import Snapshot, check_cache, make_rollback
-from .sampling import Sampler
+from .sampling import Sampler, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
-from .types import DecodeStep
-
-# Guard for exact mode: a verify position is re-decided serially when
-# top1 - top2 <= DEFAULT_GUARD * max(1, |top1 logit|). 2**-5 is four bf16 ulps relative
-# (bf16 keeps 8 significant bits), well above the one-or-two-ulp M=1 vs M>=2 differences.
-DEFAULT_GUARD = 2.0**-5
+from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
 # its ops path (CPU, CUDA): there capturing the per-token states adds no kernels, and it won
 # every CPU measurement (`councild bench spec`, bench/results/spec_summary.md: by 38% when
@@ -138,10 +133,6 @@ def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history
         mx.eval([h] + [c.state for c in cache] + history.state())
         ids = ids[n:]
     return ids
-
-
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def speculative_decode(

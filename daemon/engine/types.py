@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Exact mode's guard: a verify position is re-decided with serial numerics when
+# top1 - top2 <= DEFAULT_GUARD * max(1, |top1 logit|). 2**-5 is four bf16 ulps relative
+# (bf16 keeps 8 significant bits), well above the one-or-two-ulp differences between
+# batch-height kernels (M=1 vs M>=2). The one definition: speculation, the batch and the
+# config default read it from here.
+DEFAULT_GUARD = 2.0**-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -9,11 +9,12 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.batch import DEFAULT_GUARD, BatchDecoder, batch_matches_serial, resume_serial  # noqa: E402
-from daemon.engine.model import load_model  # noqa: E402
+from daemon.engine.batch import BatchDecoder, batch_matches_serial  # noqa: E402
+from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
+from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.types import SamplingParams  # noqa: E402
+from daemon.engine.types import DecodeStep, SamplingParams  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 N = 24
@@ -222,3 +223,10 @@ def test_errors(rnd):
         bd.add("c", greedy(), [7])
     with pytest.raises(KeyError):
         bd.remove("zz")
+
+
+def resume_serial(lm, cache: list, next_token: int, sampler):
+    """(How the worker would resume an extracted row; only these tests do.) Continue an extracted row alone, with serial numerics: first emits next_token (decided
+    in the batch, not yet emitted), then serial_decode from that state."""
+    yield DecodeStep(tokens=[int(next_token)], cycle_s=0.0)
+    yield from serial_decode(lm, [int(next_token)], sampler, cache=cache)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from daemon.cli import build_parser, format_status
@@ -108,3 +111,34 @@ def test_help_texts(capsys, argv, needles):
     for needle in needles:
         assert needle in out, (needle, out)
     assert max(len(line) for line in out.splitlines()) <= 100  # readable in a terminal
+
+
+def test_every_exit_code_is_documented():
+    """daemon/exits.py is the one list of exit codes; OPERATIONS.md names each of them."""
+    import re
+
+    from daemon import exits
+    from daemon.paths import PACKAGE_DIR
+
+    doc = (PACKAGE_DIR.parent / "docs" / "OPERATIONS.md").read_text()
+    documented = {int(n) for n in re.findall(r"^\| (\d+) \|", doc, re.M)} | {
+        int(n) for n in re.findall(r"\b(\d\d) \((?:EX_\w+)\)", doc)} | {
+        int(n) for n in re.findall(r"exits (\d+)\b", doc)}
+    assert set(exits.ALL.values()) <= documented | {0, 1, 2}, set(exits.ALL.values()) - documented
+
+
+def test_help_lists_every_command_it_dispatches():
+    """The CLI is built from one table: whatever `main` can dispatch, `--help` lists."""
+    from daemon import cli
+
+    top = cli.build_parser().format_help()
+    for path in cli.DELEGATED:
+        if len(path) == 1:
+            assert path[0] in top, path
+        else:
+            assert path[0] in top
+            group = subprocess.run([sys.executable, "-m", "daemon.cli", path[0], "--help"],
+                                   capture_output=True, text=True, timeout=60)
+            assert group.returncode == 0 and path[1] in group.stdout, (path, group.stdout)
+    for name in ("serve", "generate", "status", "tune", "keys", "service"):
+        assert name in top

@@ -7,7 +7,7 @@ import pytest
 
 from daemon.engine import rollback as rollback_mod
 from daemon.engine.exactness import verify_matches_serial
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 
 
 @pytest.mark.parametrize("compile_decode", [True, False])

@@ -7,8 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from daemon.engine.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
-from daemon.engine.model import load_model
+from daemon.measure.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.types import SamplingParams
 from daemon.paths import BUNDLED_MODEL

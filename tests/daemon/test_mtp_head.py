@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import MTPHead, NoMTPHead, load_mtp_head, read_tensors
 
 

@@ -1,5 +1,5 @@
 """The perf gate's verdict rule on synthetic measurements, its report shape, and one tiny
-real run through decode_bench's measurement functions."""
+real run through spec_bench's measurement functions."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from daemon.perf_gate import format_markdown, main, measure, noise_from, summarize, verdict
+from daemon.measure.perf_gate import format_markdown, main, measure, noise_from, summarize, verdict
 
 SERIAL = [50.0, 52.0, 49.0, 51.0, 50.0]
 SERIAL_B = [51.0, 51.0, 50.0, 50.0, 50.5]  # largest gap 1/49 = 2.04%
@@ -72,7 +72,7 @@ def test_report_shape_and_markdown():
 
 
 def test_tiny_real_measurement(random_model_path):
-    from daemon.engine.model import load_model
+    from daemon.engine.loading import load_model
     from daemon.engine.mtp_head import load_mtp_head
 
     lm = load_model(random_model_path)

@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import load_mtp_head
-from daemon.engine.rollback import STRATEGIES, attention_offset, capture_hidden, make_rollback
+from daemon.engine.forward import capture_hidden
+from daemon.engine.rollback import STRATEGIES, attention_offset, make_rollback
 
 TOL = 1e-3
 
@@ -113,7 +114,7 @@ def test_capture_forward_is_lm_hidden_op_for_op(lm):
 
 def test_no_float32_leak_into_the_residual_stream(lm, random_model_path):
     """Every block returns the activation dtype (bf16) though the GDN state is float32."""
-    from daemon.engine.rollback import _gdn_capture
+    from daemon.engine.forward import _gdn_capture
 
     bb = lm.backbone
     cache = lm.make_cache()

@@ -8,7 +8,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from daemon.engine.model import load_model
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.rollback import STRATEGIES, attention_offset
 from daemon.engine.sampling import Sampler

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from daemon.engine.decode_bench import format_bench, run_bench, verify_cost
-from daemon.engine.model import load_model
+from daemon.measure.spec_bench import format_bench, run_bench, verify_cost
+from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import load_mtp_head
 
 

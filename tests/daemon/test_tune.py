@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from daemon import tune
+from daemon import profile
+from daemon.measure import tune
 
 
 @pytest.fixture(scope="module")
@@ -26,47 +27,47 @@ def test_profile_shape(tuned):
     assert set(p["cost_s"]) == {"0", "1", "2"} and all(v > 0 for v in p["cost_s"].values())
     assert len(p["acceptance"]) == 2 and all(0.0 <= a <= 1.0 for a in p["acceptance"])
     assert set(p["versions"]) == {"mlx", "mlx_lm", "councild"}
-    assert p["model"]["hash"] == tune.model_hash(model) and p["device"]
-    assert tune.governor_profile(p) == {"cost_s": p["cost_s"], "acceptance": p["acceptance"]}
+    assert p["model"]["hash"] == profile.model_hash(model) and p["device"]
+    assert profile.governor_profile(p) == {"cost_s": p["cost_s"], "acceptance": p["acceptance"]}
 
 
 def test_loads_on_the_same_stack(tuned):
     model, out = tuned
-    p = tune.load_profile(model, out)
+    p = profile.load_profile(model, out)
     assert p is not None and p["cost_s"]["0"] > 0
 
 
 def test_refuses_other_versions(tuned):
     model, out = tuned
-    versions = dict(tune.current_versions(), mlx="0.0.1")
-    assert tune.load_profile(model, out, versions=versions) is None
-    assert "mlx" in tune.check_profile(json.loads(out.read_text()), model, versions=versions)
-    older = dict(tune.current_versions(), councild="0.0.0")
-    assert tune.load_profile(model, out, versions=older) is None
+    versions = dict(profile.current_versions(), mlx="0.0.1")
+    assert profile.load_profile(model, out, versions=versions) is None
+    assert "mlx" in profile.check_profile(json.loads(out.read_text()), model, versions=versions)
+    older = dict(profile.current_versions(), councild="0.0.0")
+    assert profile.load_profile(model, out, versions=older) is None
 
 
 def test_refuses_another_device_and_another_model(tuned, tmp_path):
     model, out = tuned
-    assert tune.load_profile(model, out, device="gpu NVIDIA H200") is None
+    assert profile.load_profile(model, out, device="gpu NVIDIA H200") is None
     other = tmp_path / "other"
     other.mkdir()
     (other / "config.json").write_text('{"model_type": "qwen3_5", "other": true}')
-    assert "model hash" in tune.check_profile(json.loads(out.read_text()), other)
-    assert tune.load_profile(other, out) is None
+    assert "model hash" in profile.check_profile(json.loads(out.read_text()), other)
+    assert profile.load_profile(other, out) is None
 
 
 def test_missing_or_broken_profile_is_none(tuned, tmp_path):
     model, _ = tuned
-    assert tune.load_profile(model, tmp_path / "absent.json") is None
+    assert profile.load_profile(model, tmp_path / "absent.json") is None
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    assert tune.load_profile(model, bad) is None
+    assert profile.load_profile(model, bad) is None
 
 
 def test_default_path_is_under_the_cache_dir(tuned, tmp_path, monkeypatch):
     model, _ = tuned
     monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
-    assert tune.default_profile_path(model) == tmp_path / f"profile-{tune.model_hash(model)}.json"
+    assert profile.default_profile_path(model) == tmp_path / f"profile-{profile.model_hash(model)}.json"
 
 
 def test_show(tuned, capsys):

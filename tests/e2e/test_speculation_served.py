@@ -101,3 +101,66 @@ def test_cli_reports_an_absent_daemon_clearly(tmp_path):
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "status", "--timeout", "1"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "nobody.sock" in out.stderr
+
+
+def test_streamed_and_final_text_are_the_decoding_of_the_token_ids(bundled_daemon):
+    """On the fidelity prompts, in every decode path (serial, exact and fast speculation,
+    the continuous batch), the streamed chunks, Done.text and the decoding of the committed
+    ids are one and the same text: no leading space lost, nothing added."""
+    from transformers import AutoTokenizer
+
+    from daemon.measure.fidelity import load_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    prompts = load_prompts()
+    begins_with_space = 0
+
+    def check(stream, chunks):
+        done = stream.done
+        assert "".join(chunks) == done.text
+        assert len(stream.token_ids) == done.usage.completion_tokens
+        assert done.text == tok.decode(stream.token_ids), (stream.request_id, done.text)
+        return tok.decode(stream.token_ids)[:1] == " "
+
+    with Client(bundled_daemon.endpoint, seat="text", timeout_s=60) as c:
+        for depth, mode in ((0, "off"), (1, "exact"), (2, "fast")):
+            assert c.governor("pin_depth", depth).ok
+            for p in prompts:
+                stream = c.generate(p, max_tokens=24, speculation=mode)
+                begins_with_space += check(stream, list(stream))
+        assert c.governor("pin_depth", 0).ok
+        # Several at once: they share the batched forward.
+        streams = [c.generate(p, max_tokens=24, speculation="off") for p in prompts[:4]]
+        for s in streams:
+            check(s, list(s))
+        assert c.governor("auto").ok
+    assert begins_with_space > 0, "no completion began with a space: the test lost its point"
+
+
+def _councild(*argv, endpoint=None, shell_pipe=None):
+    cmd = [sys.executable, "-m", "daemon.cli", *argv] + (["--endpoint", endpoint] if endpoint else [])
+    if shell_pipe:
+        import shlex
+
+        line = "set -o pipefail; " + " ".join(map(shlex.quote, cmd)) + " | " + shell_pipe
+        return subprocess.run(["bash", "-c", line], cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_operator_commands_say_what_they_did_and_never_trace_back(bundled_daemon):
+    ep = bundled_daemon.endpoint
+    too_deep = _councild("governor", "pin", "17", endpoint=ep)
+    assert too_deep.returncode == 2 and "not a depth from 0 to 16" in too_deep.stderr
+    above_max = _councild("governor", "pin", "9", endpoint=ep)
+    assert above_max.returncode == 1 and "governor.max_depth = 4" in above_max.stdout, above_max
+    pinned = _councild("governor", "pin", "2", endpoint=ep)
+    assert pinned.returncode == 0 and pinned.stdout.startswith("depth pinned to 2"), pinned
+    released = _councild("governor", "auto", endpoint=ep)
+    assert released.returncode == 0 and "override released" in released.stdout, released
+    for out in (too_deep, above_max, pinned, released):
+        assert "Traceback" not in out.stderr and "SetDepth" not in out.stdout
+    garbage = _councild("status", endpoint="garbage")
+    assert garbage.returncode == 2 and "cannot connect to 'garbage'" in garbage.stderr
+    assert "Traceback" not in garbage.stderr
+    piped = _councild("status", endpoint=ep, shell_pipe="head -1")
+    assert piped.stdout.startswith("server") and "Traceback" not in piped.stderr, piped.stderr

@@ -8,9 +8,8 @@ acceptance per draft position (accepted, given the positions before it were). De
 interleaved per prompt, serial first, after a warm-up pass, so drift lands on every depth.
 
 The profile (JSON) records the mlx, mlx-lm and councild versions, the device, and the
-model's path and content hash; ``load_profile`` refuses (returns None and logs why) a
-profile made with other versions, on another device, or for another model, since a
-cost measured under another stack says nothing about this one.
+model's path and content hash; the daemon (``daemon.profile.load_profile``) refuses a
+profile made with other versions, on another device, or for another model.
 
 Default location: <cache dir>/profile-<model hash>.json (cache dir: $COUNCILD_CACHE_DIR,
 else ~/.cache/councild or ~/Library/Caches/councild). `councild tune --show` prints it.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import hashlib
 import json
 import platform
 import statistics
@@ -28,106 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-PROFILE_FORMAT = 1
-_CHUNK = 1 << 16
-
-
-def model_hash(model_path: str | Path) -> str:
-    """Content hash of a model folder, cheap even at 50 GB: config.json, and per weight file
-    its name, size, and first and last 64 KiB (the safetensors header and the tail)."""
-    folder = Path(model_path).expanduser().resolve()
-    h = hashlib.sha256()
-    cfg = folder / "config.json"
-    h.update(cfg.read_bytes() if cfg.exists() else b"")
-    for f in sorted(list(folder.glob("*.safetensors")) + list(folder.glob("*.npz"))):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(_CHUNK))
-            if size > _CHUNK:
-                fh.seek(max(_CHUNK, size - _CHUNK))
-                h.update(fh.read(_CHUNK))
-    return h.hexdigest()[:16]
-
-
-def current_versions() -> dict:
-    import mlx.core as mx
-    import mlx_lm
-
-    from daemon import __version__
-
-    return {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "councild": __version__}
-
-
-def current_device() -> str:
-    import mlx.core as mx
-
-    dev = str(mx.default_device())
-    try:
-        name = mx.device_info().get("device_name")
-        if name:
-            dev += f" {name}"
-    except Exception:  # noqa: BLE001
-        pass
-    return dev
-
-
-def default_profile_path(model_path: str | Path) -> Path:
-    from daemon.paths import cache_dir
-
-    return cache_dir() / f"profile-{model_hash(model_path)}.json"
-
-
-def check_profile(profile: dict, model_path: str | Path, versions: dict | None = None,
-                  device: str | None = None) -> str | None:
-    """None when the profile fits this stack and model, else the reason it does not."""
-    if profile.get("format") != PROFILE_FORMAT:
-        return f"profile format {profile.get('format')!r}, expected {PROFILE_FORMAT}"
-    versions = versions or current_versions()
-    for k, v in versions.items():
-        got = (profile.get("versions") or {}).get(k)
-        if got != v:
-            return f"made with {k} {got}, running {v}"
-    device = device or current_device()
-    if profile.get("device") != device:
-        return f"made on device {profile.get('device')!r}, running on {device!r}"
-    want = model_hash(model_path)
-    got = (profile.get("model") or {}).get("hash")
-    if got != want:
-        return f"made for model hash {got} ({(profile.get('model') or {}).get('path')}), this model is {want}"
-    if not isinstance(profile.get("cost_s"), dict) or "0" not in profile["cost_s"]:
-        return "profile has no serial cost"
-    return None
-
-
-def load_profile(model_path: str | Path, path: str | Path | None = None, *, versions: dict | None = None,
-                 device: str | None = None) -> dict | None:
-    """The tuned profile for this model on this stack, or None (with a logged reason)."""
-    from daemon.logs import get_logger
-
-    log = get_logger("councild.tune")
-    p = Path(path) if path is not None else default_profile_path(model_path)
-    if not p.exists():
-        log.info("profile.absent", path=str(p), reason="no tuned profile; the governor starts from its priors")
-        return None
-    try:
-        profile = json.loads(p.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("profile.refused", path=str(p), reason=f"unreadable: {exc}")
-        return None
-    reason = check_profile(profile, model_path, versions, device)
-    if reason is not None:
-        log.warning("profile.refused", path=str(p), reason=reason, message="run `councild tune` again")
-        return None
-    log.info("profile.loaded", path=str(p), cost_s=profile["cost_s"], acceptance=profile.get("acceptance"))
-    return profile
-
-
-def governor_profile(profile: dict | None) -> dict | None:
-    """Just the keys the governor's cost model reads ({"cost_s", "acceptance"})."""
-    if not profile:
-        return None
-    return {"cost_s": profile.get("cost_s", {}), "acceptance": profile.get("acceptance", [])}
+from daemon.exits import EXIT_CONFIG
+from daemon.profile import (PROFILE_FORMAT, check_profile, current_device, current_versions,
+                            default_profile_path, model_hash)
 
 
 class Progress:
@@ -250,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="with --show: print the raw JSON")
     args = ap.parse_args(argv)
 
-    from daemon.cli import resolve_model
+    from daemon.paths import resolve_model
     from daemon.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"councild tune: {exc}", file=sys.stderr)
-        return 78
+        return EXIT_CONFIG
     model = resolve_model(args.model or cfg.model)
     path = Path(args.out) if args.out else default_profile_path(model)
 
@@ -274,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from daemon.engine.fidelity import load_prompts
-    from daemon.engine.model import load_model
+    from daemon.measure.fidelity import load_prompts
+    from daemon.engine.loading import load_model
     from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
     from daemon.engine.speculative import DEFAULT_ROLLBACK
 
@@ -314,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "rollback": rollback,
         "guard_margin": guard,
         "decode_path": lm.decode_path,
-        "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/engine/fidelity_prompts.json"},
+        "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/measure/fidelity_prompts.json"},
         **measured,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

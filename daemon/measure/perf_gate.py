@@ -5,7 +5,7 @@ speculative decode at each depth (1..4 by default; the configured depth is alway
 included). Every round runs every arm once over the same fixed prompts (greedy, fixed seed);
 the order is reversed on alternate rounds (ABAB / BABA) so drift on a shared machine lands
 on both sides; one warm-up round is run and discarded; at least 5 measured rounds. The
-measurement functions are decode_bench's (the ones `councild bench spec` uses).
+measurement functions are spec_bench's (the ones `councild bench spec` uses).
 
 Reported per arm: tokens/s median, min-max, IQR; speedup = median over rounds of the arm's
 tokens/s over that round's serial tokens/s; acceptance by position; verify cost (one base
@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from ..exits import EXIT_CONFIG
 from .bench_io import spread, write_results
 
 DEFAULT_NOISE_FLOOR = 0.02
@@ -63,14 +64,14 @@ def verdict(serial: list[float], serial_b: list[float], arm: list[float], depth:
 
 def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, rollback: str, log=print) -> dict:
     """Interleaved rounds of serial, serial_b and each depth; returns per-arm raw runs."""
-    from daemon.engine.decode_bench import _run_arm
+    from daemon.measure.spec_bench import run_arm
 
     arms = [("serial", 0), ("serial_b", 0)] + [(f"d{k}", k) for k in depths]
     raw: dict[str, list[dict]] = {name: [] for name, _ in arms}
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
         for name, k in order:
-            res = _run_arm(lm, head, prompts, tokens, k, rollback, exact)
+            res = run_arm(lm, head, prompts, tokens, k, rollback, exact)
             if r > 0:
                 raw[name].append(res)
         log(f"round {r}/{rounds}" + (" (warm-up)" if r == 0 else ": ")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)
     except ConfigError as exc:
         print(f"councild gate perf: {exc}", file=sys.stderr)
-        return 78
+        return EXIT_CONFIG
     depth = cfg.speculation.depth if args.depth is None else args.depth
     mode = args.mode or (cfg.speculation.mode if cfg.speculation.mode != "off" else "exact")
     if cfg.speculation.mode == "off" and args.depth is None:
@@ -156,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from daemon.cli import resolve_model
-    from daemon.engine.decode_bench import verify_cost
-    from daemon.engine.fidelity import load_prompts
-    from daemon.engine.model import load_model
+    from daemon.paths import resolve_model
+    from daemon.measure.spec_bench import verify_cost
+    from daemon.measure.fidelity import load_prompts
+    from daemon.engine.loading import load_model
     from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
     from daemon.engine.speculative import DEFAULT_ROLLBACK
 

@@ -31,17 +31,18 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..bench_io import spread, write_results
+from .bench_io import spread, write_results
 from .fidelity import default_model_path, load_prompts
-from .model import LoadedModel
-from .rollback import STRATEGIES, Snapshot, capture_hidden
-from .sampling import Sampler
-from .serial import serial_decode
-from .speculative import DEFAULT_GUARD, speculative_decode
-from .types import SamplingParams
+from ..engine.model import LoadedModel
+from ..engine.forward import capture_hidden
+from ..engine.rollback import STRATEGIES, Snapshot
+from ..engine.sampling import Sampler
+from ..engine.serial import serial_decode
+from ..engine.speculative import speculative_decode
+from ..engine.types import DEFAULT_GUARD, SamplingParams
 
 
-def _run_arm(lm, head, prompts, tokens, depth, strategy, exact, guard_margin=DEFAULT_GUARD) -> dict:
+def run_arm(lm, head, prompts, tokens, depth, strategy, exact, guard_margin=DEFAULT_GUARD) -> dict:
     produced = 0
     cycles = 0
     guarded = 0
@@ -87,7 +88,7 @@ def _run_arm(lm, head, prompts, tokens, depth, strategy, exact, guard_margin=DEF
     }
 
 
-def _median_time(fn, reps: int) -> float:
+def median_time(fn, reps: int) -> float:
     fn()  # warm
     ts = []
     for _ in range(reps):
@@ -114,11 +115,11 @@ def verify_cost(lm: LoadedModel, depths, context: int = 64, reps: int = 15) -> d
 
         return run
 
-    one = _median_time(fwd(1, False), reps)
+    one = median_time(fwd(1, False), reps)
     out = {"context": context, "serial_step_s": one, "plain": {}, "capture": {}}
     for k in depths:
-        out["plain"][k] = _median_time(fwd(k + 1, False), reps) / one
-        out["capture"][k] = _median_time(fwd(k + 1, True), reps) / one
+        out["plain"][k] = median_time(fwd(k + 1, False), reps) / one
+        out["capture"][k] = median_time(fwd(k + 1, True), reps) / one
     return out
 
 
@@ -136,7 +137,7 @@ def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strat
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
         for name, k, s, m in order:
-            res = _run_arm(lm, head, prompts, tokens, k, s, exact, m)
+            res = run_arm(lm, head, prompts, tokens, k, s, exact, m)
             if r > 0:
                 raw[name].append(res)
         if r > 0:
@@ -256,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         print("councild bench spec: --rounds must be >= 5", file=sys.stderr)
         return 2
 
-    from .model import load_model
-    from .mtp_head import NoMTPHead, copy_head_tensors, load_mtp_head
+    from ..engine.loading import load_model
+    from ..engine.mtp_head import NoMTPHead, copy_head_tensors, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path)
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depths.split(",")]
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    from .exactness import exact_guard
+    from ..engine.exactness import exact_guard
 
     strategies = tuple(args.rollbacks.split(","))
     probed = {s: exact_guard(lm, s, DEFAULT_GUARD) for s in strategies}

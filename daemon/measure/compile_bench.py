@@ -24,12 +24,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..bench_io import spread, write_results
+from .bench_io import spread, write_results
 from .fidelity import default_model_path, load_prompts
-from .sampling import Sampler
-from .serial import serial_decode
-from .speculative import speculative_decode
-from .types import SamplingParams
+from ..engine.sampling import Sampler
+from ..engine.serial import serial_decode
+from ..engine.speculative import speculative_decode
+from ..engine.types import SamplingParams
 
 
 @contextmanager
@@ -102,7 +102,8 @@ def paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4), pairs: int = 20, context
     machines: drift lands on both paths within a pair."""
     import time
 
-    from .rollback import Snapshot, capture_hidden
+    from ..engine.forward import capture_hidden
+    from ..engine.rollback import Snapshot
 
     cache = lm.make_cache()
     with decode_path(lm, None):
@@ -183,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"councild bench compile: --depths wants a comma list of integers, got {args.depths!r}", file=sys.stderr)
         return 2
 
-    from .model import load_model
-    from .mtp_head import NoMTPHead, load_mtp_head
+    from ..engine.loading import load_model
+    from ..engine.mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path)

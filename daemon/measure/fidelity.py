@@ -32,11 +32,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .model import LoadedModel
-from .sampling import Sampler
-from .serial import serial_decode
-from .speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
-from .types import SamplingParams
+from ..engine.model import LoadedModel
+from ..engine.sampling import Sampler
+from ..engine.serial import serial_decode
+from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
+from ..engine.types import SamplingParams
 
 PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
 
@@ -196,7 +196,7 @@ def batch_deviation(lm: LoadedModel, prompts: list[list[int]], depths=(1, 2, 3, 
     (every draft accepted, so the batched cache drift accumulates as in speculation), and
     compare the logits at every position. On CPU both are usually bit-identical; on a GPU
     this is the number the exact guard must cover (headroom > 1)."""
-    from .serial import prefill
+    from ..engine.serial import prefill
 
     def logits_of(prompt, cont, chunk):
         cache = lm.make_cache()
@@ -245,7 +245,7 @@ def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams
     """p at the end of ``prompt``: serial step numerics, the request's sampler transforms."""
     gen_sampler = Sampler(params)
     cache = lm.make_cache()
-    from .serial import prefill
+    from ..engine.serial import prefill
 
     last = prefill(lm, prompt, cache)
     logits = lm.logits(lm.hidden(last[None], cache))[:, -1, :]
@@ -371,13 +371,9 @@ def format_report(report: FidelityReport) -> str:
 
 
 def default_model_path() -> Path:
-    from daemon.paths import BUNDLED_MODEL
+    from ..paths import resolve_model
 
-    if (BUNDLED_MODEL / "config.json").exists():
-        return BUNDLED_MODEL
-    from .random_model import cached_random_model
-
-    return cached_random_model()
+    return Path(resolve_model(None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -405,8 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="fault injection: noise on the verify's logprobs, to prove the gate can fail")
     args = ap.parse_args(argv)
 
-    from .model import load_model
-    from .mtp_head import NoMTPHead, load_mtp_head
+    from ..engine.loading import load_model
+    from ..engine.mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path, compile_decode=args.compile)
@@ -418,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     prompts = load_prompts(args.prompts)
     if args.guard == "probe":
-        from .exactness import exact_guard
+        from ..engine.exactness import exact_guard
 
         guard = exact_guard(lm, args.rollback, DEFAULT_GUARD)
         print(f"exact-mode guard: {'off (the probe finds verify bit-identical to serial steps)' if guard is None else guard}",

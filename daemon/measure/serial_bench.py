@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from daemon.bench_io import spread, write_results
+from daemon.measure.bench_io import spread, write_results
 
 PROMPTS = [
     "def fibonacci(n):\n",
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the first round is a warm-up)")
 
-    from daemon.cli import resolve_model
-    from daemon.engine.model import load_model
+    from daemon.paths import resolve_model
+    from daemon.engine.loading import load_model
     from protocol.client import Client
 
     model = resolve_model(args.model)

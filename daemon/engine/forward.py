@@ -1,0 +1,164 @@
+"""The backbone forwards speculation runs besides mlx-lm's own (``LoadedModel.hidden``).
+
+One module holds every hand-written walk over a qwen3_5 / qwen3_next backbone, so the
+op-for-op copies of mlx-lm's code live in one place:
+- ``gdn_capture_forward``: mlx-lm's GatedDeltaNet block, op for op, plus the recurrent state
+  after every token and the conv input (whose sliding window gives the conv state after every
+  position). A pure function, so ``compiled.py`` can trace it.
+- ``capture_hidden``: the backbone forward with that block in every linear layer (capture
+  rollback's verify), eager; it hands over to the compiled walk where one applies.
+- ``compiled_forward``: the same walk through ``compiled.CompiledDecode``'s traced layers,
+  plain or capturing.
+
+dtype discipline: the recurrent state is float32; what the capturing block returns to the
+residual stream is in the activation dtype (the per-token readout is cast back, as in
+mlx-lm's ops path), so a verify never promotes the residual stream to float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+
+if TYPE_CHECKING:  # type only: the model module must not be a runtime dependency here
+    from .model import LoadedModel
+
+
+def _layers(backbone: nn.Module) -> list:
+    return getattr(backbone, "pipeline_layers", backbone.layers)
+
+
+def cache_arrays(cache: list) -> list[mx.array]:
+    """Every array a cache holds, cut to its filled part (KV offsets), evaluated now: KV
+    buffers are written in place later."""
+    out = []
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            out += [mx.array(x) for x in c.cache if x is not None]
+        else:  # KV: only the filled slots (a trim leaves stale ones past the offset)
+            out += [mx.array(x[..., : c.offset, :]) for x in (c.keys, c.values) if x is not None]
+    mx.eval(out)
+    return out
+
+
+@dataclass
+class _Capture:
+    cache: ArraysCache
+    conv_input: mx.array  # [B, K-1+T, C]: conv state before the verify, then T new rows
+    states: list  # recurrent state after each of the T tokens (float32)
+    n_keep: int
+
+
+def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
+    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
+    plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
+    ops path (CPU, CUDA) bit for bit. Returns (output, conv_input, per-token states)."""
+    B, S, _ = inputs.shape
+    if hasattr(attn, "in_proj_qkvz"):  # qwen3_next
+        q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(inputs), attn.in_proj_ba(inputs))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    else:  # qwen3_5
+        qkv = attn.in_proj_qkv(inputs)
+        z = attn.in_proj_z(inputs).reshape(B, S, attn.num_v_heads, attn.head_v_dim)
+        b = attn.in_proj_b(inputs)
+        a = attn.in_proj_a(inputs)
+
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    conv_out = nn.silu(attn.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
+            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
+            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+
+    # gated_delta_update -> gated_delta_ops, keeping every intermediate state.
+    beta = mx.sigmoid(b)
+    g = compute_g(attn.A_log, a, attn.dt_bias)
+    if (rf := attn.num_v_heads // attn.num_k_heads) > 1:
+        q = mx.repeat(q, rf, -2)
+        k = mx.repeat(k, rf, -2)
+    ys, states = [], []
+    for t in range(S):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
+        ys.append(y)
+        states.append(state)
+    out = mx.stack(ys, axis=1)  # y is cast to q's dtype inside the step: no float32 leak
+    out = attn.norm(out, z)
+    return attn.out_proj(out.reshape(B, S, -1)), conv_input, states
+
+
+def initial_states(attn: nn.Module, cache: ArraysCache, B: int, dtype) -> tuple[mx.array, mx.array]:
+    """The layer's (conv state, recurrent state), zeros where the cache has none yet."""
+    conv_state, state = cache[0], cache[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=dtype)
+    if state is None:
+        state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
+    return conv_state, state
+
+
+def record_capture(attn: nn.Module, cache: ArraysCache, conv_input: mx.array, states: list, rec: list) -> None:
+    """Advance the layer's cache past the whole verify and keep what commit() needs."""
+    n_keep = attn.conv_kernel_size - 1
+    cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    cache[1] = states[-1]
+    cache.advance(len(states))
+    rec.append(_Capture(cache, conv_input, states, n_keep))
+
+
+def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache, rec: list) -> mx.array:
+    if mask is not None:
+        raise ValueError("capture runs unpadded sequences only")
+    conv_state, state = initial_states(attn, cache, inputs.shape[0], inputs.dtype)
+    out, conv_input, states = gdn_capture_forward(attn, inputs, conv_state, state)
+    record_capture(attn, cache, conv_input, states, rec)
+    return out
+
+
+def capture_hidden(lm: LoadedModel, tokens: mx.array, cache: list, rec: list) -> mx.array:
+    """``lm.hidden`` with capture: qwen3_5/qwen3_next backbone forward, op for op."""
+    compiled = lm.compiled_decode
+    if compiled is not None and compiled.applies(tokens, cache):
+        return compiled.capture_hidden(tokens, cache, rec)
+    bb = lm.backbone
+    h = bb.embed_tokens(tokens)
+    layers = _layers(bb)
+    fa_mask = create_attention_mask(h, cache[bb.fa_idx]) if bb.fa_idx is not None else None
+    ssm_mask = create_ssm_mask(h, cache[bb.ssm_idx]) if bb.ssm_idx is not None else None
+    for layer, c in zip(layers, cache):
+        if layer.is_linear:
+            r = _gdn_capture(layer.linear_attn, layer.input_layernorm(h), ssm_mask, c, rec)
+            h = h + r
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        else:
+            h = layer(h, mask=fa_mask, cache=c)
+    return bb.norm(h)
+
+
+def compiled_forward(compiled, tokens: mx.array, cache: list, rec: list | None) -> mx.array:
+    """The same walk with ``compiled``'s traced layers (a ``compiled.CompiledDecode`` that
+    ``applies`` to this forward): linear layers whole, attention eager up to its compiled
+    tail. With ``rec``, the capturing variant, recorded as ``capture_hidden`` records."""
+    h = compiled.backbone.embed_tokens(tokens)
+    fa_mask = create_attention_mask(h, cache[compiled.fa_idx]) if compiled.fa_idx is not None else None
+    for i, (layer, c) in enumerate(zip(compiled.layers, cache)):
+        if not layer.is_linear:
+            r = layer.self_attn(layer.input_layernorm(h), fa_mask, c)
+            h = compiled.steps[i](h, r)
+        elif rec is None:
+            h, c[0], c[1] = compiled.steps[i](h, c[0], c[1])
+            c.advance(tokens.shape[1])
+        else:
+            h, conv_input, *states = compiled.capture_steps[i](h, c[0], c[1])
+            record_capture(layer.linear_attn, c, conv_input, states, rec)
+    return compiled.norm(h)

@@ -1,0 +1,136 @@
+"""The house rules inside daemon/, read from the source (every import, also those inside
+functions, which would otherwise hide a circle; imports under ``if TYPE_CHECKING:`` are
+annotations, not dependencies):
+- no import circle between daemon modules;
+- the engine imports nothing of the daemon outside daemon/engine/;
+- no gate or benchmark code under daemon/engine/, and nothing the running daemon imports
+  reaches the measurement wing (daemon/measure/) or the CLI."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import daemon
+
+ROOT = pathlib.Path(daemon.__file__).parent
+# What the running daemon imports, starting from `councild serve`'s server.
+SERVING_ROOTS = ("daemon.server", "daemon.worker")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                out.add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            for a in node.names:  # `from . import x` / `from .engine import model`
+                if f"{mod}.{a.name}" in modules:
+                    out.add(f"{mod}.{a.name}")
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    # keep daemon modules only; a package import means its __init__
+    return {m for m in out if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = sorted(ROOT.rglob("*.py"))
+    modules = {_module_name(f) for f in files}
+    return {_module_name(f): _imports(f, modules) for f in files}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := dfs(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := dfs(n)):
+            return found
+    return None
+
+
+def _reachable(graph: dict[str, set[str]], roots) -> set[str]:
+    seen, todo = set(), list(roots)
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += graph.get(n, ())
+    return seen
+
+
+def test_the_graph_is_read():
+    graph = _graph()
+    assert "daemon.engine.forward" in graph["daemon.engine.rollback"]
+    assert "daemon.engine.model" in graph["daemon.engine.loading"]
+    assert len(graph) >= 30
+
+
+def test_no_import_circle_inside_daemon():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+
+
+def test_a_planted_circle_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_engine_imports_only_the_engine():
+    for mod, deps in _graph().items():
+        if mod.startswith("daemon.engine"):
+            outside = {d for d in deps if not d.startswith("daemon.engine")}
+            assert not outside, f"{mod} imports {outside}"
+
+
+def test_no_gate_or_bench_under_engine():
+    names = {p.stem for p in (ROOT / "engine").glob("*.py")}
+    assert not {n for n in names if "bench" in n or "fidelity" in n or "gate" in n}, names
+
+
+def test_the_running_daemon_reaches_neither_measurement_nor_cli():
+    reach = _reachable(_graph(), SERVING_ROOTS)
+    assert "daemon.worker" in reach and "daemon.engine.speculative" in reach
+    bad = {m for m in reach if m.startswith("daemon.measure") or m == "daemon.cli"}
+    assert not bad, bad
