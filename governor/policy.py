@@ -15,6 +15,9 @@ Order within a tick (the order the actions come out in, and the step loop applie
                    with a neighbour probed now and then (on the decode clock)
 Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
 
+A stale estimate is a reason to look, never to move: the depth that looks best is probed
+directly (not one step at a time), paired against the current one.
+
 Probes are paired: the probed and the current depth alternate tick by tick until both have
 a window of new cycles, so a change of load, council or text during a probe (a probe on the
 decode clock may span an idle gap and the regime change after it) weighs on both sides
@@ -357,6 +360,12 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         if step > cur and obs.pressure != NORMAL:
             return s  # under warn, no deeper drafts (more memory); lower is still fine
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        if ests[best].stale and best != step:
+            # Measure the depth that looks best directly (paired with this one) rather than
+            # climbing one probed step at a time: after batching or a reload every estimate
+            # is stale, and a stepwise climb spent most of a burst below the best depth (the
+            # replay evaluation: 5-6% of a quiet regime after council load).
+            return _probe(s, obs, out, now, best, cfg, f"{why}, but its estimate is stale: probe it against {cur}")
         if ests[step].stale:
             # A stale or prior estimate is a reason to look, not to move: probe, and stay
             # only if the measurement confirms it.

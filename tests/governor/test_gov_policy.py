@@ -63,7 +63,9 @@ class Harness:
         before = self.state.depth
         self.state, actions, reasons = decide(self.state, obs, self.t, self.cfg)
         assert reasons and all("decision" in r and "sentence" in r for r in reasons)
-        assert abs(self.state.depth - before) <= 1 or self.state.depth == 0 or self.state.override == "pin_depth"
+        probing = any(r["decision"] in ("probe", "probe_step", "probe_end") for r in reasons)
+        assert (abs(self.state.depth - before) <= 1 or self.state.depth == 0 or self.state.override == "pin_depth"
+                or probing)  # moves are one step at a time; a probe measures any depth
         for a in actions:
             self.log.append((self.t, a))
             if self.apply_head and isinstance(a, LoadHead):
