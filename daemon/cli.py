@@ -142,6 +142,10 @@ def cmd_serve(args) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
+        # The event OPERATIONS.md promises for every failed start, in the format the flags
+        # ask for (the file's own log settings are what failed to load).
+        configure_logging(args.log_format or "auto", args.log_level or "info")
+        get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
         print(f"councild: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
@@ -215,6 +219,13 @@ def _decoding(d: dict) -> str:
     return f"{d.get('decode_path') or '?'}; " + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}")
 
 
+def _clients(d: dict) -> str:
+    if "clients" not in d:
+        return ""
+    with_work = f"{d['clients_with_work']} with work in flight, " if "clients_with_work" in d else ""
+    return f"; clients: {with_work}{d['clients']} heard from within the heartbeat timeout"
+
+
 def format_status(reply) -> str:
     """The `councild status` table: one row per fact, then one row per seat."""
     d = reply.detail or {}
@@ -238,8 +249,7 @@ def format_status(reply) -> str:
         ("MTP head", head),
         ("depth", depth),
         *([("decoding", _decoding(d))] if "decode_path" in d else []),
-        ("in flight", f"{reply.active} active, {reply.queued} queued"
-                      + (f", {d['clients']} clients" if "clients" in d else "")),
+        ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
     mem = d.get("memory")

@@ -174,4 +174,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         if "`$.governor" not in message:
             message += " - at `$.governor`"
         raise ConfigError(f"invalid [governor] table{where}: {message}") from None
+    _check_relations(cfg, where)
     return cfg
+
+
+def _check_relations(cfg: Config, where: str) -> None:
+    """Rules between keys, which no single key's type can say."""
+    if cfg.heartbeat_interval_s >= cfg.heartbeat_timeout_s:
+        # Clients ping every interval (the daemon tells them in Welcome); an interval at or
+        # above the timeout would cut every idle client that is doing exactly as told.
+        raise ConfigError(
+            f"invalid configuration{where}: heartbeat_interval_s ({cfg.heartbeat_interval_s}) must be "
+            f"below heartbeat_timeout_s ({cfg.heartbeat_timeout_s}) - at `$.heartbeat_interval_s`")

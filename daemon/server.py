@@ -27,7 +27,11 @@ from .config import Config
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
 from .logs import get_logger
 from .requests import Job
-from .worker import OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor, Stop, Submit
+from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
+                     ReloadScheduler, Stop, Submit)
+
+# What SIGHUP applies to a running daemon; any other key that changed needs a restart.
+LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s"})
 
 log = get_logger("councild.server")
 
@@ -208,14 +212,25 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        # Bind before the load: a malformed endpoint or a TCP port in use is an answer the
+        # operator should get in a second, not after minutes of loading a 15 GB model.
+        # Clients that connect meanwhile queue; they are answered once the loop runs.
+        try:
+            router = self._router = self._bind()
+        except StartupError:
+            engine_out.close(linger=0)
+            raise
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
         self.worker.loaded.wait()
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
+            router.close(linger=0)
+            engine_out.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
             raise StartupError(f"model {self.model_path} failed to load: {exc}", code)
-        router = self._router = self._bind()
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
                  version=daemon.__version__, protocol=PROTOCOL_VERSION)
@@ -497,18 +512,24 @@ class Server:
             if self.notifier:
                 self.notifier.ready()
             return
-        # Scheduling and governor settings apply live; model and endpoint need a restart.
-        self.cfg.scheduler = new.scheduler
-        self.worker.scheduler.cfg = new.scheduler
+        # The settings in LIVE_ON_RELOAD apply now, each by its one path (the engine's take a
+        # command on its queue); every other key that changed is named as needing a restart,
+        # so no change is ever dropped in silence.
+        changed = [k for k in new.__struct_fields__ if getattr(new, k) != getattr(self.cfg, k)]
+        if new.scheduler != self.cfg.scheduler:
+            self.cfg.scheduler = new.scheduler
+            self.worker.commands.put(ReloadScheduler(new.scheduler))
         if new.governor != self.cfg.governor:
             self.cfg.governor = new.governor
             self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
-        needs_restart = [k for k in ("model", "endpoint", "speculation", "max_frame_bytes", "insecure_tcp",
-                                     "curve_secret_key_file", "governor_enabled", "governor_trace")
-                         if getattr(new, k) != getattr(self.cfg, k)]
-        log.info("config.reloaded", path=self.config_path, needs_restart=needs_restart)
+        applied = [k for k in changed if k in LIVE_ON_RELOAD]
+        needs_restart = [k for k in changed if k not in LIVE_ON_RELOAD]
+        log.info("config.reloaded", path=self.config_path, applied=applied, needs_restart=needs_restart)
+        if needs_restart:
+            log.warning("config.needs_restart", keys=needs_restart,
+                        message="these changed in the file but apply only at the next start: restart the daemon")
         if self.notifier:
             self.notifier.ready()
 
@@ -535,7 +556,10 @@ class Server:
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
+                # Heard from within heartbeat_timeout_s (a client that left counts until then:
+                # a ROUTER socket is not told when a peer goes), and those with work in flight.
                 "clients": len(self.last_seen),
+                "clients_with_work": len(set(self.live.values())),
                 "memory": snap.memory,
                 "governor": snap.governor,
             },

@@ -12,7 +12,6 @@ import queue
 import threading
 import time
 import traceback
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ from .detokenize import CommittedText
 from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
+from .seat_stats import SeatStats
 
 log = get_logger("councild.engine")
 
@@ -57,6 +57,11 @@ class Stop:
 @dataclass
 class ReloadGovernor:
     table: dict
+
+
+@dataclass
+class ReloadScheduler:
+    cfg: Any  # SchedulerConfig: seats, weights, bounds; applies from the next admission
 
 
 @dataclass
@@ -132,8 +137,7 @@ class EngineWorker(threading.Thread):
         self.scheduler = Scheduler(cfg.scheduler)
         self.jobs: dict[tuple[str, str], Job] = {}
         self._out: zmq.Socket | None = None
-        self._rate_window: deque = deque()
-        self._seat_tokens: dict[str, int] = {}
+        self._seat_stats = SeatStats()
         self._stopping = False
         self._published_at = 0.0
 
@@ -161,7 +165,9 @@ class EngineWorker(threading.Thread):
 
     def _load(self) -> None:
         from .engine.loading import load_model
+        from .logs import route_library_logs
 
+        route_library_logs()
         t0 = time.perf_counter()
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
@@ -309,6 +315,8 @@ class EngineWorker(threading.Thread):
             elif isinstance(cmd, ReloadGovernor):
                 if self.governance is not None:
                     self.governance.reconfigure(cmd.table)
+            elif isinstance(cmd, ReloadScheduler):
+                self.scheduler.cfg = cmd.cfg
             elif isinstance(cmd, Stop):
                 self._stopping = True
                 if not self.scheduler.has_work():
@@ -545,10 +553,7 @@ class EngineWorker(threading.Thread):
 
     def _count_tokens(self, seat: str, n: int) -> None:
         now = time.monotonic()
-        self._rate_window.append((now, n, seat))
-        while self._rate_window and now - self._rate_window[0][0] > 10.0:
-            self._rate_window.popleft()
-        self._seat_tokens[seat] = self._seat_tokens.get(seat, 0) + n
+        self._seat_stats.count(seat, n)
         with self.snapshot_lock:
             self.snapshot.tokens_total += n
             self.snapshot.steps_total += 1
@@ -564,11 +569,11 @@ class EngineWorker(threading.Thread):
 
         memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
                   "peak_bytes": mx.get_peak_memory()}
-        window = [(n, seat) for t, n, seat in self._rate_window if now - t <= 10.0]
-        span = min(10.0, now - self._rate_window[0][0]) if self._rate_window else 0.0
-        per_seat: dict[str, int] = {}
-        for n, seat in window:
-            per_seat[seat] = per_seat.get(seat, 0) + n
+        stats = self._seat_stats
+        busy = {job.seat for job in self.jobs.values()}
+        stats.mark_busy(busy)
+        stats.prune(busy)
+        total_rate, per_seat = stats.rates()
         active = [
             {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
             for j in self.scheduler.active
@@ -577,16 +582,16 @@ class EngineWorker(threading.Thread):
         for job in self.jobs.values():
             s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
             s["active" if job in self.scheduler.active else "queued"] += 1
-        for seat, n in self._seat_tokens.items():
+        for seat, n in stats.totals.items():
             s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
             s["tokens"] = n
             # Over the same last-10-seconds window as the daemon's total.
-            s["tokens_per_s"] = round(per_seat.get(seat, 0) / span, 2) if span > 0.5 else 0.0
+            s["tokens_per_s"] = per_seat.get(seat, 0.0)
         with self.snapshot_lock:
             self.snapshot.active = active
             self.snapshot.depth = self.current_depth()
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
-            self.snapshot.recent_tokens_per_s = sum(n for n, _ in window) / span if span > 0.5 else 0.0
+            self.snapshot.recent_tokens_per_s = total_rate
             self.snapshot.seats = seats
             self.snapshot.memory = memory
             if self.governance is not None:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .chunked_prefill import default_enabled
 from .compiled import enable_compiled_decode
 from .model import LoadedModel
 
 
-def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
+def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
-    compiled one-token forward (``compiled.py``) where it is bit-identical to eager."""
+    compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
+    ``chunked_prefill``: prefill GatedDeltaNet layers in chunked form (``chunked_prefill.py``;
+    None: wherever mlx-lm has no fused recurrence kernel, i.e. off Metal's GPU)."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -32,6 +35,9 @@ def load_model(path: str | Path, *, compile_decode: bool = True) -> LoadedModel:
         model_type=config.get("model_type", ""),
         eos_token_ids=frozenset(eos),
     )
+    if chunked_prefill is None:
+        chunked_prefill = default_enabled()
+    lm.chunked_prefill = bool(chunked_prefill) and lm.supports_mtp
     if compile_decode and lm.supports_mtp:
         reason = enable_compiled_decode(lm)
         lm.decode_path = "compiled" if reason is None else f"eager: {reason}"

@@ -34,6 +34,9 @@ class LoadedModel:
     compiled_decode: Any = None
     # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
     decode_path: str = "eager: not requested"
+    # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
+    # instead of token by token; load_model turns it on where mlx-lm has no fused kernel.
+    chunked_prefill: bool = False
 
     @property
     def name(self) -> str:
@@ -63,6 +66,16 @@ class LoadedModel:
             if h is not None:
                 return h
         return self.backbone(tokens, cache)
+
+    def prefill_hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """``hidden`` for a prompt chunk: the chunked recurrence where enabled and it applies
+        (long enough, one unpadded sequence); decode steps and verifies never come here."""
+        if self.chunked_prefill:
+            from . import chunked_prefill
+
+            if chunked_prefill.applies(self, tokens, cache):
+                return chunked_prefill.prefill_hidden(self, tokens, cache)
+        return self.hidden(tokens, cache)
 
     def logits(self, hidden: mx.array) -> mx.array:
         text = self.text_module

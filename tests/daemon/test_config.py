@@ -158,3 +158,13 @@ def test_governor_errors_use_the_full_key_path(tmp_path):
 def test_governor_can_be_disabled(tmp_path):
     cfg = load_config(write(tmp_path, "governor_enabled = false\n"), env={})
     assert cfg.governor_enabled is False and cfg.governor == {}
+
+
+@pytest.mark.parametrize("text", ["heartbeat_interval_s = 12.0\n", "heartbeat_interval_s = 3.0\nheartbeat_timeout_s = 3.0\n"])
+def test_heartbeat_interval_must_be_below_the_timeout(tmp_path, text):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=r"heartbeat_interval_s .* must be below heartbeat_timeout_s .*\$\.heartbeat_interval_s"):
+        load_config(f, env={})
+    f.write_text("heartbeat_interval_s = 2.0\nheartbeat_timeout_s = 3.0\n")
+    assert load_config(f, env={}).heartbeat_interval_s == 2.0

@@ -267,6 +267,16 @@ def test_bad_config_exits_78_naming_the_key(tmp_path, e2e_model, config, names):
     assert out.returncode == 78, out.stderr
     for name in names:
         assert name in out.stderr, out.stderr
+    # The event OPERATIONS.md promises for every failed start, as a JSON line.
+    failed = [json.loads(line) for line in out.stderr.splitlines() if '"daemon.startup_failed"' in line]
+    assert failed and failed[0]["exit_code"] == 78 and names[0] in failed[0]["error"], out.stderr
+
+
+@pytest.mark.parametrize("endpoint, code", [("tcp://not a host:x", 78), ("garbage", 78)])
+def test_a_bad_endpoint_is_refused_before_the_model_loads(tmp_path, e2e_model, endpoint, code):
+    out = serve(tmp_path, "--model", str(e2e_model), "--endpoint", endpoint, "--insecure-tcp", timeout=60)
+    assert out.returncode == code, out.stderr
+    assert "cannot bind" in out.stderr and '"daemon.loading"' not in out.stderr, out.stderr
 
 
 def test_missing_config_file_exits_78(tmp_path):
@@ -439,3 +449,17 @@ def test_sighup_applies_governor_settings_live(svc):
     # Back to the defaults: the governor follows again.
     event = reload(svc, SVC_CONFIG, "governor.reconfigured")
     assert event["changed"] == ["depth_margin", "probe_interval_s"]
+
+
+def test_sighup_names_every_changed_key_it_cannot_apply(svc):
+    """max_tokens, max_prompt_tokens and client_send_hwm once changed in the file, logged
+    `needs_restart: []`, and silently did nothing."""
+    text = "max_tokens = 1000\nmax_prompt_tokens = 2000\nclient_send_hwm = 500\n" + SVC_CONFIG
+    event = reload(svc, text, "config.reloaded")
+    assert sorted(event["needs_restart"]) == ["client_send_hwm", "max_prompt_tokens", "max_tokens"], event
+    assert event["applied"] == []
+    warned = wait_event(svc, "config.needs_restart")[-1]
+    assert warned["level"] == "warning" and sorted(warned["keys"]) == sorted(event["needs_restart"])
+    # The file back as the daemon runs it: nothing differs from what runs.
+    event = reload(svc, SVC_CONFIG, "config.reloaded")
+    assert event["needs_restart"] == []

@@ -164,3 +164,12 @@ def test_operator_commands_say_what_they_did_and_never_trace_back(bundled_daemon
     assert "Traceback" not in garbage.stderr
     piped = _councild("status", endpoint=ep, shell_pipe="head -1")
     assert piped.stdout.startswith("server") and "Traceback" not in piped.stderr, piped.stderr
+
+
+def test_every_line_the_bundled_daemon_logs_is_json(bundled_daemon):
+    """Loading the bundled model makes transformers warn about rope_parameters keys; that
+    line once reached stderr as plain text in the middle of the JSON stream."""
+    lines = [line for line in bundled_daemon.log_path.read_text().splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]  # every line, not just most
+    assert "model.loaded" in {e["event"] for e in events}
+    assert all({"event", "level", "timestamp"} <= e.keys() for e in events)
