@@ -391,8 +391,10 @@ def _samples(obs: Observation, k: int) -> int:
 
 def _probe_done(s: State, obs: Observation, cfg: GovernorConfig, probed: int, back: int) -> bool:
     """probe_s of decoding passed and both depths have cost_window new cycles, or the probe
-    has run probe_max_factor x probe_s. (A count below its start means the cost model
-    started that depth afresh: what it holds now is all new.)"""
+    has run probe_max_factor x probe_s. Sooner when the verdict is clear: both have
+    trust_samples new cycles and one scores twice the margin better than the other (half a
+    probe spent at a much worse depth is what a long paired probe costs). (A count below
+    its start means the cost model started that depth afresh: what it holds now is all new.)"""
     started = s.probe_started_decode_s if s.probe_started_decode_s is not None else obs.decode_s - cfg.probe_s
     ran = obs.decode_s - started
     if ran >= cfg.probe_s * cfg.probe_max_factor:
@@ -406,8 +408,14 @@ def _probe_done(s: State, obs: Observation, cfg: GovernorConfig, probed: int, ba
         n = _samples(obs, k)
         return n - at if n >= at else n
 
-    need = cfg.cost_window
-    return new(probed, s.probe_samples_at[0]) >= need and new(back, s.probe_samples_at[1]) >= need
+    n_p, n_b = new(probed, s.probe_samples_at[0]), new(back, s.probe_samples_at[1])
+    if n_p >= cfg.cost_window and n_b >= cfg.cost_window:
+        return True
+    sc = _scores(obs)
+    sp, sb = (sc[probed] if probed < len(sc) else None), (sc[back] if back < len(sc) else None)
+    clear = 1 + 2 * cfg.depth_margin
+    return (n_p >= cfg.trust_samples and n_b >= cfg.trust_samples and sp is not None and sb is not None
+            and (sp >= sb * clear or sb >= sp * clear))  # fmt: skip
 
 
 def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:

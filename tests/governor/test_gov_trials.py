@@ -147,3 +147,17 @@ def test_a_regime_change_at_a_probes_start_does_not_decide_it():
     assert gov.depth == 1
     moves = [a.depth for _, a in eng.history if isinstance(a, SetDepth)]
     assert moves[0] == 2 and 2 < len(moves)  # the probe alternated 2, 1, 2, ...
+
+
+def test_a_clear_verdict_ends_the_probe_after_probe_s():
+    """Depth 2 scores three times depth 1: no need to wait for a full window of each (half of
+    that wait would be spent at the much worse depth)."""
+    cfg = GovernorConfig(probe_interval_s=30.0, probe_s=2.0)
+    h = Harness(cfg=cfg, state=State(depth=1, head_target=True))
+    h.cycles_per_tick = 4
+    h.run(31.0, scores=[10.0, 13.0, 40.0, 11.0, 10.0], stale=[False, False, True, False, False])
+    start = next(t for t, d, _ in h.decisions if d == "probe")
+    h.run(12.0, scores=[10.0, 13.0, 40.0, 11.0, 10.0], stale=False)
+    end = next(t for t, d, _ in h.decisions if d == "probe_end")
+    assert cfg.probe_s <= end - start <= cfg.probe_s + 3 * cfg.tick_s
+    assert h.state.depth == 2
