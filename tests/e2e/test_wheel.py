@@ -32,11 +32,18 @@ RUNTIME_FILES = [
     "daemon/service/templates/councild.plist.in",
     "daemon/service/OPERATIONS.md",
     "daemon/measure/fidelity_prompts.json",
+    "daemon/measure/quoting_prompts.json",
     "daemon/assets/tiny-qwen35/config.json",
     "daemon/assets/tiny-qwen35/model.safetensors",
     "daemon/assets/tiny-qwen35/tokenizer.json",
     "protocol/PROTOCOL.md",
 ]
+
+
+def _git_listed(*pathspec: str) -> list[str]:
+    out = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard",
+                          *pathspec], capture_output=True, check=True).stdout.decode()
+    return [rel for rel in out.split("\0") if rel]
 
 
 @dataclass
@@ -63,9 +70,7 @@ class Installed:
 def _copy_source(dst: Path) -> None:
     """What a fresh clone holds (tracked files plus new ones git does not ignore), with the
     working tree's edits: the build then writes its build/ and egg-info into the copy."""
-    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            capture_output=True, check=True).stdout.decode().split("\0")
-    for rel in filter(None, listed):
+    for rel in _git_listed():
         src, out = REPO / rel, dst / rel
         if not os.path.lexists(src):  # deleted in the working tree, not yet staged
             continue
@@ -122,6 +127,15 @@ def test_the_wheel_carries_every_file_read_at_run_time(installed):
     for name in RUNTIME_FILES:
         path = installed.site / name
         assert path.is_file() and not path.is_symlink(), path
+    # Nor may a data file added to daemon/ later be left behind (a symlinked folder counts by
+    # its files).
+    for rel in _git_listed("daemon"):
+        path = REPO / rel
+        if not path.exists():  # deleted in the working tree, not yet staged
+            continue
+        names = [f"{rel}/{f.name}" for f in path.iterdir() if f.is_file()] if path.is_dir() else [rel]
+        for name in names:
+            assert name.endswith(".py") or name in infos, f"{name} is in daemon/ but not in the wheel"
     template = (installed.site / "daemon/service/templates/councild.service.in").read_text()
     assert template == (REPO / "systemd-launchd" / "councild.service.in").read_text()
     # The installed code is what the venv imports, from any folder.
