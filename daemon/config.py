@@ -52,6 +52,12 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # batched kernels round differently from one-token ones (Metal, CUDA), requests that
     # must be exact at temperature 0 still decode alone; "fast" and sampled ones batch.
     batching: bool = True
+    # A prompt is prefilled this many tokens at a time, each chunk one unit of work between
+    # other streams' decode cycles; cancel, deadlines and the drain are checked between
+    # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
+    # prefill throughput. (On CPU, chunks of a multiple of 8 tokens leave the cache bit-
+    # identical to one-shot prefill; other sizes can differ in the last ulp.)
+    prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 
@@ -77,6 +83,23 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
     # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
+
+
+class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Keep state snapshots at prefill-chunk-aligned boundaries (a prompt's last one, and a
+    # chat's first message's) and continue later prompts that start with them.
+    enabled: bool = True
+    # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
+    max_bytes: PositiveInt = 1 << 30
+
+
+class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Variables for the model's chat template on every chat request (a request's own
+    # chat_template_kwargs override them), e.g. {enable_thinking = false} for Qwen3.5.
+    template_kwargs: dict[str, str | bool | int | float] = {}
+    # Where the template marks thinking (<think>...</think>), stream it in `reasoning`,
+    # apart from the answer in `text` (daemon/reasoning.py). false: one text, markers kept.
+    separate_reasoning: bool = True
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -106,8 +129,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
+    # log-only shops); 0 turns them off.
+    stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    chat: ChatConfig = ChatConfig()
+    # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
+    # only lets it sit in the same file.
+    http: dict[str, Any] = {}
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True

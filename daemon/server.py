@@ -8,6 +8,7 @@ into flags the loop reads, so there is exactly one shutdown path.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
 import os
@@ -29,14 +30,19 @@ from .config import Config
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
 from .logs import get_logger, lines_dropped
 from .requests import Job
+from .stats import Tallies
 from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
                      ReloadScheduler, Stop, Submit)
 
 # What SIGHUP applies to a running daemon; any other key that changed needs a restart.
-LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s"})
+LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s", "stats_interval_s"})
+# Tables in the daemon's file that belong to other processes (`councild http` reads [http]).
+NOT_THE_DAEMONS = frozenset({"http"})
 
 log = get_logger("councild.server")
 
+# Each progress step of a model load extends systemd's start timeout this far past now.
+LOAD_EXTEND_S = 120.0
 
 
 class StartupError(Exception):
@@ -68,6 +74,13 @@ class _Hooks:
     def on_step(self) -> None:
         self.server.notifier_progress()
 
+    def on_load_progress(self, percent: int) -> None:
+        self.server.load_progress(percent)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
 
 class Server:
     def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None):
@@ -78,6 +91,10 @@ class Server:
         self.model_path = model_path
         self.ctx = zmq.Context()
         self.started = time.monotonic()
+        self.started_wall = time.time()
+        # Requests refused before reaching the engine: (seat, error code) -> count.
+        self.rejected: dict[tuple[str, str], int] = {}
+        self._stats_logged_at = time.monotonic()
         self.seats: dict[bytes, str] = {}
         self.last_seen: dict[bytes, float] = {}
         self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
@@ -264,9 +281,10 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        self._make_notifier()
         # Bind before the load: a malformed endpoint or a TCP port in use is an answer the
-        # operator should get in a second, not after minutes of loading a 15 GB model.
-        # Clients that connect meanwhile queue; they are answered once the loop runs.
+        # operator should get in a second, not after minutes of loading a 15 GB model; and
+        # meanwhile Status answers "loading" with the progress (_answer_while_loading).
         try:
             router = self._router = self._bind()
         except StartupError:
@@ -274,17 +292,18 @@ class Server:
             raise
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
-        # Poll, so a SIGTERM/SIGINT during a load (minutes for a big model, and a load cannot
-        # be interrupted) ends the process now: nothing is in flight yet. The caller leaves
-        # with os._exit, which takes the loading thread with it.
-        while not self.worker.loaded.wait(0.1):
-            if self.draining_since is not None:
-                router.close(linger=0)
-                engine_out.close(linger=0)
-                if self.endpoint.startswith("ipc://"):
-                    Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
-                log.info("daemon.stop", reason="signal", forced=False, during_load=True)
-                return EXIT_OK
+        self.load_progress(0)
+        # Answers Status and Hello meanwhile; returns False when a SIGTERM/SIGINT came during
+        # the load (minutes for a big model, and a load cannot be interrupted): nothing is in
+        # flight yet, so the process ends now. The caller leaves with os._exit, which takes
+        # the loading thread with it.
+        if not self._answer_while_loading(router):
+            router.close(linger=0)
+            engine_out.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            log.info("daemon.stop", reason="signal", forced=False, during_load=True)
+            return EXIT_OK
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
@@ -347,12 +366,64 @@ class Server:
         log.info("daemon.stop", reason="signal", forced=self.stop_now)
         return EXIT_OK
 
+    def _make_notifier(self) -> None:
+        try:
+            from .notify import Notifier
+        except ImportError:  # the service integration is optional
+            return
+        self.notifier = Notifier()
+
+    def load_progress(self, percent: int) -> None:
+        """Each step of the weights read (engine thread) pushes systemd's start timeout
+        LOAD_EXTEND_S past now: a big model may take longer than TimeoutStartSec, while a
+        load that stops making progress is still killed LOAD_EXTEND_S later."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(LOAD_EXTEND_S)
+            self.notifier.status(f"loading {Path(self.model_path).name}: {percent}%")
+
+    def _answer_while_loading(self, router: zmq.Socket) -> bool:
+        """Until the engine has loaded: Status answers with the load's progress, Hello with a
+        Welcome; Generate is refused (``overloaded`` with a retry hint); Ping gets no Pong
+        yet (a Pong means ready: launchers wait for it)."""
+        while not self.worker.loaded.wait(0.05):
+            if self.draining_since is not None:
+                return False
+            if not router.poll(200, zmq.POLLIN):
+                continue
+            for _ in range(256):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    continue
+                identity = frames[0]
+                try:
+                    msg = decode_client(frames[1], self.cfg.max_frame_bytes)
+                except ProtocolError as exc:  # answered as when serving: one terminal each
+                    rid = peek_request_id(frames[1]) if exc.code == "invalid_request" else None
+                    self._reply(router, identity, m.Error(code=exc.code, message=exc.message, request_id=rid))
+                    continue
+                pct = self.worker.read_snapshot().load_progress.get("percent", 0)
+                if isinstance(msg, m.Status):
+                    self._reply(router, identity, self.status_reply())
+                elif isinstance(msg, m.Hello):
+                    self.seats[identity] = msg.seat
+                    self._reply(router, identity, self._welcome(msg.seat))
+                elif isinstance(msg, m.Generate):
+                    self._reply(router, identity, m.Error(
+                        code="overloaded", request_id=msg.request_id, retry_after_s=2.0,
+                        message=f"the model is still loading ({pct}% of its weights read)"))
+                elif isinstance(msg, m.GovernorCommand):
+                    self._reply(router, identity, m.GovernorReply(ok=False, message="the model is still loading"))
+        return True
+
     def _start_notifier(self) -> None:
         try:
             from .notify import Notifier, WatchdogPacer
         except ImportError:  # the service integration is optional
             return
-        self.notifier = Notifier()
+        self.notifier = self.notifier or Notifier()
         self.notifier.ready()
         self.notifier.status(f"serving {Path(self.model_path).name} on {self.endpoint}")
         self._watchdog = WatchdogPacer(self.notifier)
@@ -415,7 +486,8 @@ class Server:
             seat=seat,
             server=f"councild {daemon.__version__}",
             model=Path(self.model_path).name,
-            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority"],
+            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
+                          "chat_template_kwargs", "reasoning", "sampling_options", "logprobs"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
                             max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
@@ -426,6 +498,7 @@ class Server:
             self._reply(router, identity, m.Error(code=code, message=message, request_id=msg.request_id,
                                                    retry_after_s=retry_after))
             log.info("request.rejected", request_id=msg.request_id, seat=seat, code=code, message=message)
+            self.rejected[(seat, code)] = self.rejected.get((seat, code), 0) + 1
 
         seat = self.seats.get(identity, "default")
         key = (seat, msg.request_id)
@@ -613,6 +686,22 @@ class Server:
         if self.reload_requested:
             self.reload_requested = False
             self._reload()
+        interval = self.cfg.stats_interval_s
+        if interval > 0 and now - self._stats_logged_at >= interval:
+            self._stats_logged_at = now
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        """The periodic ``stats`` event: what /metrics shows, for shops that only read logs."""
+        d = self.status_reply().detail
+        st = d["stats"]
+        log.info("stats", active=len(d["active_requests"]), queued=sum(s.get("queued", 0) for s in d["seats"].values()),
+                 in_flight=d["in_flight"], tokens_total=d["tokens_total"], tokens_per_s=d["recent_tokens_per_s"],
+                 depth=d["depth"], head_resident=d["head_resident"], memory=d["memory"],
+                 pressure=d["governor"].get("pressure"), requests=st["requests"], drafted=st["drafted"],
+                 accepted=st["accepted"], ttft_count=st["ttft_seconds"]["count"],
+                 ttft_mean_s=round(st["ttft_seconds"]["sum"] / max(1, st["ttft_seconds"]["count"]), 4),
+                 clients=d["clients"])
 
     def _reload(self) -> None:
         from .config import ConfigError, load_config
@@ -629,7 +718,8 @@ class Server:
         # The settings in LIVE_ON_RELOAD apply now, each by its one path (the engine's take a
         # command on its queue); every other key that changed is named as needing a restart,
         # so no change is ever dropped in silence.
-        changed = [k for k in new.__struct_fields__ if getattr(new, k) != getattr(self.cfg, k)]
+        changed = [k for k in new.__struct_fields__
+                   if k not in NOT_THE_DAEMONS and getattr(new, k) != getattr(self.cfg, k)]
         if new.scheduler != self.cfg.scheduler:
             self.cfg.scheduler = new.scheduler
             self.worker.commands.put(ReloadScheduler(new.scheduler))
@@ -638,6 +728,7 @@ class Server:
             self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
+        self.cfg.stats_interval_s = new.stats_interval_s
         applied = [k for k in changed if k in LIVE_ON_RELOAD]
         needs_restart = [k for k in changed if k not in LIVE_ON_RELOAD]
         log.info("config.reloaded", path=self.config_path, applied=applied, needs_restart=needs_restart)
@@ -647,11 +738,22 @@ class Server:
         if self.notifier:
             self.notifier.ready()
 
+    def _stats(self, snap) -> dict:
+        """The engine's tallies, with the requests this loop refused merged into the outcomes."""
+        stats = dict(snap.stats) if snap.stats else Tallies().to_dict()
+        requests = {seat: dict(v) for seat, v in stats.get("requests", {}).items()}
+        for (seat, code), n in self.rejected.items():
+            by = requests.setdefault(seat, {})
+            by[code] = by.get(code, 0) + n
+        stats["requests"] = requests
+        return stats
+
     def status_reply(self) -> m.StatusReply:
         snap = self.worker.read_snapshot()
+        now_wall = time.time()
         return m.StatusReply(
             server=f"councild {daemon.__version__}",
-            model=snap.model,
+            model=snap.model or Path(self.model_path).name,
             uptime_s=round(time.monotonic() - self.started, 3),
             active=len(snap.active),
             queued=sum(snap.queued.values()),
@@ -660,6 +762,9 @@ class Server:
                 "endpoint": self.endpoint,
                 "model_type": snap.model_type,
                 "draining": self.draining_since is not None,
+                "state": ("loading" if not snap.ready else "draining" if self.draining_since is not None
+                          else "serving"),
+                "load_progress": snap.load_progress,
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,
@@ -669,6 +774,8 @@ class Server:
                 "active_requests": snap.active,
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
+                "prefill_tokens_total": snap.prefill_tokens_total,
+                "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 # Heard from within heartbeat_timeout_s (a client that left counts until then:
                 # a ROUTER socket is not told when a peer goes), and those with work in flight.
@@ -678,5 +785,11 @@ class Server:
                 "log_lines_dropped": lines_dropped(),
                 "memory": snap.memory,
                 "governor": snap.governor,
+                "stats": self._stats(snap),
+                # Wall-clock times (UTC, ISO 8601 and Unix seconds), for logs and dashboards.
+                "time": {
+                    "now": _iso(now_wall), "now_unix": round(now_wall, 3),
+                    "started_at": _iso(self.started_wall), "started_at_unix": round(self.started_wall, 3),
+                },
             },
         )
