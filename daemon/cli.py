@@ -331,6 +331,8 @@ DELEGATED = {
     ("bench", "spec"): ("daemon.measure.spec_bench", "speculation by depth against serial, interleaved"),
     ("bench", "compile"): ("daemon.measure.compile_bench",
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
+    ("bench", "prefill"): ("daemon.measure.prefill_bench",
+                           "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
