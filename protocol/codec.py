@@ -29,6 +29,11 @@ class _Envelope(msgspec.Struct):
     v: int
 
 
+class _RequestId(msgspec.Struct):
+    request_id: Any = None
+
+
+_RequestIdOnly = msgspec.msgpack.Decoder(_RequestId)
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(_Envelope)
 _client = msgspec.msgpack.Decoder(ClientMessage)
@@ -59,8 +64,11 @@ def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str
         return decoder.decode(frame)
     except msgspec.ValidationError as exc:
         raise ProtocolError("invalid_request", str(exc)) from None
-    except msgspec.DecodeError as exc:  # pragma: no cover - the envelope already parsed
-        raise ProtocolError("bad_frame", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        # The envelope parsed, so the frame is msgpack; what fails now is a value, in
+        # practice a string that is not valid UTF-8 (a prompt cut mid-character, say). That
+        # is the request's fault, answered with its id like any other invalid field.
+        raise ProtocolError("invalid_request", f"{exc} (every string must be valid UTF-8)") from None
     except RecursionError:  # pragma: no cover - the envelope's skip recurses first
         raise ProtocolError("bad_frame", "nested too deeply") from None
 
@@ -78,12 +86,12 @@ def decode_daemon(frame: bytes, max_bytes: int = 64 << 20) -> DaemonMessage:
 def peek_request_id(frame: bytes) -> str | None:
     """Best-effort request id of a frame that failed validation, so its error can be routed
     to the right stream. Never raises."""
+    # Only request_id is read; the other fields are skipped unparsed, so one that is broken
+    # (a string with invalid UTF-8, say) does not hide the id.
     try:
-        value = msgspec.msgpack.decode(frame)
+        rid = _RequestIdOnly.decode(frame).request_id
     except Exception:
         return None
-    if isinstance(value, dict):
-        rid = value.get("request_id")
-        if isinstance(rid, str) and 0 < len(rid) <= 128:
-            return rid
+    if isinstance(rid, str) and 0 < len(rid) <= 128:
+        return rid
     return None

@@ -48,7 +48,7 @@ def test_status_table_has_every_fact():
     assert r["MTP head"] == "resident, 850.0 MB"
     assert r["depth"] == "2"
     assert r["decoding"] == "compiled; exact greedy requests decode serially (verify rounds unlike serial here)"
-    assert r["in flight"] == "1 active, 2 queued, 2 clients"
+    assert r["in flight"] == "1 active, 2 queued; clients: 2 heard from within the heartbeat timeout"
     assert r["throughput"].startswith("41.3 tok/s") and "12345 tokens total" in r["throughput"]
     assert r["memory"] == "active 17500.0 MB, cache 250.0 MB, peak 18000.0 MB"
     assert r["pressure"] == "warn, 3200.0 MB available"
@@ -142,3 +142,9 @@ def test_help_lists_every_command_it_dispatches():
             assert group.returncode == 0 and path[1] in group.stdout, (path, group.stdout)
     for name in ("serve", "generate", "status", "tune", "keys", "service"):
         assert name in top
+
+
+def test_clients_with_work_are_told_apart_from_clients_heard_from():
+    r = dict(row.split("  ", 1) for row in format_status(reply(**dict(FULL, clients_with_work=1))).splitlines()
+             if "  " in row)
+    assert r["in flight"].strip() == "1 active, 2 queued; clients: 1 with work in flight, 2 heard from within the heartbeat timeout"

@@ -193,7 +193,11 @@ def test_duplicate_request_id_in_flight(daemon_proc):
     sock.send(encode(Generate(request_id="dup", prompt="def g():", max_tokens=5)))
     terminals, dup_errors = [], []
     deadline = time.monotonic() + 30
+    last_ping = time.monotonic()
     while not terminals and time.monotonic() < deadline:
+        if time.monotonic() - last_ping > 0.5:  # as PROTOCOL.md asks of a client that waits:
+            sock.send(encode(Ping()))  # 200 tokens can outlast the 3 s timeout on a busy box
+            last_ping = time.monotonic()
         reply = decode_daemon(sock.recv())
         if isinstance(reply, Error) and reply.code == "duplicate_request":
             dup_errors.append(reply)
@@ -223,3 +227,16 @@ def test_daemon_log_is_json_with_request_events(daemon_proc):
     assert {"daemon.start", "request.accepted", "request.done", "request.rejected"} <= names
     done = [e for e in events if e["event"] == "request.done"]
     assert all("request_id" in e and "seat" in e and "tokens_per_s" in e for e in done)
+
+
+def test_invalid_utf8_in_a_prompt_is_an_invalid_request_with_its_id(daemon_proc):
+    """Once a bad_frame without request_id: the client could not tie it to its request."""
+    frame = msgspec.msgpack.encode({"type": "generate", "v": 1, "request_id": "utf8", "prompt": "x"})
+    frame = frame.replace(b"\xa1x", b"\xa1\xff")  # the one-byte prompt becomes an invalid UTF-8 byte
+    sock = daemon_proc.raw_socket()
+    sock.send(frame)
+    reply = decode_daemon(sock.recv())
+    assert isinstance(reply, Error) and reply.code == "invalid_request" and reply.request_id == "utf8", reply
+    assert "UTF-8" in reply.message
+    sock.close()
+    assert_healthy(daemon_proc)

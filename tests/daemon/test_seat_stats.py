@@ -1,0 +1,52 @@
+"""SeatStats: the status table's per-seat rows stay bounded on a daemon that runs for months."""
+
+from __future__ import annotations
+
+from daemon.seat_stats import SeatStats
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_idle_seats_leave_and_busy_ones_stay():
+    clock = Clock()
+    s = SeatStats(clock, idle_s=60.0)
+    s.count("planner", 5)
+    s.count("critic", 3)
+    clock.t += 30
+    s.count("planner", 1)
+    clock.t += 45  # critic idle 75 s, planner 45 s
+    s.prune(busy=set())
+    assert s.totals == {"planner": 6}
+    clock.t += 100
+    s.mark_busy({"planner"})  # queued work keeps a seat, tokens or not
+    s.prune(busy={"planner"})
+    assert s.totals == {"planner": 6}
+
+
+def test_seat_names_invented_per_request_do_not_grow_without_bound():
+    clock = Clock()
+    s = SeatStats(clock, idle_s=1e9, max_seats=8)
+    for i in range(1000):
+        clock.t += 0.01
+        s.count(f"seat-{i}", 1)
+        s.prune(busy={"seat-0"})
+    assert len(s.totals) <= 8 + 1 and "seat-0" in s.totals and "seat-999" in s.totals
+
+
+def test_rates_over_the_last_ten_seconds():
+    clock = Clock()
+    s = SeatStats(clock)
+    assert s.rates() == (0.0, {})
+    for _ in range(10):
+        s.count("a", 10)
+        clock.t += 1.0
+    total, per_seat = s.rates()
+    assert abs(total - 10.0) < 1e-9 and per_seat == {"a": 10.0}
+    clock.t += 30
+    assert s.rates() == (0.0, {})
