@@ -157,6 +157,11 @@ def _check(msg: Any, max_frame_bytes: int) -> bytes:
     return frame
 
 
+# Generate fields a caller may pass to ``generate`` as keyword arguments beyond the ones it
+# names (sampling options, logprobs); they are validated with the rest by the daemon's decoder.
+SAMPLING_OPTIONS = tuple(m.SAMPLING_DEFAULTS)
+
+
 def _build_generate(
     prompt: str | None,
     messages: Iterable[m.ChatMessage | Mapping[str, str]] | None,
@@ -174,6 +179,8 @@ def _build_generate(
     request_id: str | None,
     stream: bool,
     limits: m.Limits | None,
+    chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> tuple[m.Generate, bytes]:
     rid = request_id if request_id is not None else new_request_id()
     chat = None
@@ -199,7 +206,19 @@ def _build_generate(
         priority=priority,
         deadline_ms=deadline_ms,
         speculation=speculation,
+        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else None,
     )
+    if options:
+        unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")
+        # Options at their defaults stay unset (not encoded), so a daemon that predates them
+        # accepts the request.
+        given = {k: v for k, v in options.items() if v != m.SAMPLING_DEFAULTS[k]}
+        try:
+            msg = msgspec.structs.replace(msg, **given)
+        except TypeError as exc:
+            raise InvalidRequest("invalid_request", str(exc), request_id=rid) from None
     if msg.prompt_kind() is None:
         raise InvalidRequest("invalid_request", "give exactly one of prompt, messages, prompt_tokens", request_id=rid)
     if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
@@ -264,6 +283,9 @@ class _StreamState:
         self.error: BaseException | None = None
         self.token_ids: list[int] = []
         self.chunks: list[str] = []
+        # Thinking text streamed apart from the answer (PROTOCOL.md 4.1); iteration yields
+        # the answer's chunks only.
+        self.reasoning_chunks: list[str] = []
         self.cancel_requested = False
         self._next_seq = 0
 
@@ -279,6 +301,13 @@ class _StreamState:
             return self.done.text
         return "".join(self.chunks)
 
+    @property
+    def reasoning(self) -> str:
+        """The thinking text: Done.reasoning once done, else the reasoning chunks so far."""
+        if self.done is not None:
+            return self.done.reasoning
+        return "".join(self.reasoning_chunks)
+
     def _apply(self, msg: Any) -> str | None:
         """Consume one routed message; returns a text chunk to hand out, raises on Error."""
         if isinstance(msg, m.Tokens):
@@ -289,6 +318,8 @@ class _StreamState:
                 raise self.error
             self._next_seq += 1
             self.token_ids.extend(msg.token_ids)
+            if msg.reasoning:
+                self.reasoning_chunks.append(msg.reasoning)
             if msg.text:
                 self.chunks.append(msg.text)
                 return msg.text
@@ -598,16 +629,20 @@ class Client:
         speculation: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        **options: Any,
     ) -> Stream:
         """Send a Generate and return its Stream (nothing is read until you iterate).
         Arguments are validated here with the daemon's own decoder: a bad one raises
         InvalidRequest before anything is sent. ``messages`` items may be ChatMessage or
-        ``{"role": ..., "content": ...}`` dicts."""
+        ``{"role": ..., "content": ...}`` dicts. Further keyword arguments are the sampling
+        options of SAMPLING_OPTIONS (min_p, penalties, logit_bias, logprobs, top_logprobs)."""
         welcome = self._ensure_welcome()
         msg, frame = _build_generate(
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
-            request_id=request_id, stream=stream, limits=welcome.limits,
+            request_id=request_id, stream=stream, limits=welcome.limits, chat_template_kwargs=chat_template_kwargs,
+            options=options,
         )
         if msg.request_id in self._streams:
             raise InvalidRequest("duplicate_request", "this id is already in flight on this client", request_id=msg.request_id)
@@ -740,6 +775,19 @@ class AsyncStream(_StreamState):
                 raise StopAsyncIteration
             if chunk:
                 return chunk
+
+    async def next_message(self) -> m.Accepted | m.Tokens | m.Done | None:
+        """The next message of this request as it arrived (Accepted, Tokens, then Done), or
+        None after the Done; a terminal Error raises. For callers that need more than the
+        text (token ids, logprobs, the Accepted's prompt size). Do not mix with iteration."""
+        await self.start()
+        if self.done is not None:
+            return None
+        if self.error is not None and self._queue.empty():
+            raise self.error
+        msg = await self._queue.get()
+        self._apply(msg)
+        return msg
 
     async def result(self) -> m.Done:
         async for _ in self:
@@ -1045,6 +1093,8 @@ class AsyncClient:
         speculation: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        **options: Any,
     ) -> AsyncStream:
         """Validate now (InvalidRequest before anything is sent) and return the AsyncStream;
         the Generate goes out when the stream is first iterated or awaited."""
@@ -1054,6 +1104,8 @@ class AsyncClient:
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=self._welcome.limits if self._welcome else None,
+            chat_template_kwargs=chat_template_kwargs,
+            options=options,
         )
         return AsyncStream(self, msg, frame)
 

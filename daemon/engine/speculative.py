@@ -70,7 +70,7 @@ from .model import LoadedModel
 from .lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 from .loop_guard import LoopGuard, LoopGuardConfig
 from .rollback import Snapshot, check_cache, make_rollback
-from .sampling import Sampler, logprobs as _logprobs
+from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
 from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
@@ -140,7 +140,7 @@ def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history
     ids = mx.array(prompt, dtype=mx.uint32)
     while ids.size > 1:
         n = min(chunk, ids.size - 1)
-        h = lm.hidden(ids[None, :n], cache)
+        h = lm.prefill_hidden(ids[None, :n], cache)
         history.add(h, ids[1 : n + 1])
         history.feed(keep_last=True)
         mx.eval([h] + [c.state for c in cache] + history.state())
@@ -163,6 +163,7 @@ def speculative_decode(
     lookup: LookupConfig | None = None,
     draft_stop: DraftStopConfig | None = None,
     loop_guard: LoopGuardConfig | None = None,
+    context: list[int] | None = None,
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
@@ -175,6 +176,9 @@ def speculative_decode(
     ``logit_jitter`` is a test hook: uniform noise of that amplitude on the verify's
     logprobs (never on serial steps), standing in for batch-height-dependent kernels.
     ``history``: pass a fresh ``HeadHistory(head)`` to inspect the head's state afterwards.
+    ``context``: the whole prompt, when ``prompt`` is only its tail and ``cache`` holds the
+    rest (a chunked prefill or a prefix-cache hit ran it); prompt lookup and the loop guard
+    match against it.
     """
     if not prompt:
         raise ValueError("speculative_decode needs at least one prompt token")
@@ -186,22 +190,26 @@ def speculative_decode(
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
     jitter_key = mx.random.key(0x5EED)
-    finder = PromptLookup(prompt, lookup) if lookup is not None else None
+    whole = list(context) if context is not None else list(prompt)
+    finder = PromptLookup(whole, lookup) if lookup is not None else None
     stopper = DraftStop(draft_stop) if draft_stop is not None else None
-    loops = LoopGuard(prompt, loop_guard) if loop_guard is not None and not greedy else None
+    loops = LoopGuard(whole, loop_guard) if loop_guard is not None and not greedy else None
 
     primary = prefill_with_hidden(lm, prompt, cache, hist)  # [1]
     n_cycles = 0
 
-    def serial_step(token: mx.array, penalty: dict[int, float] | None = None) -> tuple[mx.array, mx.array]:
+    def serial_step(token: mx.array, extra: mx.array | None = None, start: int = 0,
+                    penalty: dict[int, float] | None = None) -> tuple:
         """serial_decode's step, op for op (plus the loop guard's penalty, when armed).
-        Returns (next token [1], hidden [1, 1, H])."""
+        Returns (next token [1], hidden [1, 1, H], its logprob arrays or None).
+        ``extra[:start]``: drafts ahead of it not yet committed."""
         h = lm.hidden(token.reshape(1, 1), cache)
-        lp = _logprobs(lm.logits(h)[:, -1, :])
+        lp = _logprobs(sampler.process(lm.logits(h)[:, -1, :], extra, start))
         if penalty:
             lp = lp.astype(mx.float32).at[:, mx.array(list(penalty), dtype=mx.int32)].add(
                 -mx.array(list(penalty.values()), dtype=mx.float32))
-        return sampler(lp).reshape(-1).astype(mx.uint32), h
+        nxt = sampler(lp).reshape(-1).astype(mx.uint32)
+        return nxt, h, sampler.logprob_arrays(lp, nxt)
 
     # A serial step issued ahead at the end of a depth-0 cycle (as serial_decode does, so
     # Python's per-step work overlaps the device's): (next token, hidden, snapshot before it).
@@ -216,11 +224,13 @@ def speculative_decode(
     def first_draft() -> tuple:
         committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
         g = hist.feed(keep_last=False)
-        return (committed_slots, g) + draft_from(g)
+        return (committed_slots, g) + draft_from(g, [])
 
-    def draft_from(g: mx.array) -> tuple[mx.array, mx.array | None, mx.array]:
-        """(draft token [1], its log q or None when greedy, the head's top-1 probability)."""
-        lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
+    def draft_from(g: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
+        """(draft token [1], its log q or None when greedy, the head's top-1 probability).
+        The request's processors see the drafts before this one, as serial decode would."""
+        extra = mx.concatenate(before) if before else None
+        lp = _logprobs(sampler.process(head.logits(g)[:, -1, :], extra, len(before)))  # [1, V]
         if greedy:
             return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None, mx.exp(lp.max())
         ql = sampler.log_distribution(lp)
@@ -252,9 +262,10 @@ def speculative_decode(
         if k == 0 and not block:
             draft_ahead = None  # its pairs are in the head's history; d1 is not needed
             if ahead is not None:
-                nxt, h, _ = ahead
+                nxt, h, lps, _ = ahead
             else:
-                nxt, h = serial_step(primary, loops.penalty() if armed else None)
+                nxt, h, lps = serial_step(primary, penalty=loops.penalty() if armed else None)
+            sampler.commit(nxt)
             if head_ok:  # without a head there is no history to keep (and nothing to grow)
                 hist.add(h, nxt)
                 if hist.n >= FLUSH_PENDING:
@@ -265,17 +276,18 @@ def speculative_decode(
             # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
             if head_ok and not plan and not (loops is not None and loops.armed):
                 snap = Snapshot.take(cache)
-                nxt2, h2 = serial_step(nxt)
+                nxt2, h2, lps2 = serial_step(nxt)
                 mx.async_eval(nxt2, h2, hist.state())
-                ahead = (nxt2, h2, snap)
+                ahead = (nxt2, h2, lps2, snap)
             else:
                 mx.eval(nxt, h, hist.state())
                 ahead = None
             primary = nxt
-            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0, penalised=armed)
+            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
+                             logprobs=logprob_entries(lps), penalised=armed)
             continue
         if ahead is not None:  # depth rose: undo the step issued ahead
-            ahead[2].restore()
+            ahead[3].restore()
             ahead = None
 
         # 1. draft: the lookup block, or d1..dk from the head (d1 usually issued ahead).
@@ -302,7 +314,7 @@ def speculative_decode(
                         stopped_early = True
                         break
                 g = head(g, drafts[-1][None], hist.cache)
-                d, ql, conf = draft_from(g)
+                d, ql, conf = draft_from(g, drafts)
                 drafts.append(d)
                 logq.append(ql)
         k = len(drafts)
@@ -310,14 +322,15 @@ def speculative_decode(
         # 2. verify [primary, d1..dk] in one base forward
         verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
-        logits = lm.logits(hid)[0]  # [k+1, V]
+        d_all = mx.concatenate(drafts)
+        logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
         lp = _logprobs(logits)
         if logit_jitter > 0.0:
             jitter_key, sub = mx.random.split(jitter_key)
             lp = lp.astype(mx.float32) + mx.random.uniform(-logit_jitter, logit_jitter, lp.shape, key=sub)
-        d_all = mx.concatenate(drafts)
 
         guarded = 0
+        logprobs = None
         if greedy:
             targets = mx.argmax(lp, axis=-1)
             to_eval = [targets, d_all, hid]
@@ -343,12 +356,15 @@ def speculative_decode(
             if stop_guard:
                 # Keep the verify's first `a` tokens; decide position a with serial numerics.
                 rb.commit(a)
-                nxt, h_last = serial_step(verify_in[:, a])
+                nxt, h_last, lps_last = serial_step(verify_in[:, a], d_all, a)
                 hidden_pairs = mx.concatenate([hid[:, :a], h_last], axis=1) if a else h_last
                 guarded = 1
                 committed_arr = mx.concatenate([d_all[:a], nxt]) if a else nxt
                 mx.eval(committed_arr)
                 committed = committed_arr.tolist()
+                if sampler.wants_logprobs:
+                    head_rows = logprob_entries(sampler.logprob_arrays(lp[:a], d_all[:a])) if a else []
+                    logprobs = head_rows + logprob_entries(lps_last)
             else:
                 rb.commit(a + 1)
                 committed = d_l[:a] + [t_l[a]]
@@ -384,6 +400,8 @@ def speculative_decode(
             hidden_pairs = hid[:, : a + 1]
             nxt = samples[a : a + 1].astype(mx.uint32)
 
+        if sampler.wants_logprobs and logprobs is None:
+            logprobs = logprob_entries(sampler.logprob_arrays(lp[: a + 1], mx.array(committed, dtype=mx.uint32)))
         judged = a if guarded else k  # positions past a guarded one were not judged
         if source == "lookup":
             finder.record(judged, a)
@@ -391,9 +409,11 @@ def speculative_decode(
             stopper.record(judged, a)
 
         # 4. head history: drop speculative slots, queue the committed pairs.
+        committed_ids = mx.array(committed, dtype=mx.uint32)
+        sampler.commit(committed_ids)  # before the next first draft, which must see them
         if head_ok:
             hist.trim(hist.offset - committed_slots)
-            hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
+            hist.add(hidden_pairs, committed_ids)
             if source == "lookup" and hist.n >= FLUSH_PENDING:
                 hist.feed(keep_last=True)
         primary = nxt
@@ -410,6 +430,7 @@ def speculative_decode(
             accepted_mask=[True] * a + [False] * (k - a),
             guarded=guarded,
             cycle_s=time.perf_counter() - t0,
+            logprobs=logprobs,
             draft_source=source,
             stopped_early=stopped_early,
         )

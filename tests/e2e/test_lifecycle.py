@@ -128,8 +128,10 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         names = [e["event"] for e in d.events()]
         assert "model.loaded" in names and "daemon.startup_failed" not in names
         assert names.index("daemon.loading") < names.index("model.loaded")
-        first = [msg for _, msg in listener.messages][0]
-        assert first.get("READY") == "1", listener.messages  # nothing claimed readiness earlier
+        msgs = [msg for _, msg in listener.messages]
+        first_ready = next(i for i, msg in enumerate(msgs) if msg.get("READY") == "1")
+        # Nothing claimed readiness earlier: before it, only the load's timeout extensions.
+        assert all(set(msg) <= {"EXTEND_TIMEOUT_USEC", "STATUS"} for msg in msgs[:first_ready]), msgs
         assert any("STATUS" in msg and msg["STATUS"] for _, msg in listener.messages), listener.messages
 
         # WATCHDOG=1 while idle: the step loop wakes every 0.1 s, the pacer sends every 0.5 s.
@@ -454,10 +456,12 @@ def test_sighup_applies_governor_settings_live(svc):
 def test_sighup_names_every_changed_key_it_cannot_apply(svc):
     """max_tokens, max_prompt_tokens and client_send_hwm once changed in the file, logged
     `needs_restart: []`, and silently did nothing."""
-    text = "max_tokens = 1000\nmax_prompt_tokens = 2000\nclient_send_hwm = 500\n" + SVC_CONFIG
+    # stats_interval_s applies live; [http] belongs to `councild http`, not to the daemon.
+    text = ("max_tokens = 1000\nmax_prompt_tokens = 2000\nclient_send_hwm = 500\nstats_interval_s = 5.0\n"
+            + SVC_CONFIG + "\n[http]\nport = 9999\n")
     event = reload(svc, text, "config.reloaded")
     assert sorted(event["needs_restart"]) == ["client_send_hwm", "max_prompt_tokens", "max_tokens"], event
-    assert event["applied"] == []
+    assert event["applied"] == ["stats_interval_s"]
     warned = wait_event(svc, "config.needs_restart")[-1]
     assert warned["level"] == "warning" and sorted(warned["keys"]) == sorted(event["needs_restart"])
     # The file back as the daemon runs it: nothing differs from what runs.
