@@ -1,17 +1,30 @@
 """Which request the engine decodes next.
 
 Policy, in order:
-1. Class first: interactive before normal before background. A queued request that has
-   waited ``starvation_bound_s`` rises one class per bound waited, so nothing starves.
+1. Class first: interactive before normal before background. A waiting request (queued,
+   or parked) rises one class per ``starvation_bound_s`` it has waited since it last
+   waited, so nothing starves. A running request keeps the class it was admitted at: it
+   does not age while it runs (aging running work is what once let a seat hold every slot
+   for good: a waiting request never outranked it).
 2. Within a class, weighted fair queueing across seats: each seat has a virtual time that
    advances by tokens / weight as its requests decode; the seat with the smallest virtual
    time goes next. A seat that was idle joins at the current minimum, so idling earns no
    credit.
 3. FIFO within a seat.
 
-Up to ``max_active`` requests hold caches and are decoded in turn. When a higher-class
-request arrives and every slot holds lower-class work, the lowest is parked: it keeps its
-generator (and so its cache) and resumes later without recomputing its prompt.
+Up to ``max_active`` requests hold caches and are decoded in turn. When every slot is
+taken, a waiting request W of seat S displaces (parks) a running request V of another seat
+T when V's class is lower than W's (aged) class, or, V's class being no higher than W's:
+- slots are unfairly split: n_T / w_T > (n_S + 1) / w_S (n: the seat's running requests,
+  w: its weight), so the move makes the split fairer and never ping-pongs; or
+- W has waited ``starvation_bound_s`` and T holds more than its weighted share of the
+  slots, max_active * w_T / (sum of w over the seats with work). W then runs for at least
+  one bound before the first rule may displace it (else, where shares are fractional, the
+  first rule would hand the slot straight back and W would starve after all).
+A request admitted in this admit is never displaced in the same admit (it runs at least
+one cycle), which also makes every admit finish.
+A parked request keeps its generator (and so its cache) and resumes later without
+recomputing its prompt. The guarantee this gives is in docs/OPERATIONS.md (Fairness).
 
 No mlx and no locks: the scheduler lives on the engine thread.
 """
@@ -46,6 +59,17 @@ class Scheduler:
         self.vtime: dict[str, float] = {}
         self._order = itertools.count()
         self._last_run: dict[int, int] = {}
+        # Per job (by id): when it last started waiting (submitted or parked), the class
+        # rank it was admitted at, and when it was admitted (for choosing whom to park).
+        self._waiting_since: dict[int, float] = {}
+        self._run_rank: dict[int, int] = {}
+        self._admitted_at: dict[int, int] = {}
+        self._protected_until: dict[int, float] = {}
+        self._admit_calls = 0
+        self._call_of: dict[int, int] = {}
+        # (parked job, the job it made room for, why, how long that one had waited): the
+        # worker logs and clears these.
+        self.displaced: list[tuple[object, object, str, float]] = []
 
     # ------------------------------------------------------------------ bookkeeping
     def submit(self, job: Schedulable) -> None:
@@ -56,10 +80,13 @@ class Scheduler:
             floor = min(busy) if busy else 0.0
             self.vtime[job.seat] = max(self.vtime.get(job.seat, floor), floor)
         self.queues.setdefault(job.seat, deque()).append(job)
+        self._waiting_since[id(job)] = job.enqueued_at
 
     def remove(self, job) -> bool:
         """Forget a job wherever it is (finished, cancelled, expired)."""
-        self._last_run.pop(id(job), None)
+        for book in (self._last_run, self._waiting_since, self._run_rank, self._admitted_at,
+                     self._protected_until, self._call_of):
+            book.pop(id(job), None)
         if job in self.active:
             self.active.remove(job)
             return True
@@ -91,10 +118,18 @@ class Scheduler:
         return ranked.index(job) if job in ranked else 0
 
     # ------------------------------------------------------------------ policy
+    def waited(self, job) -> float:
+        """Seconds a waiting job has waited since it was submitted or last parked."""
+        return self.clock() - self._waiting_since.get(id(job), job.enqueued_at)
+
     def _rank(self, job) -> int:
+        """A waiting job's class rank, aged one class per starvation bound waited."""
         rank = CLASS_RANK[job.priority]
-        waited = self.clock() - job.enqueued_at
-        return max(0, rank - int(waited // self.cfg.starvation_bound_s))
+        return max(0, rank - int(self.waited(job) // self.cfg.starvation_bound_s))
+
+    def run_rank(self, job) -> int:
+        """A running job's rank: the one it was admitted at (running work does not age)."""
+        return self._run_rank.get(id(job), CLASS_RANK[job.priority])
 
     def _seat_vtime(self, seat: str) -> float:
         return self.vtime.get(seat, 0.0)
@@ -107,29 +142,89 @@ class Scheduler:
     def _queue_key(self, job):
         return (self._rank(job), self._seat_vtime(job.seat), job.enqueued_at)
 
+    def running_counts(self) -> dict[str, int]:
+        n: dict[str, int] = {}
+        for j in self.active:
+            n[j.seat] = n.get(j.seat, 0) + 1
+        return n
+
+    def shares(self) -> dict[str, float]:
+        """Each busy seat's weighted share of the active slots."""
+        weights: dict[str, float] = {}
+        for j in itertools.chain(self.active, self.waiting()):
+            weights[j.seat] = j.weight
+        total = sum(weights.values())
+        return {s: self.cfg.max_active * w / total for s, w in weights.items()} if total else {}
+
+    def _victim_for(self, job) -> tuple[object, str]:
+        """The running job that ``job`` may displace now (or None), and the rule that lets
+        it: "class", "fair_split" or "starvation" (see the module doc)."""
+        rank = self._rank(job)
+        now = self.clock()
+        # Admitted in this admit: it runs at least one cycle before anyone displaces it.
+        movable = [v for v in self.active if self._call_of.get(id(v)) != self._admit_calls]
+        lower = [v for v in movable if self.run_rank(v) > rank]
+        if lower:
+            return max(lower, key=lambda v: (self.run_rank(v), self._seat_vtime(v.seat),
+                                             self._admitted_at.get(id(v), 0))), "class"
+        n = self.running_counts()
+        others = [v for v in movable if v.seat != job.seat and self.run_rank(v) >= rank]
+        mine = (n.get(job.seat, 0) + 1) / job.weight
+        unfair = [v for v in others if n[v.seat] / v.weight > mine and self._protected_until.get(id(v), 0.0) <= now]
+        why = "fair_split"
+        if not unfair and self.waited(job) >= self.cfg.starvation_bound_s:
+            share = self.shares()
+            unfair = [v for v in others if n[v.seat] > share.get(v.seat, 0.0) + 1e-9]
+            why = "starvation"
+        if not unfair:
+            return None, ""
+        # The most over-share seat gives up its most recently admitted request.
+        return max(unfair, key=lambda v: (n[v.seat] / v.weight, self._admitted_at.get(id(v), 0))), why
+
     def admit(self) -> list:
-        """Fill free slots from the waiting jobs, parking lower-class work for higher.
-        Returns the jobs that became active."""
+        """Fill free slots from the waiting jobs, parking running work where the policy
+        says a waiting job may displace it. Returns the jobs that became active."""
         admitted = []
-        while True:
+        self._admit_calls += 1
+        # Every displacement strictly improves the split (or serves a starved job, whose
+        # victim then waits afresh), so this ends; the cap is a belt for the braces.
+        for _ in range(4 * self.cfg.max_active + 64):
             waiting = sorted(self.waiting(), key=self._queue_key)
             if not waiting:
                 break
-            best = waiting[0]
-            if len(self.active) >= self.cfg.max_active:
-                worst = max(self.active, key=lambda j: (self._rank(j), self._seat_vtime(j.seat)))
-                if self._rank(best) >= self._rank(worst):
-                    break
-                self.active.remove(worst)
-                self.parked.append(worst)
-                worst.parked_count = getattr(worst, "parked_count", 0) + 1
+            best = waiting[0] if len(self.active) < self.cfg.max_active else None
+            why = ""
+            if best is None:
+                for cand in waiting:
+                    victim, why = self._victim_for(cand)
+                    if victim is not None:
+                        self._park(victim)
+                        self.displaced.append((victim, cand, why, self.waited(cand)))
+                        best = cand
+                        break
+            if best is None:
+                break
             if best in self.parked:
                 self.parked.remove(best)
             else:
                 self.queues[best.seat].remove(best)
+            self._run_rank[id(best)] = self._rank(best)
+            self._admitted_at[id(best)] = next(self._order)
+            self._call_of[id(best)] = self._admit_calls
+            if why == "starvation":
+                self._protected_until[id(best)] = self.clock() + self.cfg.starvation_bound_s
+            self._waiting_since.pop(id(best), None)
             self.active.append(best)
             admitted.append(best)
         return admitted
+
+    def _park(self, job) -> None:
+        self.active.remove(job)
+        self.parked.append(job)
+        self._run_rank.pop(id(job), None)
+        self._protected_until.pop(id(job), None)
+        self._waiting_since[id(job)] = self.clock()
+        job.parked_count = getattr(job, "parked_count", 0) + 1
 
     def pick(self):
         """The active job to advance by one decode cycle, or None."""
@@ -137,7 +232,7 @@ class Scheduler:
             return None
         job = min(
             self.active,
-            key=lambda j: (self._rank(j), self._seat_vtime(j.seat), self._last_run.get(id(j), -1)),
+            key=lambda j: (self.run_rank(j), self._seat_vtime(j.seat), self._last_run.get(id(j), -1)),
         )
         self._last_run[id(job)] = next(self._order)
         return job

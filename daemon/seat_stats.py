@@ -34,7 +34,7 @@ class SeatStats:
         self.last_active[seat] = now
         self._trim(now)
 
-    def touch(self, seats: Iterable[str]) -> None:
+    def mark_busy(self, seats: Iterable[str]) -> None:
         """Seats with work queued or running are active now, tokens or not."""
         now = self.clock()
         for seat in seats:

@@ -90,6 +90,8 @@ class EngineSnapshot:
     active: list[dict] = field(default_factory=list)
     queued: dict[str, int] = field(default_factory=dict)
     tokens_total: int = 0
+    prefill_tokens_total: int = 0
+    prefix_cache: dict = field(default_factory=dict)
     recent_tokens_per_s: float = 0.0
     steps_total: int = 0
     last_step_at: float = 0.0
@@ -98,6 +100,8 @@ class EngineSnapshot:
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
+    # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
+    load_progress: dict = field(default_factory=dict)
 
 
 class InjectedFault(RuntimeError):
@@ -124,7 +128,11 @@ class EngineWorker(threading.Thread):
         self.cfg = cfg
         self.ctx = ctx
         self.model_path = model_path
+        # The socket loop puts commands here; the intake thread (intake.py) tokenizes each
+        # Submit and passes every command on, in order, to ``_ready``, which this thread reads.
         self.commands: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        self.max_prompt_tokens = cfg.max_prompt_tokens or 0  # the model's context once loaded
         self.snapshot = EngineSnapshot()
         self.snapshot_lock = threading.Lock()
         self.loaded = threading.Event()
@@ -156,6 +164,9 @@ class EngineWorker(threading.Thread):
             self.loaded.set()
             self._out.close()
             return
+        from .intake import Intake
+
+        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat).start()
         self.loaded.set()
         try:
             self._loop()
@@ -172,15 +183,22 @@ class EngineWorker(threading.Thread):
 
         route_library_logs()
         t0 = time.perf_counter()
-        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
+        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress)
+        context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
-                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3))
+                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
+                 context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
         self.verify_exact = True
         if self.head_available:
             self._probe_exactness()
         self.batch = None
+        self.prefix_cache = None
+        if self.cfg.prefix_cache.enabled:
+            from .engine.prefix_cache import PrefixCache
+
+            self.prefix_cache = PrefixCache(self.cfg.prefix_cache.max_bytes, self.cfg.scheduler.prefill_chunk)
         if self.cfg.scheduler.batching:
             from .engine.batch import BatchDecoder
 
@@ -197,6 +215,39 @@ class EngineWorker(threading.Thread):
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def _prompt_limit(self) -> int | None:
+        """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
+        raises it past the context only with max_prompt_tokens_beyond_context. Returns the
+        context (None when the model's config does not say)."""
+        context = getattr(self.lm.text_args, "max_position_embeddings", None)
+        context = context if isinstance(context, int) and context > 0 else None
+        configured = self.cfg.max_prompt_tokens
+        if configured is None:
+            self.max_prompt_tokens = context or 32768
+        elif context is not None and configured > context and not self.cfg.max_prompt_tokens_beyond_context:
+            self.max_prompt_tokens = context
+            log.warning("config.clamped", key="max_prompt_tokens", configured=configured, used=context,
+                        reason=f"the model's context is {context} tokens; set "
+                               "max_prompt_tokens_beyond_context = true to allow longer prompts")
+        else:
+            self.max_prompt_tokens = configured
+        return context
+
+    def _load_progress(self, done: int, total: int, seconds: float) -> None:
+        """One log event per ~5% of the weights read; the status snapshot and the service
+        manager (EXTEND_TIMEOUT_USEC, through the hooks) hear of each."""
+        percent = int(100 * done / total) if total else 100
+        with self.snapshot_lock:
+            last = self.snapshot.load_progress.get("percent", -1)
+            self.snapshot.load_progress = {"percent": percent, "bytes_loaded": done, "bytes_total": total,
+                                           "seconds": round(seconds, 2)}
+        if percent == last:
+            return
+        log.info("model.load_progress", percent=percent, bytes_loaded=done, bytes_total=total,
+                 seconds=round(seconds, 2))
+        if self.hooks is not None and hasattr(self.hooks, "on_load_progress"):
+            self.hooks.on_load_progress(percent)
 
     def _probe_exactness(self) -> None:
         """Whether a verify reproduces serial decode bit for bit on this backend, and so
@@ -261,7 +312,8 @@ class EngineWorker(threading.Thread):
         return nbytes
 
     def requests_holding_head(self) -> int:
-        return sum(1 for j in self.scheduler.active + self.scheduler.parked if j.spec.mode != "off")
+        return sum(1 for j in self.scheduler.active + self.scheduler.parked
+                   if j.spec.mode != "off" or (j.prefill is not None and j.prefill.history is not None))
 
     def current_depth(self) -> int:
         """Read by speculative generators at the start of every cycle."""
@@ -274,6 +326,7 @@ class EngineWorker(threading.Thread):
                 return
             self._expire_deadlines()
             admitted = self.scheduler.admit()
+            self._log_displaced()
             if self.batch is not None and self.scheduler.parked:
                 self._park_batched()
             for job in admitted:
@@ -302,7 +355,7 @@ class EngineWorker(threading.Thread):
         timeout = 0.1 if block else 0.0
         while True:
             try:
-                cmd = self.commands.get(timeout=timeout) if timeout else self.commands.get_nowait()
+                cmd = self._ready.get(timeout=timeout) if timeout else self._ready.get_nowait()
             except queue.Empty:
                 return True
             timeout = 0.0
@@ -325,34 +378,11 @@ class EngineWorker(threading.Thread):
                     return False
 
     def _submit(self, job: Job) -> None:
+        if job.rejection is not None:  # refused by the intake thread, before or after tokenizing
+            code, message = job.rejection
+            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message), registered=False)
+            return
         msg = job.msg
-        try:
-            kind = msg.prompt_kind()
-            job.prompt = self.lm.encode_prompt(
-                msg.prompt,
-                [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
-                msg.prompt_tokens,
-            )
-        except Exception as exc:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"could not tokenize the {kind}: {exc}"), registered=False)
-            return
-        vocab = self.lm.text_args.vocab_size
-        if not job.prompt:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message="the prompt is empty after tokenization"), registered=False)
-            return
-        if any(t >= vocab for t in job.prompt):
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"prompt_tokens holds ids outside the vocabulary (size {vocab})"),
-                         registered=False)
-            return
-        limit = self.cfg.max_prompt_tokens
-        if len(job.prompt) > limit:
-            self._finish(job, m.Error(request_id=job.request_id, code="prompt_too_long",
-                                      message=f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"),
-                         registered=False)
-            return
         self.jobs[job.key] = job
         self.scheduler.submit(job)
         if self.governance is not None:
@@ -401,16 +431,17 @@ class EngineWorker(threading.Thread):
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now >= j.deadline]:
-            where = "in the queue" if job.generator is None else "mid-generation"
+            where = ("mid-prefill" if job.prefill is not None else
+                     "in the queue" if job.generator is None else "mid-generation")
             self._finish(job, m.Error(request_id=job.request_id, code="deadline_exceeded",
                                       message=f"deadline of {job.msg.deadline_ms} ms passed {where}"))
 
     # ------------------------------------------------------------------ decoding
     def _start(self, job: Job) -> None:
-        """Give an admitted job its decode path: speculation when it runs alone, a row in
-        the continuous batch when others run too, else its own serial generator."""
+        """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
+        chunk per cycle by ``_advance``; its decode path is chosen when that ends."""
+        from .engine.prefill import ChunkedPrefill
         from .engine.sampling import Sampler
-        from .engine.serial import serial_decode
         from .engine.types import SamplingParams
 
         if job.generator is not None:  # back from parking: its state was kept
@@ -419,18 +450,46 @@ class EngineWorker(threading.Thread):
                 job.parked_state = None
                 self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
             return
+        if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
+            return
         p = job.msg
-        sampler = Sampler(SamplingParams(
+        job.sampler = Sampler(SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
-        mode = p.speculation or self.cfg.speculation.mode
-        job.sampler = sampler
+        job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
-        job.exact = mode != "fast"
-        if (mode == "exact" and sampler.greedy and not self.verify_exact
+        job.exact = job.mode != "fast"
+        if (job.mode == "exact" and job.sampler.greedy and not self.verify_exact
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
-            mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+            job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+        chunk = self.scheduler.cfg.prefill_chunk
+        want_head = job.mode != "off" and self.head is not None
+        cache, history, start = None, None, 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.set_chunk(chunk)
+            snap, start = self.prefix_cache.lookup(job.prompt, want_head)
+            if snap is not None:
+                cache, history = self.prefix_cache.restore(snap, job.prompt[start], self.head if want_head else None)
+            job.snapshot_at = self.prefix_cache.boundaries(len(job.prompt), start, job.segment_ends)
+        if history is None and want_head:
+            from .engine.speculative import HeadHistory
+
+            history = HeadHistory(self.head)  # primed during prefill, in case it speculates
+        job.cached_tokens = start
+        job.started_at = time.monotonic()
+        job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
+                                     history, start=start)
+
+    def _begin_decode(self, job: Job) -> None:
+        """The prefill is done: give the job its decode path, continuing from the prefilled
+        cache: speculation when it runs alone, a row in the continuous batch when others
+        run too, else its own serial generator."""
+        from .engine.serial import serial_decode
+
+        pre, job.prefill = job.prefill, None
+        last = [pre.last_token]
+        sampler, mode = job.sampler, job.mode
         # Interactive work is latency-bound: it decodes on its own (the scheduler's class
         # order gives it every forward first), speculating if it can, rather than sharing
         # each forward with background rows.
@@ -439,7 +498,7 @@ class EngineWorker(threading.Thread):
         speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
         if (not speculate and not latency_first and self.batch is not None
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
-            self.batch.add(job.key, sampler, job.prompt, exact=job.exact)
+            self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
             job.batched = True
             job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
             return
@@ -447,12 +506,13 @@ class EngineWorker(threading.Thread):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            gen = speculative_decode(self.lm, self.head, job.prompt, sampler, depth=self.current_depth,
+            history = pre.history if pre.history is not None and pre.history.head is self.head else None
+            gen = speculative_decode(self.lm, self.head, last, sampler, depth=self.current_depth,
                                      exact=mode == "exact", guard_margin=spec.guard_margin,
-                                     rollback=spec.rollback)
+                                     rollback=spec.rollback, cache=pre.cache, history=history)
         else:
             mode = "off"
-            gen = serial_decode(self.lm, job.prompt, sampler)
+            gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
@@ -460,7 +520,26 @@ class EngineWorker(threading.Thread):
     def _token_text(self, token_id: int) -> str:
         return self.lm.tokenizer.decode([token_id])
 
+    def _prefill_chunk(self, job: Job) -> None:
+        """One unit of a job's prefill; the loop checks commands, deadlines and the drain,
+        and feeds the watchdog, before the next."""
+        try:
+            n = job.prefill.step()
+            if job.prefill.pos in job.snapshot_at and self.prefix_cache is not None:
+                self.prefix_cache.store(job.prompt[: job.prefill.pos], job.prefill.cache, job.prefill.history)
+            if job.prefill.done:
+                self._begin_decode(job)
+        except Exception as exc:
+            self._failed(job, exc)
+            return
+        self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
+        with self.snapshot_lock:
+            self.snapshot.prefill_tokens_total += n
+
     def _advance(self, job: Job) -> None:
+        if job.prefill is not None:
+            self._prefill_chunk(job)
+            return
         if job.batched:
             self._step_batch()
             return
@@ -491,6 +570,14 @@ class EngineWorker(threading.Thread):
             job = self.jobs.get(key)
             if job is not None:
                 self._deliver(job, DecodeStep(tokens=[token], cycle_s=dt))
+
+    def _log_displaced(self) -> None:
+        for parked, made_room_for, why, waited in self.scheduler.displaced:
+            log.info("scheduler.parked", request_id=parked.request_id, seat=parked.seat, rule=why,
+                     for_request_id=made_room_for.request_id, for_seat=made_room_for.seat,
+                     for_waited_s=round(waited, 3),
+                     running=self.scheduler.running_counts())
+        self.scheduler.displaced.clear()
 
     def _park_batched(self) -> None:
         """A parked job must not advance with the batch: take its row out, keeping its
@@ -541,6 +628,8 @@ class EngineWorker(threading.Thread):
         if job.generator is not None:
             job.generator.close()
             job.generator = None
+        prefilled = job.prefill.pos if job.prefill is not None else None
+        job.prefill = None  # its cache goes with it
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
             # Flush any held-back tail before the terminal message.
             rest = job.chunk([])
@@ -550,7 +639,8 @@ class EngineWorker(threading.Thread):
         if isinstance(terminal, m.Done):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
-                     prompt_tokens=terminal.usage.prompt_tokens,
+                     prompt_tokens=terminal.usage.prompt_tokens, cached_tokens=terminal.usage.cached_tokens,
+                     prefilled_tokens=prefilled,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
@@ -558,7 +648,7 @@ class EngineWorker(threading.Thread):
                          "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted})
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
-                     message=terminal.message)
+                     message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
@@ -591,11 +681,12 @@ class EngineWorker(threading.Thread):
                   "peak_bytes": mx.get_peak_memory()}
         stats = self._seat_stats
         busy = {job.seat for job in self.jobs.values()}
-        stats.touch(busy)
+        stats.mark_busy(busy)
         stats.prune(busy)
         total_rate, per_seat = stats.rates()
         active = [
             {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
+            | ({"prefill": {"done": j.prefill.pos, "total": j.prefill.total}} if j.prefill is not None else {})
             for j in self.scheduler.active
         ]
         seats: dict[str, dict] = {}
@@ -615,6 +706,8 @@ class EngineWorker(threading.Thread):
             self.snapshot.seats = seats
             self.snapshot.memory = memory
             self.snapshot.stats = self.tallies.to_dict()
+            if self.prefix_cache is not None:
+                self.snapshot.prefix_cache = self.prefix_cache.stats()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed

@@ -54,6 +54,9 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
     content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
 
 
+TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+
+
 class Generate(_Message, tag="generate"):
     """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``.
 
@@ -78,6 +81,9 @@ class Generate(_Message, tag="generate"):
     deadline_ms: Annotated[int, Meta(ge=1, le=7 * 24 * 3600 * 1000)] | None = None
     # None: the daemon's configured default. "off": serial decode.
     speculation: Speculation | None = None
+    # Extra variables for the model's chat template (with ``messages`` only), e.g.
+    # {"enable_thinking": false} for Qwen3.5; they override the daemon's [chat] defaults.
+    chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None = None
     # Sampling options (engine/sampling.py has the order they apply in). Penalties and
     # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
     # UNSET means SAMPLING_DEFAULTS' value.
@@ -180,6 +186,9 @@ class Tokens(_DaemonMessage, tag="tokens"):
     seq: int
     text: str
     token_ids: list[int]
+    # Thinking text of this chunk, where the chat template marks it (``text`` is then the
+    # answer only). Empty for models and requests without it.
+    reasoning: str = ""
     # Only when the request asked for logprobs: one entry per id in token_ids.
     logprobs: list[TokenLogprob] | None = None
 
@@ -187,7 +196,8 @@ class Tokens(_DaemonMessage, tag="tokens"):
 class Usage(Struct, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
-    # Prompt tokens served from a prefix cache instead of being prefilled (0 without one).
+    # Prompt tokens served from the daemon's prefix cache (not recomputed); 0 from a daemon
+    # without one. Included in prompt_tokens.
     cached_tokens: int = 0
 
 
@@ -220,6 +230,8 @@ class Done(_DaemonMessage, tag="done"):
     usage: Usage
     timings: Timings
     speculation: SpecStats | None = None
+    # The whole thinking text (``text`` is the answer without it); "" when there was none.
+    reasoning: str = ""
     # Only when the request asked for logprobs and did not stream: one entry per output token.
     logprobs: list[TokenLogprob] | None = None
 

@@ -192,8 +192,10 @@ class BatchDecoder:
         exact: bool = False,
     ) -> None:
         """Admit a stream at a step boundary: from ``prompt`` (prefilled alone, first token
-        decided at M=1, exactly as serial_decode), or from a row state ``(cache,
-        next_token)`` that ``extract`` returned. ``exact`` only matters at temperature 0."""
+        decided at M=1, exactly as serial_decode; with ``cache``, that cache already holds
+        the tokens before ``prompt``, as after a chunked prefill), or from a row state
+        ``(cache, next_token)`` that ``extract`` returned. ``exact`` only matters at
+        temperature 0."""
         if row_id in self:
             raise ValueError(f"row {row_id!r} is already in the batch")
         if not self.admits(sampler, exact):
@@ -202,11 +204,11 @@ class BatchDecoder:
         if len(self._rows) >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
         if prompt is not None:
-            if cache is not None or next_token is not None:
+            if next_token is not None:
                 raise ValueError("give a prompt or (cache, next_token), not both")
             if not prompt:
                 raise ValueError("a stream needs at least one prompt token")
-            cache = self.lm.make_cache()
+            cache = cache if cache is not None else self.lm.make_cache()
             last = prefill(self.lm, prompt, cache, self.prefill_chunk)
             logits = self.lm.logits(self.lm.hidden(last[None], cache))[:, -1, :]
             tok = sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32)

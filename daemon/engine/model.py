@@ -34,6 +34,9 @@ class LoadedModel:
     compiled_decode: Any = None
     # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
     decode_path: str = "eager: not requested"
+    # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
+    # instead of token by token; load_model turns it on where mlx-lm has no fused kernel.
+    chunked_prefill: bool = False
 
     @property
     def name(self) -> str:
@@ -64,6 +67,16 @@ class LoadedModel:
                 return h
         return self.backbone(tokens, cache)
 
+    def prefill_hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """``hidden`` for a prompt chunk: the chunked recurrence where enabled and it applies
+        (long enough, one unpadded sequence); decode steps and verifies never come here."""
+        if self.chunked_prefill:
+            from . import chunked_prefill
+
+            if chunked_prefill.applies(self, tokens, cache):
+                return chunked_prefill.prefill_hidden(self, tokens, cache)
+        return self.hidden(tokens, cache)
+
     def logits(self, hidden: mx.array) -> mx.array:
         text = self.text_module
         if text.args.tie_word_embeddings:
@@ -78,11 +91,17 @@ class LoadedModel:
 
         return make_prompt_cache(self.model)
 
-    def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None) -> list[int]:
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None,
+                      template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a request's prompt. ``template_kwargs`` are extra variables for the
+        chat template (e.g. ``enable_thinking``), for ``messages`` only."""
+        if template_kwargs and messages is None:
+            raise ValueError("chat_template_kwargs apply to messages only (the chat template renders them)")
         if tokens is not None:
             return list(tokens)
         if messages is not None:
             if getattr(self.tokenizer, "chat_template", None):
-                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               **(template_kwargs or {})))
             prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(self.tokenizer.encode(prompt or ""))

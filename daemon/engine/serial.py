@@ -26,7 +26,7 @@ def prefill(lm: LoadedModel, prompt: list[int], cache: list, chunk: int = PREFIL
     ids = mx.array(prompt, dtype=mx.uint32)
     while ids.size > 1:
         n = min(chunk, ids.size - 1)
-        lm.hidden(ids[None, :n], cache)
+        lm.prefill_hidden(ids[None, :n], cache)
         mx.eval([c.state for c in cache])
         ids = ids[n:]
     return ids

@@ -127,7 +127,7 @@ def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history
     ids = mx.array(prompt, dtype=mx.uint32)
     while ids.size > 1:
         n = min(chunk, ids.size - 1)
-        h = lm.hidden(ids[None, :n], cache)
+        h = lm.prefill_hidden(ids[None, :n], cache)
         history.add(h, ids[1 : n + 1])
         history.feed(keep_last=True)
         mx.eval([h] + [c.state for c in cache] + history.state())

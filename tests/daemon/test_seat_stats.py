@@ -24,7 +24,7 @@ def test_idle_seats_leave_and_busy_ones_stay():
     s.prune(busy=set())
     assert s.totals == {"planner": 6}
     clock.t += 100
-    s.touch({"planner"})  # queued work keeps a seat, tokens or not
+    s.mark_busy({"planner"})  # queued work keeps a seat, tokens or not
     s.prune(busy={"planner"})
     assert s.totals == {"planner": 6}
 

@@ -150,3 +150,31 @@ def test_queue_caps_answer_overloaded_at_once(sched_daemon):
             h.cancel()
         for h in held:
             h.result()
+
+
+def test_a_seat_filling_every_slot_does_not_starve_another(sched_daemon):
+    """Issue 13: seat A fills max_active with long requests; seat B's short request must
+    be served while A's still run (before, it waited until A's ended or were cancelled)."""
+    with Client(sched_daemon.endpoint, seat="hog", timeout_s=120) as a, \
+            Client(sched_daemon.endpoint, seat="short", timeout_s=120) as b:
+        hogs = [a.generate("def hog():", max_tokens=4000) for _ in range(4)]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait until A holds every slot and decodes
+            seats = b.status().detail["seats"]
+            if seats.get("hog", {}).get("active") == 4 and seats["hog"].get("tokens", 0) > 0:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("seat A never held all four slots")
+        done = b.generate("x = 1", max_tokens=4).result()
+        assert done.usage.completion_tokens == 4
+        # Every one of A's requests is still running: B did not wait for them.
+        still_running = b.status().detail["seats"]["hog"]["active"] + b.status().detail["seats"]["hog"]["queued"]
+        assert still_running == 4
+        # Well inside the starvation bound (30 s): B got in at once, by the fair split.
+        assert done.timings.queue_s < 30.0, done.timings
+        for h in hogs:
+            h.cancel()
+        assert all(h.result().finish_reason == "cancelled" for h in hogs)
+    events = [e for e in sched_daemon.events() if e.get("event") == "scheduler.parked" and e.get("seat") == "hog"]
+    assert events, "the displacement is logged"

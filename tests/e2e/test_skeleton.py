@@ -193,7 +193,11 @@ def test_duplicate_request_id_in_flight(daemon_proc):
     sock.send(encode(Generate(request_id="dup", prompt="def g():", max_tokens=5)))
     terminals, dup_errors = [], []
     deadline = time.monotonic() + 30
+    last_ping = time.monotonic()
     while not terminals and time.monotonic() < deadline:
+        if time.monotonic() - last_ping > 0.5:  # as PROTOCOL.md asks of a client that waits:
+            sock.send(encode(Ping()))  # 200 tokens can outlast the 3 s timeout on a busy box
+            last_ping = time.monotonic()
         reply = decode_daemon(sock.recv())
         if isinstance(reply, Error) and reply.code == "duplicate_request":
             dup_errors.append(reply)

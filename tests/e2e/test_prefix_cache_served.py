@@ -1,0 +1,106 @@
+"""The prefix cache against a real daemon (random model with an MTP head, exact greedy):
+a hit gives a cold run's tokens and a cold run's speculation acceptance, and says how many
+prompt tokens it reused."""
+
+from __future__ import annotations
+
+import pytest
+from e2e_harness import start_daemon
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+CHUNK = 32
+CONFIG = f"""
+heartbeat_interval_s = 0.5
+governor_enabled = false
+[speculation]
+mode = "exact"
+depth = 2
+[scheduler]
+prefill_chunk = {CHUNK}
+[prefix_cache]
+enabled = {{enabled}}
+"""
+
+
+def _daemon(tmp, model, enabled: bool):
+    return start_daemon(tmp, model, config=CONFIG.replace("{enabled}", "true" if enabled else "false"))
+
+
+# The bundled model: trained, so its MTP head's drafts are accepted and a head history
+# that was not restored would show in the acceptance (random weights accept nothing).
+@pytest.fixture(scope="module")
+def cached(tmp_path_factory):
+    d = _daemon(tmp_path_factory.mktemp("pc-on"), BUNDLED_MODEL, True)
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    d = _daemon(tmp_path_factory.mktemp("pc-off"), BUNDLED_MODEL, False)
+    yield d
+    assert d.stop() == 0
+
+
+def _encode(text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json")).encode(text).ids
+
+
+def _run(endpoint: str, seat: str, prompt: list[int], max_tokens: int = 40, speculation: str = "exact"):
+    with Client(endpoint, seat=seat, timeout_s=120) as c:
+        s = c.generate(prompt_tokens=prompt, max_tokens=max_tokens, speculation=speculation)
+        done = s.result()
+        return list(s.token_ids), done
+
+
+def _spec(done):
+    sp = done.speculation
+    return None if sp is None else (sp.cycles, sp.drafted, sp.accepted, sp.accepted_by_position)
+
+
+def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
+    turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:300]
+    assert len(turn1) == 300
+    ids1, done1 = _run(cached.endpoint, "seat-a", turn1)
+    assert done1.usage.cached_tokens == 0
+    # The seat's next turn: its transcript (prompt + reply) plus a new message.
+    turn2 = turn1 + ids1 + _encode("\n\nclass Council:\n    def __init__(self):\n")
+    ids2, done2 = _run(cached.endpoint, "seat-a", turn2)
+    # The last chunk-aligned boundary of turn 1's prompt (299 tokens prefilled -> 288).
+    assert done2.usage.cached_tokens == (len(turn1) - 1) // CHUNK * CHUNK == 288
+    cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
+    assert cold_done.usage.cached_tokens == 0
+    assert ids2 == cold_ids  # token-identical in exact greedy mode
+    # The head's history was restored with the state: acceptance is the cold run's, cycle
+    # for cycle (same drafts, same accepts), not one that starts from an empty history.
+    assert _spec(done2) is not None and _spec(done2)[2] > 0  # drafts were accepted
+    assert _spec(done2) == _spec(cold_done)
+    events = [e for e in cached.events() if e["event"] == "request.done" and e["seat"] == "seat-a"]
+    assert [e["cached_tokens"] for e in events] == [0, 288]
+
+
+def test_other_seats_share_a_chat_system_prompt(cached, cold):
+    system = "You are a council member. " * 40
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": f"Seat {i}: what now?"}]
+            for i in range(3)]
+    outs = []
+    with Client(cached.endpoint, seat="chat", timeout_s=120) as c:
+        for mm in msgs:
+            s = c.generate(messages=mm, max_tokens=12, speculation="off")
+            done = s.result()
+            outs.append((list(s.token_ids), done))
+    assert outs[0][1].usage.cached_tokens == 0
+    # The second and third seats start from the snapshot inside the system message.
+    assert outs[1][1].usage.cached_tokens >= CHUNK and outs[2][1].usage.cached_tokens == outs[1][1].usage.cached_tokens
+    with Client(cold.endpoint, seat="chat", timeout_s=120) as c:
+        for (ids, _), mm in zip(outs, msgs):
+            s = c.generate(messages=mm, max_tokens=12, speculation="off")
+            s.result()
+            assert list(s.token_ids) == ids
+    with Client(cached.endpoint, seat="obs", timeout_s=30) as c:
+        pc = c.status().detail["prefix_cache"]
+    assert pc["entries"] >= 2 and 0 < pc["bytes"] <= pc["max_bytes"] and pc["hits"] >= 3
