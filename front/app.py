@@ -255,6 +255,10 @@ class Front:
             return exc.response()
         except CouncilError as exc:
             err = from_council(exc)
+            if exc.code == "overloaded":
+                st = await self.status()
+                if st is not None and st.detail.get("state") == "loading":  # not ready, not busy
+                    err = HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.metrics.request(route, seat, err.status, exc.code)
             return err.response()
 
@@ -268,7 +272,7 @@ class Front:
             while True:
                 msg = await stream.next_message()
                 if isinstance(msg, m.Tokens):
-                    if msg.text or msg.logprobs:
+                    if msg.text or msg.logprobs or msg.reasoning:
                         now = time.monotonic()
                         if first_token:
                             self.metrics.ttft.observe(now - received)
@@ -276,7 +280,7 @@ class Front:
                         elif last is not None:
                             self.metrics.chunk_gap.observe(now - last)
                         last = now
-                        yield sse(shape.chunk(msg.text, msg.logprobs))
+                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning))
                 elif isinstance(msg, m.Done):
                     ended = True
                     yield sse(shape.chunk(None if parsed.chat else "", None, finish=finish_reason(msg)))
@@ -318,12 +322,15 @@ class Front:
     async def health(self, request: Request) -> Response:
         st = await self.status()
         if st is None:
-            # The daemon binds its socket only once the model is loaded, so a daemon that is
-            # starting looks like one that is not running: both are "loading" here.
+            # No answer: a daemon not (yet) started looks like one starting; both are
+            # "loading" here, with the reason.
             return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
                                 headers={"Retry-After": "2"})
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
+        if st.detail.get("state") == "loading":  # the daemon answers while it reads the weights
+            return JSONResponse({"status": "loading", "model": st.model, "progress": st.detail.get("load_progress")},
+                                status_code=503, headers={"Retry-After": "2"})
         return JSONResponse({"status": "ready", "model": st.model, "active": st.active, "queued": st.queued,
                              "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
 

@@ -320,7 +320,7 @@ def test_eight_streams_with_random_disconnects_lose_and_duplicate_nothing(stack)
 
 def test_the_grafana_dashboard_graphs_series_that_exist(stack):
     """Every series docs/grafana-councild.json queries is one /metrics serves (the prefix
-    cache's are matched by a regex and appear only when the daemon has one)."""
+    cache is on by default, so its series are served too)."""
     import json
     import re
     from pathlib import Path
@@ -332,7 +332,7 @@ def test_the_grafana_dashboard_graphs_series_that_exist(stack):
     dash = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-councild.json").read_text())
     wanted = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"\bcouncild_[a-z_]+\b", t["expr"])}
     assert len(wanted) > 15
-    missing = sorted(n for n in wanted if n not in served and not n.startswith("councild_prefix_cache_"))
+    missing = sorted(n for n in wanted if n not in served)
     assert not missing, missing
 
 
