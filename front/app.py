@@ -35,9 +35,11 @@ from .metrics import FrontMetrics
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
 
 SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
-# Status replies for /health and /metrics wait at most this long, so a daemon that is down
-# answers the probe quickly instead of after the client's liveness timeout.
+# /health waits at most this long for the daemon's status, so a daemon that is down answers
+# the probe quickly instead of after the client's liveness timeout; /metrics waits longer (a
+# scrape has its own timeout, typically 10 s, and a loaded machine answers slowly).
 STATUS_TIMEOUT_S = 3.0
+METRICS_STATUS_TIMEOUT_S = 8.0
 # Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
 MAX_SEATS = 256
 
@@ -149,18 +151,18 @@ class Front:
                                                  client_name="councild-http")
         return c
 
-    async def status(self, max_age: float | None = None) -> m.StatusReply | None:
+    async def status(self, max_age: float | None = None, timeout: float = STATUS_TIMEOUT_S) -> m.StatusReply | None:
         """The daemon's StatusReply, at most ``max_age`` (default status_ttl_s) old; None when
-        it does not answer (``_status_error`` says why)."""
+        it does not answer within ``timeout`` (``_status_error`` says why)."""
         max_age = self.cfg.status_ttl_s if max_age is None else max_age
         async with self._status_lock:
             if self._status is not None and time.monotonic() - self._status_at <= max_age:
                 return self._status
             if self._status_client is None:
                 self._status_client = AsyncClient(self.endpoint, seat=self.cfg.default_seat,
-                                                  timeout_s=STATUS_TIMEOUT_S, client_name="councild-http-status")
+                                                  timeout_s=METRICS_STATUS_TIMEOUT_S, client_name="councild-http-status")
             try:
-                self._status = await asyncio.wait_for(self._status_client.status(), STATUS_TIMEOUT_S + 0.5)
+                self._status = await asyncio.wait_for(self._status_client.status(), timeout)
                 self._status_at = time.monotonic()
                 self._status_error = None
             except (CouncilError, asyncio.TimeoutError) as exc:
@@ -335,7 +337,7 @@ class Front:
                              "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
 
     async def metrics_route(self, request: Request) -> Response:
-        st = await self.status(max_age=0.0)
+        st = await self.status(max_age=0.0, timeout=METRICS_STATUS_TIMEOUT_S)
         body, content_type = self.metrics.render(st)
         return Response(body, media_type=content_type)
 
