@@ -134,7 +134,8 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .server import Server, StartupError, startup_fs_error
+    from .endpoint import StartupError, startup_fs_error
+    from .server import Server
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -384,8 +385,12 @@ DELEGATED = {
     ("bench", "serial"): ("daemon.measure.serial_bench",
                           "daemon over the socket vs in-process vs mlx_lm.generate, interleaved"),
     ("bench", "spec"): ("daemon.measure.spec_bench", "speculation by depth against serial, interleaved"),
+    ("bench", "drafting"): ("daemon.measure.drafting_bench",
+                            "MTP head vs + prompt lookup vs per-request depth, on quoting and plain prompts"),
     ("bench", "compile"): ("daemon.measure.compile_bench",
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
+    ("bench", "prefill"): ("daemon.measure.prefill_bench",
+                           "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
