@@ -134,7 +134,7 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .server import Server, StartupError
+    from .server import Server, StartupError, startup_fs_error
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -150,16 +150,19 @@ def cmd_serve(args) -> int:
         # ask for (the file's own log settings are what failed to load).
         configure_logging(args.log_format or "auto", args.log_level or "info")
         get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
     # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
     faulthandler.enable()
     log = get_logger("councild")
-    endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
     from .models.refs import ModelRefError
 
     try:
+        try:
+            endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+        except OSError as exc:
+            raise startup_fs_error(f"cannot create the runtime folder {exc.filename or ''}".rstrip(), exc) from None
         try:
             model = resolve_model(cfg.model)
         except ModelRefError as exc:  # a repo id that was never pulled: fix the config, no retry
@@ -167,16 +170,26 @@ def cmd_serve(args) -> int:
         code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         code = exc.exit_code
     # Leave without interpreter teardown, once the server has closed its sockets, removed
     # its socket file and logged daemon.stop: with mlx loaded on the engine thread (and its
     # compiled-function cache alive), finalization can abort ("terminate called without an
     # active exception", SIGABRT), which a service manager would read as a crash and restart.
     # The kernel releases the instance lock; nothing else is left to clean up.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a full disk under the log must not change the exit code
+        pass
     os._exit(code)
+
+
+def _print_err(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def _template_kwarg(text: str) -> tuple[str, object]:
@@ -377,6 +390,7 @@ DELEGATED = {
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
     ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),
+    ("http",): ("front.main", "OpenAI-compatible HTTP API and /metrics for a running daemon (the http extra)"),
 }
 
 

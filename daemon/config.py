@@ -18,6 +18,14 @@ from .engine.types import DEFAULT_GUARD
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+# Every size and every duration has a ceiling, so a typo (max_active = 100000) is refused at
+# start-up (exit 78) instead of running away. The ceilings are far above sane values.
+MiB = 1 << 20
+DAY_S = 86400.0
+Seconds = Annotated[float, Meta(gt=0, le=DAY_S)]
+# The protocol's own bounds (protocol/messages.py): a prompt of at most 2**20 token ids, and
+# max_tokens at most 2**20.
+WIRE_TOKENS = 1 << 20
 
 
 class ConfigError(Exception):
@@ -32,13 +40,14 @@ class SeatConfig(Struct, forbid_unknown_fields=True, frozen=True):
 class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Requests decoded in turn (time-sliced, each keeping its cache). More means more
     # memory held by caches; 4 covers a typical council.
-    max_active: PositiveInt = 4
+    # The batch decoder is built (and probed) at this height at start-up: bounded.
+    max_active: Annotated[int, Meta(ge=1, le=256)] = 4
     # Accepted-but-unfinished requests, in total and per seat; past them, Overloaded.
-    max_queued: PositiveInt = 64
-    max_queued_per_seat: PositiveInt = 16
+    max_queued: Annotated[int, Meta(ge=1, le=65536)] = 64
+    max_queued_per_seat: Annotated[int, Meta(ge=1, le=65536)] = 16
     # A queued request of a lower class is promoted one class after waiting this long, so
     # background work is delayed but never starved.
-    starvation_bound_s: PositiveFloat = 30.0
+    starvation_bound_s: Seconds = 30.0
     # Decode several active streams in one batched forward (depth 0). Where the backend's
     # batched kernels round differently from one-token ones (Metal, CUDA), requests that
     # must be exact at temperature 0 still decode alone; "fast" and sampled ones batch.
@@ -48,8 +57,8 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
     # prefill throughput. (On CPU, chunks of a multiple of 8 tokens leave the cache bit-
     # identical to one-shot prefill; other sizes can differ in the last ulp.)
-    prefill_chunk: PositiveInt = 256
-    seats: dict[str, SeatConfig] = {}
+    prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
+    seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 
 
@@ -99,26 +108,37 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # TCP endpoints need CURVE unless this is set (it logs a warning).
     insecure_tcp: bool = False
     curve_secret_key_file: str | None = None
-    max_frame_bytes: PositiveInt = 8 << 20
-    max_tokens: PositiveInt = 4096
-    max_prompt_tokens: PositiveInt = 32768
-    heartbeat_interval_s: PositiveFloat = 2.0
+    # At most the reference client's MAXMSGSIZE (64 MiB): a larger frame could not be answered.
+    max_frame_bytes: Annotated[int, Meta(ge=1024, le=64 * MiB)] = 8 << 20
+    max_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] = 4096
+    # Longest prompt after tokenization. Unset: the model's context length
+    # (max_position_embeddings). A value above the context is lowered to it (logged as
+    # config.clamped) unless max_prompt_tokens_beyond_context is set.
+    max_prompt_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] | None = None
+    max_prompt_tokens_beyond_context: bool = False
+    heartbeat_interval_s: Seconds = 2.0
     # A client that says nothing for this long while it has work in flight is gone.
-    heartbeat_timeout_s: PositiveFloat = 10.0
+    heartbeat_timeout_s: Seconds = 10.0
     # Below launchd's ExitTimeOut and systemd's TimeoutStopSec (45 s in our templates).
-    drain_deadline_s: PositiveFloat = 30.0
+    drain_deadline_s: Seconds = 30.0
     # Per-client send queue: a consumer that stops reading is cut off here, not buffered.
-    client_send_hwm: PositiveInt = 1000
+    client_send_hwm: Annotated[int, Meta(ge=1, le=100_000)] = 1000
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Run decode steps and verifies through mx.compile'd layers (daemon/engine/compiled.py); it is
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
+    # log-only shops); 0 turns them off.
+    stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
+    # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
+    # only lets it sit in the same file.
+    http: dict[str, Any] = {}
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True
@@ -129,7 +149,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # an `internal` Error and the daemon must serve on. Requests with max_tokens at or below
     # it are unaffected. Applied by wrapping the decode generator at request start, so an
     # unset value costs nothing per step. Also $COUNCILD_DEBUG_FAIL_AFTER_TOKENS.
-    debug_fail_after_tokens: PositiveInt | None = None
+    debug_fail_after_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] | None = None
     # Test-only, OFF unless set: treat this backend as one whose verify rounds unlike serial
     # steps (as MLX on CUDA does), so the CPU test suite can exercise
     # speculation.exact_on_inexact_backend through a real daemon.

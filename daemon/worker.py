@@ -22,11 +22,11 @@ from protocol import messages as m
 
 from .config import Config
 from .detokenize import CommittedText
-from .reasoning import reasoning_split_for
 from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
+from .stats import Tallies
 
 log = get_logger("councild.engine")
 
@@ -101,6 +101,7 @@ class EngineSnapshot:
     memory: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
 
 
 class InjectedFault(RuntimeError):
@@ -127,7 +128,11 @@ class EngineWorker(threading.Thread):
         self.cfg = cfg
         self.ctx = ctx
         self.model_path = model_path
+        # The socket loop puts commands here; the intake thread (intake.py) tokenizes each
+        # Submit and passes every command on, in order, to ``_ready``, which this thread reads.
         self.commands: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        self.max_prompt_tokens = cfg.max_prompt_tokens or 0  # the model's context once loaded
         self.snapshot = EngineSnapshot()
         self.snapshot_lock = threading.Lock()
         self.loaded = threading.Event()
@@ -145,6 +150,7 @@ class EngineWorker(threading.Thread):
         self._seat_stats = SeatStats()
         self._stopping = False
         self._published_at = 0.0
+        self.tallies = Tallies()
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -158,6 +164,9 @@ class EngineWorker(threading.Thread):
             self.loaded.set()
             self._out.close()
             return
+        from .intake import Intake
+
+        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat).start()
         self.loaded.set()
         try:
             self._loop()
@@ -175,8 +184,10 @@ class EngineWorker(threading.Thread):
         route_library_logs()
         t0 = time.perf_counter()
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress)
+        context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
-                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3))
+                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
+                 context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
         self.verify_exact = True
@@ -204,6 +215,24 @@ class EngineWorker(threading.Thread):
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def _prompt_limit(self) -> int | None:
+        """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
+        raises it past the context only with max_prompt_tokens_beyond_context. Returns the
+        context (None when the model's config does not say)."""
+        context = getattr(self.lm.text_args, "max_position_embeddings", None)
+        context = context if isinstance(context, int) and context > 0 else None
+        configured = self.cfg.max_prompt_tokens
+        if configured is None:
+            self.max_prompt_tokens = context or 32768
+        elif context is not None and configured > context and not self.cfg.max_prompt_tokens_beyond_context:
+            self.max_prompt_tokens = context
+            log.warning("config.clamped", key="max_prompt_tokens", configured=configured, used=context,
+                        reason=f"the model's context is {context} tokens; set "
+                               "max_prompt_tokens_beyond_context = true to allow longer prompts")
+        else:
+            self.max_prompt_tokens = configured
+        return context
 
     def _load_progress(self, done: int, total: int, seconds: float) -> None:
         """One log event per ~5% of the weights read; the status snapshot and the service
@@ -326,7 +355,7 @@ class EngineWorker(threading.Thread):
         timeout = 0.1 if block else 0.0
         while True:
             try:
-                cmd = self.commands.get(timeout=timeout) if timeout else self.commands.get_nowait()
+                cmd = self._ready.get(timeout=timeout) if timeout else self._ready.get_nowait()
             except queue.Empty:
                 return True
             timeout = 0.0
@@ -349,42 +378,11 @@ class EngineWorker(threading.Thread):
                     return False
 
     def _submit(self, job: Job) -> None:
+        if job.rejection is not None:  # refused by the intake thread, before or after tokenizing
+            code, message = job.rejection
+            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message), registered=False)
+            return
         msg = job.msg
-        try:
-            kind = msg.prompt_kind()
-            # The daemon's [chat] defaults, then the request's own (chat requests only).
-            template_kwargs = ({**self.cfg.chat.template_kwargs, **(msg.chat_template_kwargs or {})}
-                               if msg.messages is not None else msg.chat_template_kwargs)
-            job.prompt = self.lm.encode_prompt(
-                msg.prompt,
-                [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
-                msg.prompt_tokens,
-                template_kwargs,
-            )
-            if msg.messages is not None and self.cfg.chat.separate_reasoning:
-                job.reasoning = reasoning_split_for(self.lm.tokenizer, job.prompt)
-        except Exception as exc:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"could not tokenize the {kind}: {exc}"), registered=False)
-            return
-        vocab = self.lm.text_args.vocab_size
-        if not job.prompt:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message="the prompt is empty after tokenization"), registered=False)
-            return
-        if any(t >= vocab for t in job.prompt):
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"prompt_tokens holds ids outside the vocabulary (size {vocab})"),
-                         registered=False)
-            return
-        limit = self.cfg.max_prompt_tokens
-        if len(job.prompt) > limit:
-            self._finish(job, m.Error(request_id=job.request_id, code="prompt_too_long",
-                                      message=f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"),
-                         registered=False)
-            return
-        if msg.messages is not None and self.cfg.prefix_cache.enabled:
-            job.segment_ends = self._segment_ends(msg, job.prompt)
         self.jobs[job.key] = job
         self.scheduler.submit(job)
         if self.governance is not None:
@@ -394,21 +392,6 @@ class EngineWorker(threading.Thread):
                                             prompt_tokens=len(job.prompt)), key=job.key)
         log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
-
-    def _segment_ends(self, msg, prompt: list[int]) -> list[int]:
-        """Where the chat's first message (the shared system prompt) ends in the prompt's
-        tokens, when the chat template renders it as a prefix; the prefix cache keeps a
-        snapshot there so other seats start from it."""
-        try:
-            first = [{"role": msg.messages[0].role, "content": msg.messages[0].content}]
-            tok = self.lm.tokenizer
-            if getattr(tok, "chat_template", None):
-                ids = list(tok.apply_chat_template(first, add_generation_prompt=False, tokenize=True))
-            else:
-                ids = list(tok.encode(f"{first[0]['role']}: {first[0]['content']}\n"))
-        except Exception:
-            return []
-        return [len(ids)] if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else []
 
     def _override(self, cmd: GovernorOverride) -> None:
         if self.governance is None:
@@ -470,7 +453,9 @@ class EngineWorker(threading.Thread):
         if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
             return
         p = job.msg
-        job.sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        job.sampler = Sampler(SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
         job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
@@ -547,6 +532,8 @@ class EngineWorker(threading.Thread):
         self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
         with self.snapshot_lock:
             self.snapshot.prefill_tokens_total += n
+    def _token_text(self, token_id: int) -> str:
+        return self.lm.tokenizer.decode([token_id])
 
     def _advance(self, job: Job) -> None:
         if job.prefill is not None:
@@ -606,7 +593,8 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
-        kept = job.absorb(step, self.lm.eos_token_ids)
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None)
+        self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
         if job.msg.stream:
@@ -615,6 +603,20 @@ class EngineWorker(threading.Thread):
                 self._send(job.identity, chunk, key=job.key)
         if job.finished_reason is not None:
             self._finish(job, job.done())
+
+    def _tally(self, job: Job, step, kept: list[int]) -> None:
+        """Latency and speculation counters for status readers (daemon/stats.py)."""
+        t = self.tallies
+        t.drafted += step.drafted
+        t.accepted += step.accepted
+        if not kept:
+            return
+        now = time.monotonic()
+        if job.last_token_at is None:
+            t.ttft.observe(now - job.received_at)
+        else:  # a cycle's gap, shared by the tokens it committed
+            t.inter_token.observe((now - job.last_token_at) / len(kept), len(kept))
+        job.last_token_at = now
 
     def _finish(self, job: Job, terminal: m.Done | m.Error, registered: bool = True) -> None:
         """Send the request's one terminal message and forget it."""
@@ -647,6 +649,7 @@ class EngineWorker(threading.Thread):
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
+        self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
@@ -703,6 +706,7 @@ class EngineWorker(threading.Thread):
             self.snapshot.memory = memory
             if self.prefix_cache is not None:
                 self.snapshot.prefix_cache = self.prefix_cache.stats()
+            self.snapshot.stats = self.tallies.to_dict()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed

@@ -57,7 +57,7 @@ import mlx.core as mx
 
 from .model import LoadedModel
 from .rollback import Snapshot, check_cache, make_rollback
-from .sampling import Sampler, logprobs as _logprobs
+from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
 from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
@@ -170,11 +170,13 @@ def speculative_decode(
     primary = prefill_with_hidden(lm, prompt, cache, hist)  # [1]
     n_cycles = 0
 
-    def serial_step(token: mx.array) -> tuple[mx.array, mx.array]:
-        """serial_decode's step, op for op. Returns (next token [1], hidden [1, 1, H])."""
+    def serial_step(token: mx.array, extra: mx.array | None = None, start: int = 0) -> tuple:
+        """serial_decode's step, op for op. Returns (next token [1], hidden [1, 1, H], its
+        logprob arrays or None). ``extra[:start]``: drafts ahead of it not yet committed."""
         h = lm.hidden(token.reshape(1, 1), cache)
-        logits = lm.logits(h)[:, -1, :]
-        return sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32), h
+        lp = _logprobs(sampler.process(lm.logits(h)[:, -1, :], extra, start))
+        nxt = sampler(lp).reshape(-1).astype(mx.uint32)
+        return nxt, h, sampler.logprob_arrays(lp, nxt)
 
     # A serial step issued ahead at the end of a depth-0 cycle (as serial_decode does, so
     # Python's per-step work overlaps the device's): (next token, hidden, snapshot before it).
@@ -186,11 +188,13 @@ def speculative_decode(
     def first_draft() -> tuple:
         committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
         g = hist.feed(keep_last=False)
-        d, ql = draft_from(g)
+        d, ql = draft_from(g, [])
         return committed_slots, g, d, ql
 
-    def draft_from(g: mx.array) -> tuple[mx.array, mx.array | None]:
-        lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
+    def draft_from(g: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None]:
+        # The request's processors see the drafts before this one, as serial decode would.
+        extra = mx.concatenate(before) if before else None
+        lp = _logprobs(sampler.process(head.logits(g)[:, -1, :], extra, len(before)))  # [1, V]
         if greedy:
             return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None
         ql = sampler.log_distribution(lp)
@@ -210,9 +214,10 @@ def speculative_decode(
         if k == 0:
             draft_ahead = None  # its pairs are in the head's history; d1 is not needed
             if ahead is not None:
-                nxt, h, _ = ahead
+                nxt, h, lps, _ = ahead
             else:
-                nxt, h = serial_step(primary)
+                nxt, h, lps = serial_step(primary)
+            sampler.commit(nxt)
             if head_ok:  # without a head there is no history to keep (and nothing to grow)
                 hist.add(h, nxt)
                 if hist.n >= FLUSH_PENDING:
@@ -220,17 +225,18 @@ def speculative_decode(
             # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
             if head_ok:
                 snap = Snapshot.take(cache)
-                nxt2, h2 = serial_step(nxt)
+                nxt2, h2, lps2 = serial_step(nxt)
                 mx.async_eval(nxt2, h2, hist.state())
-                ahead = (nxt2, h2, snap)
+                ahead = (nxt2, h2, lps2, snap)
             else:
                 mx.eval(nxt, h, hist.state())
                 ahead = None
             primary = nxt
-            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0)
+            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
+                             logprobs=logprob_entries(lps))
             continue
         if ahead is not None:  # depth rose: undo the step issued ahead
-            ahead[2].restore()
+            ahead[3].restore()
             ahead = None
 
         # 1. draft d1..dk (d1 usually issued ahead, at the end of the previous cycle)
@@ -239,21 +245,22 @@ def speculative_decode(
         drafts, logq = [d], [ql]
         for _ in range(1, k):
             g = head(g, drafts[-1][None], hist.cache)
-            d, ql = draft_from(g)
+            d, ql = draft_from(g, drafts)
             drafts.append(d)
             logq.append(ql)
 
         # 2. verify [primary, d1..dk] in one base forward
         verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
-        logits = lm.logits(hid)[0]  # [k+1, V]
+        d_all = mx.concatenate(drafts)
+        logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
         lp = _logprobs(logits)
         if logit_jitter > 0.0:
             jitter_key, sub = mx.random.split(jitter_key)
             lp = lp.astype(mx.float32) + mx.random.uniform(-logit_jitter, logit_jitter, lp.shape, key=sub)
-        d_all = mx.concatenate(drafts)
 
         guarded = 0
+        logprobs = None
         if greedy:
             targets = mx.argmax(lp, axis=-1)
             to_eval = [targets, d_all, hid]
@@ -279,12 +286,15 @@ def speculative_decode(
             if stop_guard:
                 # Keep the verify's first `a` tokens; decide position a with serial numerics.
                 rb.commit(a)
-                nxt, h_last = serial_step(verify_in[:, a])
+                nxt, h_last, lps_last = serial_step(verify_in[:, a], d_all, a)
                 hidden_pairs = mx.concatenate([hid[:, :a], h_last], axis=1) if a else h_last
                 guarded = 1
                 committed_arr = mx.concatenate([d_all[:a], nxt]) if a else nxt
                 mx.eval(committed_arr)
                 committed = committed_arr.tolist()
+                if sampler.wants_logprobs:
+                    head_rows = logprob_entries(sampler.logprob_arrays(lp[:a], d_all[:a])) if a else []
+                    logprobs = head_rows + logprob_entries(lps_last)
             else:
                 rb.commit(a + 1)
                 committed = d_l[:a] + [t_l[a]]
@@ -314,9 +324,14 @@ def speculative_decode(
             hidden_pairs = hid[:, : a + 1]
             nxt = samples[a : a + 1].astype(mx.uint32)
 
+        if sampler.wants_logprobs and logprobs is None:
+            logprobs = logprob_entries(sampler.logprob_arrays(lp[: a + 1], mx.array(committed, dtype=mx.uint32)))
+
         # 4. head history: drop speculative slots, queue the committed pairs.
         hist.trim(hist.offset - committed_slots)
-        hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
+        committed_ids = mx.array(committed, dtype=mx.uint32)
+        sampler.commit(committed_ids)  # before the next first draft, which must see them
+        hist.add(hidden_pairs, committed_ids)
         primary = nxt
         draft_ahead = first_draft() if head_ok else None
         mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state()
@@ -329,5 +344,6 @@ def speculative_decode(
             accepted_mask=[True] * a + [False] * (k - a),
             guarded=guarded,
             cycle_s=time.perf_counter() - t0,
+            logprobs=logprobs,
         )
 

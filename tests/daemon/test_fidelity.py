@@ -65,9 +65,11 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["passed"] is True and len(data["arms"]) == 4
+    # exact and fast at depths 1 and 3, then exact again with the logit processors on
+    assert data["passed"] is True and len(data["arms"]) == 6
+    assert [(a["mode"], a["processors"]) for a in data["arms"][4:]] == [("exact", True), ("exact", True)]
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
-    assert "| exact | 3 |" in capsys.readouterr().out
+    assert "| exact | off | 3 |" in capsys.readouterr().out
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
     assert rc == 1
