@@ -356,6 +356,21 @@ def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
     return (accepted / drafted if drafted else 0.0), accepted, drafted
 
 
+def _room_for_check(folder: Path) -> None:
+    """The check loads the whole base in this process. With the daemon already serving the
+    same model that can be twice its size in memory: refuse up front rather than push a Mac
+    into swap (or a Linux box into the OOM killer)."""
+    import psutil
+
+    need = int(sum(p.stat().st_size for p in folder.glob("*.safetensors")) * 1.1)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise PullError(
+            f"the acceptance check loads the base ({need / 1e9:.1f} GB with headroom) and only "
+            f"{available / 1e9:.1f} GB is available: stop the daemon (`councild service` or Ctrl-C) and pull "
+            "again, or pass --no-check to write the head unchecked")
+
+
 def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = True,
              min_acceptance: float = MIN_ACCEPTANCE, check_tokens: int = CHECK_TOKENS) -> tuple[str, float | None]:
     """Extract the head from ``source_text`` into ``folder/mtp.safetensors``. Returns
@@ -393,6 +408,7 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
         mx.save_safetensors(str(staging / SIDECAR), tensors, metadata=metadata)
         acceptance = None
         if check:
+            _room_for_check(folder)
             _say(f"acceptance check: depth 1, {CHECK_PROMPTS} prompts x {check_tokens} tokens, greedy ...")
             acceptance, acc, drafted = acceptance_check(folder, staging, tokens=check_tokens)
             _say(f"acceptance at depth 1: {acceptance:.3f} ({acc} of {drafted} drafts accepted)")

@@ -173,6 +173,8 @@ def test_unknown_repo(hub, tmp_path):
     assert r.returncode == 1
     assert "no repo mlx-community/Qwen3.5-Nonexistent-4bit on " + hub.endpoint in r.stderr
     assert "Traceback" not in r.stderr
+    r = councild(env, "model", "pull", BASE + "@v9.9")
+    assert r.returncode == 1 and f"{BASE} has no revision 'v9.9'" in r.stderr, r.stderr
     # Serving a repo that was never pulled: exit 78, naming the command that fixes it.
     r = councild(env, "serve", "--model", "mlx-community/Qwen3.5-Nonexistent-4bit",
                  "--endpoint", f"ipc://{tmp_path}/s.sock", timeout=120)
