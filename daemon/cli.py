@@ -384,6 +384,8 @@ DELEGATED = {
     ("bench", "serial"): ("daemon.measure.serial_bench",
                           "daemon over the socket vs in-process vs mlx_lm.generate, interleaved"),
     ("bench", "spec"): ("daemon.measure.spec_bench", "speculation by depth against serial, interleaved"),
+    ("bench", "drafting"): ("daemon.measure.drafting_bench",
+                            "MTP head vs + prompt lookup vs per-request depth, on quoting and plain prompts"),
     ("bench", "compile"): ("daemon.measure.compile_bench",
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),

@@ -83,6 +83,19 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
     # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
+    # Prompt-lookup drafts (engine/lookup.py): where the generated tail repeats an n-gram of
+    # the prompt or output so far, verify the continuation as a draft block (no head
+    # forward), backing off when blocks miss. Runs at depth 0 too. Up to this many tokens.
+    prompt_lookup: bool = True
+    lookup_max_draft: Annotated[int, Meta(ge=1, le=32)] = 8
+    # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
+    # drafts' confidence times the request's running acceptance is below this (serial steps
+    # one more position costs); 0 never stops early.
+    draft_stop_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.35
+    # Sampled requests on the speculative path: once the output loops (a unit repeated 3
+    # times over 24+ tokens), decode serially under a DRY penalty until it stops looping
+    # (engine/loop_guard.py). Never applies at temperature 0.
+    loop_guard: bool = True
 
 
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):

@@ -25,12 +25,27 @@ class SpecTally:
     guarded: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    # Cycles that verified a prompt-lookup block (engine/lookup.py), counted apart; the
+    # per-position tallies above hold the head's drafts only.
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    # Head cycles that stopped below the depth ceiling; steps under the loop guard's penalty.
+    draft_stops: int = 0
+    penalised: int = 0
 
     def add(self, step: DecodeStep) -> None:
+        self.draft_stops += step.stopped_early
+        if step.draft_source == "lookup":
+            self.lookup_cycles += 1
+            self.lookup_drafted += step.drafted
+            self.lookup_accepted += step.accepted
         self.cycles += 1
         self.drafted += step.drafted
         self.accepted += step.accepted
         self.guarded += step.guarded
+        if step.draft_source == "lookup":
+            return
         for i, ok in enumerate(step.accepted_mask):
             while len(self.drafted_by_position) <= i:
                 self.drafted_by_position.append(0)
@@ -124,6 +139,7 @@ class Job:
             self.first_token_at = time.monotonic()
         if step.depth or step.drafted:
             self.spec.add(step)
+        self.spec.penalised += step.penalised
         kept: list[int] = []
         for tok in step.tokens:
             if tok in eos_ids:

@@ -55,3 +55,11 @@ class DecodeStep:
     # Only when the request asked for logprobs: per committed token, (its logprob,
     # [(token id, logprob), ...] of the top alternatives), same length as tokens.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Who proposed the drafts: "head" (the MTP head; a serial step too) or "lookup" (a
+    # prompt-lookup block, lookup.py). A lookup cycle's depth is its block's length.
+    draft_source: str = "head"
+    # The head stopped drafting below the depth ceiling (per-request depth, lookup.DraftStop).
+    stopped_early: bool = False
+    # Decoded under the loop guard's penalty (a sampled request caught looping, loop_guard.py).
+    penalised: bool = False
+
