@@ -49,3 +49,26 @@ def test_the_check_refuses_a_base_larger_than_free_memory(tmp_path):
         fh.truncate(1 << 42)  # sparse: 4 TB on paper, nothing on disk
     with pytest.raises(PullError, match="--no-check"):
         _room_for_check(tmp_path)
+
+
+def test_a_local_model_folder_gets_a_head_from_a_local_source(tmp_path):
+    import shutil
+
+    import mlx.core as mx
+
+    from daemon.engine.head_layout import is_mtp_key, read_header
+    from daemon.models.pull import pull
+    from daemon.paths import BUNDLED_MODEL
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(BUNDLED_MODEL / name, tmp_path / name)
+    weights = mx.load(str(BUNDLED_MODEL / "model.safetensors"))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {k: v for k, v in weights.items() if not is_mtp_key(k)})
+    result = pull(str(tmp_path), mtp_from=str(BUNDLED_MODEL), check=False)
+    assert result.acceptance is None and "mtp.safetensors" in result.head
+    written = mx.load(str(tmp_path / "mtp.safetensors"))
+    assert sorted(written) == sorted(k for k in weights if is_mtp_key(k))
+    assert all(mx.array_equal(written[k], weights[k]) for k in written)
+    assert read_header(tmp_path / "mtp.safetensors")["__metadata__"]["source"] == str(BUNDLED_MODEL.resolve())
+    with pytest.raises(PullError, match="already has an MTP head"):
+        pull(str(tmp_path), mtp_from=str(BUNDLED_MODEL), check=False)
