@@ -318,9 +318,12 @@ class Front:
     async def health(self, request: Request) -> Response:
         st = await self.status()
         if st is None:
-            # The daemon binds its socket only once the model is loaded, so a daemon that is
-            # starting looks like one that is not running: both are "loading" here.
+            # A daemon that is not (yet) running: "loading" too, with the reason.
             return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
+                                headers={"Retry-After": "2"})
+        if st.detail.get("state") == "loading":  # bound, still reading the model's weights
+            progress = (st.detail.get("load_progress") or {}).get("percent")
+            return JSONResponse({"status": "loading", "model": st.model, "percent": progress}, status_code=503,
                                 headers={"Retry-After": "2"})
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})

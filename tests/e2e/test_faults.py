@@ -309,7 +309,9 @@ def test_daemon_killed_and_restarted(tmp_path, e2e_model):
                 assert d2.proc.poll() is None, d2.log_path.read_text()[-3000:]
                 try:
                     st = client.status()
-                    break
+                    if st.detail.get("state") != "loading":  # it answers status while loading
+                        break
+                    time.sleep(0.1)
                 except DaemonUnavailable:
                     assert time.monotonic() - t_restart < 120
             recovered_s = time.monotonic() - t_restart
