@@ -13,12 +13,9 @@ p = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--endpoint",
                      env=dict(os.environ, COUNCILD_RUNTIME_DIR=run), stdout=log, stderr=subprocess.STDOUT)
 from protocol.client import Client
 try:
-    for _ in range(120):
-        try:
-            with Client(ep, timeout_s=2) as c:
-                c.status(); break
-        except Exception:
-            time.sleep(1)
+    from protocol.readiness import wait_until_answering
+
+    wait_until_answering(ep, p, timeout_s=120, log_path=f"{run}/d.log")  # a Pong: serving, not loading
     with Client(ep, timeout_s=60) as c:
         d = c.status().detail
         print("status exact_decode", d.get("exact_decode"), "decode_path", d.get("decode_path"))

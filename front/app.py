@@ -328,6 +328,10 @@ class Front:
             # "loading" here, with the reason.
             return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
                                 headers={"Retry-After": "2"})
+        if st.detail.get("state") == "loading":  # bound, still reading the model's weights
+            progress = (st.detail.get("load_progress") or {}).get("percent")
+            return JSONResponse({"status": "loading", "model": st.model, "percent": progress}, status_code=503,
+                                headers={"Retry-After": "2"})
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
         if st.detail.get("state") == "loading":  # the daemon answers while it reads the weights

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .head_layout import SIDECAR, SIDECARS, head_files, is_mtp_key, read_header, shard_files, strip_mtp
+from .head_layout import SIDECARS, head_files, is_mtp_key, read_header, shard_files, strip_mtp
 
 from .model import HYBRID_MTP_TYPES, LoadedModel
 

@@ -165,7 +165,7 @@ def format_profile(p: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="councild tune", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="model folder (default: config, else the bundled model)")
+    ap.add_argument("--model", help="model folder or pulled Hub repo id org/name (default: config, else the bundled model)")
     ap.add_argument("--config", help="TOML config (mode and max depth)")
     ap.add_argument("--out", help="profile path (default: <cache dir>/profile-<model hash>.json)")
     ap.add_argument("--depths", default=None, help="depths to measure (default 1..governor.max_depth)")
@@ -186,7 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"councild tune: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    model = resolve_model(args.model or cfg.model)
+    from daemon.models.refs import ModelRefError
+
+    try:
+        model = resolve_model(args.model or cfg.model)  # a folder or a pulled org/name
+    except ModelRefError as exc:
+        print(f"councild tune: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
     path = Path(args.out) if args.out else default_profile_path(model)
 
     if args.show:

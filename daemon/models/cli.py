@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Download REPO into the Hugging Face cache with progress, check every file "
                                       "against the Hub's checksums, and optionally add an MTP head.",
                           epilog=PULL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pull.add_argument("repo", help="org/name[@revision]")
+    pull.add_argument("repo", help="org/name[@revision] (or a local model folder, with --mtp-from)")
     pull.add_argument("--mtp-from", metavar="SOURCE", help="repo id or folder whose safetensors hold the head (mtp.*)")
     pull.add_argument("--no-check", action="store_true", help="skip the depth-1 acceptance check of the head")
     pull.add_argument("--min-acceptance", type=float, default=None,

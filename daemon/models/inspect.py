@@ -140,7 +140,7 @@ def inspect_remote(repo_id: str, revision: str | None) -> dict:
     meta = HfApi().get_safetensors_metadata(repo_id, revision=revision)
     headers = {}
     for fname, fm in meta.files_metadata.items():
-        header, offset = {}, 0
+        header = {}
         for name, t in fm.tensors.items():
             header[name] = {"dtype": t.dtype, "shape": t.shape, "data_offsets": list(t.data_offsets)}
         header["__metadata__"] = fm.metadata or {}

@@ -22,14 +22,13 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from daemon.engine.head_layout import INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files, is_mtp_key, read_header
-from .refs import ALLOW_PATTERNS, ModelRef, ModelRefError, parse_ref
+from .refs import ALLOW_PATTERNS, ModelRef, parse_ref
 
 MIN_ACCEPTANCE = 0.1  # well-paired heads measure 0.6-0.98 at depth 1; a foreign trunk ~0
 CHECK_PROMPTS = 4
@@ -77,8 +76,8 @@ def _explain(exc: BaseException, ref: ModelRef) -> str:
     if isinstance(exc, errors.LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
         return f"{ref.text} is not in the cache and HF_HUB_OFFLINE is set: unset it to download"
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return (f"downloading {ref.text} failed: {first}. What arrived is kept as huggingface_hub's "
-            ".incomplete files; run the same command again to resume")
+    return (f"downloading {ref.text} failed: {first}. Files that arrived whole stay in the cache; "
+            "run the same command again to fetch the rest")
 
 
 def download(ref: ModelRef, allow_patterns: list[str] | None = ALLOW_PATTERNS) -> Path:
@@ -356,6 +355,21 @@ def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
     return (accepted / drafted if drafted else 0.0), accepted, drafted
 
 
+def _room_for_check(folder: Path) -> None:
+    """The check loads the whole base in this process. With the daemon already serving the
+    same model that can be twice its size in memory: refuse up front rather than push a Mac
+    into swap (or a Linux box into the OOM killer)."""
+    import psutil
+
+    need = int(sum(p.stat().st_size for p in folder.glob("*.safetensors")) * 1.1)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise PullError(
+            f"the acceptance check loads the base ({need / 1e9:.1f} GB with headroom) and only "
+            f"{available / 1e9:.1f} GB is available: stop the daemon (`councild service` or Ctrl-C) and pull "
+            "again, or pass --no-check to write the head unchecked")
+
+
 def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = True,
              min_acceptance: float = MIN_ACCEPTANCE, check_tokens: int = CHECK_TOKENS) -> tuple[str, float | None]:
     """Extract the head from ``source_text`` into ``folder/mtp.safetensors``. Returns
@@ -393,6 +407,7 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
         mx.save_safetensors(str(staging / SIDECAR), tensors, metadata=metadata)
         acceptance = None
         if check:
+            _room_for_check(folder)
             _say(f"acceptance check: depth 1, {CHECK_PROMPTS} prompts x {check_tokens} tokens, greedy ...")
             acceptance, acc, drafted = acceptance_check(folder, staging, tokens=check_tokens)
             _say(f"acceptance at depth 1: {acceptance:.3f} ({acc} of {drafted} drafts accepted)")
@@ -413,9 +428,18 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
 def pull(text: str, *, mtp_from: str | None = None, check: bool = True,
          min_acceptance: float = MIN_ACCEPTANCE, check_tokens: int = CHECK_TOKENS) -> PullResult:
     ref = parse_ref(text)
-    if not ref.is_repo:
-        raise PullError(f"{text!r} is a folder, not a Hub repo id (org/name[@revision]); "
-                        "give --mtp-from to `councild model pull` only with a repo id")
+    if not ref.is_repo:  # a model already on disk (e.g. your own mlx_lm.convert): only a head to add
+        if not mtp_from or not (ref.path / "config.json").exists():
+            raise PullError(f"{text!r} is a folder, not a Hub repo id (org/name[@revision]); a model folder "
+                            "needs no pull, but can be given a head with --mtp-from SOURCE")
+        folder = ref.path.resolve()
+        if head_files(folder):
+            raise PullError(f"{folder} already has an MTP head ({', '.join(p.name for p in head_files(folder))})")
+        result = PullResult(str(folder), folder, "")
+        result.head, result.acceptance = add_head(folder, ref, mtp_from, check=check, min_acceptance=min_acceptance,
+                                                  check_tokens=check_tokens)
+        _say(f"ready: {folder}\n  serve it with: councild serve --model {folder}")
+        return result
     _say(f"pulling {ref.text} into {_cache_dir()}")
     folder = download(ref)
     files = verify(ref, folder)
@@ -443,9 +467,3 @@ def _cache_dir() -> str:
 
     return hub_cache_dir()
 
-
-__all__ = ["PullError", "PullResult", "pull", "add_head", "verify", "ModelRefError"]
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("use `councild model pull`")

@@ -31,7 +31,7 @@ def bundled():
     return base, head, reference
 
 
-def _folder(tmp_path, base: dict) -> "Path":  # noqa: F821
+def _folder(tmp_path, base: dict):
     for name in TEXT_FILES:
         shutil.copy(BUNDLED_MODEL / name, tmp_path / name)
     mx.save_safetensors(str(tmp_path / "model.safetensors"), base, metadata={"format": "pt"})

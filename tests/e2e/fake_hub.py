@@ -220,4 +220,5 @@ class FakeHub:
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
-        h.wfile.write(body)
+        if h.command != "HEAD":  # a HEAD answer has headers only
+            h.wfile.write(body)

@@ -51,7 +51,7 @@ def snapshot(home: Path, repo_id: str) -> Path | None:
     return found[0] if found else None
 
 
-def test_pull_then_serve_by_repo_id_offline(hub, tmp_path):
+def test_pull_lists_and_says_the_head_is_missing(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
     r = councild(env, "model", "pull", BASE)
     assert r.returncode == 0, r.stderr
@@ -59,32 +59,13 @@ def test_pull_then_serve_by_repo_id_offline(hub, tmp_path):
     assert "checked 5 files against the Hub's checksums" in r.stdout  # README.md is not fetched
     folder = snapshot(tmp_path / "hf", BASE)
     assert (folder / "model.safetensors").read_bytes() == hub.repos[BASE].files["model.safetensors"]
-
-    listed = councild(env, "model", "list", "--json")
-    rows = json.loads(listed.stdout)
+    rows = json.loads(councild(env, "model", "list", "--json").stdout)
     assert [(row["repo_id"], row["model_type"], row["head"]) for row in rows] == [(BASE, "qwen3_5", None)]
-
-    # The daemon never downloads: offline, with the Hub unreachable, it serves from the cache.
-    requests_before = len(hub.requests)
-    d = start_daemon(tmp_path, BASE, env=dict(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
-                                              HF_ENDPOINT="http://127.0.0.1:9"))
-    try:
-        with Client(d.endpoint, seat="hub", timeout_s=60) as c:
-            done = c.complete("def add(a, b):\n", max_tokens=8)
-            status = c.status()
-        assert done.usage.completion_tokens == 8
-        assert status.model == folder.name  # the snapshot folder it resolved to
-        events = {e["event"]: e for e in d.events()}
-        assert events["daemon.loading"]["model"] == str(folder)
-        assert "head.absent" in events
-    finally:
-        assert d.stop() == 0
-    assert len(hub.requests) == requests_before
 
 
 def test_pull_with_mtp_from_fetches_only_the_head_shard_and_serves_it(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
-    r = councild(env, "model", "pull", BASE, "--mtp-from", SOURCE)
+    r = councild(env, "model", "pull", BASE, "--mtp-from", SOURCE, "--check-tokens", "16")
     assert r.returncode == 0, r.stdout + r.stderr
     # Only the index and the shard holding mtp.* were fetched from the source.
     fetched = sorted({p.rsplit("/", 1)[1] for _, p, _ in hub.gets(SOURCE)})
@@ -96,38 +77,54 @@ def test_pull_with_mtp_from_fetches_only_the_head_shard_and_serves_it(hub, tmp_p
     assert meta["base"] == f"{BASE}@{hub.repos[BASE].commit}"
     assert not (folder / ".councild-head-staging").exists()
 
-    # The printed acceptance is the bundled model's own (same trunk, same head).
+    # The printed acceptance is the bundled model's own (same trunk, same head) ...
+    import mlx.core as mx
+
     from daemon.models.pull import acceptance_check
 
-    expected, acc, drafted = acceptance_check(BUNDLED_MODEL, BUNDLED_MODEL)
+    expected, acc, drafted = acceptance_check(BUNDLED_MODEL, BUNDLED_MODEL, tokens=16)
     printed = re.search(r"acceptance at depth 1: ([0-9.]+) \((\d+) of (\d+)", r.stdout)
     assert printed, r.stdout
     assert (int(printed.group(2)), int(printed.group(3))) == (acc, drafted)
     assert expected > 0.5
-    # ... and so is the written sidecar's, loaded as the daemon loads it.
-    assert acceptance_check(folder, folder)[1:] == (acc, drafted)
+    # ... and the written sidecar holds the bundled head's tensors bit for bit.
+    bundled = {k: v for k, v in mx.load(str(BUNDLED_MODEL / "model.safetensors")).items() if k.startswith("mtp.")}
+    written = mx.load(str(sidecar))
+    assert written.keys() == bundled.keys()
+    assert all(mx.array_equal(written[k], v) and written[k].dtype == v.dtype for k, v in bundled.items())
 
-    d = start_daemon(tmp_path, BASE, env=dict(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1"))
+    # Served by its repo id, offline, with the Hub unreachable: the daemon never downloads.
+    requests_before = len(hub.requests)
+    d = start_daemon(tmp_path, BASE, env=dict(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
+                                              HF_ENDPOINT="http://127.0.0.1:9"))
     try:
         with Client(d.endpoint, seat="hub", timeout_s=60) as c:
             assert c.governor("pin_depth", 1).ok
             done = c.complete("def fibonacci(n):\n", max_tokens=48, speculation="fast")
-        loaded = [e for e in d.events() if e["event"] == "head.loaded"]
+            status = c.status()
+        events = d.events()
+        assert [e["model"] for e in events if e["event"] == "daemon.loading"] == [str(folder)]
+        assert status.model == folder.name
+        loaded = [e for e in events if e["event"] == "head.loaded"]
         assert loaded and loaded[0]["source"] == "sidecar (mtp.safetensors)"
         spec = done.speculation
         assert spec.drafted > 0 and spec.accepted / spec.drafted >= 0.5, spec
     finally:
         assert d.stop() == 0
+    assert len(hub.requests) == requests_before
 
-    info = json.loads(councild(env, "model", "inspect", BASE, "--json").stdout)
+    from daemon.models.inspect import inspect_local
+
+    info = inspect_local(folder)
     assert info["head"]["files"] == {"mtp.safetensors": 15}
     assert info["head"]["provenance"]["mtp.safetensors"]["source"] == meta["source"]
 
 
 def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
-    # 4-bit matmuls are slow on this CPU backend: a shorter check (on a Mac's GPU they are not).
-    r = councild(env, "model", "pull", QUANTIZED, "--mtp-from", SOURCE, "--check-tokens", "8")
+    # --no-check: 4-bit matmuls on this CPU backend cost ~0.2 s a step (a Mac's GPU does not
+    # care); the acceptance check itself is covered on the bf16 base above.
+    r = councild(env, "model", "pull", QUANTIZED, "--mtp-from", SOURCE, "--no-check")
     assert r.returncode == 0, r.stdout + r.stderr
     folder = snapshot(tmp_path / "hf", QUANTIZED)
     header = read_header(folder / "mtp.safetensors")
@@ -136,10 +133,10 @@ def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
     assert header["mtp.layers.0.self_attn.q_proj.weight"]["dtype"] == "U32"
     assert header["mtp.layers.0.mlp.down_proj.scales"]["shape"] == [256, 768 // 64]
     assert header["mtp.fc.weight"]["dtype"] == "BF16"  # fc and norms stay float
-    accepted = re.search(r"acceptance at depth 1: ([0-9.]+)", r.stdout)
-    assert accepted and float(accepted.group(1)) >= 0.3, r.stdout
 
+    import mlx.core as mx
     import mlx.nn as nn
+    from mlx.utils import tree_flatten
 
     from daemon.engine.loading import load_model
     from daemon.engine.mtp_head import load_mtp_head
@@ -149,11 +146,18 @@ def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
     q = head.layers[0].self_attn.q_proj
     assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 64)
     assert type(head.fc) is nn.Linear
+    # The sidecar is exactly what the loader makes of the bf16 head on this base: the
+    # bundled head, loaded onto the 4-bit base (quantized there, like the base), matches
+    # it tensor for tensor.
+    onto_base = dict(tree_flatten(load_mtp_head(lm, BUNDLED_MODEL).parameters()))
+    got = dict(tree_flatten(head.parameters()))
+    assert got.keys() == onto_base.keys()
+    assert all(mx.array_equal(got[k], v) for k, v in onto_base.items())
 
 
 def test_a_head_from_another_trunk_is_refused(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
-    r = councild(env, "model", "pull", BASE, "--mtp-from", FOREIGN)
+    r = councild(env, "model", "pull", BASE, "--mtp-from", FOREIGN, "--check-tokens", "8")
     assert r.returncode == 1
     assert "trained with another trunk" in r.stderr and "Not written" in r.stderr
     accepted = re.search(r"acceptance at depth 1: ([0-9.]+)", r.stdout)
@@ -169,6 +173,8 @@ def test_unknown_repo(hub, tmp_path):
     assert r.returncode == 1
     assert "no repo mlx-community/Qwen3.5-Nonexistent-4bit on " + hub.endpoint in r.stderr
     assert "Traceback" not in r.stderr
+    r = councild(env, "model", "pull", BASE + "@v9.9")
+    assert r.returncode == 1 and f"{BASE} has no revision 'v9.9'" in r.stderr, r.stderr
     # Serving a repo that was never pulled: exit 78, naming the command that fixes it.
     r = councild(env, "serve", "--model", "mlx-community/Qwen3.5-Nonexistent-4bit",
                  "--endpoint", f"ipc://{tmp_path}/s.sock", timeout=120)
@@ -182,9 +188,14 @@ def _leaves_no_valid_model(home: Path, repo_id: str, env: dict, tmp_path: Path) 
     blobs = home / "hub" / ("models--" + repo_id.replace("/", "--")) / "blobs"
     for blob in blobs.iterdir() if blobs.exists() else []:
         assert blob.stat().st_size < 1_000_000 or blob.name.endswith(".incomplete"), blob
-    r = councild(dict(env, HF_HUB_OFFLINE="1"), "serve", "--model", repo_id,
-                 "--endpoint", f"ipc://{tmp_path}/s.sock", timeout=120)
-    assert r.returncode == 78, r.stderr
+    # The lookup `serve --model org/name` makes (daemon/models/refs.py) finds no model.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from daemon.models.refs import ALLOW_PATTERNS
+
+    with pytest.raises((LocalEntryNotFoundError, FileNotFoundError, OSError)):
+        snapshot_download(repo_id, cache_dir=home / "hub", local_files_only=True, allow_patterns=ALLOW_PATTERNS)
 
 
 def test_corrupted_shard_is_refused_and_removed(hub, tmp_path):
@@ -262,3 +273,18 @@ def test_a_killed_pull_leaves_no_model_and_the_next_pull_completes(hub, tmp_path
     # the pull clears the leftover once the file is complete.
     assert not list(blobs.glob("*.incomplete"))
     assert "removed 1 leftover partial download " in r.stdout
+
+
+def test_inspect_reads_a_repo_on_the_hub_without_downloading_its_weights(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    before = len(hub.requests)
+    r = councild(env, "model", "inspect", SOURCE, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["cached"] is False
+    assert info["head"]["files"] == {"model-00003-of-00003.safetensors": 15}
+    assert (info["base_bytes"], info["head_bytes"]) == (6_446_880 * 2, 984_448 * 2)
+    # Only headers were read: every shard GET is a range request.
+    shard_gets = [rng for method, p, rng in hub.requests[before:]
+                  if method == "GET" and p.startswith(f"/{SOURCE}/resolve/") and p.endswith(".safetensors")]
+    assert shard_gets and all(rng and rng.startswith("bytes=0-") for rng in shard_gets), shard_gets
