@@ -46,8 +46,9 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A prompt is prefilled this many tokens at a time, each chunk one unit of work between
     # other streams' decode cycles; cancel, deadlines and the drain are checked between
     # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
-    # prefill throughput. (On CPU, chunks of a multiple of 8 tokens leave the cache bit-
-    # identical to one-shot prefill; other sizes can differ in the last ulp.)
+    # prefill throughput. The chunk size is part of the numerics (chunks of 128+ tokens run
+    # the chunked GatedDeltaNet form from their own start), so two daemons with different
+    # chunks can differ at a near-tie; one daemon's runs, prefix-cache hits included, agree.
     prefill_chunk: PositiveInt = 256
     seats: dict[str, SeatConfig] = {}
     default_seat: SeatConfig = SeatConfig()
