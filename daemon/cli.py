@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description=SERVE_DESCRIPTION,
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--config", help="TOML config file (see docs/OPERATIONS.md for the keys)")
-    serve.add_argument("--model", help="model folder (HF or mlx format); default: the bundled tiny-qwen35")
+    serve.add_argument("--model", help="model folder (HF or mlx format) or a pulled Hub repo id org/name[@revision]; "
+                                       "default: the bundled tiny-qwen35")
     _add_endpoint(serve)
     serve.add_argument("--log-format", choices=["auto", "json", "console"], help="default: json unless stderr is a terminal")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--template-kwarg", action="append", metavar="KEY=VALUE",
+                     help="chat template variable (with --chat; repeatable), e.g. enable_thinking=false; "
+                          "the thinking text, where the template marks it, goes to stderr")
     gen.add_argument("--priority", choices=["interactive", "normal", "background"])
     gen.add_argument("--speculation", choices=["off", "exact", "fast"])
     gen.add_argument("--deadline-ms", type=int)
@@ -130,7 +134,7 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .server import Server, StartupError
+    from .server import Server, StartupError, startup_fs_error
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -146,28 +150,56 @@ def cmd_serve(args) -> int:
         # ask for (the file's own log settings are what failed to load).
         configure_logging(args.log_format or "auto", args.log_level or "info")
         get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
     # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
     faulthandler.enable()
     log = get_logger("councild")
-    endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+    from .models.refs import ModelRefError
+
     try:
-        model = resolve_model(cfg.model)
+        try:
+            endpoint = cfg.endpoint or (ensure_runtime_dir() and default_endpoint())
+        except OSError as exc:
+            raise startup_fs_error(f"cannot create the runtime folder {exc.filename or ''}".rstrip(), exc) from None
+        try:
+            model = resolve_model(cfg.model)
+        except ModelRefError as exc:  # a repo id that was never pulled: fix the config, no retry
+            raise StartupError(str(exc), EXIT_CONFIG) from None
         code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
-        print(f"councild: {exc}", file=sys.stderr)
+        _print_err(f"councild: {exc}")
         code = exc.exit_code
     # Leave without interpreter teardown, once the server has closed its sockets, removed
     # its socket file and logged daemon.stop: with mlx loaded on the engine thread (and its
     # compiled-function cache alive), finalization can abort ("terminate called without an
     # active exception", SIGABRT), which a service manager would read as a crash and restart.
     # The kernel releases the instance lock; nothing else is left to clean up.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a full disk under the log must not change the exit code
+        pass
     os._exit(code)
+
+
+def _print_err(text: str) -> None:
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
+def _template_kwarg(text: str) -> tuple[str, object]:
+    """KEY=VALUE with VALUE read as JSON where it is (true, 3, 0.5), else as a string."""
+    key, _, raw = text.partition("=")
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key.strip(), value if isinstance(value, (str, bool, int, float)) else raw
 
 
 def cmd_generate(args) -> int:
@@ -179,6 +211,8 @@ def cmd_generate(args) -> int:
                   deadline_ms=args.deadline_ms)
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": prompt}]
+        if args.template_kwarg:
+            kwargs["chat_template_kwargs"] = dict(_template_kwarg(kv) for kv in args.template_kwarg)
     else:
         kwargs["prompt"] = prompt
     try:
@@ -191,6 +225,8 @@ def cmd_generate(args) -> int:
     except (CouncilError, DaemonUnavailable) as exc:
         print(f"\ncouncild: {exc}", file=sys.stderr)
         return 1
+    if done.reasoning:
+        print(f"\n[thinking]\n{done.reasoning}", file=sys.stderr)
     t = done.timings
     print(f"\n[{done.finish_reason}] {done.usage.completion_tokens} tokens, {t.tokens_per_s:.1f} tok/s, "
           f"ttft {t.ttft_s * 1000:.0f} ms", file=sys.stderr)
@@ -280,6 +316,11 @@ def format_status(reply) -> str:
         rows.append(("governor", "disabled"))
     if d.get("draining"):
         rows.append(("state", "draining (no new work; exits when in-flight requests finish)"))
+    elif d.get("state") == "loading":
+        lp = d.get("load_progress") or {}
+        rows.append(("state", f"loading: {lp.get('percent', 0)}% of the weights read "
+                              f"({_mb(lp.get('bytes_loaded'))} of {_mb(lp.get('bytes_total'))}, "
+                              f"{lp.get('seconds', 0)} s); requests are refused until it serves"))
     width = max(len(k) for k, _ in rows)
     out = [f"{k:<{width}}  {v}" for k, v in rows]
     seats = d.get("seats") or {}
@@ -348,6 +389,7 @@ DELEGATED = {
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
+    ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),
 }
 
 

@@ -18,6 +18,14 @@ from .engine.types import DEFAULT_GUARD
 
 PositiveFloat = Annotated[float, Meta(gt=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+# Every size and every duration has a ceiling, so a typo (max_active = 100000) is refused at
+# start-up (exit 78) instead of running away. The ceilings are far above sane values.
+MiB = 1 << 20
+DAY_S = 86400.0
+Seconds = Annotated[float, Meta(gt=0, le=DAY_S)]
+# The protocol's own bounds (protocol/messages.py): a prompt of at most 2**20 token ids, and
+# max_tokens at most 2**20.
+WIRE_TOKENS = 1 << 20
 
 
 class ConfigError(Exception):
@@ -32,13 +40,14 @@ class SeatConfig(Struct, forbid_unknown_fields=True, frozen=True):
 class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Requests decoded in turn (time-sliced, each keeping its cache). More means more
     # memory held by caches; 4 covers a typical council.
-    max_active: PositiveInt = 4
+    # The batch decoder is built (and probed) at this height at start-up: bounded.
+    max_active: Annotated[int, Meta(ge=1, le=256)] = 4
     # Accepted-but-unfinished requests, in total and per seat; past them, Overloaded.
-    max_queued: PositiveInt = 64
-    max_queued_per_seat: PositiveInt = 16
+    max_queued: Annotated[int, Meta(ge=1, le=65536)] = 64
+    max_queued_per_seat: Annotated[int, Meta(ge=1, le=65536)] = 16
     # A queued request of a lower class is promoted one class after waiting this long, so
     # background work is delayed but never starved.
-    starvation_bound_s: PositiveFloat = 30.0
+    starvation_bound_s: Seconds = 30.0
     # Decode several active streams in one batched forward (depth 0). Where the backend's
     # batched kernels round differently from one-token ones (Metal, CUDA), requests that
     # must be exact at temperature 0 still decode alone; "fast" and sampled ones batch.
@@ -49,8 +58,8 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # prefill throughput. The chunk size is part of the numerics (chunks of 128+ tokens run
     # the chunked GatedDeltaNet form from their own start), so two daemons with different
     # chunks can differ at a near-tie; one daemon's runs, prefix-cache hits included, agree.
-    prefill_chunk: PositiveInt = 256
-    seats: dict[str, SeatConfig] = {}
+    prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
+    seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 
 
@@ -82,7 +91,16 @@ class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # chat's first message's) and continue later prompts that start with them.
     enabled: bool = True
     # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
-    max_bytes: PositiveInt = 1 << 30
+    max_bytes: Annotated[int, Meta(ge=1, le=1 << 42)] = 1 << 30
+
+
+class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Variables for the model's chat template on every chat request (a request's own
+    # chat_template_kwargs override them), e.g. {enable_thinking = false} for Qwen3.5.
+    template_kwargs: dict[str, str | bool | int | float] = {}
+    # Where the template marks thinking (<think>...</think>), stream it in `reasoning`,
+    # apart from the answer in `text` (daemon/reasoning.py). false: one text, markers kept.
+    separate_reasoning: bool = True
 
 
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -91,16 +109,21 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # TCP endpoints need CURVE unless this is set (it logs a warning).
     insecure_tcp: bool = False
     curve_secret_key_file: str | None = None
-    max_frame_bytes: PositiveInt = 8 << 20
-    max_tokens: PositiveInt = 4096
-    max_prompt_tokens: PositiveInt = 32768
-    heartbeat_interval_s: PositiveFloat = 2.0
+    # At most the reference client's MAXMSGSIZE (64 MiB): a larger frame could not be answered.
+    max_frame_bytes: Annotated[int, Meta(ge=1024, le=64 * MiB)] = 8 << 20
+    max_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] = 4096
+    # Longest prompt after tokenization. Unset: the model's context length
+    # (max_position_embeddings). A value above the context is lowered to it (logged as
+    # config.clamped) unless max_prompt_tokens_beyond_context is set.
+    max_prompt_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] | None = None
+    max_prompt_tokens_beyond_context: bool = False
+    heartbeat_interval_s: Seconds = 2.0
     # A client that says nothing for this long while it has work in flight is gone.
-    heartbeat_timeout_s: PositiveFloat = 10.0
+    heartbeat_timeout_s: Seconds = 10.0
     # Below launchd's ExitTimeOut and systemd's TimeoutStopSec (45 s in our templates).
-    drain_deadline_s: PositiveFloat = 30.0
+    drain_deadline_s: Seconds = 30.0
     # Per-client send queue: a consumer that stops reading is cut off here, not buffered.
-    client_send_hwm: PositiveInt = 1000
+    client_send_hwm: Annotated[int, Meta(ge=1, le=100_000)] = 1000
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Run decode steps and verifies through mx.compile'd layers (daemon/engine/compiled.py); it is
@@ -110,6 +133,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
+    chat: ChatConfig = ChatConfig()
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True
@@ -120,7 +144,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # an `internal` Error and the daemon must serve on. Requests with max_tokens at or below
     # it are unaffected. Applied by wrapping the decode generator at request start, so an
     # unset value costs nothing per step. Also $COUNCILD_DEBUG_FAIL_AFTER_TOKENS.
-    debug_fail_after_tokens: PositiveInt | None = None
+    debug_fail_after_tokens: Annotated[int, Meta(ge=1, le=WIRE_TOKENS)] | None = None
     # Test-only, OFF unless set: treat this backend as one whose verify rounds unlike serial
     # steps (as MLX on CUDA does), so the CPU test suite can exercise
     # speculation.exact_on_inexact_backend through a real daemon.

@@ -2,6 +2,12 @@
 
 Every event carries ``event`` (a dotted name ops can grep, listed in docs/OPERATIONS.md),
 a timestamp and a level; request events also carry ``request_id`` and ``seat``.
+
+Logging can never take the daemon down: every line goes through one ``LogSink`` that
+catches a failing write (ENOSPC on a full disk, EIO, EPIPE, a closed stream), drops that
+line and counts it. Serving goes on; the count is in ``councild status``
+(``log_lines_dropped``), and the first line that gets through again is followed by a
+``log.lines_dropped`` event saying how many were lost and why.
 """
 
 from __future__ import annotations
@@ -9,21 +15,94 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+class LogSink:
+    """Writes whole lines, never raises. Where the stream has a file descriptor the line
+    goes out with os.write (no userspace buffer, so a failed write leaves nothing behind to
+    come out garbled later); otherwise through the stream's write/flush."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        try:
+            self._fd: int | None = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # StringIO and friends
+            self._fd = None
+        self._lock = threading.RLock()
+        self.dropped = 0  # lines lost since start-up
+        self._unreported = 0  # lines lost since the last log.lines_dropped
+        self._last_error = ""
+        self._mid_line = False  # a write failed part-way: start the next line afresh
+
+    def write_line(self, line: str) -> None:
+        with self._lock:
+            ok = self._write(("\n" if self._mid_line else "") + line + "\n")
+            if not ok:
+                self.dropped += 1
+                self._unreported += 1
+                return
+            lost, self._unreported = self._unreported, 0
+            error = self._last_error
+        if lost:  # outside the lock's write: this goes through write_line like any event
+            get_logger("councild.logs").warning("log.lines_dropped", lines=lost, total=self.dropped, error=error)
+
+    def _write(self, text: str) -> bool:
+        try:
+            if self._fd is None:
+                self.stream.write(text)
+                self.stream.flush()
+                return True
+            data = text.encode("utf-8", "backslashreplace")
+            while data:
+                n = os.write(self._fd, data)
+                self._mid_line = True
+                data = data[n:]
+            self._mid_line = False
+            return True
+        except Exception as exc:  # noqa: BLE001 - whatever the sink raises, the caller must not see it
+            self._last_error = f"{type(exc).__name__}: {exc}"
+            return False
+
+
+class _SinkLogger:
+    """structlog's logger interface (one method per level), writing through the sink."""
+
+    def __init__(self, sink: LogSink):
+        self._sink = sink
+
+    def msg(self, message: str) -> None:
+        self._sink.write_line(message)
+
+    log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
+
+
+SINK: LogSink | None = None
+
+
+def lines_dropped() -> int:
+    return SINK.dropped if SINK is not None else 0
+
+
 def configure_logging(fmt: str = "auto", level: str = "info", stream=None) -> None:
+    global SINK
     stream = stream or sys.stderr
     if fmt == "auto":
-        fmt = "console" if stream.isatty() else "json"
+        try:
+            fmt = "console" if stream.isatty() else "json"
+        except (OSError, ValueError):
+            fmt = "json"
     renderer = (
         structlog.dev.ConsoleRenderer(colors=False)
         if fmt == "console"
         else structlog.processors.JSONRenderer(sort_keys=False)
     )
+    SINK = LogSink(stream)
+    sink = SINK
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -34,7 +113,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream=None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        logger_factory=lambda *_args: _SinkLogger(sink),
         cache_logger_on_first_use=False,
     )
     # Libraries that log through the standard logging module (transformers, huggingface_hub)

@@ -34,9 +34,14 @@ def ensure_runtime_dir() -> Path:
 
 
 def resolve_model(explicit: str | None) -> str:
-    """--model / config, else the bundled model, else a cached random-weight model."""
+    """--model / config (a folder or a pulled org/name[@revision]), else the bundled model,
+    else a cached random-weight model."""
     if explicit:
-        return str(Path(explicit).expanduser())
+        # A folder, or a Hub repo id found in the Hugging Face cache (the daemon never
+        # downloads; ModelRefError names `councild model pull`).
+        from .models.refs import resolve_local
+
+        return str(resolve_local(explicit))
     if (BUNDLED_MODEL / "config.json").exists():
         return str(BUNDLED_MODEL)
     from .engine.random_model import cached_random_model

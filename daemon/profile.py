@@ -93,7 +93,12 @@ def load_profile(model_path: str | Path, path: str | Path | None = None, *, vers
     from daemon.logs import get_logger
 
     log = get_logger("councild.tune")
-    p = Path(path) if path is not None else default_profile_path(model_path)
+    try:
+        p = Path(path) if path is not None else default_profile_path(model_path)
+    except OSError as exc:  # the cache is optional: an unusable one never stops a start
+        log.warning("cache.unavailable", path=exc.filename, error=f"{type(exc).__name__}: {exc.strerror or exc}",
+                    message="no tuned profile can be read; the governor starts from its priors")
+        return None
     if not p.exists():
         log.info("profile.absent", path=str(p), reason="no tuned profile; the governor starts from its priors")
         return None

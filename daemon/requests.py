@@ -67,6 +67,8 @@ class Job:
         self.request_id = msg.request_id
         self.key = (seat, msg.request_id)
         self.prompt: list[int] = []
+        # (code, message) when the intake thread refused the prompt (intake.py).
+        self.rejection: tuple[str, str] | None = None
         self.generator = None
         self.detok = None
         self.cancelled = False
@@ -74,6 +76,11 @@ class Job:
         self.token_ids: list[int] = []
         self.text = ""
         self.sent_chars = 0
+        # Set for chat requests whose template marks thinking (daemon/reasoning.py): chunks
+        # and Done then carry the thinking in ``reasoning`` and the answer in ``text``.
+        self.reasoning = None
+        self.sent_reasoning = 0
+        self.sent_answer = 0
         self.seq = 0
         self.started_at: float | None = None
         self.first_token_at: float | None = None
@@ -96,10 +103,13 @@ class Job:
         self.snapshot_at: set[int] = set()
 
     # ------------------------------------------------------------------ output
-    def start(self, generator, detokenizer, spec_mode: str) -> None:
+    def start(self, generator, detokenizer, spec_mode: str, started_at: float | None = None) -> None:
+        """``started_at``: when work on it began, if before this call (a batch row's
+        prefill runs before its generator exists)."""
         self.generator = generator
         self.detok = detokenizer
-        self.started_at = self.started_at or time.monotonic()  # set when its prefill began
+        # Set already when its chunked prefill began; a batch row's prefill passes it here.
+        self.started_at = started_at if started_at is not None else (self.started_at or time.monotonic())
         self.spec.mode = spec_mode
 
     def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:
@@ -147,10 +157,24 @@ class Job:
 
     def chunk(self, token_ids: list[int]) -> m.Tokens | None:
         text = self.pending_text()
+        if self.reasoning is not None:
+            return self._split_chunk(self.sent_chars + len(text), token_ids)
         if not text and not token_ids:
             return None
         self.sent_chars += len(text)
         msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids)
+        self.seq += 1
+        return msg
+
+    def _split_chunk(self, upto: int, token_ids: list[int]) -> m.Tokens | None:
+        if self.finished_reason is None:
+            upto = max(self.sent_chars, self.reasoning.safe_end(self.text, upto))
+        reasoning, answer = self.reasoning.split(self.text[:upto])
+        new_r, new_a = reasoning[self.sent_reasoning:], answer[self.sent_answer:]
+        if not new_r and not new_a and not token_ids:
+            return None
+        self.sent_chars, self.sent_reasoning, self.sent_answer = upto, len(reasoning), len(answer)
+        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=new_a, token_ids=token_ids, reasoning=new_r)
         self.seq += 1
         return msg
 
@@ -163,7 +187,8 @@ class Job:
         return m.Done(
             request_id=self.request_id,
             finish_reason=reason or self.finished_reason or "stop",
-            text=self.text,
+            text=self.text if self.reasoning is None else self.reasoning.split(self.text)[1],
+            reasoning="" if self.reasoning is None else self.reasoning.split(self.text)[0],
             usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=m.Timings(
                 queue_s=started - self.received_at,

@@ -12,8 +12,10 @@ import errno
 import fcntl
 import os
 import signal
+import stat
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import zmq
@@ -25,7 +27,7 @@ from protocol.codec import peek_request_id
 
 from .config import Config
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
-from .logs import get_logger
+from .logs import get_logger, lines_dropped
 from .requests import Job
 from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
                      ReloadScheduler, Stop, Submit)
@@ -35,12 +37,28 @@ LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "dra
 
 log = get_logger("councild.server")
 
+# Each progress step of a model load extends systemd's start timeout this far past now.
+LOAD_EXTEND_S = 120.0
 
 
 class StartupError(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+# Filesystem failures that may clear by themselves (a full disk, too many open files): a
+# service manager should retry. Anything else (permissions, a read-only filesystem, a path
+# of the wrong kind) needs an operator.
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM}
+
+
+def startup_fs_error(what: str, exc: OSError) -> StartupError:
+    """A start-up filesystem failure as a one-line message and its exit code."""
+    code = EXIT_TEMPFAIL if exc.errno in _TRANSIENT_ERRNOS else EXIT_CONFIG
+    reason = exc.strerror or str(exc)
+    hint = " (the disk is full: free space, then start again)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return StartupError(f"{what}: {reason}{hint}", code)
 
 
 class _Hooks:
@@ -51,6 +69,9 @@ class _Hooks:
 
     def on_step(self) -> None:
         self.server.notifier_progress()
+
+    def on_load_progress(self, percent: int) -> None:
+        self.server.load_progress(percent)
 
 
 class Server:
@@ -66,7 +87,13 @@ class Server:
         self.last_seen: dict[bytes, float] = {}
         self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
         self._cut: set[tuple[str, str]] = set()  # live requests already cancelled by _drop_client
-        self._held: dict[bytes, list[bytes]] = {}  # terminal messages a full queue refused, to retry
+        self._held: dict[bytes, deque[bytes]] = {}  # terminal messages a full queue refused, to retry
+        # Connections cut as slow consumers: until every terminal owed to them has gone out,
+        # their new Generates are refused (slow_consumer), never accepted.
+        self._slow: set[bytes] = set()
+        # Rejections past the per-connection hold bound, answered by one summary Error later.
+        self._discarded: dict[bytes, int] = {}
+        self._held_cap = 16 * cfg.client_send_hwm
         self._router: zmq.Socket | None = None
         self.draining_since: float | None = None
         self.stop_now = False
@@ -88,14 +115,17 @@ class Server:
         if not self.endpoint.startswith("ipc://"):
             return
         sock = Path(self.endpoint[len("ipc://"):])
-        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise startup_fs_error(f"cannot create the socket's folder {sock.parent}", exc) from None
         self._check_socket_dir(sock.parent)
         lock_path = sock.with_name(sock.name + ".lock")
         # O_NOFOLLOW: never truncate whatever a planted symlink points at.
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
-            raise StartupError(f"cannot open the lock file {lock_path}: {exc.strerror}", EXIT_CONFIG) from None
+            raise startup_fs_error(f"cannot open the lock file {lock_path}", exc) from None
         self._lock_file = os.fdopen(fd, "r+")
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -105,12 +135,28 @@ class Server:
                 "stop it first or choose another --endpoint",
                 EXIT_TEMPFAIL,
             ) from None
-        self._lock_file.seek(0)
-        self._lock_file.truncate()
-        self._lock_file.write(str(os.getpid()))
-        self._lock_file.flush()
-        if sock.exists() or sock.is_symlink():
-            sock.unlink()  # stale: its owner no longer holds the lock
+        try:
+            self._lock_file.seek(0)
+            self._lock_file.truncate()
+            self._lock_file.write(str(os.getpid()))
+            self._lock_file.flush()
+        except OSError as exc:
+            raise startup_fs_error(f"cannot write the lock file {lock_path}", exc) from None
+        try:
+            st = sock.lstat()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise startup_fs_error(f"cannot inspect the socket path {sock}", exc) from None
+        if not (stat.S_ISSOCK(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a regular file" if stat.S_ISREG(st.st_mode) \
+                else "not a socket"
+            raise StartupError(f"the socket path {sock} exists and is {kind}; councild removes only a stale "
+                               "socket: move it away or choose another --endpoint", EXIT_CONFIG)
+        try:
+            sock.unlink()  # a stale socket (or a symlink, never followed): its owner no longer holds the lock
+        except OSError as exc:
+            raise startup_fs_error(f"cannot remove the stale socket {sock}", exc) from None
 
     @staticmethod
     def _check_socket_dir(folder: Path) -> None:
@@ -119,7 +165,12 @@ class Server:
         the socket or plant the lock file); accept one that others can only read or
         traverse, with a warning, because the socket itself is made 0600 (connecting to a
         unix socket needs write permission on it) and is bound under umask 077."""
-        st = folder.stat()
+        try:
+            st = folder.stat()
+        except OSError as exc:
+            raise startup_fs_error(f"cannot inspect the socket's folder {folder}", exc) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise StartupError(f"the socket's folder {folder} is not a directory", EXIT_CONFIG)
         mode = st.st_mode & 0o777
         if st.st_uid != os.getuid() or mode & 0o022:
             raise StartupError(
@@ -150,12 +201,18 @@ class Server:
         try:
             router.bind(self.endpoint)
         except zmq.ZMQError as exc:
-            code = EXIT_TEMPFAIL if exc.errno == errno.EADDRINUSE else EXIT_CONFIG
-            raise StartupError(f"cannot bind {self.endpoint}: {exc}", code) from None
+            router.close(linger=0)
+            code = EXIT_TEMPFAIL if exc.errno in _TRANSIENT_ERRNOS | {errno.EADDRINUSE} else EXIT_CONFIG
+            hint = " (the disk is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            raise StartupError(f"cannot bind {self.endpoint}: {exc}{hint}", code) from None
         finally:
             os.umask(old_umask)
         if self.endpoint.startswith("ipc://"):
-            os.chmod(self.endpoint[len("ipc://"):], 0o600)
+            try:
+                os.chmod(self.endpoint[len("ipc://"):], 0o600)
+            except OSError as exc:
+                router.close(linger=0)
+                raise startup_fs_error(f"cannot restrict the socket {self.endpoint}", exc) from None
         return router
 
     def _secure_tcp(self) -> None:
@@ -212,9 +269,10 @@ class Server:
         # Handlers first: a SIGHUP or SIGTERM while the model loads (minutes for a big one)
         # must set a flag, not kill the process with the signal's default action.
         self._install_signals()
+        self._make_notifier()
         # Bind before the load: a malformed endpoint or a TCP port in use is an answer the
-        # operator should get in a second, not after minutes of loading a 15 GB model.
-        # Clients that connect meanwhile queue; they are answered once the loop runs.
+        # operator should get in a second, not after minutes of loading a 15 GB model; and
+        # meanwhile Status answers "loading" with the progress (_answer_while_loading).
         try:
             router = self._router = self._bind()
         except StartupError:
@@ -222,7 +280,18 @@ class Server:
             raise
         self.worker.start()
         log.info("daemon.loading", model=self.model_path, endpoint=self.endpoint, pid=os.getpid())
-        self.worker.loaded.wait()
+        self.load_progress(0)
+        # Answers Status and Hello meanwhile; returns False when a SIGTERM/SIGINT came during
+        # the load (minutes for a big model, and a load cannot be interrupted): nothing is in
+        # flight yet, so the process ends now. The caller leaves with os._exit, which takes
+        # the loading thread with it.
+        if not self._answer_while_loading(router):
+            router.close(linger=0)
+            engine_out.close(linger=0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            log.info("daemon.stop", reason="signal", forced=False, during_load=True)
+            return EXIT_OK
         if self.worker.load_error is not None:
             exc = self.worker.load_error
             code = EXIT_CONFIG if isinstance(exc, (FileNotFoundError, ValueError)) else EXIT_SOFTWARE
@@ -275,19 +344,74 @@ class Server:
                 # A second signal: leave now. Terminating the context under the engine
                 # thread mid-decode would crash it and report a failure instead of exit 0.
                 log.info("daemon.stop", reason="signal", forced=True, in_flight=len(self.live))
-                sys.stdout.flush()
-                sys.stderr.flush()
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                except (OSError, ValueError):  # a full or closed log sink must not change the exit code
+                    pass
                 os._exit(EXIT_OK)
             self.ctx.term()
         log.info("daemon.stop", reason="signal", forced=self.stop_now)
         return EXIT_OK
+
+    def _make_notifier(self) -> None:
+        try:
+            from .notify import Notifier
+        except ImportError:  # the service integration is optional
+            return
+        self.notifier = Notifier()
+
+    def load_progress(self, percent: int) -> None:
+        """Each step of the weights read (engine thread) pushes systemd's start timeout
+        LOAD_EXTEND_S past now: a big model may take longer than TimeoutStartSec, while a
+        load that stops making progress is still killed LOAD_EXTEND_S later."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(LOAD_EXTEND_S)
+            self.notifier.status(f"loading {Path(self.model_path).name}: {percent}%")
+
+    def _answer_while_loading(self, router: zmq.Socket) -> bool:
+        """Until the engine has loaded: Status answers with the load's progress, Hello with a
+        Welcome; Generate is refused (``overloaded`` with a retry hint); Ping gets no Pong
+        yet (a Pong means ready: launchers wait for it)."""
+        while not self.worker.loaded.wait(0.05):
+            if self.draining_since is not None:
+                return False
+            if not router.poll(200, zmq.POLLIN):
+                continue
+            for _ in range(256):
+                try:
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                if len(frames) != 2:
+                    continue
+                identity = frames[0]
+                try:
+                    msg = decode_client(frames[1], self.cfg.max_frame_bytes)
+                except ProtocolError as exc:  # answered as when serving: one terminal each
+                    rid = peek_request_id(frames[1]) if exc.code == "invalid_request" else None
+                    self._reply(router, identity, m.Error(code=exc.code, message=exc.message, request_id=rid))
+                    continue
+                pct = self.worker.read_snapshot().load_progress.get("percent", 0)
+                if isinstance(msg, m.Status):
+                    self._reply(router, identity, self.status_reply())
+                elif isinstance(msg, m.Hello):
+                    self.seats[identity] = msg.seat
+                    self._reply(router, identity, self._welcome(msg.seat))
+                elif isinstance(msg, m.Generate):
+                    self._reply(router, identity, m.Error(
+                        code="overloaded", request_id=msg.request_id, retry_after_s=2.0,
+                        message=f"the model is still loading ({pct}% of its weights read)"))
+                elif isinstance(msg, m.GovernorCommand):
+                    self._reply(router, identity, m.GovernorReply(ok=False, message="the model is still loading"))
+        return True
 
     def _start_notifier(self) -> None:
         try:
             from .notify import Notifier, WatchdogPacer
         except ImportError:  # the service integration is optional
             return
-        self.notifier = Notifier()
+        self.notifier = self.notifier or Notifier()
         self.notifier.ready()
         self.notifier.status(f"serving {Path(self.model_path).name} on {self.endpoint}")
         self._watchdog = WatchdogPacer(self.notifier)
@@ -350,9 +474,10 @@ class Server:
             seat=seat,
             server=f"councild {daemon.__version__}",
             model=Path(self.model_path).name,
-            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority"],
+            capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
+                          "chat_template_kwargs", "reasoning"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
-                            max_prompt_tokens=c.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
+                            max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
         )
 
@@ -364,6 +489,9 @@ class Server:
 
         seat = self.seats.get(identity, "default")
         key = (seat, msg.request_id)
+        if identity in self._slow:
+            return reject("slow_consumer", "this connection stopped reading and was cut; read the replies queued "
+                                           "for it before sending more work")
         if self.draining_since is not None:
             return reject("shutting_down", "the daemon is draining and accepts no new work")
         if msg.prompt_kind() is None:
@@ -419,40 +547,61 @@ class Server:
             # the chunks it had, then the terminal Error.
 
     def _reply(self, router: zmq.Socket, identity: bytes, msg) -> None:
-        self._send(router, identity, encode(msg))
+        # An Error with a request id (not_found aside) is that request's terminal: a
+        # rejection, held like any terminal when the client's queue is full.
+        terminal = isinstance(msg, m.Error) and msg.request_id is not None and msg.code != "not_found"
+        self._send(router, identity, encode(msg), terminal=terminal, rejection=terminal)
 
-    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes, terminal: bool = False) -> None:
+    def _send(self, router: zmq.Socket, identity: bytes, payload: bytes, terminal: bool = False,
+              rejection: bool = False) -> None:
         """Send without ever blocking. A full queue (EAGAIN: the client stopped reading)
         cuts the client's requests with slow_consumer rather than buffering without bound
         or blocking every other client; a terminal message that cannot go out now is held
-        (``_held``) and retried, so no request loses its one terminal message."""
+        (``_held``) and retried, so no request loses its one terminal message. Replies that
+        end no request (Pong, Welcome, StatusReply, GovernorReply, id-less Errors) are
+        dropped when they do not fit."""
         try:
             if identity in self._held and not self._flush_held(router, identity):
                 raise zmq.Again()  # keep the order: held terminals first
             router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
             if terminal:
-                self._hold(identity, payload)
+                self._hold(identity, payload, rejection)
             self._drop_client(identity, "slow_consumer")
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:  # the connection is gone: nothing can be delivered
-                self._held.pop(identity, None)
+                self._forget_held(identity)
                 self._drop_client(identity, "client_gone")
             else:
                 raise
+        else:
+            if identity in self._slow:
+                self._settle(identity)
 
-    def _hold(self, identity: bytes, payload: bytes) -> None:
-        held = self._held.setdefault(identity, [])
+    def _hold(self, identity: bytes, payload: bytes, rejection: bool) -> None:
+        """Keep a terminal for a client that is not reading. Terminals of accepted requests
+        are always kept (a cut connection gets no new ones accepted, so they are at most
+        its share of the queue); rejections are kept up to ``_held_cap`` per connection,
+        and past it only counted: the client gets one summary Error for them instead."""
+        held = self._held.setdefault(identity, deque())
+        if rejection and len(held) >= self._held_cap:
+            n = self._discarded.get(identity, 0) + 1
+            self._discarded[identity] = n
+            if n == 1:
+                log.warning("client.terminal_lost", reason="too many undelivered rejections for a client that "
+                            "is not reading; the excess is counted and reported to it", held=len(held))
+            return
         held.append(payload)
-        # Bounded: one terminal per request, and a client that piles up more than the
-        # scheduler would ever queue loses the oldest (logged).
-        if len(held) > self.cfg.scheduler.max_queued:
-            held.pop(0)
-            log.warning("client.terminal_lost", reason="too many undelivered terminal messages", held=len(held))
+
+    def _forget_held(self, identity: bytes) -> None:
+        self._held.pop(identity, None)
+        self._discarded.pop(identity, None)
+        self._slow.discard(identity)
 
     def _flush_held(self, router: zmq.Socket, identity: bytes) -> bool:
-        """Send held terminal messages in order; True when none is left."""
-        held = self._held.get(identity, [])
+        """Send held terminal messages in order, then the summary of discarded rejections;
+        True when nothing is left."""
+        held = self._held.get(identity)
         while held:
             try:
                 router.send_multipart([identity, held[0]], zmq.NOBLOCK)
@@ -462,18 +611,41 @@ class Server:
                 if exc.errno != zmq.EHOSTUNREACH:
                     raise
                 log.warning("client.terminal_lost", reason="connection gone", undelivered=len(held))
-                held.clear()
-                break
-            held.pop(0)
-            log.info("client.terminal_delivered", late=True)
+                self._forget_held(identity)
+                return True
+            held.popleft()
+            if not held:
+                log.info("client.terminal_delivered", late=True)
+        discarded = self._discarded.get(identity, 0)
+        if discarded:
+            summary = m.Error(code="slow_consumer", request_id=None,
+                              message=f"{discarded} Generate requests sent while this connection was not reading "
+                                      "got no reply of their own: none of them was accepted")
+            try:
+                router.send_multipart([identity, encode(summary)], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                return False
+            log.info("client.terminal_delivered", late=True, discarded=discarded)
+            del self._discarded[identity]
         self._held.pop(identity, None)
+        self._settle(identity)
         return True
+
+    def _settle(self, identity: bytes) -> None:
+        """A cut connection is whole again once every terminal owed to it has gone out."""
+        if identity in self._held or identity in self._discarded:
+            return
+        if any(self.live.get(k) == identity for k in self._cut):
+            return  # a cut request's terminal is still on its way from the engine
+        self._slow.discard(identity)
 
     def _drop_client(self, identity: bytes, why: str) -> None:
         """End every request of a connection with ``why`` (``slow_consumer`` or
         ``client_gone``: the terminal Error's code). Each request is cancelled once: the
         chunks still on their way from the engine would otherwise repeat the cancel (and the
         log line) for every undeliverable message until the terminal one passes."""
+        if why == "slow_consumer":
+            self._slow.add(identity)
         keys = [k for k, ident in self.live.items() if ident == identity and k not in self._cut]
         if keys:
             log.warning("client.dropped", reason=why, requests=[k[1] for k in keys], seat=keys[0][0])
@@ -492,8 +664,10 @@ class Server:
                     self._drop_client(identity, "client_gone")
                 del self.last_seen[identity]
                 self.seats.pop(identity, None)
-                if self._held.pop(identity, None):  # gone for good: its held terminals too
-                    log.warning("client.terminal_lost", reason="client silent past the heartbeat timeout")
+                if identity in self._held or identity in self._discarded:  # gone for good: its held terminals too
+                    log.warning("client.terminal_lost", reason="client silent past the heartbeat timeout",
+                                undelivered=len(self._held.get(identity, ())))
+                self._forget_held(identity)
         for identity in list(self._held):  # a slow consumer that reads again gets its terminals
             self._flush_held(self._router, identity)
         if self.reload_requested:
@@ -537,7 +711,7 @@ class Server:
         snap = self.worker.read_snapshot()
         return m.StatusReply(
             server=f"councild {daemon.__version__}",
-            model=snap.model,
+            model=snap.model or Path(self.model_path).name,
             uptime_s=round(time.monotonic() - self.started, 3),
             active=len(snap.active),
             queued=sum(snap.queued.values()),
@@ -546,6 +720,9 @@ class Server:
                 "endpoint": self.endpoint,
                 "model_type": snap.model_type,
                 "draining": self.draining_since is not None,
+                "state": ("loading" if not snap.ready else "draining" if self.draining_since is not None
+                          else "serving"),
+                "load_progress": snap.load_progress,
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,
@@ -562,6 +739,8 @@ class Server:
                 # a ROUTER socket is not told when a peer goes), and those with work in flight.
                 "clients": len(self.last_seen),
                 "clients_with_work": len(set(self.live.values())),
+                "slow_clients": len(self._slow),
+                "log_lines_dropped": lines_dropped(),
                 "memory": snap.memory,
                 "governor": snap.governor,
             },

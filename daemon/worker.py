@@ -98,6 +98,8 @@ class EngineSnapshot:
     governor: dict = field(default_factory=dict)
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
+    # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
+    load_progress: dict = field(default_factory=dict)
 
 
 class InjectedFault(RuntimeError):
@@ -124,7 +126,11 @@ class EngineWorker(threading.Thread):
         self.cfg = cfg
         self.ctx = ctx
         self.model_path = model_path
+        # The socket loop puts commands here; the intake thread (intake.py) tokenizes each
+        # Submit and passes every command on, in order, to ``_ready``, which this thread reads.
         self.commands: queue.Queue = queue.Queue()
+        self._ready: queue.Queue = queue.Queue()
+        self.max_prompt_tokens = cfg.max_prompt_tokens or 0  # the model's context once loaded
         self.snapshot = EngineSnapshot()
         self.snapshot_lock = threading.Lock()
         self.loaded = threading.Event()
@@ -155,6 +161,9 @@ class EngineWorker(threading.Thread):
             self.loaded.set()
             self._out.close()
             return
+        from .intake import Intake
+
+        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat).start()
         self.loaded.set()
         try:
             self._loop()
@@ -171,9 +180,11 @@ class EngineWorker(threading.Thread):
 
         route_library_logs()
         t0 = time.perf_counter()
-        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode)
+        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress)
+        context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
-                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3))
+                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
+                 context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self._load_head(keep=self.cfg.speculation.load_head)
         self.verify_exact = True
@@ -201,6 +212,39 @@ class EngineWorker(threading.Thread):
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def _prompt_limit(self) -> int | None:
+        """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
+        raises it past the context only with max_prompt_tokens_beyond_context. Returns the
+        context (None when the model's config does not say)."""
+        context = getattr(self.lm.text_args, "max_position_embeddings", None)
+        context = context if isinstance(context, int) and context > 0 else None
+        configured = self.cfg.max_prompt_tokens
+        if configured is None:
+            self.max_prompt_tokens = context or 32768
+        elif context is not None and configured > context and not self.cfg.max_prompt_tokens_beyond_context:
+            self.max_prompt_tokens = context
+            log.warning("config.clamped", key="max_prompt_tokens", configured=configured, used=context,
+                        reason=f"the model's context is {context} tokens; set "
+                               "max_prompt_tokens_beyond_context = true to allow longer prompts")
+        else:
+            self.max_prompt_tokens = configured
+        return context
+
+    def _load_progress(self, done: int, total: int, seconds: float) -> None:
+        """One log event per ~5% of the weights read; the status snapshot and the service
+        manager (EXTEND_TIMEOUT_USEC, through the hooks) hear of each."""
+        percent = int(100 * done / total) if total else 100
+        with self.snapshot_lock:
+            last = self.snapshot.load_progress.get("percent", -1)
+            self.snapshot.load_progress = {"percent": percent, "bytes_loaded": done, "bytes_total": total,
+                                           "seconds": round(seconds, 2)}
+        if percent == last:
+            return
+        log.info("model.load_progress", percent=percent, bytes_loaded=done, bytes_total=total,
+                 seconds=round(seconds, 2))
+        if self.hooks is not None and hasattr(self.hooks, "on_load_progress"):
+            self.hooks.on_load_progress(percent)
 
     def _probe_exactness(self) -> None:
         """Whether a verify reproduces serial decode bit for bit on this backend, and so
@@ -308,7 +352,7 @@ class EngineWorker(threading.Thread):
         timeout = 0.1 if block else 0.0
         while True:
             try:
-                cmd = self.commands.get(timeout=timeout) if timeout else self.commands.get_nowait()
+                cmd = self._ready.get(timeout=timeout) if timeout else self._ready.get_nowait()
             except queue.Empty:
                 return True
             timeout = 0.0
@@ -331,36 +375,11 @@ class EngineWorker(threading.Thread):
                     return False
 
     def _submit(self, job: Job) -> None:
+        if job.rejection is not None:  # refused by the intake thread, before or after tokenizing
+            code, message = job.rejection
+            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message), registered=False)
+            return
         msg = job.msg
-        try:
-            kind = msg.prompt_kind()
-            job.prompt = self.lm.encode_prompt(
-                msg.prompt,
-                [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
-                msg.prompt_tokens,
-            )
-        except Exception as exc:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"could not tokenize the {kind}: {exc}"), registered=False)
-            return
-        vocab = self.lm.text_args.vocab_size
-        if not job.prompt:
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message="the prompt is empty after tokenization"), registered=False)
-            return
-        if any(t >= vocab for t in job.prompt):
-            self._finish(job, m.Error(request_id=job.request_id, code="invalid_request",
-                                      message=f"prompt_tokens holds ids outside the vocabulary (size {vocab})"),
-                         registered=False)
-            return
-        limit = self.cfg.max_prompt_tokens
-        if len(job.prompt) > limit:
-            self._finish(job, m.Error(request_id=job.request_id, code="prompt_too_long",
-                                      message=f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"),
-                         registered=False)
-            return
-        if msg.messages is not None and self.cfg.prefix_cache.enabled:
-            job.segment_ends = self._segment_ends(msg, job.prompt)
         self.jobs[job.key] = job
         self.scheduler.submit(job)
         if self.governance is not None:
@@ -370,21 +389,6 @@ class EngineWorker(threading.Thread):
                                             prompt_tokens=len(job.prompt)), key=job.key)
         log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
-
-    def _segment_ends(self, msg, prompt: list[int]) -> list[int]:
-        """Where the chat's first message (the shared system prompt) ends in the prompt's
-        tokens, when the chat template renders it as a prefix; the prefix cache keeps a
-        snapshot there so other seats start from it."""
-        try:
-            first = [{"role": msg.messages[0].role, "content": msg.messages[0].content}]
-            tok = self.lm.tokenizer
-            if getattr(tok, "chat_template", None):
-                ids = list(tok.apply_chat_template(first, add_generation_prompt=False, tokenize=True))
-            else:
-                ids = list(tok.encode(f"{first[0]['role']}: {first[0]['content']}\n"))
-        except Exception:
-            return []
-        return [len(ids)] if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else []
 
     def _override(self, cmd: GovernorOverride) -> None:
         if self.governance is None:

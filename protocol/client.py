@@ -174,6 +174,7 @@ def _build_generate(
     request_id: str | None,
     stream: bool,
     limits: m.Limits | None,
+    chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
 ) -> tuple[m.Generate, bytes]:
     rid = request_id if request_id is not None else new_request_id()
     chat = None
@@ -199,6 +200,7 @@ def _build_generate(
         priority=priority,
         deadline_ms=deadline_ms,
         speculation=speculation,
+        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else None,
     )
     if msg.prompt_kind() is None:
         raise InvalidRequest("invalid_request", "give exactly one of prompt, messages, prompt_tokens", request_id=rid)
@@ -264,6 +266,9 @@ class _StreamState:
         self.error: BaseException | None = None
         self.token_ids: list[int] = []
         self.chunks: list[str] = []
+        # Thinking text streamed apart from the answer (PROTOCOL.md 4.1); iteration yields
+        # the answer's chunks only.
+        self.reasoning_chunks: list[str] = []
         self.cancel_requested = False
         self._next_seq = 0
 
@@ -279,6 +284,13 @@ class _StreamState:
             return self.done.text
         return "".join(self.chunks)
 
+    @property
+    def reasoning(self) -> str:
+        """The thinking text: Done.reasoning once done, else the reasoning chunks so far."""
+        if self.done is not None:
+            return self.done.reasoning
+        return "".join(self.reasoning_chunks)
+
     def _apply(self, msg: Any) -> str | None:
         """Consume one routed message; returns a text chunk to hand out, raises on Error."""
         if isinstance(msg, m.Tokens):
@@ -289,6 +301,8 @@ class _StreamState:
                 raise self.error
             self._next_seq += 1
             self.token_ids.extend(msg.token_ids)
+            if msg.reasoning:
+                self.reasoning_chunks.append(msg.reasoning)
             if msg.text:
                 self.chunks.append(msg.text)
                 return msg.text
@@ -598,6 +612,7 @@ class Client:
         speculation: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
     ) -> Stream:
         """Send a Generate and return its Stream (nothing is read until you iterate).
         Arguments are validated here with the daemon's own decoder: a bad one raises
@@ -607,7 +622,7 @@ class Client:
         msg, frame = _build_generate(
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
-            request_id=request_id, stream=stream, limits=welcome.limits,
+            request_id=request_id, stream=stream, limits=welcome.limits, chat_template_kwargs=chat_template_kwargs,
         )
         if msg.request_id in self._streams:
             raise InvalidRequest("duplicate_request", "this id is already in flight on this client", request_id=msg.request_id)
@@ -1045,6 +1060,7 @@ class AsyncClient:
         speculation: str | None = None,
         request_id: str | None = None,
         stream: bool = True,
+        chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
     ) -> AsyncStream:
         """Validate now (InvalidRequest before anything is sent) and return the AsyncStream;
         the Generate goes out when the stream is first iterated or awaited."""
@@ -1054,6 +1070,7 @@ class AsyncClient:
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=self._welcome.limits if self._welcome else None,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return AsyncStream(self, msg, frame)
 

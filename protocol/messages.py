@@ -49,6 +49,9 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
     content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
 
 
+TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
+
+
 class Generate(_Message, tag="generate"):
     """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``."""
 
@@ -69,6 +72,9 @@ class Generate(_Message, tag="generate"):
     deadline_ms: Annotated[int, Meta(ge=1, le=7 * 24 * 3600 * 1000)] | None = None
     # None: the daemon's configured default. "off": serial decode.
     speculation: Speculation | None = None
+    # Extra variables for the model's chat template (with ``messages`` only), e.g.
+    # {"enable_thinking": false} for Qwen3.5; they override the daemon's [chat] defaults.
+    chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None = None
 
     def prompt_kind(self) -> str | None:
         """Which prompt field is set, or None when zero or several are (a client error)."""
@@ -138,6 +144,9 @@ class Tokens(_DaemonMessage, tag="tokens"):
     seq: int
     text: str
     token_ids: list[int]
+    # Thinking text of this chunk, where the chat template marks it (``text`` is then the
+    # answer only). Empty for models and requests without it.
+    reasoning: str = ""
 
 
 class Usage(Struct, kw_only=True):
@@ -177,6 +186,8 @@ class Done(_DaemonMessage, tag="done"):
     usage: Usage
     timings: Timings
     speculation: SpecStats | None = None
+    # The whole thinking text (``text`` is the answer without it); "" when there was none.
+    reasoning: str = ""
 
 
 ErrorCode = Literal[

@@ -26,6 +26,16 @@ Invariants (any violation makes the exit code 1):
   - the daemon stays alive, and its RSS (psutil, sampled every 0.2 s) is reported as a
     curve: before / peak / after.
 
+Hostile options (issue 19):
+  --flood N: one more client sends N Generates without reading, waits, then reads. Every
+    one must get exactly one terminal, after its chunks in order, and no Accepted may go
+    unanswered; the one documented exception (PROTOCOL.md, section 7) is Generates past the
+    daemon's hold bound for a cut connection, which must be counted exactly by id-less
+    slow_consumer Errors.
+  --log-disk-bytes B: the daemon's log goes to a disk of B bytes (a tmpfs where this user
+    may mount one, else a file-size limit, RLIMIT_FSIZE), which fills up during the run:
+    every invariant above must still hold, and status must count the lines it dropped.
+
 Prints a table; --json writes everything (per-request records excluded) under bench/results/.
 """
 
@@ -231,16 +241,123 @@ def client_main(cid: int, endpoint: str, n_requests: int, seed: int, concurrency
              "not_found": not_found, "stray": stray, "wall_s": time.monotonic() - t_start})
 
 
+# ---------------------------------------------------------------------------- a client that floods without reading
+
+
+def flood_client(endpoint: str, n: int, read_after_s: float = 3.0, silence_s: float = 30.0,
+                 over_max_tokens: int | None = None, out: "mp.Queue | None" = None) -> dict:
+    """One DEALER sends ``n`` small Generates without reading (some refused by the socket
+    loop when ``over_max_tokens`` is given, some after the intake: ids outside the vocabulary),
+    sleeps ``read_after_s``, then reads until every request has its terminal or the daemon
+    has been silent for ``silence_s``. Returns the messages per request id and the id-less
+    slow_consumer summaries."""
+    import msgspec
+    import zmq
+
+    from protocol import Done, Error, decode_daemon
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # never block our own sends: the daemon is what must cope
+    sock.connect(endpoint)
+    ids = [f"flood{i:06d}" for i in range(n)]
+    t0 = time.monotonic()
+    for i, rid in enumerate(ids):
+        body = {"type": "generate", "v": 1, "request_id": rid, "max_tokens": 1 + i % 2, "prompt": "x = "}
+        if over_max_tokens is not None and i % 97 == 0:
+            body["max_tokens"] = over_max_tokens  # refused by the socket loop: invalid_request
+        elif i % 89 == 0:
+            del body["prompt"]
+            body["prompt_tokens"] = [10**6]  # refused after the intake: outside the vocabulary
+        sock.send(msgspec.msgpack.encode(body))
+    send_s = time.monotonic() - t0
+    time.sleep(read_after_s)
+    got: dict[str, list] = {rid: [] for rid in ids}
+    summaries: list = []
+    stray: list = []
+    last = time.monotonic()
+    while time.monotonic() - last < silence_s:
+        if not sock.poll(200):
+            done = all(any(isinstance(x, (Done, Error)) for x in msgs) for msgs in got.values())
+            if done or (summaries and time.monotonic() - last > 1.0):
+                break
+            continue
+        msg = decode_daemon(sock.recv())
+        last = time.monotonic()
+        rid = getattr(msg, "request_id", None)
+        if rid in got:
+            got[rid].append(msg)
+        elif isinstance(msg, Error) and msg.code == "slow_consumer" and rid is None:
+            summaries.append(msg)
+        else:
+            stray.append(msg)
+    sock.close(linger=0)
+    result = {"got": got, "summaries": summaries, "stray": stray, "send_s": send_s,
+              "read_s": time.monotonic() - t0 - send_s - read_after_s}
+    if out is not None:  # run as a process: only the verdict travels back
+        counts, violations = check_flood(result)
+        out.put({"flood": counts, "violations": violations})
+    return result
+
+
+def check_flood(result: dict) -> tuple[dict, list[str]]:
+    """The one-terminal rule for a flood, with its one documented exception: Generates past
+    the daemon's hold bound for a cut connection get no reply of their own and are counted
+    by id-less slow_consumer Errors. Returns (counts, violations)."""
+    from protocol import Accepted, Done, Error, Tokens
+
+    counts: dict[str, int] = {}
+    violations: list[str] = []
+    no_reply = 0
+    for rid, msgs in result["got"].items():
+        terminals = [x for x in msgs if isinstance(x, (Done, Error))]
+        if len(terminals) > 1:
+            violations.append(f"{rid}: {len(terminals)} terminals")
+        if not terminals:
+            if msgs:
+                violations.append(f"{rid}: {[type(x).__name__ for x in msgs]} but no terminal (lost)")
+            no_reply += 1
+            continue
+        if msgs[-1] is not terminals[0]:
+            violations.append(f"{rid}: messages after its terminal")
+        seqs = [x.seq for x in msgs if isinstance(x, Tokens)]
+        if seqs != list(range(len(seqs))):
+            violations.append(f"{rid}: Tokens out of sequence {seqs[:10]}")
+        t = terminals[0]
+        if isinstance(t, Error) and t.code not in {"overloaded", "slow_consumer", "invalid_request"}:
+            violations.append(f"{rid}: unexpected Error {t.code}: {t.message}")
+        key = "Done" if isinstance(t, Done) else t.code
+        counts[key] = counts.get(key, 0) + 1
+        counts["accepted"] = counts.get("accepted", 0) + any(isinstance(x, Accepted) for x in msgs)
+    discarded = 0
+    for summary in result["summaries"]:
+        try:
+            discarded += int(summary.message.split()[0])
+        except ValueError:
+            violations.append(f"a summary without a count: {summary.message}")
+    if no_reply != discarded:
+        violations.append(f"{no_reply} Generates got no reply, the daemon's summaries count {discarded}")
+    if result["stray"]:
+        violations.append(f"{len(result['stray'])} stray messages, e.g. {result['stray'][0]}")
+    counts["discarded"] = discarded
+    counts["requests"] = len(result["got"])
+    return counts, violations
+
+
 # ---------------------------------------------------------------------------- the daemon
 
 
 class Daemon:
     """A daemon this run started (on a private ipc socket), or None for --endpoint."""
 
-    def __init__(self, model: str | None, log_path: Path | None = None):
+    def __init__(self, model: str | None, log_path: Path | None = None, log_disk_bytes: int | None = None):
         self.tmp = Path(tempfile.mkdtemp(prefix="councild-load-"))
         run = self.tmp / "run"
         run.mkdir(mode=0o700)
+        self.log_disk: dict | None = None
+        preexec = None
+        if log_disk_bytes:
+            log_path, preexec = self._small_log_disk(log_disk_bytes)
         if model is None:
             from daemon.engine.random_model import build_random_model
 
@@ -253,8 +370,31 @@ class Daemon:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "daemon.cli", "serve", "--model", model, "--endpoint", self.endpoint,
              "--config", str(cfg), "--log-format", "json"],
-            cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT,
+            cwd=REPO, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, preexec_fn=preexec,
             env=dict(os.environ, COUNCILD_RUNTIME_DIR=str(run), PYTHONUNBUFFERED="1"))
+
+    def _small_log_disk(self, nbytes: int):
+        """A log file that runs out of room after ``nbytes``: on a tmpfs of that size when this
+        user may mount one (a real ENOSPC), else under RLIMIT_FSIZE (EFBIG, with SIGXFSZ
+        ignored so the write fails instead of killing the process)."""
+        where = self.tmp / "logdisk"
+        where.mkdir()
+        size_kib = max(4, nbytes // 1024)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(where)],
+                                 capture_output=True).returncode == 0
+        if mounted:
+            self.log_disk = {"kind": "tmpfs", "bytes": size_kib * 1024, "mount": str(where)}
+            return where / "daemon.log", None
+        self.log_disk = {"kind": "rlimit_fsize", "bytes": nbytes}
+
+        def limit() -> None:
+            import resource
+            import signal
+
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+        return where / "daemon.log", limit
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -264,6 +404,8 @@ class Daemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = self.proc.wait()
+        if self.log_disk and self.log_disk.get("mount"):
+            subprocess.run(["umount", "-l", self.log_disk["mount"]], capture_output=True)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return code
 
@@ -427,6 +569,10 @@ def print_report(s: dict, rss: dict, args, wall_s: float) -> None:
          f"{s['chunks_after_cancel']['median']} / {s['chunks_after_cancel']['p99']} / {s['chunks_after_cancel']['max']}"),
         ("mean decode cycle ms (bound: 2 cycles + 25 ms)", f"{s['cycle_ms_mean']} ({s.get('cancel_bound_ms')})"),
         ("daemon RSS MiB before / peak / after", f"{rss.get('before_mib')} / {rss.get('peak_mib')} / {rss.get('after_mib')}"),
+        *([("flood (one client, not reading)", ", ".join(f"{k} {v}" for k, v in s["flood"].items()))]
+          if s.get("flood") else []),
+        *([("log disk", f"{s['log_disk']['kind']} of {s['log_disk']['bytes']} bytes: "
+                        f"{s['log_disk']['lines_dropped']} lines dropped")] if s.get("log_disk") else []),
         ("violations", str(len(s["violations"]))),
     ]
     width = max(len(k) for k, _ in rows)
@@ -446,7 +592,7 @@ def run(args) -> dict:
     daemon = None
     endpoint = args.endpoint
     if endpoint is None:
-        daemon = Daemon(args.model)
+        daemon = Daemon(args.model, log_disk_bytes=args.log_disk_bytes)
         endpoint = daemon.endpoint
     try:
         detail = wait_ready(endpoint, proc=daemon.proc if daemon else None, curve_server_key=args.curve_server_key)
@@ -463,16 +609,25 @@ def run(args) -> dict:
         procs = [mpctx.Process(target=client_main, args=(i, endpoint, per[i], args.seed, args.concurrency,
                                                          args.cancel_rate, out, args.curve_server_key), daemon=True)
                  for i in range(args.clients)]
+        if args.flood:
+            procs.append(mpctx.Process(target=flood_client, args=(endpoint, args.flood),
+                                       kwargs={"read_after_s": args.flood_read_after_s, "out": out}, daemon=True))
         for p in procs:
             p.start()
         results = []
+        flood = None
         deadline = time.monotonic() + args.timeout
-        while len(results) < len(procs) and time.monotonic() < deadline:
+        while len(results) + (flood is not None) < len(procs) and time.monotonic() < deadline:
             try:
-                results.append(out.get(timeout=1.0))
+                got = out.get(timeout=1.0)
             except Exception:
                 if daemon is not None and daemon.proc.poll() is not None:
                     break
+                continue
+            if "flood" in got:
+                flood = got
+            else:
+                results.append(got)
         t_load_end = time.monotonic()
         for p in procs:
             p.join(5)
@@ -487,8 +642,18 @@ def run(args) -> dict:
         stop.set()
         sampler.join(2)
         summary = analyse(results, t_load_end - t_load)
-        if len(results) < len(procs):
-            summary["violations"].append(f"only {len(results)} of {len(procs)} clients reported")
+        if len(results) < args.clients:
+            summary["violations"].append(f"only {len(results)} of {args.clients} clients reported")
+        if args.flood:
+            if flood is None:
+                summary["violations"].append("the flooding client did not report")
+            else:
+                summary["flood"] = flood["flood"]
+                summary["violations"] += [f"flood: {v}" for v in flood["violations"][:20]]
+        if daemon is not None and daemon.log_disk is not None:
+            summary["log_disk"] = dict(daemon.log_disk, lines_dropped=after.get("log_lines_dropped"))
+            if not after.get("log_lines_dropped"):
+                summary["violations"].append("the log disk never filled: the run did not test a full disk")
         if not alive:
             summary["violations"].append("the daemon is not serving after the load")
         if after.get("in_flight"):
@@ -533,6 +698,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curve-server-key", help="the daemon's CURVE public key, for a tcp:// --endpoint")
     p.add_argument("--model", help="model folder for the daemon this tool starts (default: a random test model)")
     p.add_argument("--timeout", type=float, default=1800.0, help="give up on the clients after this many seconds")
+    p.add_argument("--flood", type=int, default=0, metavar="N",
+                   help="one more client sends N Generates without reading, then reads (default 0: none)")
+    p.add_argument("--flood-read-after-s", type=float, default=3.0, help="how long the flooding client does not read")
+    p.add_argument("--log-disk-bytes", type=int, metavar="B",
+                   help="put the daemon's log on a disk of B bytes that fills up during the run")
     p.add_argument("--json", nargs="?", const="", default=None, metavar="PATH",
                    help="write the report as JSON (default path: bench/results/loadtest_<clients>x<requests>_seed<seed>.json)")
     return p

@@ -1,8 +1,9 @@
 """The native multi-token-prediction (MTP) head of Qwen3.5 / Qwen3-Next checkpoints.
 
 mlx-lm's ``sanitize`` drops every ``mtp.*`` tensor, so the head is loaded here, separately:
-from the checkpoint's own safetensors (reading only the ``mtp.`` tensors, shard by shard)
-or from a sidecar ``mtp.safetensors``.
+from the checkpoint's own safetensors (reading only the head's tensors, shard by shard,
+through ``mx.load``) or from a sidecar (``mtp.safetensors``, ``model-mtp.safetensors``); the
+names and dtypes accepted are listed in ``daemon/models/layout.py``.
 
 Forward for the pair (base hidden at t, token t+1)::
 
@@ -32,12 +33,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
+
+from .head_layout import SIDECAR, SIDECARS, head_files, is_mtp_key, read_header, shard_files, strip_mtp
 
 from .model import HYBRID_MTP_TYPES, LoadedModel
 
-SIDECAR = "mtp.safetensors"
 _NORM_SUFFIXES = (
     "pre_fc_norm_embedding.weight",
     "pre_fc_norm_hidden.weight",
@@ -129,89 +130,59 @@ class MTPHead(nn.Module):
 
 # -- loading --------------------------------------------------------------------------------
 
-_ST_DTYPES = {
-    "F32": (np.float32, mx.float32),
-    "F16": (np.float16, mx.float16),
-    "BF16": (np.uint16, mx.bfloat16),
-    "F64": (np.float64, mx.float32),
-    "I64": (np.int64, mx.int64),
-    "I32": (np.int32, mx.int32),
-    "I16": (np.int16, mx.int16),
-    "I8": (np.int8, mx.int8),
-    "U32": (np.uint32, mx.uint32),
-    "U16": (np.uint16, mx.uint16),
-    "U8": (np.uint8, mx.uint8),
-    "BOOL": (np.bool_, mx.bool_),
-}
-
-
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    return header, 8 + n
-
-
 def read_tensors(path: Path, select) -> tuple[dict[str, mx.array], dict]:
-    """Read only the tensors whose names satisfy ``select`` from one safetensors file
-    (header parse + seek; the rest of the shard is never read). Returns (tensors, metadata)."""
-    header, base = read_safetensors_header(path)
-    meta = header.pop("__metadata__", None) or {}
+    """The tensors of one safetensors file whose names satisfy ``select``, through
+    ``mx.load`` (lazy: only the selected tensors are ever read from disk), and the file's
+    metadata. F8_E4M3 tensors (``mx.load`` hands them over as raw uint8) are dequantized to
+    bfloat16, with their ``<name>_scale_inv`` block scales where the file has them (FP8
+    releases: one scale per 128x128 block)."""
+    header = read_header(path)  # also refuses a truncated file with a clear message
+    arrays, meta = mx.load(str(path), return_metadata=True)
     out: dict[str, mx.array] = {}
-    with open(path, "rb") as fh:
-        for name, info in header.items():
-            if not select(name):
-                continue
-            np_dtype, mx_dtype = _ST_DTYPES[info["dtype"]]
-            start, end = info["data_offsets"]
-            fh.seek(base + start)
-            buf = np.frombuffer(fh.read(end - start), dtype=np_dtype).reshape(info["shape"])
-            arr = mx.array(buf)
-            if info["dtype"] == "BF16":
-                arr = arr.view(mx.bfloat16)
-            elif info["dtype"] == "F64":
-                arr = arr.astype(mx.float32)
-            out[name] = arr
-    return out, meta
+    for name, arr in arrays.items():
+        if not select(name) or name.endswith("_scale_inv"):
+            continue
+        dtype = header[name]["dtype"]
+        if dtype.startswith("F8_"):
+            if dtype != "F8_E4M3":
+                raise NoMTPHead(f"{path.name}: tensor {name} has dtype {dtype}; only F8_E4M3 is supported")
+            arr = _dequantize_fp8(arr, arrays.get(name + "_scale_inv"))
+        elif dtype == "F64":
+            arr = arr.astype(mx.float32)
+        out[name] = arr
+    return out, dict(meta or {})
 
 
-def _is_mtp_key(name: str) -> bool:
-    return name.startswith("mtp.") or ".mtp." in name
-
-
-def _strip(name: str) -> str:
-    return name[name.index("mtp.") + 4 :]
+def _dequantize_fp8(raw: mx.array, scale_inv: mx.array | None) -> mx.array:
+    w = mx.from_fp8(raw, dtype=mx.float32)
+    if scale_inv is not None:  # [ceil(rows/B), ceil(cols/B)] -> one value per weight
+        rows, cols = w.shape
+        b_r, b_c = -(-rows // scale_inv.shape[0]), -(-cols // scale_inv.shape[1])
+        s = mx.repeat(mx.repeat(scale_inv.astype(mx.float32), b_r, axis=0), b_c, axis=1)[:rows, :cols]
+        w = w * s
+    return w.astype(mx.bfloat16)
 
 
 def find_mtp_tensors(folder: Path) -> tuple[dict[str, mx.array], str, dict]:
     """Return (tensors without the ``mtp.`` prefix, source description, metadata).
     Looks in the checkpoint's shards first (via the index where there is one), then in
-    the sidecar. Raises NoMTPHead when neither holds any."""
+    the sidecars (``layout.SIDECARS``). Raises NoMTPHead when none holds any."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    shards: list[Path]
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        shards = sorted({folder / f for k, f in weight_map.items() if _is_mtp_key(k)})
-    else:
-        shards = sorted(p for p in folder.glob("*.safetensors") if p.name != SIDECAR)
+    files = head_files(folder)
     tensors: dict[str, mx.array] = {}
     meta: dict = {}
-    for shard in shards:
-        got, m = read_tensors(shard, _is_mtp_key)
-        if got:
-            meta = meta or m
-            tensors.update({_strip(k): v for k, v in got.items()})
+    for f in files:
+        sidecar = f.name in SIDECARS
+        got, m = read_tensors(f, (lambda k: True) if sidecar else is_mtp_key)
+        meta = meta or m
+        tensors.update({(strip_mtp(k) if is_mtp_key(k) else k): v for k, v in got.items()})
     if tensors:
-        return tensors, f"checkpoint ({', '.join(s.name for s in shards)})", meta
-    sidecar = folder / SIDECAR
-    if sidecar.exists():
-        got, meta = read_tensors(sidecar, lambda k: True)
-        if got:
-            return {(_strip(k) if "mtp." in k else k): v for k, v in got.items()}, f"sidecar {SIDECAR}", meta
+        kind = "sidecar" if all(f.name in SIDECARS for f in files) else "checkpoint"
+        return tensors, f"{kind} ({', '.join(f.name for f in files)})", meta
     raise NoMTPHead(
         f"no MTP head for {folder}: no 'mtp.*' tensors in the checkpoint's safetensors and no "
-        f"{SIDECAR} sidecar; speculation is unavailable, serve serial decode"
+        f"{' / '.join(SIDECARS)} sidecar; speculation is unavailable, serve serial decode "
+        "(`councild model pull REPO --mtp-from SOURCE` adds one)"
     )
 
 
@@ -256,9 +227,12 @@ def _base_attention_layer(lm: LoadedModel) -> nn.Module:
     raise NoMTPHead(f"{lm.path}: the base model has no full-attention layer to mirror")
 
 
-def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str]) -> None:
+def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str], declared: dict | None = None) -> None:
     """Quantize every head Linear whose counterpart in the base's attention layer is
-    quantized, with that module's group size / bits / mode. fc and norms stay as they are."""
+    quantized, with that module's group size / bits / mode. fc and norms stay as they are.
+    ``declared``: per-module parameters a sidecar's metadata states (``councild_quantization``),
+    which win for the modules the file holds quantized."""
+    declared = declared or {}
     ref = _base_attention_layer(lm)
     ref_modules = dict(ref.named_modules())
     default = None
@@ -266,7 +240,7 @@ def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str]) 
         if isinstance(m, (nn.QuantizedLinear,)) or hasattr(m, "bits") and hasattr(m, "group_size"):
             default = m
             break
-    if default is None and not prequantized:
+    if default is None and not prequantized and not declared:
         return
 
     def params_of(m: nn.Module) -> dict:
@@ -275,11 +249,15 @@ def _quantize_like_base(head: MTPHead, lm: LoadedModel, prequantized: set[str]) 
     def predicate(path: str, module: nn.Module):
         if path in ("fc", "embed_tokens") or not hasattr(module, "to_quantized"):
             return False
-        if path in prequantized:
-            return params_of(default) if default is not None else True
         # layers.0.self_attn.q_proj -> self_attn.q_proj in the base's attention layer
         sub = path.split(".", 2)[2] if path.startswith("layers.") else path
         base_m = ref_modules.get(sub)
+        if path in prequantized:
+            if path in declared:
+                return dict(declared[path])
+            if base_m is not None and hasattr(base_m, "bits") and hasattr(base_m, "group_size"):
+                return params_of(base_m)
+            return params_of(default) if default is not None else True
         if base_m is not None and hasattr(base_m, "bits") and hasattr(base_m, "group_size"):
             return params_of(base_m)
         return False
@@ -302,9 +280,9 @@ def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centre
     if not source.startswith("sidecar"):
         checkpoint_is_hf = any(
             "conv1d.weight" in k and info["shape"][-1] != 1
-            for shard in sorted(folder.glob("*.safetensors"))
-            if shard.name != SIDECAR
-            for k, info in read_safetensors_header(shard)[0].items()
+            for shard in shard_files(folder)
+            if shard.exists()
+            for k, info in read_header(shard).items()
             if k != "__metadata__"
         )
     if zero_centred is None:
@@ -313,8 +291,9 @@ def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centre
 
     head = MTPHead(args, moe=moe, num_layers=num_layers, dedicated_embeddings="embed_tokens.weight" in weights)
     prequantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+    declared = json.loads(meta["councild_quantization"]) if meta.get("councild_quantization") else {}
     if prequantized:  # the file holds quantized tensors: shape the modules first
-        _quantize_like_base(head, lm, prequantized)
+        _quantize_like_base(head, lm, prequantized, declared)
     head.load_weights(list(weights.items()), strict=True)
     # Float weights follow the base's activation dtype (norm +1 in that dtype, as mlx-lm).
     dtype = lm.backbone.embed_tokens.weight.dtype

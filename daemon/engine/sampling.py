@@ -16,6 +16,13 @@ from mlx_lm.sample_utils import apply_top_k, apply_top_p
 from .types import SamplingParams
 
 
+# Temperatures below this sample as greedy (argmax). Scaling by 1/T overflows float32 for
+# T below ~3e-39 (inf, then NaN where a logprob is 0), and long before that the scaled
+# distribution is argmax to within sampling noise: at T = 1e-5 a logprob gap of 0.001
+# already weighs e^-100. vLLM uses the same cut-off (_SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
 def logprobs(logits: mx.array) -> mx.array:
     """Log-softmax over the vocabulary (the last axis)."""
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -24,7 +31,7 @@ def logprobs(logits: mx.array) -> mx.array:
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.greedy = params.temperature == 0.0
+        self.greedy = params.temperature < GREEDY_BELOW
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
 

@@ -12,6 +12,7 @@ is marked slow: `pytest -m slow tests/e2e/test_fuzz_live.py`.
 from __future__ import annotations
 
 import collections
+import sys
 import time
 
 import msgspec
@@ -20,7 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_harness import start_daemon
+from e2e_harness import REPO, start_daemon
 from protocol import (
     Done,
     Error,
@@ -33,6 +34,9 @@ from protocol import (
     decode_daemon,
 )
 from protocol import messages as m
+
+sys.path.insert(0, str(REPO / "tools"))
+import loadtest  # noqa: E402  (its flooding client)
 
 MAX_FRAME = 16384
 MAX_TOKENS = 16
@@ -323,3 +327,46 @@ def test_fuzz_live_short(fuzz_daemon):
 @pytest.mark.timeout(1800)
 def test_fuzz_live_full(fuzz_daemon):
     _run(fuzz_daemon, 10_000)
+
+
+# ---------------------------------------------------------------------------- a client that floods without reading
+
+
+def _flood(endpoint: str, n: int, read_after_s: float = 3.0) -> dict:
+    """tools/loadtest.py's flooding client, in this process; fails on any violation."""
+    result = loadtest.flood_client(endpoint, n, read_after_s=read_after_s, over_max_tokens=MAX_TOKENS + 1)
+    counts, violations = loadtest.check_flood(result)
+    assert not violations, violations[:10]
+    return counts
+
+
+def test_flood_without_reading(fuzz_daemon):
+    """10,000 Generates from a connection that reads nothing for 3 s (its queue at the
+    daemon holds 1,000): every one gets exactly one terminal, in order after its chunks; no
+    Accepted goes unanswered; the daemon serves on."""
+    d = fuzz_daemon
+    counts = _flood(d.endpoint, 10_000)
+    print(f"\nflood 10,000: {counts}")
+    assert counts["discarded"] == 0  # under the hold bound (16 x client_send_hwm): no exception used
+    assert counts["slow_consumer"] > 0 and counts["Done"] > 0 and counts["overloaded"] > 0, counts
+    conn = Conn(d.endpoint)
+    try:
+        _assert_serving(d, conn)
+    finally:
+        conn.sock.close(linger=0)
+
+
+def test_flood_past_the_hold_bound(tmp_path, e2e_model):
+    """With client_send_hwm = 8 the daemon holds at most 128 rejections for a cut connection:
+    a 3,000-Generate flood gets one terminal each up to there, and one id-less slow_consumer
+    Error counting the rest, none of which was accepted."""
+    d = start_daemon(tmp_path, e2e_model, config=CONFIG + "client_send_hwm = 8\n")
+    try:
+        counts = _flood(d.endpoint, 3_000, read_after_s=2.0)
+        print(f"\nflood 3,000 past the bound: {counts}")
+        assert counts["discarded"] > 0, counts
+        assert d.proc.poll() is None
+        lost = [e for e in d.events() if e["event"] == "client.terminal_lost"]
+        assert len(lost) == 1, lost  # logged once per episode, not once per Generate
+    finally:
+        assert d.stop() == 0, d.log_path.read_text()[-3000:]

@@ -46,3 +46,15 @@ def test_load_short(e2e_model):
 def test_load_full(e2e_model):
     report = _run(["--clients", "8", "--requests", "1000", "--seed", "1", "--model", str(e2e_model)])
     _check(report, 1000)
+
+
+def test_load_with_a_flooding_client_and_a_full_log_disk(e2e_model):
+    """The short run again, with one more client flooding 3,000 Generates without reading,
+    and the daemon's log on a 32 KiB disk that fills early (tools/loadtest.py --flood,
+    --log-disk-bytes): every invariant holds, the flood's included."""
+    report = _run(["--clients", "4", "--requests", "40", "--seed", "3", "--model", str(e2e_model),
+                   "--cancel-rate", "0.3", "--timeout", "120", "--flood", "3000", "--log-disk-bytes", "32768"])
+    _check(report, 40)
+    s = report["summary"]
+    assert s["flood"]["requests"] == 3000 and s["flood"]["slow_consumer"] > 0, s["flood"]
+    assert s["log_disk"]["lines_dropped"] > 0, s["log_disk"]

@@ -1,0 +1,114 @@
+"""The intake thread: tokenizes Generate prompts before they reach the engine thread.
+
+Tokenizing is the one per-request cost that grows with what a client sends (a 4 MB prompt
+takes seconds), so it must not run on the thread that decodes everyone's streams. Every
+command the socket loop sends passes through here, in order, so a Cancel or a Stop never
+overtakes the Generate it follows; only a Submit is worked on, and only a bounded amount
+(``prompt_bounds``): text longer than ``CHARS_PER_TOKEN`` characters per allowed token, or
+more chat messages than allowed tokens, is refused before it is tokenized.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from .logs import get_logger
+from .reasoning import reasoning_split_for
+from .requests import Job
+
+log = get_logger("councild.intake")
+
+# No tokenizer of a served model averages more characters per token than this over a
+# prompt; real text averages about four. So text past it cannot fit the token limit.
+CHARS_PER_TOKEN = 32
+
+
+def prompt_bounds(job: Job, limit: int) -> tuple[str, str] | None:
+    """(code, message) when the request's prompt is over the limit before tokenizing."""
+    msg = job.msg
+    if msg.prompt_tokens is not None and len(msg.prompt_tokens) > limit:
+        return "prompt_too_long", f"prompt has {len(msg.prompt_tokens)} tokens; this daemon accepts at most {limit}"
+    if msg.messages is not None and len(msg.messages) > limit:
+        return "prompt_too_long", (f"{len(msg.messages)} chat messages cannot fit in {limit} tokens "
+                                   "(each message costs at least one)")
+    chars = len(msg.prompt) if msg.prompt is not None else sum(len(c.content) for c in msg.messages or ())
+    if chars > CHARS_PER_TOKEN * limit:
+        return "prompt_too_long", (f"prompt has {chars} characters; this daemon accepts at most {limit} tokens and "
+                                   f"refuses text over {CHARS_PER_TOKEN * limit} characters without tokenizing it")
+    return None
+
+
+def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
+    """Fill ``job.prompt`` (and, for a chat, where its reasoning is split off and where its
+    shared first message ends); return (code, message) when the request must be refused.
+    ``chat``: the daemon's [chat] config (template defaults, reasoning split)."""
+    bad = prompt_bounds(job, limit)
+    if bad is not None:
+        return bad
+    msg = job.msg
+    try:
+        # The daemon's [chat] defaults, then the request's own (chat requests only).
+        template_kwargs = ({**(chat.template_kwargs if chat else {}), **(msg.chat_template_kwargs or {})}
+                           if msg.messages is not None else msg.chat_template_kwargs)
+        job.prompt = lm.encode_prompt(
+            msg.prompt,
+            [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
+            msg.prompt_tokens,
+            template_kwargs,
+        )
+        if msg.messages is not None and chat is not None and chat.separate_reasoning:
+            job.reasoning = reasoning_split_for(lm.tokenizer, job.prompt)
+    except Exception as exc:  # noqa: BLE001 - a prompt the tokenizer rejects is the client's error
+        return "invalid_request", f"could not tokenize the {msg.prompt_kind()}: {exc}"
+    if not job.prompt:
+        return "invalid_request", "the prompt is empty after tokenization"
+    vocab = lm.text_args.vocab_size
+    if any(t >= vocab for t in job.prompt):
+        return "invalid_request", f"prompt_tokens holds ids outside the vocabulary (size {vocab})"
+    if len(job.prompt) > limit:
+        return "prompt_too_long", f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"
+    if msg.messages is not None:
+        job.segment_ends = chat_segment_ends(lm, msg, job.prompt)
+    return None
+
+
+def chat_segment_ends(lm, msg, prompt: list[int]) -> list[int]:
+    """Where the chat's first message (the shared system prompt) ends in the prompt's
+    tokens, when the chat template renders it as a prefix; the prefix cache keeps a
+    snapshot there so other seats start from it."""
+    try:
+        first = [{"role": msg.messages[0].role, "content": msg.messages[0].content}]
+        tok = lm.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = list(tok.apply_chat_template(first, add_generation_prompt=False, tokenize=True))
+        else:
+            ids = list(tok.encode(f"{first[0]['role']}: {first[0]['content']}\n"))
+    except Exception:  # noqa: BLE001 - no segment: the cache still keeps the prompt's end
+        return []
+    return [len(ids)] if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else []
+
+
+class Intake(threading.Thread):
+    """Moves commands from ``source`` to ``sink`` in order, tokenizing each Submit's job on
+    the way (a refused one carries ``job.rejection``; the engine sends it)."""
+
+    def __init__(self, source: queue.Queue, sink: queue.Queue, lm, limit: int, submit_type: type, chat=None):
+        super().__init__(name="councild-intake", daemon=True)
+        self.chat = chat
+        self.source = source
+        self.sink = sink
+        self.lm = lm
+        self.limit = limit
+        self.submit_type = submit_type
+
+    def run(self) -> None:
+        while True:
+            cmd = self.source.get()
+            if isinstance(cmd, self.submit_type):
+                try:
+                    cmd.job.rejection = tokenize(cmd.job, self.lm, self.limit, self.chat)
+                except Exception as exc:  # noqa: BLE001 - never lose the command, whatever failed
+                    log.error("intake.failed", request_id=cmd.job.request_id, seat=cmd.job.seat, error=repr(exc))
+                    cmd.job.rejection = ("internal", f"tokenization failed: {type(exc).__name__}: {exc}")
+            self.sink.put(cmd)

@@ -1,0 +1,68 @@
+"""A model load is visible: progress events in the log, status answering "loading" while it
+lasts, and systemd's start timeout extended through NOTIFY_SOCKET (a real datagram socket
+standing in for systemd)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+
+from protocol import decode_daemon, encode
+from protocol import messages as m
+
+from e2e_harness import start_daemon, wait_ready
+
+
+def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
+    notify_path = str(tmp_path / "notify.sock")
+    manager = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    manager.bind(notify_path)
+    manager.settimeout(0.05)
+    d = start_daemon(tmp_path, e2e_model, env={"NOTIFY_SOCKET": notify_path}, wait=False)
+    sock = d.raw_socket(timeout_ms=200)
+    states, datagrams, refused = [], [], None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "serving" not in states:
+            sock.send(encode(m.Status()))
+            try:
+                reply = decode_daemon(sock.recv())
+                states.append(reply.detail["state"])
+                if reply.detail["state"] == "loading" and refused is None:
+                    # Sent at the first "loading" answer, seconds before the load ends.
+                    sock.send(encode(m.Generate(request_id="early", prompt="x", max_tokens=1)))
+                    while refused is None:
+                        got = decode_daemon(sock.recv())  # (earlier Status answers may come first)
+                        if getattr(got, "request_id", None) == "early":
+                            refused = got
+            except Exception:  # zmq.Again: the socket is not bound yet, or no answer yet
+                pass
+            try:
+                while True:
+                    datagrams.append(manager.recv(4096).decode())
+            except (socket.timeout, BlockingIOError):
+                pass
+        wait_ready(d)
+        time.sleep(0.3)
+        try:
+            while True:
+                datagrams.append(manager.recv(4096).decode())
+        except (socket.timeout, BlockingIOError):
+            pass
+    finally:
+        sock.close()
+        manager.close()
+        assert d.stop() == 0
+    assert states and states[0] == "loading" and states[-1] == "serving", states
+    # A request sent during the load is refused with a retry hint, never queued half-loaded.
+    assert isinstance(refused, m.Error), refused
+    assert refused.code == "overloaded" and "still loading" in refused.message and refused.retry_after_s
+    progress = [e for e in d.events() if e["event"] == "model.load_progress"]
+    percents = [e["percent"] for e in progress]
+    assert percents == sorted(percents) and percents[-1] == 100 and len(percents) >= 10, percents
+    assert progress[-1]["bytes_loaded"] == progress[-1]["bytes_total"] > 0
+    extends = [i for i, g in enumerate(datagrams) if "EXTEND_TIMEOUT_USEC=120000000" in g]
+    ready = [i for i, g in enumerate(datagrams) if "READY=1" in g]
+    assert len(extends) >= 2 and ready and max(extends) < ready[0], datagrams
+    assert any("STATUS=loading" in g and "100%" in g for g in datagrams), datagrams

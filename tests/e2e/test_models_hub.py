@@ -1,0 +1,264 @@
+"""`councild model pull` and `serve --model org/name` against a fake Hub: a real HTTP server
+on 127.0.0.1 in the Hub's layout, reached by huggingface_hub through HF_ENDPOINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.engine.head_layout import read_header
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+from e2e_harness import REPO, start_daemon
+from fake_hub import FakeHub
+from hub_repos import BASE, FOREIGN, QUANTIZED, SOURCE, TRUNCATED, build_repos
+
+
+@pytest.fixture(scope="module")
+def hub():
+    h = FakeHub()
+    for repo_id, files in build_repos().items():
+        h.add(repo_id, files)
+    h.start()
+    yield h
+    h.stop()
+
+
+def hub_env(hub: FakeHub, home: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(home), HF_ENDPOINT=hub.endpoint, HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_DOWNLOAD_TIMEOUT="60", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def councild(env: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "daemon.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def snapshot(home: Path, repo_id: str) -> Path | None:
+    snaps = home / "hub" / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    found = sorted(snaps.iterdir()) if snaps.exists() else []
+    return found[0] if found else None
+
+
+def test_pull_then_serve_by_repo_id_offline(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    r = councild(env, "model", "pull", BASE)
+    assert r.returncode == 0, r.stderr
+    assert "has no MTP head" in r.stdout and "--mtp-from" in r.stdout
+    assert "checked 5 files against the Hub's checksums" in r.stdout  # README.md is not fetched
+    folder = snapshot(tmp_path / "hf", BASE)
+    assert (folder / "model.safetensors").read_bytes() == hub.repos[BASE].files["model.safetensors"]
+
+    listed = councild(env, "model", "list", "--json")
+    rows = json.loads(listed.stdout)
+    assert [(row["repo_id"], row["model_type"], row["head"]) for row in rows] == [(BASE, "qwen3_5", None)]
+
+    # The daemon never downloads: offline, with the Hub unreachable, it serves from the cache.
+    requests_before = len(hub.requests)
+    d = start_daemon(tmp_path, BASE, env=dict(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1",
+                                              HF_ENDPOINT="http://127.0.0.1:9"))
+    try:
+        with Client(d.endpoint, seat="hub", timeout_s=60) as c:
+            done = c.complete("def add(a, b):\n", max_tokens=8)
+            status = c.status()
+        assert done.usage.completion_tokens == 8
+        assert status.model == folder.name  # the snapshot folder it resolved to
+        events = {e["event"]: e for e in d.events()}
+        assert events["daemon.loading"]["model"] == str(folder)
+        assert "head.absent" in events
+    finally:
+        assert d.stop() == 0
+    assert len(hub.requests) == requests_before
+
+
+def test_pull_with_mtp_from_fetches_only_the_head_shard_and_serves_it(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    r = councild(env, "model", "pull", BASE, "--mtp-from", SOURCE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # Only the index and the shard holding mtp.* were fetched from the source.
+    fetched = sorted({p.rsplit("/", 1)[1] for _, p, _ in hub.gets(SOURCE)})
+    assert fetched == ["model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+    folder = snapshot(tmp_path / "hf", BASE)
+    sidecar = folder / "mtp.safetensors"
+    meta = read_header(sidecar)["__metadata__"]
+    assert meta["source"] == f"{SOURCE}@{hub.repos[SOURCE].commit}"
+    assert meta["base"] == f"{BASE}@{hub.repos[BASE].commit}"
+    assert not (folder / ".councild-head-staging").exists()
+
+    # The printed acceptance is the bundled model's own (same trunk, same head).
+    from daemon.models.pull import acceptance_check
+
+    expected, acc, drafted = acceptance_check(BUNDLED_MODEL, BUNDLED_MODEL)
+    printed = re.search(r"acceptance at depth 1: ([0-9.]+) \((\d+) of (\d+)", r.stdout)
+    assert printed, r.stdout
+    assert (int(printed.group(2)), int(printed.group(3))) == (acc, drafted)
+    assert expected > 0.5
+    # ... and so is the written sidecar's, loaded as the daemon loads it.
+    assert acceptance_check(folder, folder)[1:] == (acc, drafted)
+
+    d = start_daemon(tmp_path, BASE, env=dict(HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1"))
+    try:
+        with Client(d.endpoint, seat="hub", timeout_s=60) as c:
+            assert c.governor("pin_depth", 1).ok
+            done = c.complete("def fibonacci(n):\n", max_tokens=48, speculation="fast")
+        loaded = [e for e in d.events() if e["event"] == "head.loaded"]
+        assert loaded and loaded[0]["source"] == "sidecar (mtp.safetensors)"
+        spec = done.speculation
+        assert spec.drafted > 0 and spec.accepted / spec.drafted >= 0.5, spec
+    finally:
+        assert d.stop() == 0
+
+    info = json.loads(councild(env, "model", "inspect", BASE, "--json").stdout)
+    assert info["head"]["files"] == {"mtp.safetensors": 15}
+    assert info["head"]["provenance"]["mtp.safetensors"]["source"] == meta["source"]
+
+
+def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    # 4-bit matmuls are slow on this CPU backend: a shorter check (on a Mac's GPU they are not).
+    r = councild(env, "model", "pull", QUANTIZED, "--mtp-from", SOURCE, "--check-tokens", "8")
+    assert r.returncode == 0, r.stdout + r.stderr
+    folder = snapshot(tmp_path / "hf", QUANTIZED)
+    header = read_header(folder / "mtp.safetensors")
+    declared = json.loads(header["__metadata__"]["councild_quantization"])
+    assert declared["layers.0.self_attn.q_proj"] == {"group_size": 64, "bits": 4, "mode": "affine"}
+    assert header["mtp.layers.0.self_attn.q_proj.weight"]["dtype"] == "U32"
+    assert header["mtp.layers.0.mlp.down_proj.scales"]["shape"] == [256, 768 // 64]
+    assert header["mtp.fc.weight"]["dtype"] == "BF16"  # fc and norms stay float
+    accepted = re.search(r"acceptance at depth 1: ([0-9.]+)", r.stdout)
+    assert accepted and float(accepted.group(1)) >= 0.3, r.stdout
+
+    import mlx.nn as nn
+
+    from daemon.engine.loading import load_model
+    from daemon.engine.mtp_head import load_mtp_head
+
+    lm = load_model(folder, compile_decode=False)
+    head = load_mtp_head(lm)
+    q = head.layers[0].self_attn.q_proj
+    assert isinstance(q, nn.QuantizedLinear) and (q.bits, q.group_size) == (4, 64)
+    assert type(head.fc) is nn.Linear
+
+
+def test_a_head_from_another_trunk_is_refused(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    r = councild(env, "model", "pull", BASE, "--mtp-from", FOREIGN)
+    assert r.returncode == 1
+    assert "trained with another trunk" in r.stderr and "Not written" in r.stderr
+    accepted = re.search(r"acceptance at depth 1: ([0-9.]+)", r.stdout)
+    assert accepted and float(accepted.group(1)) < 0.1
+    folder = snapshot(tmp_path / "hf", BASE)
+    assert not (folder / "mtp.safetensors").exists()
+    assert not (folder / ".councild-head-staging").exists()
+
+
+def test_unknown_repo(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    r = councild(env, "model", "pull", "mlx-community/Qwen3.5-Nonexistent-4bit")
+    assert r.returncode == 1
+    assert "no repo mlx-community/Qwen3.5-Nonexistent-4bit on " + hub.endpoint in r.stderr
+    assert "Traceback" not in r.stderr
+    # Serving a repo that was never pulled: exit 78, naming the command that fixes it.
+    r = councild(env, "serve", "--model", "mlx-community/Qwen3.5-Nonexistent-4bit",
+                 "--endpoint", f"ipc://{tmp_path}/s.sock", timeout=120)
+    assert r.returncode == 78
+    assert "councild model pull mlx-community/Qwen3.5-Nonexistent-4bit" in r.stderr
+
+
+def _leaves_no_valid_model(home: Path, repo_id: str, env: dict, tmp_path: Path) -> None:
+    folder = snapshot(home, repo_id)
+    assert folder is None or not (folder / "model.safetensors").exists()
+    blobs = home / "hub" / ("models--" + repo_id.replace("/", "--")) / "blobs"
+    for blob in blobs.iterdir() if blobs.exists() else []:
+        assert blob.stat().st_size < 1_000_000 or blob.name.endswith(".incomplete"), blob
+    r = councild(dict(env, HF_HUB_OFFLINE="1"), "serve", "--model", repo_id,
+                 "--endpoint", f"ipc://{tmp_path}/s.sock", timeout=120)
+    assert r.returncode == 78, r.stderr
+
+
+def test_corrupted_shard_is_refused_and_removed(hub, tmp_path):
+    repo = hub.repos[BASE]
+    good = repo.files["model.safetensors"]
+    bad = bytearray(good)
+    bad[len(bad) // 2: len(bad) // 2 + 64] = bytes(64)  # same size, other bytes
+    repo.served["model.safetensors"] = bytes(bad)
+    try:
+        env = hub_env(hub, tmp_path / "hf")
+        r = councild(env, "model", "pull", BASE)
+    finally:
+        repo.served.clear()
+    assert r.returncode == 1
+    assert "model.safetensors: sha256 does not match the Hub's" in r.stderr
+    assert "removed from the cache" in r.stderr
+    _leaves_no_valid_model(tmp_path / "hf", BASE, env, tmp_path)
+
+
+def test_truncated_shard_is_refused_and_removed(hub, tmp_path):
+    env = hub_env(hub, tmp_path / "hf")
+    r = councild(env, "model", "pull", TRUNCATED)
+    assert r.returncode == 1
+    assert "truncated download?" in r.stderr and "removed from the cache" in r.stderr
+    _leaves_no_valid_model(tmp_path / "hf", TRUNCATED, env, tmp_path)
+
+
+def test_a_dropped_connection_resumes_where_it_stopped(hub, tmp_path):
+    repo = hub.repos[BASE]
+    repo.drop_after["model.safetensors"] = 12_000_000
+    env = hub_env(hub, tmp_path / "hf")
+    try:
+        r = councild(env, "model", "pull", BASE)
+    finally:
+        repo.drop_after.clear()
+    assert r.returncode == 0, r.stderr
+    starts = [int(rng[len("bytes="):-1]) for _, _, rng in hub.gets(BASE, "model.safetensors") if rng]
+    assert starts and 0 < starts[-1] <= 12_000_000  # a Range request picked up the partial file
+    assert (snapshot(tmp_path / "hf", BASE) / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
+
+
+def test_a_killed_pull_leaves_no_model_and_the_next_pull_completes(hub, tmp_path):
+    repo = hub.repos[BASE]
+    repo.stall_after["model.safetensors"] = 12_000_000
+    hub._release.clear()
+    home = tmp_path / "hf"
+    env = hub_env(hub, home)
+    proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "model", "pull", BASE], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    blobs = home / "hub" / ("models--" + BASE.replace("/", "--")) / "blobs"
+    partial = None
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and partial is None:
+            for p in blobs.glob("*.incomplete") if blobs.exists() else []:
+                if p.stat().st_size > 0:
+                    partial = p
+            time.sleep(0.1)
+        assert partial is not None, "the download never started"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        repo.stall_after.clear()
+        hub.release()
+    assert 0 < partial.stat().st_size < len(repo.files["model.safetensors"])
+    assert not (snapshot(home, BASE) / "model.safetensors").exists()
+    _leaves_no_valid_model(home, BASE, env, tmp_path)
+
+    r = councild(env, "model", "pull", BASE)
+    assert r.returncode == 0, r.stderr
+    assert (snapshot(home, BASE) / "model.safetensors").read_bytes() == repo.files["model.safetensors"]
+    # huggingface_hub 2.x restarts a file a killed process left (its temp file is per process);
+    # the pull clears the leftover once the file is complete.
+    assert not list(blobs.glob("*.incomplete"))
+    assert "removed 1 leftover partial download " in r.stdout
