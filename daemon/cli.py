@@ -384,12 +384,15 @@ DELEGATED = {
     ("bench", "serial"): ("daemon.measure.serial_bench",
                           "daemon over the socket vs in-process vs mlx_lm.generate, interleaved"),
     ("bench", "spec"): ("daemon.measure.spec_bench", "speculation by depth against serial, interleaved"),
+    ("bench", "drafting"): ("daemon.measure.drafting_bench",
+                            "MTP head vs + prompt lookup vs per-request depth, on quoting and plain prompts"),
     ("bench", "compile"): ("daemon.measure.compile_bench",
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
     ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),
+    ("http",): ("front.main", "OpenAI-compatible HTTP API and /metrics for a running daemon (the http extra)"),
 }
 
 

@@ -84,6 +84,19 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
     # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
+    # Prompt-lookup drafts (engine/lookup.py): where the generated tail repeats an n-gram of
+    # the prompt or output so far, verify the continuation as a draft block (no head
+    # forward), backing off when blocks miss. Runs at depth 0 too. Up to this many tokens.
+    prompt_lookup: bool = True
+    lookup_max_draft: Annotated[int, Meta(ge=1, le=32)] = 8
+    # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
+    # drafts' confidence times the request's running acceptance is below this (serial steps
+    # one more position costs); 0 never stops early.
+    draft_stop_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.35
+    # Sampled requests on the speculative path: once the output loops (a unit repeated 3
+    # times over 24+ tokens), decode serially under a DRY penalty until it stops looping
+    # (engine/loop_guard.py). Never applies at temperature 0.
+    loop_guard: bool = True
 
 
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -130,10 +143,16 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
+    # log-only shops); 0 turns them off.
+    stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
+    # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
+    # only lets it sit in the same file.
+    http: dict[str, Any] = {}
     # The [governor] table is governor.GovernorConfig's (checked by it at start-up).
     governor: dict[str, Any] = {}
     governor_enabled: bool = True

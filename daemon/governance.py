@@ -53,7 +53,10 @@ class Governance:
         # model and versions; otherwise from the config's priors.
         from .profile import governor_profile, load_profile
 
-        profile = governor_profile(load_profile(worker.lm.path))
+        tuned = load_profile(worker.lm.path)
+        # The worker caps each request's depth by its sampling settings' tuned best depth.
+        worker.tuned_profile = tuned
+        profile = governor_profile(tuned)
         self.gov = Governor(
             self.cfg,
             clock=time.monotonic,

@@ -120,3 +120,34 @@ def governor_profile(profile: dict | None) -> dict | None:
     if not profile:
         return None
     return {"cost_s": profile.get("cost_s", {}), "acceptance": profile.get("acceptance", [])}
+
+
+def sampling_entry(profile: dict | None, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict | None:
+    """The profile's measurements for a request's sampling settings: the greedy entry at
+    temperature 0, else the entry tuned at exactly these settings (the generation_config's),
+    else None (nothing measured there: the governor's depth alone applies)."""
+    entries = (profile or {}).get("sampling") or {}
+    for entry in entries.values():
+        params = entry.get("params")
+        if temperature == 0.0 and params is None:
+            return entry
+        if params is not None and temperature > 0 and (params["temperature"], params["top_p"], params["top_k"]) == (
+                temperature, top_p, top_k):
+            return entry
+    return None
+
+
+def best_depth(entry: dict) -> int:
+    """argmax over the measured depths of E(k) / cost(k) (ties to the shallower)."""
+    cost = {int(k): float(v) for k, v in (entry.get("cost_s") or {}).items() if float(v) > 0}
+    acc = entry.get("acceptance") or []
+    best, best_score = 0, None
+    for k in sorted(cost):
+        e, run = 1.0, 1.0
+        for a in acc[:k]:
+            run *= a
+            e += run
+        score = e / cost[k]
+        if best_score is None or score > best_score:
+            best, best_score = k, score
+    return best

@@ -25,12 +25,27 @@ class SpecTally:
     guarded: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
+    # Cycles that verified a prompt-lookup block (engine/lookup.py), counted apart; the
+    # per-position tallies above hold the head's drafts only.
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    # Head cycles that stopped below the depth ceiling; steps under the loop guard's penalty.
+    draft_stops: int = 0
+    penalised: int = 0
 
     def add(self, step: DecodeStep) -> None:
+        self.draft_stops += step.stopped_early
+        if step.draft_source == "lookup":
+            self.lookup_cycles += 1
+            self.lookup_drafted += step.drafted
+            self.lookup_accepted += step.accepted
         self.cycles += 1
         self.drafted += step.drafted
         self.accepted += step.accepted
         self.guarded += step.guarded
+        if step.draft_source == "lookup":
+            return
         for i, ok in enumerate(step.accepted_mask):
             while len(self.drafted_by_position) <= i:
                 self.drafted_by_position.append(0)
@@ -84,8 +99,12 @@ class Job:
         self.seq = 0
         self.started_at: float | None = None
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # when output tokens were last delivered
         self.finished_reason: str | None = None
         self.spec = SpecTally()
+        # Requests that asked for logprobs: every kept token's entry, and where the stream is.
+        self.logprobs: list[m.TokenLogprob] = []
+        self.sent_logprobs = 0
         # Set by the worker when the job starts: its sampler, whether it must be exact at
         # temperature 0, and, for a row of the continuous batch, its state while parked.
         self.sampler = None
@@ -112,13 +131,15 @@ class Job:
         self.started_at = started_at if started_at is not None else (self.started_at or time.monotonic())
         self.spec.mode = spec_mode
 
-    def absorb(self, step: DecodeStep, eos_ids: frozenset[int]) -> list[int]:
+    def absorb(self, step: DecodeStep, eos_ids: frozenset[int], token_text=None) -> list[int]:
         """Take one decode cycle's tokens; return those that belong to the output (cut at
-        eos or max_tokens), and set ``finished_reason`` when the request is complete."""
+        eos or max_tokens), and set ``finished_reason`` when the request is complete.
+        ``token_text(id)`` names tokens in logprob entries (given when the request asked)."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if step.depth or step.drafted:
             self.spec.add(step)
+        self.spec.penalised += step.penalised
         kept: list[int] = []
         for tok in step.tokens:
             if tok in eos_ids:
@@ -128,6 +149,11 @@ class Job:
             if len(self.token_ids) + len(kept) >= self.msg.max_tokens:
                 self.finished_reason = "length"
                 break
+        if token_text is not None and step.logprobs is not None:
+            for tok, (lp, top) in zip(kept, step.logprobs):
+                self.logprobs.append(m.TokenLogprob(
+                    token_id=tok, token=token_text(tok), logprob=lp,
+                    top_logprobs=[m.TopLogprob(token_id=t, token=token_text(t), logprob=v) for t, v in top]))
         self.detok.add(kept)
         self.token_ids.extend(kept)
         self.text = self.detok.text if self.finished_reason is None else self._final_text()
@@ -162,7 +188,11 @@ class Job:
         if not text and not token_ids:
             return None
         self.sent_chars += len(text)
-        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids)
+        lps = None
+        if self.msg.option("logprobs"):
+            lps = self.logprobs[self.sent_logprobs : self.sent_logprobs + len(token_ids)]
+            self.sent_logprobs += len(lps)
+        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids, logprobs=lps)
         self.seq += 1
         return msg
 
@@ -198,4 +228,5 @@ class Job:
                 tokens_per_s=(n - 1) / decode_s if n > 1 else 0.0,
             ),
             speculation=self.spec.message() if self.spec.mode != "off" else None,
+            logprobs=list(self.logprobs) if self.msg.option("logprobs") and not self.msg.stream else None,
         )

@@ -8,6 +8,7 @@ into flags the loop reads, so there is exactly one shutdown path.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
 import os
@@ -29,11 +30,14 @@ from .config import Config
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE, EXIT_TEMPFAIL
 from .logs import get_logger, lines_dropped
 from .requests import Job
+from .stats import Tallies
 from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
                      ReloadScheduler, Stop, Submit)
 
 # What SIGHUP applies to a running daemon; any other key that changed needs a restart.
-LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s"})
+LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s", "stats_interval_s"})
+# Tables in the daemon's file that belong to other processes (`councild http` reads [http]).
+NOT_THE_DAEMONS = frozenset({"http"})
 
 log = get_logger("councild.server")
 
@@ -74,6 +78,10 @@ class _Hooks:
         self.server.load_progress(percent)
 
 
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
 class Server:
     def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None):
         self.cfg = cfg
@@ -83,6 +91,10 @@ class Server:
         self.model_path = model_path
         self.ctx = zmq.Context()
         self.started = time.monotonic()
+        self.started_wall = time.time()
+        # Requests refused before reaching the engine: (seat, error code) -> count.
+        self.rejected: dict[tuple[str, str], int] = {}
+        self._stats_logged_at = time.monotonic()
         self.seats: dict[bytes, str] = {}
         self.last_seen: dict[bytes, float] = {}
         self.live: dict[tuple[str, str], bytes] = {}  # request key -> client identity
@@ -475,7 +487,7 @@ class Server:
             server=f"councild {daemon.__version__}",
             model=Path(self.model_path).name,
             capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
-                          "chat_template_kwargs", "reasoning"],
+                          "chat_template_kwargs", "reasoning", "sampling_options", "logprobs"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
                             max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
@@ -486,6 +498,7 @@ class Server:
             self._reply(router, identity, m.Error(code=code, message=message, request_id=msg.request_id,
                                                    retry_after_s=retry_after))
             log.info("request.rejected", request_id=msg.request_id, seat=seat, code=code, message=message)
+            self.rejected[(seat, code)] = self.rejected.get((seat, code), 0) + 1
 
         seat = self.seats.get(identity, "default")
         key = (seat, msg.request_id)
@@ -673,6 +686,22 @@ class Server:
         if self.reload_requested:
             self.reload_requested = False
             self._reload()
+        interval = self.cfg.stats_interval_s
+        if interval > 0 and now - self._stats_logged_at >= interval:
+            self._stats_logged_at = now
+            self._log_stats()
+
+    def _log_stats(self) -> None:
+        """The periodic ``stats`` event: what /metrics shows, for shops that only read logs."""
+        d = self.status_reply().detail
+        st = d["stats"]
+        log.info("stats", active=len(d["active_requests"]), queued=sum(s.get("queued", 0) for s in d["seats"].values()),
+                 in_flight=d["in_flight"], tokens_total=d["tokens_total"], tokens_per_s=d["recent_tokens_per_s"],
+                 depth=d["depth"], head_resident=d["head_resident"], memory=d["memory"],
+                 pressure=d["governor"].get("pressure"), requests=st["requests"], drafted=st["drafted"],
+                 accepted=st["accepted"], ttft_count=st["ttft_seconds"]["count"],
+                 ttft_mean_s=round(st["ttft_seconds"]["sum"] / max(1, st["ttft_seconds"]["count"]), 4),
+                 clients=d["clients"])
 
     def _reload(self) -> None:
         from .config import ConfigError, load_config
@@ -689,7 +718,8 @@ class Server:
         # The settings in LIVE_ON_RELOAD apply now, each by its one path (the engine's take a
         # command on its queue); every other key that changed is named as needing a restart,
         # so no change is ever dropped in silence.
-        changed = [k for k in new.__struct_fields__ if getattr(new, k) != getattr(self.cfg, k)]
+        changed = [k for k in new.__struct_fields__
+                   if k not in NOT_THE_DAEMONS and getattr(new, k) != getattr(self.cfg, k)]
         if new.scheduler != self.cfg.scheduler:
             self.cfg.scheduler = new.scheduler
             self.worker.commands.put(ReloadScheduler(new.scheduler))
@@ -698,6 +728,7 @@ class Server:
             self.worker.commands.put(ReloadGovernor(new.governor))
         self.cfg.heartbeat_timeout_s = new.heartbeat_timeout_s
         self.cfg.drain_deadline_s = new.drain_deadline_s
+        self.cfg.stats_interval_s = new.stats_interval_s
         applied = [k for k in changed if k in LIVE_ON_RELOAD]
         needs_restart = [k for k in changed if k not in LIVE_ON_RELOAD]
         log.info("config.reloaded", path=self.config_path, applied=applied, needs_restart=needs_restart)
@@ -707,8 +738,19 @@ class Server:
         if self.notifier:
             self.notifier.ready()
 
+    def _stats(self, snap) -> dict:
+        """The engine's tallies, with the requests this loop refused merged into the outcomes."""
+        stats = dict(snap.stats) if snap.stats else Tallies().to_dict()
+        requests = {seat: dict(v) for seat, v in stats.get("requests", {}).items()}
+        for (seat, code), n in self.rejected.items():
+            by = requests.setdefault(seat, {})
+            by[code] = by.get(code, 0) + n
+        stats["requests"] = requests
+        return stats
+
     def status_reply(self) -> m.StatusReply:
         snap = self.worker.read_snapshot()
+        now_wall = time.time()
         return m.StatusReply(
             server=f"councild {daemon.__version__}",
             model=snap.model or Path(self.model_path).name,
@@ -743,5 +785,11 @@ class Server:
                 "log_lines_dropped": lines_dropped(),
                 "memory": snap.memory,
                 "governor": snap.governor,
+                "stats": self._stats(snap),
+                # Wall-clock times (UTC, ISO 8601 and Unix seconds), for logs and dashboards.
+                "time": {
+                    "now": _iso(now_wall), "now_unix": round(now_wall, 3),
+                    "started_at": _iso(self.started_wall), "started_at_unix": round(self.started_wall, 3),
+                },
             },
         )

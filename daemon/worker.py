@@ -26,6 +26,7 @@ from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
+from .stats import Tallies
 
 log = get_logger("councild.engine")
 
@@ -100,6 +101,7 @@ class EngineSnapshot:
     memory: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
 
 
 class InjectedFault(RuntimeError):
@@ -138,6 +140,9 @@ class EngineWorker(threading.Thread):
         self.hooks = hooks
         self.lm = None
         self.head = None
+        # `councild tune`'s profile when the governor loaded one (governance.py): per
+        # sampling setting, the best depth measured, which caps a request's depth.
+        self.tuned_profile: dict | None = None
         self.head_available = False
         self.head_bytes_hint = 0
         self.depth = cfg.speculation.depth
@@ -148,6 +153,7 @@ class EngineWorker(threading.Thread):
         self._seat_stats = SeatStats()
         self._stopping = False
         self._published_at = 0.0
+        self.tallies = Tallies()
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -450,7 +456,9 @@ class EngineWorker(threading.Thread):
         if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
             return
         p = job.msg
-        job.sampler = Sampler(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed))
+        job.sampler = Sampler(SamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
         job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
@@ -490,21 +498,27 @@ class EngineWorker(threading.Thread):
         # each forward with background rows.
         latency_first = job.priority == "interactive"
         alone = len(self.scheduler.active) <= 1 or latency_first
-        speculate = mode != "off" and self.head is not None and self.current_depth() > 0 and alone
+        drafting = self._drafting_options()
+        # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
+        can_draft = self.head is not None and self.current_depth() > 0 or "lookup" in drafting
+        speculate = mode != "off" and can_draft and alone
         if (not speculate and not latency_first and self.batch is not None
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
             self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
             job.batched = True
             job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
             return
-        if mode != "off" and self.head is not None:
+        if mode != "off" and (self.head is not None or "lookup" in drafting):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
             history = pre.history if pre.history is not None and pre.history.head is self.head else None
-            gen = speculative_decode(self.lm, self.head, last, sampler, depth=self.current_depth,
+            # The cache holds the prompt but its last token (prefilled in chunks, or restored
+            # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
+            gen = speculative_decode(self.lm, self.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact", guard_margin=spec.guard_margin,
-                                     rollback=spec.rollback, cache=pre.cache, history=history)
+                                     rollback=spec.rollback, cache=pre.cache, history=history,
+                                     context=job.prompt, **drafting)
         else:
             mode = "off"
             gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
@@ -527,6 +541,40 @@ class EngineWorker(threading.Thread):
         self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
         with self.snapshot_lock:
             self.snapshot.prefill_tokens_total += n
+    def _token_text(self, token_id: int) -> str:
+        return self.lm.tokenizer.decode([token_id])
+
+    def _request_depth(self, job: Job):
+        """The depth a request drafts at: the governor's, capped by the best depth `councild
+        tune` measured at the request's sampling settings (when it measured them)."""
+        from .profile import best_depth, sampling_entry
+
+        p = job.msg
+        entry = sampling_entry(self.tuned_profile, p.temperature, p.top_p, p.top_k)
+        if entry is None:
+            job.depth_ceiling = None
+            return self.current_depth
+        ceiling = job.depth_ceiling = best_depth(entry)
+        return lambda: min(self.current_depth(), ceiling)
+
+    def _drafting_options(self) -> dict:
+        """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
+        from .engine.lookup import DraftStopConfig, LookupConfig
+        from .engine.model import HYBRID_MTP_TYPES
+
+        spec = self.cfg.speculation
+        out: dict = {}
+        if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
+            out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
+        # An operator's pinned depth is drafted in full; under the governor it is a ceiling.
+        pinned = self.governance is not None and self.governance.gov.state.override == "pin_depth"
+        if spec.draft_stop_threshold > 0 and not pinned:
+            out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
+        if spec.loop_guard:  # speculative_decode arms it for sampled requests only
+            from .engine.loop_guard import LoopGuardConfig
+
+            out["loop_guard"] = LoopGuardConfig()
+        return out
 
     def _advance(self, job: Job) -> None:
         if job.prefill is not None:
@@ -586,7 +634,11 @@ class EngineWorker(threading.Thread):
 
     def _deliver(self, job: Job, step) -> None:
         """Turn one cycle's committed tokens into the job's output and maybe its end."""
-        kept = job.absorb(step, self.lm.eos_token_ids)
+        if step.penalised and not job.spec.penalised:  # the first step under the loop guard
+            log.info("request.loop_guard", request_id=job.request_id, seat=job.seat,
+                     completion_tokens=len(job.token_ids))
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None)
+        self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))
         if job.msg.stream:
@@ -595,6 +647,20 @@ class EngineWorker(threading.Thread):
                 self._send(job.identity, chunk, key=job.key)
         if job.finished_reason is not None:
             self._finish(job, job.done())
+
+    def _tally(self, job: Job, step, kept: list[int]) -> None:
+        """Latency and speculation counters for status readers (daemon/stats.py)."""
+        t = self.tallies
+        t.drafted += step.drafted
+        t.accepted += step.accepted
+        if not kept:
+            return
+        now = time.monotonic()
+        if job.last_token_at is None:
+            t.ttft.observe(now - job.received_at)
+        else:  # a cycle's gap, shared by the tokens it committed
+            t.inter_token.observe((now - job.last_token_at) / len(kept), len(kept))
+        job.last_token_at = now
 
     def _finish(self, job: Job, terminal: m.Done | m.Error, registered: bool = True) -> None:
         """Send the request's one terminal message and forget it."""
@@ -622,11 +688,16 @@ class EngineWorker(threading.Thread):
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
                          "mode": terminal.speculation.mode, "cycles": terminal.speculation.cycles,
-                         "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted})
+                         "drafted": terminal.speculation.drafted, "accepted": terminal.speculation.accepted,
+                         "lookup_cycles": job.spec.lookup_cycles, "lookup_drafted": job.spec.lookup_drafted,
+                         "lookup_accepted": job.spec.lookup_accepted,
+                         "depth_ceiling": getattr(job, "depth_ceiling", None),
+                         "draft_stops": job.spec.draft_stops, "loop_guard_steps": job.spec.penalised})
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
+        self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
@@ -683,6 +754,7 @@ class EngineWorker(threading.Thread):
             self.snapshot.memory = memory
             if self.prefix_cache is not None:
                 self.snapshot.prefix_cache = self.prefix_cache.stats()
+            self.snapshot.stats = self.tallies.to_dict()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from .config import GovernorConfig
-from .types import CycleTelemetry, DepthEstimate
+from .types import CycleTelemetry, DepthEstimate, LookupEstimate
 
 
 class _Ewma:
@@ -92,6 +94,10 @@ class CostModel:
         self._profile_cost: dict[int, float] = {}
         self._profile_accept: list[float] = []
         self.batched_cycles = 0
+        # Prompt-lookup cycles, apart from the depths (their width is the block's, not a depth).
+        self._lookup_cost = _RecentMedian(self.cfg.cost_window)
+        self._lookup_emitted = _Ewma()
+        self.lookup_cycles = self.lookup_drafted = self.lookup_accepted = 0
         # The decode clock: seconds of every cycle recorded (batched ones too), i.e. the time
         # the engine spent decoding. Staleness and the policy's probe timing run on it.
         self.decode_s = 0.0
@@ -111,6 +117,15 @@ class CostModel:
             # A batched step serves several streams: not a per-stream cycle cost.
             self.batched_cycles += 1
             self.decode_s += max(t.cycle_s, 0.0)
+            return
+        if t.source == "lookup":
+            self.lookup_cycles += 1
+            self.lookup_drafted += max(t.drafted, 0)
+            self.lookup_accepted += t.accepted_prefix()
+            if t.cycle_s > 0:
+                self.decode_s += t.cycle_s
+                self._lookup_cost.add(t.cycle_s, self.cfg.cost_alpha, now, load, decode_at=self.decode_s)
+            self._lookup_emitted.add(float(t.emitted), self.cfg.cost_alpha, now)
             return
         if t.cycle_s > 0:
             if self._cost[k].n and self.stale(k, now, load):
@@ -224,6 +239,17 @@ class CostModel:
     def estimates(self, now: float, load: float | None = None) -> tuple[DepthEstimate, ...]:
         return tuple(self.estimate(k, now, load) for k in range(self.cfg.max_depth + 1))
 
+    def lookup_estimate(self) -> LookupEstimate | None:
+        if not self.lookup_cycles:
+            return None
+        cost = self._lookup_cost.value if self._lookup_cost.n else None
+        tpc = self._lookup_emitted.value
+        return LookupEstimate(
+            cycles=self.lookup_cycles, drafted=self.lookup_drafted, accepted=self.lookup_accepted,
+            acceptance=self.lookup_accepted / max(1, self.lookup_drafted), tokens_per_cycle=tpc,
+            cost_s=cost, score=(tpc / cost) if cost else None,
+        )
+
     def snapshot(self, now: float, load: float | None = None) -> dict[str, Any]:
         return {
             "depths": [
@@ -243,4 +269,5 @@ class CostModel:
             "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
             "batched_cycles": self.batched_cycles,
             "decode_s": round(self.decode_s, 3),
+            "lookup": msgspec.to_builtins(self.lookup_estimate()),
         }

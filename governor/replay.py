@@ -97,7 +97,8 @@ def replay(
             if simulate_head:
                 sim = bool(raw.get("head_resident", False)) if sim is None else sim
                 raw = {**raw, "head_resident": sim, "head_loading": False}
-            obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")), decode_s=model.decode_s)
+            obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")), decode_s=model.decode_s,
+                              lookup=model.lookup_estimate())
             state, actions, reasons = decide(state, obs, t, cfg)
             for a in actions:
                 if isinstance(a, (LoadHead, EvictHead)):

@@ -168,7 +168,8 @@ class Governor:
 
     def _decide(self, raw: dict[str, Any], now: float) -> list[Action]:
         self._cpu_load = raw.get("cpu_load")
-        obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load), decode_s=self.cost.decode_s)
+        obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load), decode_s=self.cost.decode_s,
+                          lookup=self.cost.lookup_estimate())
         self.state, actions, reasons = decide(self.state, obs, now, self.cfg)
         self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
         names = [action_name(a) for a in actions]

@@ -50,6 +50,10 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
     emitted: int = 1
     accepted_by_position: tuple[bool, ...] | None = None
     batch: int = 1
+    # Who drafted: "head" (the MTP head; serial steps too) or "lookup" (a prompt-lookup
+    # block: no head forward, a verify as wide as the block). Lookup cycles are kept apart,
+    # so their cost and acceptance never stand in for a head depth's.
+    source: str = "head"
 
     @classmethod
     def from_step(cls, step, batch: int = 1) -> "CycleTelemetry":
@@ -62,6 +66,7 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
             accepted=int(getattr(step, "accepted", 0)),
             emitted=len(getattr(step, "tokens", ())) or 1,
             batch=batch,
+            source=str(getattr(step, "draft_source", "head")),
         )
 
     def accepted_prefix(self) -> int:
@@ -89,6 +94,20 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     stale: bool
     # CPU load (per core) under which the cost was measured; None for priors.
     load_at: float | None = None
+
+
+class LookupEstimate(Struct, frozen=True, kw_only=True):
+    """Prompt-lookup cycles, measured apart from the head's depths: how many ran, their
+    acceptance (accepted / drafted block tokens), tokens per cycle, median cycle cost, and
+    tokens per second (None until a cycle has a cost)."""
+
+    cycles: int
+    drafted: int
+    accepted: int
+    acceptance: float
+    tokens_per_cycle: float
+    cost_s: float | None
+    score: float | None
 
 
 # ---------------------------------------------------------------- observation
@@ -120,6 +139,9 @@ class Observation(Struct, frozen=True, kw_only=True):
     decode_s: float = 0.0
     # Bytes held by the daemon's prompt (prefix) caches: shed before the head.
     prompt_cache_bytes: int = 0
+    # Prompt-lookup cycles (engine/lookup.py), apart from the head's estimates; None when
+    # none has run.
+    lookup: LookupEstimate | None = None
 
 
 # ---------------------------------------------------------------- state

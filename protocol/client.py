@@ -157,6 +157,11 @@ def _check(msg: Any, max_frame_bytes: int) -> bytes:
     return frame
 
 
+# Generate fields a caller may pass to ``generate`` as keyword arguments beyond the ones it
+# names (sampling options, logprobs); they are validated with the rest by the daemon's decoder.
+SAMPLING_OPTIONS = tuple(m.SAMPLING_DEFAULTS)
+
+
 def _build_generate(
     prompt: str | None,
     messages: Iterable[m.ChatMessage | Mapping[str, str]] | None,
@@ -175,6 +180,7 @@ def _build_generate(
     stream: bool,
     limits: m.Limits | None,
     chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> tuple[m.Generate, bytes]:
     rid = request_id if request_id is not None else new_request_id()
     chat = None
@@ -202,6 +208,17 @@ def _build_generate(
         speculation=speculation,
         chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else None,
     )
+    if options:
+        unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
+        if unknown:
+            raise TypeError(f"unknown sampling option(s): {', '.join(unknown)}")
+        # Options at their defaults stay unset (not encoded), so a daemon that predates them
+        # accepts the request.
+        given = {k: v for k, v in options.items() if v != m.SAMPLING_DEFAULTS[k]}
+        try:
+            msg = msgspec.structs.replace(msg, **given)
+        except TypeError as exc:
+            raise InvalidRequest("invalid_request", str(exc), request_id=rid) from None
     if msg.prompt_kind() is None:
         raise InvalidRequest("invalid_request", "give exactly one of prompt, messages, prompt_tokens", request_id=rid)
     if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
@@ -613,16 +630,19 @@ class Client:
         request_id: str | None = None,
         stream: bool = True,
         chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        **options: Any,
     ) -> Stream:
         """Send a Generate and return its Stream (nothing is read until you iterate).
         Arguments are validated here with the daemon's own decoder: a bad one raises
         InvalidRequest before anything is sent. ``messages`` items may be ChatMessage or
-        ``{"role": ..., "content": ...}`` dicts."""
+        ``{"role": ..., "content": ...}`` dicts. Further keyword arguments are the sampling
+        options of SAMPLING_OPTIONS (min_p, penalties, logit_bias, logprobs, top_logprobs)."""
         welcome = self._ensure_welcome()
         msg, frame = _build_generate(
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=welcome.limits, chat_template_kwargs=chat_template_kwargs,
+            options=options,
         )
         if msg.request_id in self._streams:
             raise InvalidRequest("duplicate_request", "this id is already in flight on this client", request_id=msg.request_id)
@@ -755,6 +775,19 @@ class AsyncStream(_StreamState):
                 raise StopAsyncIteration
             if chunk:
                 return chunk
+
+    async def next_message(self) -> m.Accepted | m.Tokens | m.Done | None:
+        """The next message of this request as it arrived (Accepted, Tokens, then Done), or
+        None after the Done; a terminal Error raises. For callers that need more than the
+        text (token ids, logprobs, the Accepted's prompt size). Do not mix with iteration."""
+        await self.start()
+        if self.done is not None:
+            return None
+        if self.error is not None and self._queue.empty():
+            raise self.error
+        msg = await self._queue.get()
+        self._apply(msg)
+        return msg
 
     async def result(self) -> m.Done:
         async for _ in self:
@@ -1061,6 +1094,7 @@ class AsyncClient:
         request_id: str | None = None,
         stream: bool = True,
         chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        **options: Any,
     ) -> AsyncStream:
         """Validate now (InvalidRequest before anything is sent) and return the AsyncStream;
         the Generate goes out when the stream is first iterated or awaited."""
@@ -1071,6 +1105,7 @@ class AsyncClient:
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=self._welcome.limits if self._welcome else None,
             chat_template_kwargs=chat_template_kwargs,
+            options=options,
         )
         return AsyncStream(self, msg, frame)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Literal, Union
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 PROTOCOL_VERSION = 1
 
@@ -28,6 +28,11 @@ MAX_TOKENS_CEILING = 1 << 20
 MAX_PROMPT_CHARS = 4 << 20
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
+# Generate's optional sampling options and what an absent one means.
+SAMPLING_DEFAULTS = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                     "logit_bias": None, "logprobs": False, "top_logprobs": 0}
 
 
 class _Message(Struct, tag_field="type", forbid_unknown_fields=True, kw_only=True):
@@ -53,7 +58,11 @@ TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 
 
 class Generate(_Message, tag="generate"):
-    """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``."""
+    """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``.
+
+    The sampling options added within version 1 (min_p ... top_logprobs) are UNSET unless
+    given, and an UNSET field is not encoded: an older daemon still accepts every request
+    that does not use them. Read them with ``option(name)``."""
 
     request_id: RequestId
     prompt: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -75,6 +84,23 @@ class Generate(_Message, tag="generate"):
     # Extra variables for the model's chat template (with ``messages`` only), e.g.
     # {"enable_thinking": false} for Qwen3.5; they override the daemon's [chat] defaults.
     chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None = None
+    # Sampling options (engine/sampling.py has the order they apply in). Penalties and
+    # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
+    # UNSET means SAMPLING_DEFAULTS' value.
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | UnsetType = UNSET
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | UnsetType = UNSET
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | UnsetType = UNSET
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | UnsetType = UNSET
+    logit_bias: Annotated[dict[Annotated[int, Meta(ge=0, lt=1 << 31)], Annotated[float, Meta(ge=-100.0, le=100.0)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None | UnsetType = UNSET
+    # Per output token: its log-probability and the top_logprobs most likely alternatives.
+    logprobs: bool | UnsetType = UNSET
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | UnsetType = UNSET
+
+    def option(self, name: str):
+        """A sampling option's value, its default when it was not sent."""
+        value = getattr(self, name)
+        return SAMPLING_DEFAULTS[name] if value is UNSET else value
 
     def prompt_kind(self) -> str | None:
         """Which prompt field is set, or None when zero or several are (a client error)."""
@@ -137,6 +163,22 @@ class Accepted(_DaemonMessage, tag="accepted"):
     prompt_tokens: int
 
 
+class TopLogprob(Struct, kw_only=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(Struct, kw_only=True):
+    """One output token's log-probability under the request's processed distribution
+    (after penalties and logit_bias, before temperature, top-k, top-p and min_p)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
 class Tokens(_DaemonMessage, tag="tokens"):
     """A chunk of a stream. ``seq`` starts at 0 and rises by one per chunk of a request."""
 
@@ -147,6 +189,8 @@ class Tokens(_DaemonMessage, tag="tokens"):
     # Thinking text of this chunk, where the chat template marks it (``text`` is then the
     # answer only). Empty for models and requests without it.
     reasoning: str = ""
+    # Only when the request asked for logprobs: one entry per id in token_ids.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Usage(Struct, kw_only=True):
@@ -188,6 +232,8 @@ class Done(_DaemonMessage, tag="done"):
     speculation: SpecStats | None = None
     # The whole thinking text (``text`` is the answer without it); "" when there was none.
     reasoning: str = ""
+    # Only when the request asked for logprobs and did not stream: one entry per output token.
+    logprobs: list[TokenLogprob] | None = None
 
 
 ErrorCode = Literal[
@@ -257,6 +303,8 @@ __all__ = [
     "Welcome",
     "Accepted",
     "Tokens",
+    "TopLogprob",
+    "TokenLogprob",
     "Usage",
     "Timings",
     "SpecStats",

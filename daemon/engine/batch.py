@@ -177,6 +177,8 @@ class BatchDecoder:
     def admits(self, sampler: Sampler, exact: bool) -> bool:
         """Whether a row of this kind may join: anything but an exact temperature-0 row on a
         backend whose batched forward differs from M=1 (unless the guard is on)."""
+        if sampler.processing or sampler.wants_logprobs:
+            return False  # per-row processors and logprobs are not batched: such a row decodes alone
         return not (exact and sampler.greedy) or self.exact_ok or self.guard_margin is not None
 
     def add(

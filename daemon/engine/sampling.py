@@ -1,9 +1,23 @@
-"""Per-request sampling with its own random key.
+"""Per-request sampling with its own random key, and the request's logit processors.
 
 One Sampler per request: the key lives in the request, so interleaved requests never share
 random state and a seed reproduces a request whatever else the daemon is doing. The same
 ``log_distribution`` serves the serial sampler and speculation's p and q, which is what
 keeps rejection sampling's output distribution exactly the base model's.
+
+Logit processors (``process``), applied to raw logits in this order, at every temperature:
+1. repetition_penalty r on every token seen in the prompt or the output so far
+   (logit / r where positive, logit * r where negative; as in the CTRL paper and vLLM);
+2. presence and frequency penalties on output tokens (OpenAI's definition:
+   logit - presence * [count > 0] - frequency * count);
+3. logit_bias added last, so a -100 ban is never undone by a penalty.
+Then the distribution: log-softmax, then (only when sampling) min_p, top-k, top-p, temperature.
+
+A processor depends on the output so far, so speculation must give each verify row, and each
+draft, the history it would have under serial decode: committed tokens plus the drafts before
+it. ``process(logits, extra, start)`` does that: row r sees the committed history plus
+``extra[:start + r]``. The committed counts live on the device and are updated lazily
+(``commit``), so serial decode keeps issuing its next step before the current token is read.
 """
 
 from __future__ import annotations
@@ -11,7 +25,7 @@ from __future__ import annotations
 import secrets
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .types import SamplingParams
 
@@ -29,20 +43,88 @@ def logprobs(logits: mx.array) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, prompt: list[int] | None = None):
         self.params = params
         self.greedy = params.temperature < GREEDY_BELOW
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
+        self.processing = params.processes_logits
+        self.wants_logprobs = params.logprobs
+        self._prompt = list(prompt or []) if params.repetition_penalty != 1.0 else []
+        self._counts: mx.array | None = None  # [V] float32: output token counts
+        self._prompt_mask: mx.array | None = None  # [V] float32: 1 where the prompt has the token
+        self._bias: mx.array | None = None
+        self._pending: list[mx.array] = []  # committed before the vocabulary size was known
 
     def next_key(self) -> mx.array:
         self._key, sub = mx.random.split(self._key)
         return sub
 
+    # ------------------------------------------------------------------ processors
+    def _ensure(self, vocab: int) -> None:
+        if self._counts is not None:
+            return
+        zeros = mx.zeros((vocab,), dtype=mx.float32)
+        self._counts = zeros
+        self._prompt_mask = zeros
+        if self._prompt:
+            ids = mx.array(sorted({t for t in self._prompt if t < vocab}), dtype=mx.uint32)
+            self._prompt_mask = zeros.at[ids].add(1.0)
+        bias = {t: b for t, b in (self.params.logit_bias or {}).items() if 0 <= t < vocab}
+        if bias:
+            self._bias = zeros.at[mx.array(list(bias), dtype=mx.uint32)].add(mx.array(list(bias.values()), dtype=mx.float32))
+        for tokens in self._pending:
+            self.commit(tokens)
+        self._pending = []
+
+    def commit(self, tokens) -> None:
+        """Count committed output tokens (an mx array or a list of ids); lazy on the device."""
+        if not self.processing:
+            return
+        idx = tokens.reshape(-1).astype(mx.uint32) if isinstance(tokens, mx.array) else mx.array(list(tokens), dtype=mx.uint32)
+        if idx.size == 0:
+            return
+        if self._counts is None:
+            self._pending.append(idx)
+            return
+        self._counts = self._counts.at[idx].add(1.0)
+
+    def process(self, logits: mx.array, extra: mx.array | None = None, start: int = 0) -> mx.array:
+        """The request's processors over logits [R, V]; row r sees the committed history plus
+        ``extra[:start + r]`` (drafts not yet committed). Identity (the same array) when the
+        request has no processors, so such requests run exactly the ops they always ran."""
+        if not self.processing:
+            return logits
+        p = self.params
+        logits = logits.astype(mx.float32)
+        rows, vocab = logits.shape[-2], logits.shape[-1]
+        self._ensure(vocab)
+        counts = self._counts[None]
+        if extra is not None and extra.size > 0 and start + rows - 1 > 0:
+            extra = extra.reshape(-1)
+            onehot = (extra[:, None] == mx.arange(vocab, dtype=extra.dtype)[None]).astype(mx.float32)
+            # prefix[i] = counts of extra[:i]
+            prefix = mx.concatenate([mx.zeros((1, vocab), dtype=mx.float32), mx.cumsum(onehot, axis=0)], axis=0)
+            counts = counts + prefix[start : start + rows]
+        if p.repetition_penalty != 1.0:
+            seen = (counts + self._prompt_mask[None]) > 0
+            r = p.repetition_penalty
+            logits = mx.where(seen, mx.where(logits > 0, logits / r, logits * r), logits)
+        if p.presence_penalty != 0.0:
+            logits = logits - p.presence_penalty * (counts > 0).astype(mx.float32)
+        if p.frequency_penalty != 0.0:
+            logits = logits - p.frequency_penalty * counts
+        if self._bias is not None:
+            logits = logits + self._bias[None]
+        return logits
+
+    # ------------------------------------------------------------------ distribution
     def log_distribution(self, logprobs: mx.array) -> mx.array:
         """Normalised log-probabilities of the distribution this request samples from:
-        top-k, then top-p on the model's logprobs, then the temperature."""
+        min-p, top-k, then top-p on the (processed) logprobs, then the temperature."""
         p = self.params
+        if p.min_p > 0.0:
+            logprobs = apply_min_p(logprobs, p.min_p)
         if p.top_k > 0 and p.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, p.top_k)
         if 0.0 < p.top_p < 1.0:
@@ -55,3 +137,32 @@ class Sampler:
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
         return mx.random.categorical(self.log_distribution(logprobs), key=self.next_key())
+
+    # ------------------------------------------------------------------ reporting
+    def logprob_arrays(self, logprobs: mx.array, tokens: mx.array) -> tuple | None:
+        """Lazy (chosen [R], top ids [R, n], top values [R, n]) for rows of processed,
+        normalised logprobs [R, V] and the tokens chosen at them; None unless asked for."""
+        if not self.wants_logprobs:
+            return None
+        lp = logprobs.astype(mx.float32)
+        chosen = mx.take_along_axis(lp, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+        n = min(self.params.top_logprobs, lp.shape[-1])
+        if n == 0:
+            return chosen, None, None
+        part = mx.argpartition(-lp, kth=n - 1, axis=-1)[:, :n] if n < lp.shape[-1] else mx.argsort(-lp, axis=-1)
+        order = mx.argsort(-mx.take_along_axis(lp, part, axis=-1), axis=-1)
+        top_ids = mx.take_along_axis(part, order, axis=-1)
+        return chosen, top_ids, mx.take_along_axis(lp, top_ids, axis=-1)
+
+
+def logprob_entries(arrays: tuple | None, rows: int | None = None) -> list[tuple[float, list[tuple[int, float]]]] | None:
+    """Python values of ``Sampler.logprob_arrays`` (first ``rows`` rows); syncs the device."""
+    if arrays is None:
+        return None
+    chosen, ids, vals = arrays
+    c = chosen.tolist()
+    rows = len(c) if rows is None else rows
+    if ids is None:
+        return [(c[i], []) for i in range(rows)]
+    il, vl = ids.tolist(), vals.tolist()
+    return [(c[i], list(zip(il[i], vl[i]))) for i in range(rows)]

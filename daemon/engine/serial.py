@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from .model import LoadedModel
-from .sampling import Sampler
+from .sampling import Sampler, logprob_entries
 from .types import DecodeStep
 
 PREFILL_CHUNK = 2048
@@ -38,23 +38,26 @@ def serial_decode(lm: LoadedModel, prompt: list[int], sampler: Sampler, cache: l
         raise ValueError("serial_decode needs at least one prompt token")
     cache = cache if cache is not None else lm.make_cache()
 
-    def step(tokens: mx.array) -> mx.array:
-        logits = lm.logits(lm.hidden(tokens[None], cache))[:, -1, :]
+    def step(tokens: mx.array) -> tuple[mx.array, tuple | None]:
+        # process() is the identity (same array) for a request without logit processors.
+        logits = sampler.process(lm.logits(lm.hidden(tokens[None], cache))[:, -1, :])
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs).reshape(-1)
+        y = sampler(logprobs).reshape(-1)
+        sampler.commit(y)  # lazy: the next step's penalties count y
+        return y, sampler.logprob_arrays(logprobs, y)
 
-    y = step(prefill(lm, prompt, cache))
+    y, lps = step(prefill(lm, prompt, cache))
     mx.async_eval(y)
     t0 = time.perf_counter()
     n = 0
     while True:
-        next_y = step(y)
+        next_y, next_lps = step(y)
         mx.async_eval(next_y)
         token = y.item()
         now = time.perf_counter()
-        yield DecodeStep(tokens=[token], cycle_s=now - t0)
+        yield DecodeStep(tokens=[token], cycle_s=now - t0, logprobs=logprob_entries(lps))
         t0 = now
         n += 1
         if n % 256 == 0:
             mx.clear_cache()
-        y = next_y
+        y, lps = next_y, next_lps

@@ -39,9 +39,20 @@ Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to
 serial_decode's; its pair is queued so the head's history stays whole and depth can rise
 again.
 
+Other drafts and limits, per request (lookup.py, loop_guard.py):
+- prompt lookup: when the committed tail recurs in prompt + output, the next cycle verifies
+  that earlier continuation instead of head drafts (at any depth, 0 included, and with no
+  head). Its q is a point mass, so at temperature > 0 the rule above becomes: accept x
+  with probability p(x), on reject sample p without x. Misses put it to sleep (back-off).
+- per-request depth: depth() is a ceiling; past the first position the head drafts the
+  next only while its prefix confidence times the request's running acceptance pays.
+- loop guard (sampled requests only): once the output loops, cycles are serial steps under
+  a DRY penalty, each token known before the next step is built.
+
 Overlap: as serial_decode queues its next step before handing out a token, a cycle here
 queues the next cycle's first draft (head feed + d1) before yielding, and a depth-0 cycle
-queues the next serial step (undone through a snapshot if depth rises).
+queues the next serial step (undone through a snapshot if depth rises). Neither is queued
+when the next cycle will verify a lookup block or run under the loop guard.
 
 The tokens of one DecodeStep may run past an EOS; the caller cuts at the first one. In a
 guarded cycle, draft positions from the guarded one on are reported not accepted (they
@@ -56,8 +67,10 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from .model import LoadedModel
+from .lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
+from .loop_guard import LoopGuard, LoopGuardConfig
 from .rollback import Snapshot, check_cache, make_rollback
-from .sampling import Sampler, logprobs as _logprobs
+from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
 from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
@@ -147,55 +160,90 @@ def speculative_decode(
     rollback: str = DEFAULT_ROLLBACK,
     logit_jitter: float = 0.0,
     history: HeadHistory | None = None,
+    lookup: LookupConfig | None = None,
+    draft_stop: DraftStopConfig | None = None,
+    loop_guard: LoopGuardConfig | None = None,
+    context: list[int] | None = None,
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
-    depth() is read at the start of every cycle. ``rollback`` is "capture", "snapshot" or
-    "auto" (see DEFAULT_ROLLBACK).
+    depth() is read at the start of every cycle: the governor's ceiling. ``rollback`` is
+    "capture", "snapshot" or "auto" (see DEFAULT_ROLLBACK).
+    ``lookup``: propose prompt-lookup blocks (lookup.py) beside the head's drafts.
+    ``draft_stop``: stop a cycle's head drafting early below the ceiling (lookup.DraftStop).
+    ``loop_guard``: for sampled requests only (ignored at temperature 0), detect a loop and
+    decode serially under a DRY penalty while it lasts (loop_guard.py).
     ``logit_jitter`` is a test hook: uniform noise of that amplitude on the verify's
     logprobs (never on serial steps), standing in for batch-height-dependent kernels.
     ``history``: pass a fresh ``HeadHistory(head)`` to inspect the head's state afterwards.
+    ``context``: the whole prompt, when ``prompt`` is only its tail and ``cache`` holds the
+    rest (a chunked prefill or a prefix-cache hit ran it); prompt lookup and the loop guard
+    match against it.
     """
     if not prompt:
         raise ValueError("speculative_decode needs at least one prompt token")
     depth_fn = depth if callable(depth) else (lambda d=int(depth): d)
     cache = cache if cache is not None else lm.make_cache()
-    if head is not None:
+    if head is not None or lookup is not None:
         check_cache(cache)
     rb = make_rollback(resolve_rollback(rollback), lm, cache)
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
     jitter_key = mx.random.key(0x5EED)
+    whole = list(context) if context is not None else list(prompt)
+    finder = PromptLookup(whole, lookup) if lookup is not None else None
+    stopper = DraftStop(draft_stop) if draft_stop is not None else None
+    loops = LoopGuard(whole, loop_guard) if loop_guard is not None and not greedy else None
 
     primary = prefill_with_hidden(lm, prompt, cache, hist)  # [1]
     n_cycles = 0
 
-    def serial_step(token: mx.array) -> tuple[mx.array, mx.array]:
-        """serial_decode's step, op for op. Returns (next token [1], hidden [1, 1, H])."""
+    def serial_step(token: mx.array, extra: mx.array | None = None, start: int = 0,
+                    penalty: dict[int, float] | None = None) -> tuple:
+        """serial_decode's step, op for op (plus the loop guard's penalty, when armed).
+        Returns (next token [1], hidden [1, 1, H], its logprob arrays or None).
+        ``extra[:start]``: drafts ahead of it not yet committed."""
         h = lm.hidden(token.reshape(1, 1), cache)
-        logits = lm.logits(h)[:, -1, :]
-        return sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32), h
+        lp = _logprobs(sampler.process(lm.logits(h)[:, -1, :], extra, start))
+        if penalty:
+            lp = lp.astype(mx.float32).at[:, mx.array(list(penalty), dtype=mx.int32)].add(
+                -mx.array(list(penalty.values()), dtype=mx.float32))
+        nxt = sampler(lp).reshape(-1).astype(mx.uint32)
+        return nxt, h, sampler.logprob_arrays(lp, nxt)
 
     # A serial step issued ahead at the end of a depth-0 cycle (as serial_decode does, so
     # Python's per-step work overlaps the device's): (next token, hidden, snapshot before it).
     ahead: tuple | None = None
     # The first draft issued ahead at the end of a cycle at depth > 0 (the committed pairs
-    # fed to the head, d1 drafted): (committed head slots, head output, d1, log q1).
+    # fed to the head, d1 drafted): (committed head slots, head output, d1, log q1, conf1).
     draft_ahead: tuple | None = None
+    # The lookup block planned for the next cycle (decided when the last one committed, so
+    # no head draft or serial step is issued ahead for a cycle that will not use it).
+    plan: list[int] = finder.propose() if finder is not None else []
 
     def first_draft() -> tuple:
         committed_slots = hist.offset + hist.n  # after the feed; drafts 2..k are speculative
         g = hist.feed(keep_last=False)
-        d, ql = draft_from(g)
-        return committed_slots, g, d, ql
+        return (committed_slots, g) + draft_from(g, [])
 
-    def draft_from(g: mx.array) -> tuple[mx.array, mx.array | None]:
-        lp = _logprobs(head.logits(g)[:, -1, :])  # [1, V]
+    def draft_from(g: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
+        """(draft token [1], its log q or None when greedy, the head's top-1 probability).
+        The request's processors see the drafts before this one, as serial decode would."""
+        extra = mx.concatenate(before) if before else None
+        lp = _logprobs(sampler.process(head.logits(g)[:, -1, :], extra, len(before)))  # [1, V]
         if greedy:
-            return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None
+            return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None, mx.exp(lp.max())
         ql = sampler.log_distribution(lp)
         d = mx.random.categorical(ql, key=sampler.next_key())
-        return d.reshape(-1).astype(mx.uint32), ql
+        return d.reshape(-1).astype(mx.uint32), ql, mx.exp(ql.max())
+
+    def plan_next(committed: list[int]) -> list[int]:
+        if loops is not None:
+            loops.extend(committed)
+        if finder is None:
+            return []
+        finder.extend(committed)
+        return [] if loops is not None and loops.armed else finder.propose()
 
     while True:
         t0 = time.perf_counter()
@@ -206,54 +254,83 @@ def speculative_decode(
         n_cycles += 1
         if n_cycles % 256 == 0:
             mx.clear_cache()
+        block, plan = plan, []
+        armed = loops is not None and loops.armed
+        if armed:  # in a loop: serial steps under the penalty, nothing drafted
+            k, block = 0, []
 
-        if k == 0:
+        if k == 0 and not block:
             draft_ahead = None  # its pairs are in the head's history; d1 is not needed
             if ahead is not None:
-                nxt, h, _ = ahead
+                nxt, h, lps, _ = ahead
             else:
-                nxt, h = serial_step(primary)
+                nxt, h, lps = serial_step(primary, penalty=loops.penalty() if armed else None)
+            sampler.commit(nxt)
             if head_ok:  # without a head there is no history to keep (and nothing to grow)
                 hist.add(h, nxt)
                 if hist.n >= FLUSH_PENDING:
                     hist.feed(keep_last=True)
+            if finder is not None or loops is not None:  # the next cycle may verify a block,
+                mx.eval(nxt)  # or need a penalty that depends on this token
+                plan = plan_next([nxt.item()])
             # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
-            if head_ok:
+            if head_ok and not plan and not (loops is not None and loops.armed):
                 snap = Snapshot.take(cache)
-                nxt2, h2 = serial_step(nxt)
+                nxt2, h2, lps2 = serial_step(nxt)
                 mx.async_eval(nxt2, h2, hist.state())
-                ahead = (nxt2, h2, snap)
+                ahead = (nxt2, h2, lps2, snap)
             else:
                 mx.eval(nxt, h, hist.state())
                 ahead = None
             primary = nxt
-            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0)
+            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
+                             logprobs=logprob_entries(lps), penalised=armed)
             continue
         if ahead is not None:  # depth rose: undo the step issued ahead
-            ahead[2].restore()
+            ahead[3].restore()
             ahead = None
 
-        # 1. draft d1..dk (d1 usually issued ahead, at the end of the previous cycle)
-        committed_slots, g, d, ql = draft_ahead if draft_ahead is not None else first_draft()
-        draft_ahead = None
-        drafts, logq = [d], [ql]
-        for _ in range(1, k):
-            g = head(g, drafts[-1][None], hist.cache)
-            d, ql = draft_from(g)
-            drafts.append(d)
-            logq.append(ql)
+        # 1. draft: the lookup block, or d1..dk from the head (d1 usually issued ahead).
+        if block:
+            source = "lookup"
+            stopped_early = False
+            # A head draft issued ahead has fed the committed pairs (they stay); its d1 is
+            # not used. Nothing speculative sits in the head's cache.
+            draft_ahead = None
+            committed_slots = hist.offset
+            drafts = [mx.array([t], dtype=mx.uint32) for t in block]
+            logq = [] if greedy else [None] * len(block)
+        else:
+            source = "head"
+            stopped_early = False
+            committed_slots, g, d, ql, conf = draft_ahead if draft_ahead is not None else first_draft()
+            draft_ahead = None
+            drafts, logq = [d], [ql]
+            prefix_conf = 1.0
+            for i in range(1, k):
+                if stopper is not None and i >= stopper.cfg.base:
+                    prefix_conf *= conf.item()
+                    if not stopper.more(i, prefix_conf):
+                        stopped_early = True
+                        break
+                g = head(g, drafts[-1][None], hist.cache)
+                d, ql, conf = draft_from(g, drafts)
+                drafts.append(d)
+                logq.append(ql)
+        k = len(drafts)
 
         # 2. verify [primary, d1..dk] in one base forward
         verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
-        logits = lm.logits(hid)[0]  # [k+1, V]
+        d_all = mx.concatenate(drafts)
+        logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
         lp = _logprobs(logits)
         if logit_jitter > 0.0:
             jitter_key, sub = mx.random.split(jitter_key)
             lp = lp.astype(mx.float32) + mx.random.uniform(-logit_jitter, logit_jitter, lp.shape, key=sub)
-        d_all = mx.concatenate(drafts)
 
         guarded = 0
+        logprobs = None
         if greedy:
             targets = mx.argmax(lp, axis=-1)
             to_eval = [targets, d_all, hid]
@@ -279,12 +356,15 @@ def speculative_decode(
             if stop_guard:
                 # Keep the verify's first `a` tokens; decide position a with serial numerics.
                 rb.commit(a)
-                nxt, h_last = serial_step(verify_in[:, a])
+                nxt, h_last, lps_last = serial_step(verify_in[:, a], d_all, a)
                 hidden_pairs = mx.concatenate([hid[:, :a], h_last], axis=1) if a else h_last
                 guarded = 1
                 committed_arr = mx.concatenate([d_all[:a], nxt]) if a else nxt
                 mx.eval(committed_arr)
                 committed = committed_arr.tolist()
+                if sampler.wants_logprobs:
+                    head_rows = logprob_entries(sampler.logprob_arrays(lp[:a], d_all[:a])) if a else []
+                    logprobs = head_rows + logprob_entries(lps_last)
             else:
                 rb.commit(a + 1)
                 committed = d_l[:a] + [t_l[a]]
@@ -293,7 +373,13 @@ def speculative_decode(
         else:
             # Rejection sampling (Leviathan et al. / Chen et al.): output ~ p exactly.
             logp = sampler.log_distribution(lp).astype(mx.float32)  # [k+1, V]
-            logq_a = mx.concatenate(logq, axis=0).astype(mx.float32)  # [k, V]
+            if source == "lookup":
+                # A deterministic proposal: q is a point mass on the block's token, so
+                # accept with probability p(x); the residual is p without x, renormalised.
+                vocab = mx.arange(logp.shape[-1])[None, :]
+                logq_a = mx.where(vocab == d_all[:, None], 0.0, -mx.inf).astype(mx.float32)  # [k, V]
+            else:
+                logq_a = mx.concatenate(logq, axis=0).astype(mx.float32)  # [k, V]
             idx = d_all[:, None].astype(mx.int32)
             p_d = mx.exp(mx.take_along_axis(logp[:k], idx, axis=-1))[:, 0]
             q_d = mx.exp(mx.take_along_axis(logq_a, idx, axis=-1))[:, 0]
@@ -314,11 +400,26 @@ def speculative_decode(
             hidden_pairs = hid[:, : a + 1]
             nxt = samples[a : a + 1].astype(mx.uint32)
 
+        if sampler.wants_logprobs and logprobs is None:
+            logprobs = logprob_entries(sampler.logprob_arrays(lp[: a + 1], mx.array(committed, dtype=mx.uint32)))
+        judged = a if guarded else k  # positions past a guarded one were not judged
+        if source == "lookup":
+            finder.record(judged, a)
+        elif stopper is not None:
+            stopper.record(judged, a)
+
         # 4. head history: drop speculative slots, queue the committed pairs.
-        hist.trim(hist.offset - committed_slots)
-        hist.add(hidden_pairs, mx.array(committed, dtype=mx.uint32))
+        committed_ids = mx.array(committed, dtype=mx.uint32)
+        sampler.commit(committed_ids)  # before the next first draft, which must see them
+        if head_ok:
+            hist.trim(hist.offset - committed_slots)
+            hist.add(hidden_pairs, committed_ids)
+            if source == "lookup" and hist.n >= FLUSH_PENDING:
+                hist.feed(keep_last=True)
         primary = nxt
-        draft_ahead = first_draft() if head_ok else None
+        plan = plan_next(committed)
+        go_on = not plan and not (loops is not None and loops.armed)
+        draft_ahead = first_draft() if head_ok and k > 0 and go_on and depth_fn() > 0 else None
         mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state()
                       + ([draft_ahead[2]] if draft_ahead else []))
         yield DecodeStep(
@@ -329,5 +430,7 @@ def speculative_decode(
             accepted_mask=[True] * a + [False] * (k - a),
             guarded=guarded,
             cycle_s=time.perf_counter() - t0,
+            logprobs=logprobs,
+            draft_source=source,
+            stopped_early=stopped_early,
         )
-

@@ -18,6 +18,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    # Report each output token's logprob (and this many alternatives) in DecodeStep.logprobs.
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before the distribution is built (at any temperature)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 @dataclass
@@ -38,3 +52,14 @@ class DecodeStep:
     # Positions whose accept decision the exact configuration re-took with serial numerics.
     guarded: int = 0
     cycle_s: float = 0.0
+    # Only when the request asked for logprobs: per committed token, (its logprob,
+    # [(token id, logprob), ...] of the top alternatives), same length as tokens.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # Who proposed the drafts: "head" (the MTP head; a serial step too) or "lookup" (a
+    # prompt-lookup block, lookup.py). A lookup cycle's depth is its block's length.
+    draft_source: str = "head"
+    # The head stopped drafting below the depth ceiling (per-request depth, lookup.DraftStop).
+    stopped_early: bool = False
+    # Decoded under the loop guard's penalty (a sampled request caught looping, loop_guard.py).
+    penalised: bool = False
+

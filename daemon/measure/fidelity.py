@@ -6,6 +6,12 @@ Temperature 0, for each depth and mode over a fixed prompt set:
 - fast is reported as flips per 1000 tokens (a flip: the first token where the
   speculative sequence leaves the serial one; the comparison of that prompt stops there).
 
+Logit processors (repetition / presence / frequency penalties, logit_bias) change the
+distribution at temperature 0 too and depend on the output so far, so speculation must give
+every draft and verify row the history serial decode would have. The gate runs the exact
+arms again with PROCESSORS on both sides (the same token-identity requirement), and the
+temperature > 0 test once more with them (``--no-processors`` skips both).
+
 Temperature > 0: a statistical test that speculation samples from the base model's own
 distribution. At a fixed context, many independent draws (a fresh request per draw, its own
 seed) give the first output token (one cycle) and the second (which may come from a later
@@ -27,11 +33,12 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
 
+from ..engine.lookup import DraftStopConfig, LookupConfig
 from ..engine.model import LoadedModel
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
@@ -39,6 +46,22 @@ from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollba
 from ..engine.types import SamplingParams
 
 PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
+# The processor configuration the gate checks: every processor on, strong enough to change
+# the greedy output (penalised repeats, one token banned, one pushed up).
+PROCESSORS = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
+                  logit_bias={11: 4.0, 13: -100.0, 220: 2.0})
+
+# Prompts that quote their context (edit a given function, continue a listed table), where
+# prompt-lookup drafts fire; the gate's lookup arms run them beside the fixed prompts.
+QUOTING_FILE = Path(__file__).with_name("quoting_prompts.json")
+
+# How each arm drafts: the MTP head alone; the head plus prompt-lookup blocks; and both with
+# the per-request early stop below the depth ceiling.
+DRAFTING = {
+    "mtp": {},
+    "lookup": {"lookup": LookupConfig()},
+    "adaptive": {"lookup": LookupConfig(), "draft_stop": DraftStopConfig()},
+}
 
 
 def load_prompts(path: str | Path | None = None) -> list[str]:
@@ -46,10 +69,16 @@ def load_prompts(path: str | Path | None = None) -> list[str]:
     return list(data["prompts"] if isinstance(data, dict) else data)
 
 
+def load_quoting_prompts(path: str | Path | None = None) -> list[str]:
+    return load_prompts(path or QUOTING_FILE)
+
+
 @dataclass
 class ArmResult:
     mode: str
     depth: int
+    processors: bool = False
+    drafting: str = "mtp"
     prompts: int = 0
     identical: int = 0
     tokens_compared: int = 0
@@ -60,6 +89,9 @@ class ArmResult:
     guarded: int = 0
     first_divergence: dict | None = None
     seconds: float = 0.0
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
     @property
     def flips_per_1000(self) -> float:
@@ -82,8 +114,10 @@ class DistributionResult:
     alpha: float
     passed: bool
     accepted_fraction: float
+    processors: bool = False
     observed: dict = field(default_factory=dict)
     expected: dict = field(default_factory=dict)
+    drafting: str = "mtp"
 
 
 @dataclass
@@ -128,8 +162,8 @@ class FidelityReport:
         return out
 
 
-def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int) -> list[int]:
-    gen = serial_decode(lm, prompt, Sampler(SamplingParams()))
+def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams = SamplingParams()) -> list[int]:
+    gen = serial_decode(lm, prompt, Sampler(params, prompt=prompt))
     return [t for s in itertools.islice(gen, n) for t in s.tokens]
 
 
@@ -143,50 +177,68 @@ def run_fidelity_gate(
     rollback: str = DEFAULT_ROLLBACK,
     guard_margin: float = DEFAULT_GUARD,
     logit_jitter: float = 0.0,
+    params: SamplingParams = SamplingParams(),
+    report: FidelityReport | None = None,
+    drafting=("mtp",),
+    quoting: list[str] | list[list[int]] = (),
 ) -> FidelityReport:
-    """Serial vs speculative at temperature 0, for each depth and mode."""
+    """Serial vs speculative at temperature 0, for each drafting variant, mode and depth,
+    both decoding with ``params`` (temperature 0 plus any logit processors). Arms that use
+    prompt lookup also run the ``quoting`` prompts (where lookup fires). Arms are appended to
+    ``report``."""
+    if params.temperature != 0.0:
+        raise ValueError("the token-identity gate runs at temperature 0")
     rollback = resolve_rollback(rollback)
-    report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
+    if report is None:
+        report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
-    refs = [_serial_tokens(lm, p, max_tokens) for p in encoded]
-    for mode in modes:
-        for depth in depths:
-            arm = ArmResult(mode=mode, depth=depth)
-            t0 = time.perf_counter()
-            for pi, (prompt, ref) in enumerate(zip(encoded, refs)):
-                got: list[int] = []
-                gen = speculative_decode(
-                    lm, head, prompt, Sampler(SamplingParams()), depth, exact=(mode == "exact"),
-                    guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter,
-                )
-                for step in gen:
-                    got += step.tokens
-                    arm.cycles += 1
-                    arm.drafted += step.drafted
-                    arm.accepted += step.accepted
-                    arm.guarded += step.guarded
-                    if len(got) >= max_tokens:
-                        break
-                gen.close()
-                got = got[:max_tokens]
-                arm.prompts += 1
-                diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-                if diverge is None:
-                    arm.identical += 1
-                    arm.tokens_compared += max_tokens
-                else:
-                    arm.flips += 1
-                    arm.tokens_compared += diverge + 1
-                    if arm.first_divergence is None:
-                        arm.first_divergence = {
-                            "prompt": pi,
-                            "token": diverge,
-                            "serial": ref[diverge],
-                            "speculative": got[diverge],
-                            "context": ref[max(0, diverge - 8) : diverge],
-                        }
-            arm.seconds = time.perf_counter() - t0
-            report.arms.append(arm)
+    encoded_q = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in quoting]
+    refs = [_serial_tokens(lm, p, max_tokens, params) for p in encoded]
+    refs_q = [_serial_tokens(lm, p, max_tokens, params) for p in encoded_q]
+    processors = params.processes_logits
+    for variant, mode, depth in itertools.product(drafting, modes, depths):
+        options = DRAFTING[variant]
+        pairs = list(zip(encoded, refs)) + (list(zip(encoded_q, refs_q)) if "lookup" in options else [])
+        arm = ArmResult(mode=mode, depth=depth, drafting=variant, processors=processors)
+        t0 = time.perf_counter()
+        for pi, (prompt, ref) in enumerate(pairs):
+            got: list[int] = []
+            gen = speculative_decode(
+                lm, head, prompt, Sampler(params, prompt=prompt), depth, exact=(mode == "exact"),
+                guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter, **options,
+            )
+            for step in gen:
+                got += step.tokens
+                arm.cycles += 1
+                arm.drafted += step.drafted
+                arm.accepted += step.accepted
+                arm.guarded += step.guarded
+                if step.draft_source == "lookup":
+                    arm.lookup_cycles += 1
+                    arm.lookup_drafted += step.drafted
+                    arm.lookup_accepted += step.accepted
+                if len(got) >= max_tokens:
+                    break
+            gen.close()
+            got = got[:max_tokens]
+            arm.prompts += 1
+            diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            if diverge is None:
+                arm.identical += 1
+                arm.tokens_compared += max_tokens
+            else:
+                arm.flips += 1
+                arm.tokens_compared += diverge + 1
+                if arm.first_divergence is None:
+                    arm.first_divergence = {
+                        "prompt": pi,
+                        "token": diverge,
+                        "serial": ref[diverge],
+                        "speculative": got[diverge],
+                        "context": ref[max(0, diverge - 8) : diverge],
+                    }
+        arm.seconds = time.perf_counter() - t0
+        report.arms.append(arm)
     return report
 
 
@@ -241,14 +293,16 @@ def chi2_sf(x: float, df: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2.0))
 
 
-def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams) -> list[float]:
-    """p at the end of ``prompt``: serial step numerics, the request's sampler transforms."""
-    gen_sampler = Sampler(params)
+def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams, output: list[int] = ()) -> list[float]:
+    """p after ``prompt`` + ``output`` (output tokens count for the processors): serial step
+    numerics, the request's processors and sampler transforms."""
+    gen_sampler = Sampler(params, prompt=prompt)
+    gen_sampler.commit(list(output))
     cache = lm.make_cache()
     from ..engine.serial import prefill
 
-    last = prefill(lm, prompt, cache)
-    logits = lm.logits(lm.hidden(last[None], cache))[:, -1, :]
+    last = prefill(lm, list(prompt) + list(output), cache)
+    logits = gen_sampler.process(lm.logits(lm.hidden(last[None], cache))[:, -1, :])
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     p = mx.exp(gen_sampler.log_distribution(logprobs).astype(mx.float32))[0]
     return p.tolist()
@@ -262,10 +316,27 @@ def second_token_distribution(lm: LoadedModel, prompt: list[int], params: Sampli
         raise ValueError(f"{len(branches)} first tokens carry mass; use top-k <= {max_branches} to test position 1")
     out = [0.0] * len(p1)
     for y, py in branches:
-        for x, px in enumerate(base_distribution(lm, prompt + [y], params)):
+        for x, px in enumerate(base_distribution(lm, prompt, params, output=[y])):
             out[x] += py * px
     total = sum(out)
     return [v / total for v in out]
+
+
+def lookup_context(lm: LoadedModel, prompt: list[int], params: SamplingParams, ngram: int | None = None) -> list[int]:
+    """A context on which prompt lookup proposes a block at once: ``prompt + [b, c] + tail``,
+    where ``tail`` is the prompt's last ``ngram`` tokens, so the lookup proposes ``b, c, ...``.
+    b is the token among the base's top candidates that the base gives the most probability
+    after the whole context, so the test sees both branches: the point-mass draft accepted
+    (probability p(b)) and rejected (a sample from p without b)."""
+    n = ngram or LookupConfig().max_ngram
+    tail = prompt[-n:]
+    p0 = base_distribution(lm, prompt, params)
+    candidates = sorted(range(len(p0)), key=lambda i: -p0[i])[:6]
+    scored = []
+    for b in candidates:
+        ctx = prompt + [b, candidates[0]] + tail
+        scored.append((abs(base_distribution(lm, ctx, params)[b] - 0.5), ctx))
+    return min(scored)[1]
 
 
 def chi_square_bins(counts: dict[int, int], p: list[float], draws: int, min_expected: float = 5.0):
@@ -296,17 +367,20 @@ def distribution_test(
     seed: int = 0,
     rollback: str = DEFAULT_ROLLBACK,
     position: int = 0,
+    drafting: str = "mtp",
 ) -> DistributionResult:
     """Output token ``position`` (0 or 1) of a fresh speculative request, ``draws`` times,
     vs the base model's distribution for it (chi-square). Position 0 tests the accept /
     residual rule at the first draft; position 1 also covers later draft positions, the
-    bonus token and a second cycle after a rollback."""
+    bonus token and a second cycle after a rollback. ``drafting`` "lookup" verifies prompt-lookup
+    blocks (point-mass proposals) where the context offers one (``lookup_context`` builds
+    such a context)."""
     p = base_distribution(lm, prompt, params) if position == 0 else second_token_distribution(lm, prompt, params)
     counts: dict[int, int] = {}
     accepted = 0
     for i in range(draws):
-        sampler = Sampler(SamplingParams(params.temperature, params.top_p, params.top_k, seed=seed * 1_000_003 + i))
-        gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback)
+        sampler = Sampler(replace(params, seed=seed * 1_000_003 + i), prompt=prompt)
+        gen = speculative_decode(lm, head, prompt, sampler, depth, rollback=rollback, **DRAFTING[drafting])
         out: list[int] = []
         first = None
         while len(out) <= position:
@@ -321,8 +395,8 @@ def distribution_test(
     pv = chi2_sf(chi2, df)
     labels = [str(b) for b in bins] + (["rest"] if len(obs) > len(bins) else [])
     return DistributionResult(
-        depth=depth, position=position, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv, alpha=alpha,
-        passed=pv >= alpha, accepted_fraction=accepted / draws,
+        depth=depth, drafting=drafting, position=position, draws=draws, bins=len(obs), chi2=chi2, df=df, p_value=pv,
+        alpha=alpha, passed=pv >= alpha, accepted_fraction=accepted / draws, processors=params.processes_logits,
         observed=dict(zip(labels, obs)), expected={k: round(v, 2) for k, v in zip(labels, exp)},
     )
 
@@ -335,19 +409,20 @@ def format_report(report: FidelityReport) -> str:
         f"fidelity gate: {report.model}  (rollback={report.rollback}, guard={report.guard_margin:g}, "
         f"{report.max_tokens} tokens/prompt)",
         "",
-        "| mode | depth | identical | tokens | flips/1000 | acceptance | guarded | s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| drafting | mode | processors | depth | identical | tokens | flips/1000 | acceptance | guarded | lookup cycles (accepted/drafted) | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in report.arms:
+        lk = f"{a.lookup_cycles} ({a.lookup_accepted}/{a.lookup_drafted})" if a.lookup_cycles else "-"
         lines.append(
-            f"| {a.mode} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | {a.flips_per_1000:.2f} | "
-            f"{a.acceptance:.3f} | {a.guarded} | {a.seconds:.1f} |"
+            f"| {a.drafting} | {a.mode} | {'on' if a.processors else 'off'} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | "
+            f"{a.flips_per_1000:.2f} | {a.acceptance:.3f} | {a.guarded} | {lk} | {a.seconds:.1f} |"
         )
     for a in report.arms:
         if a.first_divergence and a.mode == "exact":
             d = a.first_divergence
             lines.append(
-                f"FAIL exact depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
+                f"FAIL exact {a.drafting}{' with processors' if a.processors else ''} depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
                 f"!= speculative {d['speculative']} (after {d['context']})"
             )
     if report.deviation:
@@ -357,11 +432,11 @@ def format_report(report: FidelityReport) -> str:
             lines.append(f"| {d.depth} | {d.positions} | {d.max_abs:.4g} | {d.max_rel:.4g} | {d.argmax_flips} | "
                          f"{d.headroom(report.guard_margin):.3g} |")
     if report.distribution:
-        lines += ["", "| temperature>0 depth | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| temperature>0 drafting | depth | processors | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for d in report.distribution:
             lines.append(
-                f"| {d.depth} | {d.position + 1} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
+                f"| {d.drafting} | {d.depth} | {'on' if d.processors else 'off'} | {d.position + 1} | {d.draws} | {d.bins} | {d.chi2:.2f} | {d.df} | {d.p_value:.4f} | {d.alpha:g} | "
                 f"{d.accepted_fraction:.3f} | {'pass' if d.passed else 'FAIL'} |"
             )
     lines.append("")
@@ -382,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="tokens per prompt")
     ap.add_argument("--modes", default="exact,fast")
     ap.add_argument("--prompts", help=f"prompt file (default {PROMPTS_FILE.name})")
+    ap.add_argument("--drafting", default="mtp,lookup,adaptive",
+                    help="drafting variants: mtp (head only), lookup (+ prompt lookup), adaptive (+ per-request depth)")
+    ap.add_argument("--quoting", help=f"prompts that quote their context, for the lookup arms (default {QUOTING_FILE.name})")
     ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("auto", "capture", "snapshot"))
     ap.add_argument("--guard", type=float, default=DEFAULT_GUARD, help="exact-mode guard (relative top-2 margin)")
     ap.add_argument("--draws", type=int, default=1000, help="temperature>0 draws per depth (0: skip)")
@@ -390,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--alpha", type=float, default=1e-3)
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--no-processors", dest="processors", action="store_false",
+                    help="skip the arms with logit processors (penalties, logit_bias)")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="decode eagerly (no compiled one-token forward), to tell the two paths apart")
     ap.add_argument("--no-deviation", dest="deviation", action="store_false",
@@ -413,8 +493,16 @@ def main(argv: list[str] | None = None) -> int:
     report = run_fidelity_gate(
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
         modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=args.guard,
-        logit_jitter=args.logit_jitter,
+        logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
+        quoting=load_quoting_prompts(args.quoting),
     )
+    if args.processors and "exact" in args.modes.split(","):
+        run_fidelity_gate(
+            lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
+            modes=("exact",), rollback=args.rollback, guard_margin=args.guard, logit_jitter=args.logit_jitter,
+            params=SamplingParams(**PROCESSORS), report=report, drafting=tuple(args.drafting.split(",")),
+            quoting=load_quoting_prompts(args.quoting),
+        )
     if args.deviation:
         report.deviation = batch_deviation(
             lm, [lm.encode_prompt(p, None, None) for p in prompts[:3]], [int(d) for d in args.depths.split(",")], args.tokens
@@ -422,10 +510,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.draws > 0:
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k)
         ctx = lm.encode_prompt(prompts[0], None, None)
-        for d in (int(x) for x in args.sample_depths.split(",")):
+        runs = [(params, d) for d in (int(x) for x in args.sample_depths.split(","))]
+        if args.processors:  # once more, with the processors, at the first sample depth
+            runs.append((replace(params, **PROCESSORS), runs[0][1]))
+        for run_params, d in runs:
             for pos in (0, 1):
                 report.distribution.append(distribution_test(
-                    lm, head, ctx, params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
+                    lm, head, ctx, run_params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
+                ))
+        variants = args.drafting.split(",")
+        if "lookup" in variants:
+            # A context whose tail recurs, so the first cycles verify point-mass lookup blocks.
+            lctx = lookup_context(lm, ctx, params)
+            for pos in (0, 1):
+                report.distribution.append(distribution_test(
+                    lm, head, lctx, params, 1, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
+                    position=pos, drafting="lookup",
+                ))
+        if "adaptive" in variants:
+            # Head cycles under a ceiling of 3 that may stop early (and lookup where it fires).
+            for pos in (0, 1):
+                report.distribution.append(distribution_test(
+                    lm, head, ctx, params, 3, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
+                    position=pos, drafting="adaptive",
                 ))
     print(format_report(report))
     if args.json:

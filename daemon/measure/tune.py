@@ -7,6 +7,12 @@ records what the governor's cost model reads: the engine's own per-cycle seconds
 acceptance per draft position (accepted, given the positions before it were). Depths are
 interleaved per prompt, serial first, after a warm-up pass, so drift lands on every depth.
 
+It measures greedy decoding and, when the model's generation_config.json declares sampling
+(do_sample with a temperature, top-p, top-k), also at those settings, since councils mostly
+sample and acceptance under rejection sampling differs from greedy's. The governor starts
+from the greedy measurements; the profile's ``sampling`` entries let the daemon cap a
+request's depth at the best depth measured for its own sampling settings.
+
 The profile (JSON) records the mlx, mlx-lm and councild versions, the device, and the
 model's path and content hash; the daemon (``daemon.profile.load_profile``) refuses a
 profile made with other versions, on another device, or for another model.
@@ -27,7 +33,7 @@ import time
 from pathlib import Path
 
 from daemon.exits import EXIT_CONFIG
-from daemon.profile import (PROFILE_FORMAT, check_profile, current_device, current_versions,
+from daemon.profile import (PROFILE_FORMAT, best_depth, check_profile, current_device, current_versions,
                             default_profile_path, model_hash)
 
 
@@ -52,13 +58,28 @@ class Progress:
         self.stream.flush()
 
 
-def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str) -> tuple[list[float], list[list[bool]], int]:
+def generation_sampling(model_path: str | Path) -> dict | None:
+    """The sampling settings the model's generation_config.json declares ({temperature,
+    top_p, top_k}), or None when it declares greedy decoding (do_sample false, as
+    transformers reads it) or has no such file."""
+    try:
+        g = json.loads((Path(model_path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    temperature = float(g.get("temperature") or 1.0)
+    if not g.get("do_sample", False) or temperature <= 0:
+        return None
+    return {"temperature": temperature, "top_p": float(g.get("top_p") or 1.0), "top_k": int(g.get("top_k") or 0)}
+
+
+def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str,
+            params: dict | None = None, seed: int = 0) -> tuple[list[float], list[list[bool]], int]:
     from daemon.engine.sampling import Sampler
     from daemon.engine.serial import serial_decode
     from daemon.engine.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
-    sampler = Sampler(SamplingParams())
+    sampler = Sampler(SamplingParams(**params, seed=seed) if params else SamplingParams())
     gen = serial_decode(lm, prompt, sampler) if depth == 0 else speculative_decode(
         lm, head, prompt, sampler, depth, exact=exact, rollback=rollback)
     cycles, masks, got = [], [], 0
@@ -84,12 +105,14 @@ def conditional_acceptance(masks: list[list[bool]], depth: int) -> tuple[list[fl
     return [n / d if d else 0.0 for n, d in zip(num, den)], den
 
 
-def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None) -> dict:
-    """Measure cost per depth and acceptance; returns the measured part of a profile."""
+def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None,
+         params: dict | None = None) -> dict:
+    """Measure cost per depth and acceptance at ``params`` (None: greedy); returns the
+    measured part of a profile."""
     depths = [0] + [d for d in depths if d > 0] if head is not None else [0]
     # warm-up: one short pass per depth (compiles kernels, fills caches), discarded
     for k in depths:
-        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback)
+        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback, params)
         if progress:
             progress.step(f"warm-up depth {k}")
     cycles: dict[int, list[float]] = {k: [] for k in depths}
@@ -99,7 +122,7 @@ def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, r
         order = depths if i % 2 == 0 else list(reversed(depths))
         for k in order:
             t = time.perf_counter()
-            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback)
+            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback, params, seed=i)
             tok_s[k].append(got / (time.perf_counter() - t))
             cycles[k] += c
             masks[k] += m
@@ -131,6 +154,9 @@ def format_profile(p: dict) -> str:
             e += run
         lines.append(f"  {int(k):5d} | {1000 * c:8.2f} | {p.get('tok_s', {}).get(k, float('nan')):5.1f} | {e:4.2f} | {e / c:6.1f}")
     lines.append("  conditional acceptance by position: " + (" ".join(f"{a:.3f}" for a in acc) or "-"))
+    for name, entry in (p.get("sampling") or {}).items():
+        lines.append(f"  {name} {entry.get('params') or 'temperature 0'}: best depth {best_depth(entry)}, acceptance "
+                     + (" ".join(f"{a:.3f}" for a in entry.get("acceptance") or []) or "-"))
     return "\n".join(lines)
 
 
@@ -146,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rollback", choices=("capture", "snapshot"))
     ap.add_argument("--show", action="store_true", help="print the profile for the model and whether it would load")
     ap.add_argument("--json", action="store_true", help="with --show: print the raw JSON")
+    ap.add_argument("--no-sampling", dest="sampling", action="store_false",
+                    help="measure greedy only, not also at the generation_config's sampling settings")
     args = ap.parse_args(argv)
 
     from daemon.paths import resolve_model
@@ -195,8 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     all_prompts = load_prompts()
     prompts = [lm.encode_prompt(p, None, None) for p in all_prompts[: max(1, args.prompts)]]
     n_depths = 1 + (len([d for d in depths if d > 0]) if head is not None else 0)
-    progress = Progress(n_depths * (1 + len(prompts)))
+    # Greedy, and the sampling settings the model's generation_config declares (councils
+    # mostly sample, and acceptance under rejection sampling is not greedy's).
+    gen = generation_sampling(model) if args.sampling else None
+    progress = Progress(n_depths * (1 + len(prompts)) * (2 if gen else 1))
     measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress)
+    sampling = {"greedy": {"params": None, **measured}}
+    if gen:
+        sampling["generation_config"] = {"params": gen, **tune(lm, head, prompts, depths, args.tokens, exact,
+                                                               rollback, progress, params=gen)}
     profile = {
         "format": PROFILE_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -208,7 +243,10 @@ def main(argv: list[str] | None = None) -> int:
         "rollback": rollback,
         "decode_path": lm.decode_path,
         "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/measure/fidelity_prompts.json"},
-        **measured,
+        **measured,  # greedy: what the governor's cost model starts from
+        # Per sampling setting (greedy, the generation_config's): the worker caps a
+        # request's depth at its setting's best depth (daemon.profile.sampling_entry, best_depth).
+        "sampling": sampling,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.partial")

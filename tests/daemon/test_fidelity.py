@@ -61,13 +61,15 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     out = tmp_path / "fid.json"
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": load_prompts()[:2]}))
-    common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0"]
+    common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0", "--drafting", "mtp"]
     rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out)])
     assert rc == 0
     data = json.loads(out.read_text())
-    assert data["passed"] is True and len(data["arms"]) == 4
+    # exact and fast at depths 1 and 3, then exact again with the logit processors on
+    assert data["passed"] is True and len(data["arms"]) == 6
+    assert [(a["mode"], a["processors"]) for a in data["arms"][4:]] == [("exact", True), ("exact", True)]
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
-    assert "| exact | 3 |" in capsys.readouterr().out
+    assert "| exact | off | 3 |" in capsys.readouterr().out
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
     assert rc == 1
@@ -97,3 +99,49 @@ def test_gate_passes_on_the_bundled_model():
     head = load_mtp_head(blm)
     report = run_fidelity_gate(blm, head, load_prompts()[:3], depths=(1, 2, 3, 4), max_tokens=24, modes=("exact",))
     assert report.passed, [a.first_divergence for a in report.arms]
+
+
+def test_gate_covers_lookup_and_per_request_depth(lm, copy_head):
+    from daemon.measure.fidelity import load_quoting_prompts
+
+    report = run_fidelity_gate(lm, copy_head, load_prompts()[:2], depths=(3,), max_tokens=24,
+                               drafting=("lookup", "adaptive"), quoting=load_quoting_prompts()[:2])
+    assert report.passed, [a.first_divergence for a in report.arms]
+    assert {(a.drafting, a.mode) for a in report.arms} == {(v, m) for v in ("lookup", "adaptive") for m in ("exact", "fast")}
+    assert all(a.prompts == 4 and a.identical == 4 for a in report.arms if a.mode == "exact")
+    # lookup blocks were verified, and some of them accepted (the random model loops)
+    assert sum(a.lookup_cycles for a in report.arms) > 0 and sum(a.lookup_accepted for a in report.arms) > 0
+
+
+@pytest.mark.parametrize("pos", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_lookup_blocks_sample_the_base_distribution(lm, copy_head, pos):
+    """Prompt-lookup drafts are point-mass proposals: accept with p(x), else sample p without x.
+    Both output positions must follow the base model's distribution (the second, which also
+    covers the block's later positions and the bonus token, runs with the slow tests).
+    Replacing the point mass by q = p fails this with p ~ 2e-6 (checked by hand)."""
+    from daemon.measure.fidelity import lookup_context
+
+    params = SamplingParams(temperature=1.0, top_k=6)
+    ctx = lookup_context(lm, lm.tokenizer.encode("a b c d e f"), params)
+    from daemon.measure.fidelity import DRAFTING
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.speculative import speculative_decode
+
+    first = next(speculative_decode(lm, copy_head, ctx, Sampler(params), 1, **DRAFTING["lookup"]))
+    assert first.draft_source == "lookup" and first.drafted >= 2  # the test exercises lookup blocks
+    res = distribution_test(lm, copy_head, ctx, params, 1, draws=200, alpha=1e-3, seed=3 + pos, position=pos,
+                            drafting="lookup")
+    assert res.passed, res
+    if pos == 0:
+        assert 0.05 < res.accepted_fraction < 0.95  # both branches of the point-mass rule ran
+
+
+@pytest.mark.slow
+def test_per_request_depth_samples_the_base_distribution(lm, copy_head):
+    """Head cycles that stop below the ceiling on the head's own confidence keep p."""
+    params = SamplingParams(temperature=1.0, top_k=6)
+    ctx = lm.tokenizer.encode("a b c d")
+    for pos in (0, 1):
+        res = distribution_test(lm, copy_head, ctx, params, 3, draws=250, alpha=1e-3, seed=7 + pos, position=pos,
+                                drafting="adaptive")
+        assert res.passed, res

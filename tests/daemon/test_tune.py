@@ -89,3 +89,42 @@ def test_progress_bar_counts_to_total():
 def test_conditional_acceptance_stops_at_first_reject():
     acc, den = tune.conditional_acceptance([[True, False, False], [False, False, False], [True, True, True]], 3)
     assert den == [3, 2, 1] and acc == [2 / 3, 0.5, 1.0]
+
+
+def test_generation_config_sampling_is_read_as_transformers_reads_it(tmp_path):
+    assert tune.generation_sampling(tmp_path) is None  # no file
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert tune.generation_sampling(tmp_path) is None  # do_sample false: greedy
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20}')
+    assert tune.generation_sampling(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def test_sampling_entry_and_best_depth_per_request():
+    greedy = {"params": None, "cost_s": {"0": 0.010, "1": 0.012, "2": 0.016}, "acceptance": [0.9, 0.8]}
+    sampled = {"params": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},
+               "cost_s": {"0": 0.010, "1": 0.012, "2": 0.016}, "acceptance": [0.3, 0.2]}
+    tuned = {"sampling": {"greedy": greedy, "generation_config": sampled}}
+    assert profile.sampling_entry(tuned, 0.0) is greedy
+    assert profile.sampling_entry(tuned, 0.6, 0.95, 20) is sampled
+    assert profile.sampling_entry(tuned, 0.7, 0.95, 20) is None  # not measured there
+    assert profile.sampling_entry(None, 0.0) is None
+    # greedy: E(2) = 1 + .9 + .72 = 2.62 over 0.016 beats E(1) = 1.9 over 0.012 and 1 / 0.010
+    assert profile.best_depth(greedy) == 2
+    # sampled: E(1) = 1.3 / 0.012 = 108 > 100 (serial) > E(2) = 1.36 / 0.016 = 85
+    assert profile.best_depth(sampled) == 1
+
+
+def test_tune_measures_the_generation_config_settings_too(random_model_path, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in random_model_path.iterdir():
+        if f.name != "generation_config.json":
+            (model / f.name).symlink_to(f)
+    (model / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.8, "top_k": 8}')
+    out = tmp_path / "profile.json"
+    assert tune.main(["--model", str(model), "--out", str(out), "--tokens", "4", "--prompts", "1", "--depths", "1"]) == 0
+    p = json.loads(out.read_text())
+    assert set(p["sampling"]) == {"greedy", "generation_config"}
+    assert p["sampling"]["generation_config"]["params"] == {"temperature": 0.8, "top_p": 1.0, "top_k": 8}
+    assert set(p["sampling"]["generation_config"]["cost_s"]) == {"0", "1"}
+    assert p["sampling"]["greedy"]["cost_s"] == p["cost_s"]  # the governor's prior stays greedy's

@@ -456,10 +456,12 @@ def test_sighup_applies_governor_settings_live(svc):
 def test_sighup_names_every_changed_key_it_cannot_apply(svc):
     """max_tokens, max_prompt_tokens and client_send_hwm once changed in the file, logged
     `needs_restart: []`, and silently did nothing."""
-    text = "max_tokens = 1000\nmax_prompt_tokens = 2000\nclient_send_hwm = 500\n" + SVC_CONFIG
+    # stats_interval_s applies live; [http] belongs to `councild http`, not to the daemon.
+    text = ("max_tokens = 1000\nmax_prompt_tokens = 2000\nclient_send_hwm = 500\nstats_interval_s = 5.0\n"
+            + SVC_CONFIG + "\n[http]\nport = 9999\n")
     event = reload(svc, text, "config.reloaded")
     assert sorted(event["needs_restart"]) == ["client_send_hwm", "max_prompt_tokens", "max_tokens"], event
-    assert event["applied"] == []
+    assert event["applied"] == ["stats_interval_s"]
     warned = wait_event(svc, "config.needs_restart")[-1]
     assert warned["level"] == "warning" and sorted(warned["keys"]) == sorted(event["needs_restart"])
     # The file back as the daemon runs it: nothing differs from what runs.

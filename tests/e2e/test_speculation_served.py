@@ -42,6 +42,18 @@ def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon
         assert c.governor("auto").ok
 
 
+def test_prompt_lookup_drafts_through_the_daemon_and_stays_exact(bundled_daemon):
+    from daemon.measure.fidelity import load_quoting_prompts
+
+    with Client(bundled_daemon.endpoint, seat="lookup", timeout_s=60) as c:
+        for p in load_quoting_prompts()[1:3]:  # a class and a table the output copies
+            serial = c.complete(p, max_tokens=48, speculation="off").text
+            done = c.complete(p, max_tokens=48, speculation="exact")
+            assert done.text == serial
+            # drafted counts every draft; drafted_by_position only the head's: lookup blocks ran
+            assert done.speculation.drafted > sum(done.speculation.drafted_by_position), done.speculation
+
+
 def test_trained_head_is_accepted_through_the_daemon(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="accept", timeout_s=60) as c:
         c.governor("pin_depth", 1)
@@ -60,7 +72,9 @@ def test_evict_and_reload_head_while_serving(bundled_daemon):
         status = c.status()
         assert not status.detail["head_resident"] and status.detail["depth"] == 0
         done = c.complete(PROMPTS[1], max_tokens=16, speculation="exact")
-        assert done.usage.completion_tokens == 16 and done.speculation is None  # served serially
+        # No head drafts (prompt lookup may still verify blocks: it needs no head).
+        assert done.usage.completion_tokens == 16
+        assert done.speculation is None or not any(done.speculation.drafted_by_position)
         assert c.governor("load_head").ok
         deadline = time.monotonic() + 30
         while not c.status().detail["head_resident"] and time.monotonic() < deadline:

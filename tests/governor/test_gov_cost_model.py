@@ -217,3 +217,30 @@ def test_restore_window_shorter_than_warn_clear_is_refused():
 
     with pytest.raises(ValueError, match="restore_window_s"):
         GovernorConfig(restore_window_s=5.0, warn_clear_s=10.0)
+
+
+def test_lookup_cycles_are_kept_apart_from_the_head_depths():
+    m = CostModel(CFG)
+    for i in range(10):
+        m.record(C(depth=1, drafted=1, accepted=1, emitted=2, cycle_s=0.02), now=float(i))
+    before = m.snapshot(10.0)
+    assert m.lookup_estimate() is None
+    # A lookup block of 8 drafted, 6 accepted: as wide as depth 8, but no depth's sample.
+    for i in range(4):
+        m.record(C(depth=8, drafted=8, accepted=6, emitted=7, cycle_s=0.05, source="lookup"), now=10.0 + i)
+    after = m.snapshot(14.0)
+    assert after["depths"] == before["depths"] and after["acceptance"] == before["acceptance"]
+    est = m.lookup_estimate()
+    assert (est.cycles, est.drafted, est.accepted) == (4, 32, 24)
+    assert est.acceptance == pytest.approx(0.75) and est.tokens_per_cycle == pytest.approx(7.0)
+    assert est.cost_s == pytest.approx(0.05) and est.score == pytest.approx(140.0)
+    assert after["lookup"]["cycles"] == 4
+    assert m.decode_s == pytest.approx(10 * 0.02 + 4 * 0.05)  # the decode clock counts them
+
+
+def test_cycle_telemetry_from_step_carries_the_draft_source():
+    class Step:
+        depth, drafted, accepted, tokens, cycle_s, draft_source = 5, 5, 2, [1, 2, 3], 0.01, "lookup"
+
+    t = C.from_step(Step())
+    assert t.source == "lookup" and t.accepted_prefix() == 2

@@ -51,6 +51,8 @@ def _section(message: type) -> str:
 def _structs_in(t: mi.Type):
     if isinstance(t, mi.StructType):
         yield t.cls.__name__
+        for f in t.fields:  # structs nested in a nested struct live in the same section
+            yield from _structs_in(f.type)
     elif isinstance(t, mi.UnionType):
         for x in t.types:
             yield from _structs_in(x)

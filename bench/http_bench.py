@@ -1,0 +1,239 @@
+"""The HTTP front's cost: the same requests through `councild http` and through the ZeroMQ
+client, on one daemon, interleaved; optionally mlx_lm.server on the same model as a third arm.
+
+Per round, each arm in turn (the order rotates every round), for each concurrency in
+--streams: that many streaming completions at once (temperature 0, the same prompts and
+max_tokens in every arm, so councild's arms decode identical tokens). Per request, measured
+at the client: TTFT (send to the first text) and decode tokens/s (tokens after the first over
+the time after the first); per batch, aggregate tokens/s (all tokens over first send to last
+end). HTTP arms read SSE with httpx (a light client, so the front is what is measured), with
+stream_options.include_usage for the token count.
+
+    .venv/bin/python bench/http_bench.py --rounds 6 --json bench/results/http_cpu.json [--mlx-server]
+
+Reported: medians with min-max, and per-round paired ratios HTTP / ZeroMQ (tok/s) and
+differences (TTFT). This box is shared and noisy: read the spread beside the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+from daemon.measure.bench_io import spread, write_results  # noqa: E402
+from protocol.client import AsyncClient  # noqa: E402
+from protocol.readiness import wait_until_answering  # noqa: E402
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
+           "def parse(line):\n", "for i in range(10):\n", "def main():\n", "x = [", "while True:\n"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[:4]} exited {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(url)
+
+
+# ------------------------------------------------------------------ one request per arm
+
+
+async def zmq_one(client: AsyncClient, prompt: str, tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    stream = client.generate(prompt, max_tokens=tokens, temperature=0.0)
+    async for _ in stream:
+        now = time.perf_counter()
+        first = first or now
+        last = now
+    n = stream.done.usage.completion_tokens
+    return {"t0": t0, "first": first, "last": last, "end": time.perf_counter(), "tokens": n}
+
+
+async def http_one(h: httpx.AsyncClient, url: str, model: str, prompt: str, tokens: int, seat: str) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first = last = None
+    n = chunks = 0
+    # One seat per stream, as the ZeroMQ arm has (mlx_lm.server ignores the header).
+    async with h.stream("POST", url, json=body, headers={"X-Councild-Seat": seat}) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                n = ev["usage"]["completion_tokens"]
+            for c in ev.get("choices", []):
+                if c.get("text"):
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chunks += 1
+    return {"t0": t0, "first": first, "last": last, "end": time.perf_counter(), "tokens": n or chunks}
+
+
+def summarise(rows: list[dict]) -> dict:
+    ok = [r for r in rows if r["first"] is not None]
+    dec = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in ok if r["tokens"] > 1 and r["last"] > r["first"]]
+    return {
+        "ttft_s": statistics.median(r["first"] - r["t0"] for r in ok),
+        "decode_tok_s": statistics.median(dec) if dec else 0.0,
+        "aggregate_tok_s": sum(r["tokens"] for r in rows) / (max(r["end"] for r in rows) - min(r["t0"] for r in rows)),
+        "tokens": sum(r["tokens"] for r in rows),
+    }
+
+
+async def run_arm(arm: str, conc: int, tokens: int, ctx: dict, offset: int) -> dict:
+    prompts = [PROMPTS[(offset + i) % len(PROMPTS)] for i in range(conc)]
+    if arm == "zmq":
+        rows = await asyncio.gather(*(zmq_one(ctx["zmq"][i], p, tokens) for i, p in enumerate(prompts)))
+    else:
+        url, model = ctx[arm]
+        rows = await asyncio.gather(*(http_one(ctx["http_client"], url, model, p, tokens, f"http{i}")
+                                      for i, p in enumerate(prompts)))
+    return summarise(list(rows))
+
+
+async def bench(args, endpoint: str, arms: dict) -> dict:
+    ctx: dict = {"zmq": [AsyncClient(endpoint, seat=f"zmq{i}", timeout_s=120) for i in range(max(args.streams))],
+                 "http_client": httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64))}
+    ctx.update(arms)
+    names = ["zmq"] + list(arms)
+    samples = {a: {c: [] for c in args.streams} for a in names}
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms every path up
+            order = names[r % len(names):] + names[: r % len(names)]
+            for conc in args.streams:
+                for arm in order:
+                    res = await run_arm(arm, conc, args.tokens, ctx, offset=r)
+                    if r:
+                        samples[arm][conc].append(res)
+            print(f"round {r}/{args.rounds}" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
+    finally:
+        for c in ctx["zmq"]:
+            await c.close()
+        await ctx["http_client"].aclose()
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "daemon/assets/tiny-qwen35"))
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--streams", default="1,4", help="concurrent streams per batch, comma-separated")
+    ap.add_argument("--mlx-server", action="store_true", help="add mlx_lm.server on the same model as an arm")
+    ap.add_argument("--json", default="bench/out/http.json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+    args.streams = [int(x) for x in args.streams.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="http-bench-"))
+    runtime = tmp / "run"
+    runtime.mkdir(mode=0o700)
+    endpoint = f"ipc://{runtime / 'councild.sock'}"
+    procs = []
+    env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime))
+    try:
+        cfg = tmp / "councild.toml"
+        port = free_port()
+        cfg.write_text(f"[scheduler]\nmax_active = 8\n[http]\nport = {port}\n")
+        log = open(tmp / "daemon.log", "w")
+        daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", args.model, "--endpoint",
+                                   endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO, stdout=log,
+                                  stderr=log, env=env)
+        procs.append(daemon)
+        wait_until_answering(endpoint, daemon, timeout_s=180)
+        front = subprocess.Popen([sys.executable, "-m", "daemon.cli", "http", "--config", str(cfg), "--endpoint", endpoint,
+                                  "--log-level", "warning"], cwd=REPO, stdout=open(tmp / "front.log", "w"),
+                                 stderr=subprocess.STDOUT, env=env)
+        procs.append(front)
+        wait_http(f"http://127.0.0.1:{port}/health", front)
+        arms = {"http": (f"http://127.0.0.1:{port}/v1/completions", "councild")}
+        if args.mlx_server:
+            mport = free_port()
+            mlx = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(mport),
+                                    "--log-level", "WARNING"], cwd=REPO, stdout=open(tmp / "mlx_server.log", "w"),
+                                   stderr=subprocess.STDOUT, env=env)
+            procs.append(mlx)
+            wait_http(f"http://127.0.0.1:{mport}/v1/models", mlx)
+            arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1/completions", args.model)
+        samples = asyncio.run(bench(args, endpoint, arms))
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+    out = {"benchmark": "http", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
+           "streams": args.streams, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "arms": {}, "paired": {}}
+    lines = ["| arm | streams | TTFT ms (min-max) | decode tok/s per stream (min-max) | aggregate tok/s (min-max) |",
+             "|---|---|---|---|---|"]
+    for arm, by in samples.items():
+        out["arms"][arm] = {}
+        for conc, rows in by.items():
+            s = {k: spread([r[k] for r in rows]) for k in ("ttft_s", "decode_tok_s", "aggregate_tok_s")}
+            out["arms"][arm][str(conc)] = s
+            t, d, a = s["ttft_s"], s["decode_tok_s"], s["aggregate_tok_s"]
+            lines.append(f"| {arm} | {conc} | {t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}) | "
+                         f"{d['median']:.1f} ({d['min']:.1f}-{d['max']:.1f}) | "
+                         f"{a['median']:.1f} ({a['min']:.1f}-{a['max']:.1f}) |")
+    lines += ["", "| arm vs zmq (paired by round) | streams | aggregate tok/s ratio (min-max) | decode tok/s ratio | "
+              "added TTFT ms (min-max) |", "|---|---|---|---|---|"]
+    for arm in samples:
+        if arm == "zmq":
+            continue
+        out["paired"][arm] = {}
+        for conc in args.streams:
+            z, h = samples["zmq"][conc], samples[arm][conc]
+            agg = spread([b["aggregate_tok_s"] / a["aggregate_tok_s"] for a, b in zip(z, h)])
+            dec = spread([b["decode_tok_s"] / a["decode_tok_s"] for a, b in zip(z, h) if a["decode_tok_s"]])
+            ttft = spread([b["ttft_s"] - a["ttft_s"] for a, b in zip(z, h)])
+            out["paired"][arm][str(conc)] = {"aggregate_ratio": agg, "decode_ratio": dec, "added_ttft_s": ttft}
+            lines.append(f"| {arm} | {conc} | {agg['median']:.3f} ({agg['min']:.3f}-{agg['max']:.3f}) | "
+                         f"{dec['median']:.3f} | {ttft['median'] * 1e3:+.1f} ({ttft['min'] * 1e3:+.1f}-"
+                         f"{ttft['max'] * 1e3:+.1f}) |")
+    table = "\n".join(lines)
+    print(table)
+    write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The ASGI app: OpenAI-compatible routes, /health and /metrics, over councild's ZeroMQ protocol.
+
+One AsyncClient per seat (a connection's seat is fixed by its Hello), created on first use,
+all on uvicorn's one event loop. A request's life:
+1. the seat: from the API key (``http.api_keys``), or without keys from X-Councild-Seat;
+2. the body is validated (schema.py): a bad or unsupported option is a 400 naming it;
+3. the Generate goes out, and the front waits for its first reply (Accepted, or the Error
+   that becomes 400 / 429 with Retry-After / 503), so admission errors keep their HTTP status;
+4. tokens stream as SSE (or the Done becomes one JSON body). A client that disconnects at
+   any point gets its request cancelled at the daemon (Cancel; the daemon ends it with one
+   terminal message as for any client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import re
+import time
+from contextlib import asynccontextmanager, suppress
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from protocol import messages as m
+from protocol.client import AsyncClient, CouncilError, DaemonUnavailable
+
+from .config import HttpConfig
+from .metrics import FrontMetrics
+from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
+
+SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
+# Status replies for /health and /metrics wait at most this long, so a daemon that is down
+# answers the probe quickly instead of after the client's liveness timeout.
+STATUS_TIMEOUT_S = 3.0
+# Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
+MAX_SEATS = 256
+
+# councild error code -> HTTP status (and OpenAI's error code where it has one of its own).
+HTTP_STATUS = {
+    "invalid_request": 400, "bad_frame": 400, "frame_too_large": 400, "unsupported_version": 400,
+    "unknown_type": 400, "duplicate_request": 400, "prompt_too_long": 400, "not_found": 404,
+    "overloaded": 429, "shutting_down": 503, "deadline_exceeded": 504,
+    "slow_consumer": 500, "client_gone": 500, "internal": 500,
+}
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
+              504: "timeout"}
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_council(exc: CouncilError) -> HTTPError:
+    if isinstance(exc, DaemonUnavailable):
+        return HTTPError(503, f"councild is not answering: {exc.message}", code="daemon_unavailable")
+    status = HTTP_STATUS.get(exc.code, 500)
+    code = "context_length_exceeded" if exc.code == "prompt_too_long" else exc.code
+    retry = exc.retry_after_s if exc.retry_after_s is not None else (2.0 if status in (429, 503) else None)
+    return HTTPError(status, exc.message, code=code, retry_after=retry)
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, aw):
+    """Await ``aw``; raise _Disconnected (having cancelled it) if the client goes first."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(BaseException):
+        await task
+    raise _Disconnected()
+
+
+class Front:
+    def __init__(self, cfg: HttpConfig, endpoint: str | None):
+        self.cfg = cfg
+        self.endpoint = endpoint
+        self.clients: dict[str, AsyncClient] = {}
+        self._status_client: AsyncClient | None = None
+        self._status: m.StatusReply | None = None
+        self._status_at = 0.0
+        self._status_error: str | None = None
+        self._status_lock = asyncio.Lock()
+        self.metrics = FrontMetrics(self)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.metrics_route, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    @asynccontextmanager
+    async def _lifespan(self, app):
+        yield
+        await self.close()
+
+    # ------------------------------------------------------------------ daemon side
+    def client(self, seat: str) -> AsyncClient:
+        c = self.clients.get(seat)
+        if c is None and len(self.clients) >= MAX_SEATS:
+            # Keyless seats come from a header: bound the connections they can open.
+            raise HTTPError(429, f"{MAX_SEATS} seats are connected through this front; reuse one", param="X-Councild-Seat",
+                            code="too_many_seats", retry_after=60.0)
+        if c is None:
+            c = self.clients[seat] = AsyncClient(self.endpoint, seat=seat, timeout_s=self.cfg.daemon_timeout_s,
+                                                 client_name="councild-http")
+        return c
+
+    async def status(self, max_age: float | None = None) -> m.StatusReply | None:
+        """The daemon's StatusReply, at most ``max_age`` (default status_ttl_s) old; None when
+        it does not answer (``_status_error`` says why)."""
+        max_age = self.cfg.status_ttl_s if max_age is None else max_age
+        async with self._status_lock:
+            if self._status is not None and time.monotonic() - self._status_at <= max_age:
+                return self._status
+            if self._status_client is None:
+                self._status_client = AsyncClient(self.endpoint, seat=self.cfg.default_seat,
+                                                  timeout_s=STATUS_TIMEOUT_S, client_name="councild-http-status")
+            try:
+                self._status = await asyncio.wait_for(self._status_client.status(), STATUS_TIMEOUT_S + 0.5)
+                self._status_at = time.monotonic()
+                self._status_error = None
+            except (CouncilError, asyncio.TimeoutError) as exc:
+                self._status = None
+                self._status_error = getattr(exc, "message", None) or "no status reply in time"
+                client, self._status_client = self._status_client, None  # reconnect next time
+                with suppress(Exception):
+                    await client.close()
+            return self._status
+
+    async def model_name(self, seat: str) -> str:
+        if self.cfg.model_name:
+            return self.cfg.model_name
+        welcome = await self.client(seat).connect()
+        return welcome.model
+
+    async def close(self) -> None:
+        for c in list(self.clients.values()) + ([self._status_client] if self._status_client else []):
+            with suppress(Exception):
+                await c.close()
+        self.clients.clear()
+
+    # ------------------------------------------------------------------ who is asking
+    def seat_for(self, request: Request) -> str:
+        header = request.headers.get("x-councild-seat")
+        if self.cfg.api_keys:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            seat = None
+            for known, known_seat in self.cfg.api_keys.items():  # compare every key in constant time
+                if hmac.compare_digest(known.encode(), key.encode()):
+                    seat = known_seat
+            if seat is None:
+                raise HTTPError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+            if header is not None and header != seat:
+                raise HTTPError(403, f"this API key speaks as seat {seat!r}; X-Councild-Seat may not name another",
+                                param="X-Councild-Seat", code="seat_not_allowed")
+            return seat
+        if header is None:
+            return self.cfg.default_seat
+        if not SEAT_RE.match(header):
+            raise HTTPError(400, "X-Councild-Seat must be 1-64 characters of A-Z a-z 0-9 . _ -", param="X-Councild-Seat")
+        return header
+
+    # ------------------------------------------------------------------ routes
+    async def chat(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        route = "chat" if chat else "completions"
+        received = time.monotonic()
+        seat = "-"
+        try:
+            seat = self.seat_for(request)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                raise HTTPError(400, "the request body is not valid JSON") from None
+            try:
+                parsed = parse_request(body, chat, self.cfg.default_max_tokens)
+            except BadRequest as exc:
+                raise HTTPError(400, exc.message, exc.param, exc.code) from None
+            client = self.client(seat)
+            welcome = await client.connect()
+            if "max_tokens" not in body and "max_completion_tokens" not in body:
+                parsed.generate["max_tokens"] = min(parsed.generate["max_tokens"], welcome.limits.max_tokens)
+            model = self.cfg.model_name or welcome.model
+            stream = client.generate(**parsed.generate, stream=parsed.stream)
+            try:
+                first = await until_disconnect(request, stream.next_message())  # Accepted, or the Error raises
+            except _Disconnected:
+                await stream.cancel()
+                self.metrics.request(route, seat, 499, "disconnected")
+                return Response(status_code=499)
+            shape = ResponseShape(parsed, stream.request_id, model)
+            if parsed.stream:
+                return StreamingResponse(self._sse(stream, shape, parsed, route, seat, received), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            try:
+                done = first if isinstance(first, m.Done) else await until_disconnect(request, stream.result())
+            except _Disconnected:
+                await stream.cancel()
+                self.metrics.request(route, seat, 499, "disconnected")
+                return Response(status_code=499)
+            self.metrics.request(route, seat, 200, done.finish_reason)
+            return JSONResponse(shape.full(done))
+        except HTTPError as exc:
+            self.metrics.request(route, seat, exc.status, exc.code or "error")
+            return exc.response()
+        except CouncilError as exc:
+            err = from_council(exc)
+            self.metrics.request(route, seat, err.status, exc.code)
+            return err.response()
+
+    async def _sse(self, stream, shape: ResponseShape, parsed: Parsed, route: str, seat: str, received: float):
+        ended = False
+        first_token = True
+        last = None
+        try:
+            if parsed.chat:
+                yield sse(shape.chunk("", None, first=True))
+            while True:
+                msg = await stream.next_message()
+                if isinstance(msg, m.Tokens):
+                    if msg.text or msg.logprobs:
+                        now = time.monotonic()
+                        if first_token:
+                            self.metrics.ttft.observe(now - received)
+                            first_token = False
+                        elif last is not None:
+                            self.metrics.chunk_gap.observe(now - last)
+                        last = now
+                        yield sse(shape.chunk(msg.text, msg.logprobs))
+                elif isinstance(msg, m.Done):
+                    ended = True
+                    yield sse(shape.chunk(None if parsed.chat else "", None, finish=finish_reason(msg)))
+                    if parsed.include_usage:
+                        yield sse(shape.usage_chunk(msg))
+                    yield "data: [DONE]\n\n"
+                    self.metrics.request(route, seat, 200, msg.finish_reason)
+                    return
+                elif msg is None:
+                    ended = True
+                    return
+        except CouncilError as exc:
+            # Headers are gone: the error travels in the stream, as OpenAI's API sends it.
+            ended = True
+            err = from_council(exc)
+            self.metrics.request(route, seat, err.status, exc.code)
+            yield sse(err.body())
+        finally:
+            if not ended:  # the client went away (or the response was torn down): stop the work
+                self.metrics.request(route, seat, 499, "disconnected")
+                with anyio.CancelScope(shield=True):
+                    with suppress(Exception):
+                        await stream.cancel()
+
+    async def models(self, request: Request) -> Response:
+        try:
+            seat = self.seat_for(request)
+            name = await asyncio.wait_for(self.model_name(seat), STATUS_TIMEOUT_S)
+        except HTTPError as exc:
+            return exc.response()
+        except (CouncilError, asyncio.TimeoutError) as exc:
+            return HTTPError(503, f"councild is not answering: {getattr(exc, 'message', exc)}",
+                             code="daemon_unavailable", retry_after=2.0).response()
+        st = self._status
+        created = int(st.detail.get("time", {}).get("started_at_unix", 0)) if st else 0
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                                         "owned_by": "councild"}]})
+
+    async def health(self, request: Request) -> Response:
+        st = await self.status()
+        if st is None:
+            # The daemon binds its socket only once the model is loaded, so a daemon that is
+            # starting looks like one that is not running: both are "loading" here.
+            return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
+                                headers={"Retry-After": "2"})
+        if st.detail.get("draining"):
+            return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "ready", "model": st.model, "active": st.active, "queued": st.queued,
+                             "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
+
+    async def metrics_route(self, request: Request) -> Response:
+        st = await self.status(max_age=0.0)
+        body, content_type = self.metrics.render(st)
+        return Response(body, media_type=content_type)
+
+
+def build_app(cfg: HttpConfig, endpoint: str | None) -> Starlette:
+    return Front(cfg, endpoint).app

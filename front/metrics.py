@@ -1,0 +1,128 @@
+"""/metrics: the daemon's status snapshot as Prometheus series, plus the front's own.
+
+Where /metrics lives: here, in the HTTP front, reading the daemon's StatusReply at scrape
+time. The daemon already keeps every number (status detail, daemon/stats.py's counters and
+histograms), so the daemon gains no listener, no HTTP stack and no metrics library, and a
+scrape costs it one Status message. Daemon-wide series (councild_*) cover every client,
+ZeroMQ ones included; councild_http_* are this front's own (its requests, its TTFT as an
+HTTP client sees it). When the daemon does not answer, councild_up is 0 and the daemon
+series are absent for that scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from protocol import messages as m
+
+PRESSURE_LEVEL = {"normal": 0, "warn": 1, "critical": 2}
+
+
+def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
+    buckets, acc = [], 0
+    for bound, n in zip(h["buckets"], h["counts"]):
+        acc += n
+        buckets.append((repr(float(bound)), acc))
+    buckets.append(("+Inf", h["count"]))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=h["sum"])
+
+
+class DaemonCollector:
+    """Builds the councild_* series from the last StatusReply handed to it."""
+
+    def __init__(self):
+        self.status: m.StatusReply | None = None
+
+    def collect(self):
+        st = self.status
+        up = GaugeMetricFamily("councild_up", "1 when the daemon answered this scrape's status request")
+        up.add_metric([], 1.0 if st is not None else 0.0)
+        yield up
+        if st is None:
+            return
+        d = st.detail
+        stats = d.get("stats", {})
+        seats = d.get("seats", {})
+
+        tokens = CounterMetricFamily("councild_tokens", "output tokens generated, by seat", labels=["seat"])
+        for seat, s in seats.items():
+            tokens.add_metric([seat], s.get("tokens", 0))
+        yield tokens
+        reqs = CounterMetricFamily("councild_requests", "requests ended, by seat and outcome (finish reason or error code)",
+                                   labels=["seat", "outcome"])
+        for seat, by in stats.get("requests", {}).items():
+            for outcome, n in by.items():
+                reqs.add_metric([seat, outcome], n)
+        yield reqs
+        for name, key, doc in (("councild_drafted_tokens", "drafted", "tokens drafted by the MTP head"),
+                               ("councild_accepted_tokens", "accepted", "drafted tokens the base model accepted")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], stats.get(key, 0))
+            yield c
+        if "ttft_seconds" in stats:
+            yield _histogram("councild_ttft_seconds", "receipt to first output token, every request", stats["ttft_seconds"])
+            yield _histogram("councild_inter_token_seconds", "time between output tokens (a cycle's gap shared by its tokens)",
+                             stats["inter_token_seconds"])
+
+        queue = GaugeMetricFamily("councild_queue_depth", "requests accepted and waiting, by seat", labels=["seat"])
+        active = GaugeMetricFamily("councild_active_requests", "requests being decoded, by seat", labels=["seat"])
+        for seat, s in seats.items():
+            queue.add_metric([seat], s.get("queued", 0))
+            active.add_metric([seat], s.get("active", 0))
+        yield queue
+        yield active
+
+        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(value))
+            return g
+
+        gov = d.get("governor") or {}
+        mem = d.get("memory") or {}
+        yield gauge("councild_in_flight_requests", "requests accepted and not yet ended", d.get("in_flight", 0))
+        yield gauge("councild_speculation_depth", "current speculation depth (0: serial)", d.get("depth", 0))
+        yield gauge("councild_head_resident", "1 when the MTP head is in memory", bool(d.get("head_resident")))
+        yield gauge("councild_head_bytes", "bytes of the MTP head when resident", d.get("head_bytes", 0))
+        yield gauge("councild_tokens_per_second", "output tokens per second over the last 10 s", d.get("recent_tokens_per_s", 0))
+        yield gauge("councild_draining", "1 while the daemon drains for shutdown", bool(d.get("draining")))
+        yield gauge("councild_clients", "connected clients", d.get("clients", 0))
+        yield gauge("councild_uptime_seconds", "seconds since the daemon started", st.uptime_s)
+        for key, name in (("active_bytes", "active"), ("cache_bytes", "cache"), ("peak_bytes", "peak")):
+            if key in mem:
+                yield gauge(f"councild_memory_{name}_bytes", f"MLX {name} memory", mem[key])
+        if gov.get("available_bytes") is not None:
+            yield gauge("councild_memory_available_bytes", "memory that could be allocated now without pressure",
+                        gov["available_bytes"])
+        if gov.get("pressure") in PRESSURE_LEVEL:
+            yield gauge("councild_memory_pressure_level", "memory pressure: 0 normal, 1 warn, 2 critical",
+                        PRESSURE_LEVEL[gov["pressure"]])
+        if gov:
+            yield gauge("councild_shedding", "1 while the governor refuses new work", bool(gov.get("shedding")))
+        cache = d.get("prefix_cache")
+        if isinstance(cache, dict):  # issue 13's prefix cache, when the daemon has one
+            for key, value in cache.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    yield gauge(f"councild_prefix_cache_{key}", f"prefix cache: {key}", value)
+
+
+class FrontMetrics:
+    def __init__(self, front):
+        self.registry = CollectorRegistry()
+        self.daemon = DaemonCollector()
+        self.registry.register(self.daemon)
+        self.requests = Counter("councild_http_requests", "HTTP completion requests by route, seat, status and outcome",
+                                ["route", "seat", "status", "outcome"], registry=self.registry)
+        self.ttft = Histogram("councild_http_ttft_seconds", "HTTP receipt to the first streamed token, as the front sees it",
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+                              registry=self.registry)
+        self.chunk_gap = Histogram("councild_http_chunk_gap_seconds", "time between streamed SSE chunks",
+                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28),
+                                   registry=self.registry)
+
+    def request(self, route: str, seat: str, status: int, outcome: str) -> None:
+        self.requests.labels(route, seat, str(status), outcome).inc()
+
+    def render(self, status: m.StatusReply | None) -> tuple[bytes, str]:
+        self.daemon.status = status
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

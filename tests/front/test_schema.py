@@ -1,0 +1,57 @@
+"""OpenAI bodies -> Generate arguments: every field mapped, harmless, or refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from front.schema import BadRequest, parse_request
+
+
+def chat(**kw):
+    return parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, True, 4096)
+
+
+def test_defaults_follow_openai():
+    p = chat()
+    assert p.generate["temperature"] == 1.0 and p.generate["max_tokens"] == 4096 and not p.stream
+
+
+def test_extras_and_options_map():
+    p = chat(temperature=0, top_k=5, min_p=0.1, repetition_penalty=1.2, priority="interactive", speculation="fast",
+             logit_bias={"42": -100}, logprobs=True, top_logprobs=3, stop="END", seed=3, user="u1")
+    g = p.generate
+    assert g["logit_bias"] == {42: -100.0} and g["stop"] == ["END"] and g["top_logprobs"] == 3 and g["logprobs"]
+    assert (g["priority"], g["speculation"], g["top_k"], g["min_p"]) == ("interactive", "fast", 5, 0.1)
+
+
+def test_content_parts_and_developer_role():
+    p = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                      {"type": "text", "text": "b"}]}]}, True, 10)
+    assert p.generate["messages"] == [{"role": "system", "content": "ab"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 3}, "n"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+])
+def test_refusals_name_the_field(body, param):
+    with pytest.raises(BadRequest) as e:
+        parse_request({"messages": [{"role": "user", "content": "hi"}], **body}, True, 10)
+    assert e.value.param == param
+
+
+def test_completions_prompt_forms_and_legacy_logprobs():
+    assert parse_request({"prompt": ["one"]}, False, 10).generate["prompt"] == "one"
+    assert parse_request({"prompt": [1, 2, 3]}, False, 10).generate["prompt_tokens"] == [1, 2, 3]
+    p = parse_request({"prompt": "x", "logprobs": 2}, False, 10)
+    assert p.logprobs and p.generate["top_logprobs"] == 2
+    with pytest.raises(BadRequest):
+        parse_request({"prompt": ["a", "b"]}, False, 10)
+    with pytest.raises(BadRequest):
+        parse_request({"prompt": "x", "echo": True}, False, 10)
