@@ -134,7 +134,8 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .server import Server, StartupError, startup_fs_error
+    from .endpoint import StartupError, startup_fs_error
+    from .server import Server
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {

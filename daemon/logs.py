@@ -81,6 +81,22 @@ class _SinkLogger:
     log = debug = info = warn = warning = err = error = critical = exception = fatal = failure = msg
 
 
+class _SinkHandler(logging.Handler):
+    """The standard logging module's records, rendered by the formatter, into the sink."""
+
+    def __init__(self, sink: LogSink):
+        super().__init__()
+        self._sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - logging's own convention for a record that will not format
+            self.handleError(record)
+            return
+        self._sink.write_line(line)
+
+
 SINK: LogSink | None = None
 
 
@@ -117,8 +133,9 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream=None) -> No
         cache_logger_on_first_use=False,
     )
     # Libraries that log through the standard logging module (transformers, huggingface_hub)
-    # write through the same renderer, so every line on stderr stays one JSON object.
-    handler = logging.StreamHandler(stream)
+    # write through the same renderer and the same sink, so every line on stderr stays one
+    # JSON object and a full disk costs them a counted line too, never an exception.
+    handler = _SinkHandler(sink)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processor=renderer,
         foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,

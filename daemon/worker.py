@@ -267,7 +267,8 @@ class EngineWorker(threading.Thread):
             self.snapshot.exact_decode = exact_decode
         log.info("speculation.exactness", verify_bit_identical=self.verify_exact, rollback=rollback,
                  forced_inexact=self.cfg.debug_inexact_verify,
-                 exact_requests=exact_decode, probe_ms=round((time.perf_counter() - t0) * 1000, 1),
+                 exact_requests=exact_decode, near_tie_guard="off" if self.verify_exact else "on",
+                 probe_ms=round((time.perf_counter() - t0) * 1000, 1),
                  reason=("a verify here computes what serial steps compute, bit for bit" if self.verify_exact else
                          "a verify here rounds differently from serial steps, so speculation cannot promise "
                          "serial's tokens at temperature 0: exact requests "
@@ -515,8 +516,11 @@ class EngineWorker(threading.Thread):
             history = pre.history if pre.history is not None and pre.history.head is self.head else None
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
+            # Where the start-up probe proved verify bit-identical to serial steps, the
+            # near-tie guard cannot change a token: exact mode runs without it (issue 18).
             gen = speculative_decode(self.lm, self.head, last, sampler, depth=self._request_depth(job),
-                                     exact=mode == "exact", guard_margin=spec.guard_margin,
+                                     exact=mode == "exact",
+                                     guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
                                      context=job.prompt, **drafting)
         else:

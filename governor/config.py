@@ -72,6 +72,20 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # re-anchor a depth's cost, short enough that a bad probe costs < 2 s of 10-20%.
     probe_interval_s: float = 30.0
     probe_s: float = 2.0
+    # A probe alternates the probed and the current depth tick by tick (paired, so a change
+    # of load, council or text during it lands on both sides) and ends once both depths
+    # have cost_window new cycles (their medians then hold only the probe's cycles) and
+    # probe_s of decoding passed, or after this many probe_s at most, whichever comes first.
+    probe_max_factor: float = 4.0
+    # A head that left because it did not pay (idle at depth 0) is loaded again on trial
+    # after this many seconds of decoding, under the normal reload conditions (calm
+    # pressure for the restore window, headroom, anti-thrash gap, one stream), and depth 1
+    # is probed against serial once: kept if it scores depth_margin better, else the head
+    # leaves at once. Each failed trial doubles the wait, up to head_trial_backoff_max times
+    # it, so a machine where speculation never pays loads the head about once every
+    # 120 x 8 s of decoding. 0 turns trials off (the head then returns only on a predicted gain).
+    head_trial_interval_s: float = 120.0
+    head_trial_backoff_max: int = 8
 
     # ---------------------------------------------------------------- head residency
     # Warn sustained this long evicts the head (~850 MB for a 27B): shed fast.
@@ -155,6 +169,9 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
              "restore_window_s must be >= warn_clear_s: a reload inside a warn episode that has not "
              "cleared would be evicted again at once"),
             (self.trust_samples >= 1, "trust_samples must be >= 1"),
+            (self.probe_max_factor >= 1, "probe_max_factor must be >= 1"),
+            (self.head_trial_interval_s >= 0, "head_trial_interval_s must be >= 0 (0: no trials)"),
+            (self.head_trial_backoff_max >= 1, "head_trial_backoff_max must be >= 1"),
             (0 <= self.prior_acceptance <= 1, "prior_acceptance must be in [0, 1]"),
             (self.head_margin_bytes >= 0, "head_margin_bytes must be >= 0"),
             (self.arrival_tau_s > 0, "arrival_tau_s must be > 0"),

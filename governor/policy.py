@@ -16,6 +16,26 @@ Order within a tick (the order the actions come out in, and the step loop applie
   4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
                    with a neighbour probed now and then (on the decode clock)
 Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
+
+A stale estimate is a reason to look, never to move: the depth that looks best is probed
+directly (not one step at a time), paired against the current one.
+
+Probes are paired: the probed and the current depth alternate tick by tick until both have
+a window of new cycles, so a change of load, council or text during a probe (a probe on the
+decode clock may span an idle gap and the regime change after it) weighs on both sides
+instead of deciding the verdict (bench/results/README_governor.md, runs 7-9).
+
+A head that left because it did not pay comes back on trial (rate-limited, with back-off):
+once the reload conditions hold except a predicted gain, it is loaded, depth 1 is probed
+against serial, and it stays only if that pays; a regime where speculation pays (other
+text, other load, one stream again) is found that way, since no cost measured without the
+head can show it.
+
+``pin_depth 0``: serial decode; the head is left where it is. A resident head stays (so
+"auto" can resume at once) until the ordinary rules take it out (the idle rule after
+idle_evict_s at depth 0, or pressure); an absent head is not loaded while the pin holds (no
+reload, no trial): memory for a head that cannot be used buys nothing. ``evict_head`` is
+the command that takes it out now.
 """
 
 from __future__ import annotations
@@ -134,13 +154,20 @@ def _evict(s: State, out: _Out, now: float, decision: str, sentence: str, **inpu
     out.emit(EvictHead(), decision, sentence, **inputs)
     return replace(
         s, depth=0, head_target=False, last_evict_at=now, last_depth_change_at=now, idle_since=None,
-        probe_depth=None, probe_return=None, probe_until_decode_s=None,
+        probe_depth=None, probe_return=None, probe_until_decode_s=None, probe_samples_at=None,
+        probe_started_decode_s=None, head_trial=False, last_trial_decode_s=out.obs.decode_s,
     )  # fmt: skip
 
 
-def _load(s: State, out: _Out, now: float, decision: str, sentence: str, **inputs: Any) -> State:
+def _load(s: State, out: _Out, now: float, decision: str, sentence: str, trial: bool = False, **inputs: Any) -> State:
     out.emit(LoadHead(), decision, sentence, **inputs)
-    return replace(s, head_target=True, last_load_at=now, idle_since=None)
+    return replace(s, head_target=True, last_load_at=now, idle_since=None, head_trial=trial,
+                   last_trial_decode_s=out.obs.decode_s if trial else s.last_trial_decode_s)  # fmt: skip
+
+
+def _trial_wait(s: State, cfg: GovernorConfig) -> float:
+    """Seconds of decoding before the next trial: doubled per failed trial, capped."""
+    return cfg.head_trial_interval_s * min(2 ** s.trial_failures, cfg.head_trial_backoff_max)
 
 
 def _predicted_gain(obs: Observation, cfg: GovernorConfig) -> tuple[bool, str]:
@@ -162,8 +189,9 @@ def _predicted_gain(obs: Observation, cfg: GovernorConfig) -> tuple[bool, str]:
     return best >= serial * (1 + cfg.depth_margin), f"best speculative score {_fmt(best)} vs serial {_fmt(serial)}"
 
 
-def _reload_blocker(s: State, obs: Observation, now: float, cfg: GovernorConfig) -> str | None:
-    """Why the head may not come back yet, or None when every condition holds."""
+def _reload_blocker(s: State, obs: Observation, now: float, cfg: GovernorConfig, need_gain: bool = True) -> str | None:
+    """Why the head may not come back yet, or None when every condition holds (every one
+    but the predicted gain, with ``need_gain`` False: the conditions of a trial)."""
     if not obs.head_available:
         return "the model has no MTP head"
     if obs.head_loading:
@@ -181,6 +209,10 @@ def _reload_blocker(s: State, obs: Observation, now: float, cfg: GovernorConfig)
         return f"headroom {obs.available_bytes >> 20}MiB < head + margin {need >> 20}MiB"
     if obs.active_streams >= cfg.batch_streams:
         return f"{obs.active_streams} active streams batch at depth 0"
+    if s.override == "pin_depth" and s.pin_depth == 0:
+        return "operator pinned depth 0"
+    if not need_gain:
+        return None
     gain, why = _predicted_gain(obs, cfg)
     return None if gain else f"no predicted gain ({why})"
 
@@ -248,6 +280,19 @@ def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out
         _, why = _predicted_gain(obs, cfg)
         calm = now - s.normal_since if s.normal_since is not None else 0.0
         return _load(s, out, now, "load_head", f"normal for {calm:.0f}s, headroom covers the head, {why}", **inputs)
+    if (
+        cfg.head_trial_interval_s > 0
+        and obs.active_streams >= 1
+        and _reload_blocker(s, obs, now, cfg, need_gain=False) is None
+        and obs.decode_s - (s.last_trial_decode_s or 0.0) >= _trial_wait(s, cfg)
+    ):
+        waited = obs.decode_s - (s.last_trial_decode_s or 0.0)
+        return _load(
+            s, out, now, "load_head",
+            f"trial: no predicted gain, but {waited:.0f}s of decoding since the head left or was last tried "
+            f"(>= {_trial_wait(s, cfg):.0f}s): load it and measure depth 1 against serial", trial=True,
+            trial_failures=s.trial_failures, **inputs,
+        )  # fmt: skip
     return s
 
 
@@ -306,26 +351,40 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
     sc = _scores(obs)
     forced = _forced_depth(s, obs, cfg)
     if forced is not None:
-        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None)
+        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None, probe_samples_at=None,
+                    probe_started_decode_s=None)  # fmt: skip
         return _set_depth(s, out, now, forced[0], "depth", forced[1])
     if s.last_probe_decode_s is None:  # the first probe waits a full interval of decoding
         s = replace(s, last_probe_decode_s=obs.decode_s)
     cur = s.depth
     score = (lambda k: sc[k] if k < len(sc) else None)  # noqa: E731
     if s.probe_depth is not None:
-        if s.probe_until_decode_s is not None and obs.decode_s < s.probe_until_decode_s:
-            return s
         back, probed = s.probe_return if s.probe_return is not None else cur, s.probe_depth
-        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None)
+        if not _probe_done(s, obs, cfg, probed, back):
+            # Paired: alternate tick by tick, so both depths are measured over the same seconds.
+            nxt = back if cur == probed else probed
+            out.emit(SetDepth(nxt), "probe_step", f"paired probe: depth {nxt}", depth_from=cur, depth_to=nxt)
+            return replace(s, depth=nxt, last_depth_change_at=now)
+        trial = s.head_trial
+        s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None, probe_samples_at=None,
+                    probe_started_decode_s=None, head_trial=False)  # fmt: skip
         sp, sb = score(probed), score(back)
         deeper_under_warn = probed > back and obs.pressure != NORMAL
         if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
-            out.emit(None, "probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))
-            return s
-        return _set_depth(
-            s, out, now, back, "probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)})",
-            scores=_rounded(obs),
-        )  # fmt: skip
+            s = replace(s, trial_failures=0) if trial else s
+            return _end_probe(s, out, now, probed, f"{'trial: ' if trial else ''}probed depth {probed} scores "
+                                                   f"{_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))  # fmt: skip
+        if trial:
+            s = replace(s, trial_failures=s.trial_failures + 1)
+            return _evict(
+                s, out, now, "evict_head",
+                f"trial: depth {probed} ({_fmt(sp)}) not better than serial ({_fmt(sb)}): head out again; next trial "
+                f"after {_trial_wait(s, cfg):.0f}s of decoding", scores=_rounded(obs),
+            )  # fmt: skip
+        return _end_probe(s, out, now, back, f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)})",
+                          scores=_rounded(obs))  # fmt: skip
+    if s.head_trial and cur == 0 and 1 <= cfg.max_depth:
+        return _probe(s, obs, out, now, 1, cfg, "trial: measure depth 1 against serial (paired probe)")
     if s.last_depth_change_at is not None and now - s.last_depth_change_at < cfg.depth_dwell_s:
         return s
     cs = score(cur)
@@ -339,6 +398,12 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         if step > cur and obs.pressure != NORMAL:
             return s  # under warn, no deeper drafts (more memory); lower is still fine
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        if ests[best].stale and best != step:
+            # Measure the depth that looks best directly (paired with this one) rather than
+            # climbing one probed step at a time: after batching or a reload every estimate
+            # is stale, and a stepwise climb spent most of a burst below the best depth (the
+            # replay evaluation: 5-6% of a quiet regime after council load).
+            return _probe(s, obs, out, now, best, cfg, f"{why}, but its estimate is stale: probe it against {cur}")
         if ests[step].stale:
             # A stale or prior estimate is a reason to look, not to move: probe, and stay
             # only if the measurement confirms it.
@@ -349,9 +414,52 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
     return _maybe_probe(s, obs, now, cfg, out)
 
 
+def _end_probe(s: State, out: _Out, now: float, k: int, sentence: str, **inputs: Any) -> State:
+    """The verdict, and the depth it leaves (the alternation may stand on either side)."""
+    if k == s.depth:
+        out.emit(None, "probe_end", sentence, **inputs)
+        return s
+    out.emit(SetDepth(k), "probe_end", sentence, depth_from=s.depth, depth_to=k, **inputs)
+    return replace(s, depth=k, last_depth_change_at=now)
+
+
+def _samples(obs: Observation, k: int) -> int:
+    return obs.estimates[k].samples if k < len(obs.estimates) else 0
+
+
+def _probe_done(s: State, obs: Observation, cfg: GovernorConfig, probed: int, back: int) -> bool:
+    """probe_s of decoding passed and both depths have cost_window new cycles, or the probe
+    has run probe_max_factor x probe_s. Sooner when the verdict is clear: both have
+    trust_samples new cycles and one scores twice the margin better than the other (half a
+    probe spent at a much worse depth is what a long paired probe costs). (A count below
+    its start means the cost model started that depth afresh: what it holds now is all new.)"""
+    started = s.probe_started_decode_s if s.probe_started_decode_s is not None else obs.decode_s - cfg.probe_s
+    ran = obs.decode_s - started
+    if ran >= cfg.probe_s * cfg.probe_max_factor:
+        return True
+    if s.probe_until_decode_s is not None and obs.decode_s < s.probe_until_decode_s:
+        return False
+    if s.probe_samples_at is None:
+        return True
+
+    def new(k: int, at: int) -> int:
+        n = _samples(obs, k)
+        return n - at if n >= at else n
+
+    n_p, n_b = new(probed, s.probe_samples_at[0]), new(back, s.probe_samples_at[1])
+    if n_p >= cfg.cost_window and n_b >= cfg.cost_window:
+        return True
+    sc = _scores(obs)
+    sp, sb = (sc[probed] if probed < len(sc) else None), (sc[back] if back < len(sc) else None)
+    clear = 1 + 2 * cfg.depth_margin
+    return (n_p >= cfg.trust_samples and n_b >= cfg.trust_samples and sp is not None and sb is not None
+            and (sp >= sb * clear or sb >= sp * clear))  # fmt: skip
+
+
 def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
     s = replace(s, probe_depth=n, probe_return=s.depth, probe_until_decode_s=obs.decode_s + cfg.probe_s,
-                last_probe_decode_s=obs.decode_s, probe_count=s.probe_count + 1)  # fmt: skip
+                last_probe_decode_s=obs.decode_s, probe_count=s.probe_count + 1,
+                probe_samples_at=(_samples(obs, n), _samples(obs, s.depth)), probe_started_decode_s=obs.decode_s)  # fmt: skip
     return _set_depth(s, out, now, n, "probe", sentence)
 
 

@@ -174,8 +174,9 @@ class Governor:
         self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
         names = [action_name(a) for a in actions]
         for r in reasons:
-            # Ticks that change nothing log at debug: four a second would drown the log.
-            emit = self.log.debug if r["decision"] == "hold" else self.log.info
+            # Ticks that change nothing log at debug: four a second would drown the log; so
+            # do a paired probe's alternations (its start and verdict log at info).
+            emit = self.log.debug if r["decision"] in ("hold", "probe_step") else self.log.info
             emit("governor.decision", **{"depth": self.state.depth, "actions": names, **r})
         return actions
 

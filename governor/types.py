@@ -180,6 +180,17 @@ class State(Struct, frozen=True, kw_only=True):
     # When the last probe started (decode clock): the next is due probe_interval_s later.
     last_probe_decode_s: float | None = None
     probe_count: int = 0
+    # A paired probe alternates the probed and the return depth tick by tick; it ends once
+    # both have this many more cost samples than they had at its start (probe_samples_at:
+    # (probed, return)), so both medians come from the same seconds.
+    probe_samples_at: tuple[int, int] | None = None
+    probe_started_decode_s: float | None = None
+    # The head is in on an optimistic trial (loaded without a predicted gain, to measure
+    # depth 1 once); when trials last started or the head last left (decode clock); and
+    # how many trials in a row found no gain (each doubles the wait, up to a cap).
+    head_trial: bool = False
+    last_trial_decode_s: float | None = None
+    trial_failures: int = 0
     ticks: int = 0
     # The governor's cap on the prompt caches' bytes (None: their configured budget) and
     # when it last lowered it.

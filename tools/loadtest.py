@@ -420,7 +420,13 @@ def wait_ready(endpoint: str, timeout_s: float = 120.0, proc: subprocess.Popen |
             raise RuntimeError(f"the daemon exited with {proc.returncode}")
         try:
             with Client(endpoint, seat="loadtest", timeout_s=2.0, curve_server_key=curve_server_key) as c:
-                return c.status().detail
+                detail = c.status().detail
+            # A daemon answers Status while its model loads (and refuses Generate then).
+            if detail.get("state") != "loading":
+                return detail
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon was still loading after {timeout_s:.0f} s")
+            time.sleep(0.3)
         except DaemonUnavailable:
             if time.monotonic() > deadline:
                 raise

@@ -155,7 +155,7 @@ def speculative_decode(
     sampler: Sampler,
     depth: Callable[[], int] | int,
     exact: bool = True,
-    guard_margin: float = DEFAULT_GUARD,
+    guard_margin: float | None = DEFAULT_GUARD,
     cache: list | None = None,
     rollback: str = DEFAULT_ROLLBACK,
     logit_jitter: float = 0.0,
@@ -168,7 +168,9 @@ def speculative_decode(
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
     depth() is read at the start of every cycle: the governor's ceiling. ``rollback`` is
-    "capture", "snapshot" or "auto" (see DEFAULT_ROLLBACK).
+    "capture", "snapshot" or "auto" (see DEFAULT_ROLLBACK). ``guard_margin`` None: exact
+    mode without the near-tie guard, for where a verify is bit-identical to serial steps
+    (exactness.exact_guard).
     ``lookup``: propose prompt-lookup blocks (lookup.py) beside the head's drafts.
     ``draft_stop``: stop a cycle's head drafting early below the ceiling (lookup.DraftStop).
     ``loop_guard``: for sampled requests only (ignored at temperature 0), detect a loop and
@@ -334,7 +336,8 @@ def speculative_decode(
         if greedy:
             targets = mx.argmax(lp, axis=-1)
             to_eval = [targets, d_all, hid]
-            if exact:
+            guarding = exact and guard_margin is not None
+            if guarding:
                 top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
                 hi, lo = top2.max(axis=-1), top2.min(axis=-1)
                 scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
@@ -342,7 +345,7 @@ def speculative_decode(
                 to_eval.append(guard)
             mx.eval(to_eval)
             t_l, d_l = targets.tolist(), d_all.tolist()
-            g_l = guard.tolist() if exact else [False] * (k + 1)
+            g_l = guard.tolist() if guarding else [False] * (k + 1)
             a = 0
             stop_guard = False
             while True:

@@ -139,7 +139,7 @@ class DeviationResult:
 class FidelityReport:
     model: str
     rollback: str
-    guard_margin: float
+    guard_margin: float | None  # None: exact mode ran without the guard (verify bit-identical)
     max_tokens: int
     arms: list[ArmResult] = field(default_factory=list)
     distribution: list[DistributionResult] = field(default_factory=list)
@@ -156,7 +156,7 @@ class FidelityReport:
             d["flips_per_1000"] = arm.flips_per_1000
             d["acceptance"] = arm.acceptance
         for dev, d in zip(self.deviation, out["deviation"]):
-            h = dev.headroom(self.guard_margin)
+            h = dev.headroom(self.guard_margin or DEFAULT_GUARD)
             d["guard_headroom"] = None if math.isinf(h) else h  # None: no deviation at all
         out["passed"] = self.passed
         return out
@@ -175,7 +175,7 @@ def run_fidelity_gate(
     max_tokens: int = 48,
     modes=("exact", "fast"),
     rollback: str = DEFAULT_ROLLBACK,
-    guard_margin: float = DEFAULT_GUARD,
+    guard_margin: float | None = DEFAULT_GUARD,
     logit_jitter: float = 0.0,
     params: SamplingParams = SamplingParams(),
     report: FidelityReport | None = None,
@@ -406,7 +406,8 @@ def distribution_test(
 
 def format_report(report: FidelityReport) -> str:
     lines = [
-        f"fidelity gate: {report.model}  (rollback={report.rollback}, guard={report.guard_margin:g}, "
+        f"fidelity gate: {report.model}  (rollback={report.rollback}, guard="
+        f"{'off (verify bit-identical)' if report.guard_margin is None else f'{report.guard_margin:g}'}, "
         f"{report.max_tokens} tokens/prompt)",
         "",
         "| drafting | mode | processors | depth | identical | tokens | flips/1000 | acceptance | guarded | lookup cycles (accepted/drafted) | s |",
@@ -430,7 +431,7 @@ def format_report(report: FidelityReport) -> str:
                   "|---|---|---|---|---|---|"]
         for d in report.deviation:
             lines.append(f"| {d.depth} | {d.positions} | {d.max_abs:.4g} | {d.max_rel:.4g} | {d.argmax_flips} | "
-                         f"{d.headroom(report.guard_margin):.3g} |")
+                         f"{d.headroom(report.guard_margin or DEFAULT_GUARD):.3g} |")
     if report.distribution:
         lines += ["", "| temperature>0 drafting | depth | processors | output token | draws | bins | chi2 | df | p-value | alpha | first-position accepts | result |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -461,7 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="drafting variants: mtp (head only), lookup (+ prompt lookup), adaptive (+ per-request depth)")
     ap.add_argument("--quoting", help=f"prompts that quote their context, for the lookup arms (default {QUOTING_FILE.name})")
     ap.add_argument("--rollback", default=DEFAULT_ROLLBACK, choices=("auto", "capture", "snapshot"))
-    ap.add_argument("--guard", type=float, default=DEFAULT_GUARD, help="exact-mode guard (relative top-2 margin)")
+    ap.add_argument("--guard", default="probe",
+                    help="exact-mode guard (relative top-2 margin), or 'probe' (default): as the daemon runs it, "
+                         f"off where the start-up probe finds verify bit-identical to serial steps, else {DEFAULT_GUARD:g}")
     ap.add_argument("--draws", type=int, default=1000, help="temperature>0 draws per depth (0: skip)")
     ap.add_argument("--sample-depths", default="1,2")
     ap.add_argument("--temperature", type=float, default=0.8)
@@ -490,16 +493,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"councild gate fidelity: {exc}", file=sys.stderr)
         return 1
     prompts = load_prompts(args.prompts)
+    if args.guard == "probe":
+        from ..engine.exactness import exact_guard
+
+        guard = exact_guard(lm, args.rollback, DEFAULT_GUARD)
+        print(f"exact-mode guard: {'off (the probe finds verify bit-identical to serial steps)' if guard is None else guard}",
+              file=sys.stderr)
+    else:
+        guard = float(args.guard)
     report = run_fidelity_gate(
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
-        modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=args.guard,
+        modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=guard,
         logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
         quoting=load_quoting_prompts(args.quoting),
     )
     if args.processors and "exact" in args.modes.split(","):
         run_fidelity_gate(
             lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
-            modes=("exact",), rollback=args.rollback, guard_margin=args.guard, logit_jitter=args.logit_jitter,
+            modes=("exact",), rollback=args.rollback, guard_margin=guard, logit_jitter=args.logit_jitter,
             params=SamplingParams(**PROCESSORS), report=report, drafting=tuple(args.drafting.split(",")),
             quoting=load_quoting_prompts(args.quoting),
         )

@@ -28,6 +28,7 @@ import platform
 import statistics
 import sys
 import time
+from ..engine.types import DEFAULT_GUARD
 from ..exits import EXIT_CONFIG
 from .bench_io import spread, write_results
 
@@ -62,8 +63,11 @@ def verdict(serial: list[float], serial_b: list[float], arm: list[float], depth:
             "rule": f"fail when the median speedup is below 1 - noise = {1.0 - noise:.3f}"}
 
 
-def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, rollback: str, log=print) -> dict:
-    """Interleaved rounds of serial, serial_b and each depth; returns per-arm raw runs."""
+def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, rollback: str, log=print,
+            guard_margin: float | None = DEFAULT_GUARD) -> dict:
+    """Interleaved rounds of serial, serial_b and each depth; returns per-arm raw runs.
+    ``guard_margin``: exact mode's near-tie guard (None: off, as the daemon runs it where a
+    verify is bit-identical to serial steps; exactness.exact_guard)."""
     from daemon.measure.spec_bench import run_arm
 
     arms = [("serial", 0), ("serial_b", 0)] + [(f"d{k}", k) for k in depths]
@@ -71,7 +75,7 @@ def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, ro
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
         for name, k in order:
-            res = run_arm(lm, head, prompts, tokens, k, rollback, exact)
+            res = run_arm(lm, head, prompts, tokens, k, rollback, exact, guard_margin)
             if r > 0:
                 raw[name].append(res)
         log(f"round {r}/{rounds}" + (" (warm-up)" if r == 0 else ": ")
@@ -180,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         head, depths = None, []
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
     t0 = time.perf_counter()
-    raw = measure(lm, head, prompts, depths, args.rounds, args.tokens, mode == "exact", rollback, log)
+    from daemon.engine.exactness import exact_guard
+
+    # Exact mode as the daemon runs it: no near-tie guard where verify is bit-identical.
+    guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None
+    raw = measure(lm, head, prompts, depths, args.rounds, args.tokens, mode == "exact", rollback, log, guard)
     arms = summarize(raw, depths)
     serial, serial_b = arms["serial"]["raw_tok_s"], arms["serial_b"]["raw_tok_s"]
     v = verdict(serial, serial_b, arms[f"d{depth}"]["raw_tok_s"] if depth > 0 else serial, depth, args.noise_floor)

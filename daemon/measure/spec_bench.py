@@ -39,22 +39,23 @@ from ..engine.rollback import STRATEGIES, Snapshot
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
 from ..engine.speculative import speculative_decode
-from ..engine.types import SamplingParams
+from ..engine.types import DEFAULT_GUARD, SamplingParams
 
 
-def run_arm(lm, head, prompts, tokens, depth, strategy, exact) -> dict:
+def run_arm(lm, head, prompts, tokens, depth, strategy, exact, guard_margin=DEFAULT_GUARD) -> dict:
     produced = 0
     cycles = 0
     guarded = 0
     mask_counts: list[int] = [0] * max(depth, 0)
     cond_den: list[int] = [0] * max(depth, 0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for prompt in prompts:
         sampler = Sampler(SamplingParams())
         if depth == 0:
             gen = serial_decode(lm, prompt, sampler)
         else:
-            gen = speculative_decode(lm, head, prompt, sampler, depth, exact=exact, rollback=strategy)
+            gen = speculative_decode(lm, head, prompt, sampler, depth, exact=exact, rollback=strategy,
+                                     guard_margin=guard_margin)
         got = 0
         for step in gen:
             got += len(step.tokens)
@@ -71,9 +72,13 @@ def run_arm(lm, head, prompts, tokens, depth, strategy, exact) -> dict:
                 break
         gen.close()
         produced += tokens
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "tok_s": produced / dt,
+        # Tokens per CPU second of this process (all its threads): on a shared machine the
+        # wall clock also counts the time other processes held the cores; CPU time does not.
+        "tok_per_cpu_s": produced / cpu if cpu > 0 else 0.0,
+        "cpu_s": cpu,
         "seconds": dt,
         "tokens": produced,
         "cycles": cycles,
@@ -118,23 +123,33 @@ def verify_cost(lm: LoadedModel, depths, context: int = 64, reps: int = 15) -> d
     return out
 
 
-def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strategies=STRATEGIES, exact=True, log=print) -> dict:
-    arms = [("serial", 0, None)] + [(f"{s}/d{k}", k, s) for k in depths for s in strategies]
-    raw: dict[str, list[dict]] = {name: [] for name, _, _ in arms}
+def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strategies=STRATEGIES, exact=True, log=print,
+              guards: dict[str, float | None] | None = None) -> dict:
+    """``guards``: label -> exact mode's guard margin (None: no guard). One variant (the
+    default: the configured guard) keeps the arm names "strategy/dk"; several give every
+    speculative arm once per variant, "strategy/dk/label", interleaved like the rest."""
+    guards = guards or {"": DEFAULT_GUARD}
+    arms = [("serial", 0, None, None)] + [
+        (f"{s}/d{k}" + (f"/{g}" if len(guards) > 1 else ""), k, s, m)
+        for k in depths for s in strategies for g, m in guards.items()
+    ]  # fmt: skip
+    raw: dict[str, list[dict]] = {name: [] for name, *_ in arms}
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
-        for name, k, s in order:
-            res = run_arm(lm, head, prompts, tokens, k, s, exact)
+        for name, k, s, m in order:
+            res = run_arm(lm, head, prompts, tokens, k, s, exact, m)
             if r > 0:
                 raw[name].append(res)
         if r > 0:
-            log(f"round {r}/{rounds}: " + ", ".join(f"{n} {raw[n][-1]['tok_s']:.0f}" for n, _, _ in arms))
-    result = {"arms": {}, "rounds": rounds, "tokens_per_prompt": tokens, "prompts": len(prompts), "exact": exact}
+            log(f"round {r}/{rounds}: " + ", ".join(f"{n} {raw[n][-1]['tok_s']:.0f}" for n, *_ in arms))
+    result = {"arms": {}, "rounds": rounds, "tokens_per_prompt": tokens, "prompts": len(prompts), "exact": exact,
+              "guards": guards}
     serial_tps = [x["tok_s"] for x in raw["serial"]]
-    for name, k, s in arms:
+    for name, k, s, _ in arms:
         runs = raw[name]
         tps = [x["tok_s"] for x in runs]
-        arm = {"depth": k, "strategy": s, "tok_s": spread(tps), "raw_tok_s": tps}
+        arm = {"depth": k, "strategy": s, "tok_s": spread(tps), "raw_tok_s": tps,
+               "tok_per_cpu_s": spread([x["tok_per_cpu_s"] for x in runs])}
         arm["speedup"] = spread([a / b for a, b in zip(tps, serial_tps)])
         if k:
             acc = [sum(x["accepted_by_position"][i] for x in runs) for i in range(k)]
@@ -145,8 +160,22 @@ def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strat
             arm["tokens_per_cycle"] = sum(x["tokens"] for x in runs) / max(1, cyc)
             arm["guarded_per_cycle"] = sum(x["guarded"] for x in runs) / max(1, cyc)
         result["arms"][name] = arm
+    if len(guards) == 2:
+        # The guard before/after: per round, the second variant's tok/s over the first's.
+        (ga, _), (gb, _) = guards.items()
+        per = {}
+        for k in depths:
+            for s in strategies:
+                ra = [x["tok_s"] for x in raw[f"{s}/d{k}/{ga}"]]
+                rb = [x["tok_s"] for x in raw[f"{s}/d{k}/{gb}"]]
+                ca = [x["tok_per_cpu_s"] for x in raw[f"{s}/d{k}/{ga}"]]
+                cb = [x["tok_per_cpu_s"] for x in raw[f"{s}/d{k}/{gb}"]]
+                per[f"{s}/d{k}"] = {"wall": spread([y / x for x, y in zip(ra, rb)]),
+                                    "cpu": spread([y / x for x, y in zip(ca, cb)])}
+        result["guard_ab"] = {"ratio": f"{gb}/{ga} tokens per wall second and per CPU second (paired per round)",
+                              "per_arm": per}
     # Rollback: which strategy won (paired per round and depth).
-    if len(strategies) == 2:
+    if len(strategies) == 2 and len(guards) == 1:
         a, b = strategies
         per_depth = {}
         ratios_all = []
@@ -170,16 +199,19 @@ def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strat
 def format_bench(res: dict, title: str) -> str:
     lines = [f"## {title}", ""]
     lines.append(f"{res['rounds']} rounds (+1 warm-up), {res['prompts']} prompts x {res['tokens_per_prompt']} tokens, "
-                 f"temperature 0, {'exact' if res['exact'] else 'fast'} mode, interleaved ABAB/BABA.")
-    lines += ["", "| arm | tok/s median | min-max | IQR | speedup vs serial (median) | tokens/cycle | acceptance by position | conditional | guarded/cycle |",
-              "|---|---|---|---|---|---|---|---|---|"]
+                 f"temperature 0, {'exact' if res['exact'] else 'fast'} mode, interleaved ABAB/BABA; guard "
+                 + ", ".join(f"{g or 'all'}: {'off' if m is None else f'{m:g}'}" for g, m in res.get("guards", {}).items()) + ".")
+    lines += ["", "| arm | tok/s median | min-max | IQR | speedup vs serial (median) | tok per CPU s (median, min-max) | tokens/cycle | acceptance by position | conditional | guarded/cycle |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in res["arms"].items():
         t = a["tok_s"]
         acc = " ".join(f"{x:.2f}" for x in a.get("acceptance_by_position", [])) or "-"
         cond = " ".join(f"{x:.2f}" for x in a.get("conditional_acceptance", [])) or "-"
         lines.append(
             f"| {name} | {t['median']:.1f} | {t['min']:.1f}-{t['max']:.1f} | {t['iqr']:.1f} | {a['speedup']['median']:.3f}x | "
-            f"{a.get('tokens_per_cycle', 1.0):.2f} | {acc} | {cond} | {a.get('guarded_per_cycle', 0.0):.3f} |"
+            + (f"{a['tok_per_cpu_s']['median']:.1f} ({a['tok_per_cpu_s']['min']:.1f}-{a['tok_per_cpu_s']['max']:.1f}) | "
+               if "tok_per_cpu_s" in a else "- | ")
+            + f"{a.get('tokens_per_cycle', 1.0):.2f} | {acc} | {cond} | {a.get('guarded_per_cycle', 0.0):.3f} |"
         )
     if "verify_cost" in res:
         vc = res["verify_cost"]
@@ -188,6 +220,14 @@ def format_bench(res: dict, title: str) -> str:
                   "| depth k | plain forward | capturing forward |", "|---|---|---|"]
         for k in vc["plain"]:
             lines.append(f"| {k} | {vc['plain'][k]:.2f}x | {vc['capture'][k]:.2f}x |")
+    if "guard_ab" in res:
+        ga = res["guard_ab"]
+        lines += ["", f"Guard before/after: {ga['ratio']}:", "",
+                  "| arm | wall median | wall min-max | CPU median | CPU min-max |", "|---|---|---|---|---|"]
+        for name, v in ga["per_arm"].items():
+            w, c = v["wall"], v["cpu"]
+            lines.append(f"| {name} | {w['median']:.3f} | {w['min']:.3f}-{w['max']:.3f} | {c['median']:.3f} | "
+                         f"{c['min']:.3f}-{c['max']:.3f} |")
     if "rollback" in res:
         rb = res["rollback"]
         per = ", ".join(f"d{k}: {v:.3f}" for k, v in rb["per_depth"].items())
@@ -205,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="1,2,3,4")
     ap.add_argument("--head", choices=("native", "copy"), default="native")
     ap.add_argument("--mode", choices=("exact", "fast"), default="exact")
+    ap.add_argument("--rollbacks", default=",".join(STRATEGIES), help="rollback strategies to compare")
+    ap.add_argument("--guard", choices=("probe", "on", "off", "ab"), default="probe",
+                    help="exact mode's near-tie guard: probe (default) = as the daemon runs it (off where the "
+                         "start-up probe finds verify bit-identical to serial steps); on; off; ab = guarded and "
+                         "the probe's choice as two interleaved arms per depth (the guard change before/after)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="also write the markdown table here")
     args = ap.parse_args(argv)
@@ -231,7 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depths.split(",")]
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    res = run_bench(lm, head, prompts, depths, args.rounds, args.tokens, exact=args.mode == "exact", log=log)
+    from ..engine.exactness import exact_guard
+
+    strategies = tuple(args.rollbacks.split(","))
+    probed = {s: exact_guard(lm, s, DEFAULT_GUARD) for s in strategies}
+    if args.guard == "ab" and len(set(probed.values())) != 1:
+        print("councild bench spec: --guard ab needs one probe verdict for every rollback compared", file=sys.stderr)
+        return 2
+    guards = {"on": {"": DEFAULT_GUARD}, "off": {"": None}, "probe": {"": probed[strategies[0]]},
+              "ab": {"guard": DEFAULT_GUARD, "probe": probed[strategies[0]]}}[args.guard]
+    if args.guard == "probe" and len(set(probed.values())) != 1:
+        guards = {"": DEFAULT_GUARD}  # the strategies disagree: keep the guard for all (safe)
+    res = run_bench(lm, head, prompts, depths, args.rounds, args.tokens, strategies=strategies,
+                    exact=args.mode == "exact", log=log, guards=guards)
+    res["guard_probe"] = {s: ("off: verify bit-identical" if g is None else g) for s, g in probed.items()}
     res["verify_cost"] = verify_cost(lm, depths)
     res["model"] = str(path)
     res["head"] = args.head

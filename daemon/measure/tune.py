@@ -73,7 +73,8 @@ def generation_sampling(model_path: str | Path) -> dict | None:
 
 
 def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str,
-            params: dict | None = None, seed: int = 0) -> tuple[list[float], list[list[bool]], int]:
+            params: dict | None = None, seed: int = 0, guard_margin: float | None = None,
+            ) -> tuple[list[float], list[list[bool]], int]:
     from daemon.engine.sampling import Sampler
     from daemon.engine.serial import serial_decode
     from daemon.engine.speculative import speculative_decode
@@ -81,7 +82,7 @@ def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, r
 
     sampler = Sampler(SamplingParams(**params, seed=seed) if params else SamplingParams())
     gen = serial_decode(lm, prompt, sampler) if depth == 0 else speculative_decode(
-        lm, head, prompt, sampler, depth, exact=exact, rollback=rollback)
+        lm, head, prompt, sampler, depth, exact=exact, rollback=rollback, guard_margin=guard_margin)
     cycles, masks, got = [], [], 0
     for step in gen:
         cycles.append(step.cycle_s)
@@ -106,13 +107,14 @@ def conditional_acceptance(masks: list[list[bool]], depth: int) -> tuple[list[fl
 
 
 def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, rollback: str, progress=None,
-         params: dict | None = None) -> dict:
+         params: dict | None = None, *, guard_margin: float | None) -> dict:
     """Measure cost per depth and acceptance at ``params`` (None: greedy); returns the
-    measured part of a profile."""
+    measured part of a profile. ``guard_margin``: exact mode's near-tie guard as the daemon
+    runs it (exactness.exact_guard)."""
     depths = [0] + [d for d in depths if d > 0] if head is not None else [0]
     # warm-up: one short pass per depth (compiles kernels, fills caches), discarded
     for k in depths:
-        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback, params)
+        _decode(lm, head, prompts[0], k, min(8, tokens), exact, rollback, params, guard_margin=guard_margin)
         if progress:
             progress.step(f"warm-up depth {k}")
     cycles: dict[int, list[float]] = {k: [] for k in depths}
@@ -122,7 +124,7 @@ def tune(lm, head, prompts: list[list[int]], depths, tokens: int, exact: bool, r
         order = depths if i % 2 == 0 else list(reversed(depths))
         for k in order:
             t = time.perf_counter()
-            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback, params, seed=i)
+            c, m, got = _decode(lm, head, p, k, tokens, exact, rollback, params, seed=i, guard_margin=guard_margin)
             tok_s[k].append(got / (time.perf_counter() - t))
             cycles[k] += c
             masks[k] += m
@@ -223,15 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     all_prompts = load_prompts()
     prompts = [lm.encode_prompt(p, None, None) for p in all_prompts[: max(1, args.prompts)]]
     n_depths = 1 + (len([d for d in depths if d > 0]) if head is not None else 0)
+    from daemon.engine.exactness import exact_guard
+
+    # The guard as the daemon runs exact mode: off where the probe proves verify bit-identical.
+    guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None
     # Greedy, and the sampling settings the model's generation_config declares (councils
     # mostly sample, and acceptance under rejection sampling is not greedy's).
     gen = generation_sampling(model) if args.sampling else None
     progress = Progress(n_depths * (1 + len(prompts)) * (2 if gen else 1))
-    measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress)
+    measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress, guard_margin=guard)
     sampling = {"greedy": {"params": None, **measured}}
     if gen:
         sampling["generation_config"] = {"params": gen, **tune(lm, head, prompts, depths, args.tokens, exact,
-                                                               rollback, progress, params=gen)}
+                                                               rollback, progress, params=gen, guard_margin=guard)}
     profile = {
         "format": PROFILE_FORMAT,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -241,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"path": str(Path(model).expanduser().resolve()), "hash": model_hash(model)},
         "mode": "exact" if exact else "fast",
         "rollback": rollback,
+        "guard_margin": guard,
         "decode_path": lm.decode_path,
         "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/measure/fidelity_prompts.json"},
         **measured,  # greedy: what the governor's cost model starts from

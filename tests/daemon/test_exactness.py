@@ -48,3 +48,19 @@ def test_the_probe_runs_once_per_strategy(random_model_path, monkeypatch):
     assert verify_matches_serial(lm, "capture")
     monkeypatch.setattr(rollback_mod.CaptureRollback, "forward", lambda *a: (_ for _ in ()).throw(AssertionError))
     assert verify_matches_serial(lm, "capture")  # cached: no second probe
+
+
+def test_exact_guard_is_off_only_where_the_probe_proves_bit_identity(random_model_path, monkeypatch):
+    from daemon.engine.exactness import exact_guard
+
+    lm = load_model(random_model_path, compile_decode=False)
+    assert exact_guard(lm, "capture", 0.03) is None  # CPU: verify == serial steps, no guard needed
+    lm2 = load_model(random_model_path, compile_decode=False)
+    real = rollback_mod.CaptureRollback.forward
+
+    def nudged(self, tokens):
+        h = real(self, tokens)
+        return h + (mx.arange(h.shape[1]) == 1).reshape(1, -1, 1).astype(h.dtype) * 2.0**-7
+
+    monkeypatch.setattr(rollback_mod.CaptureRollback, "forward", nudged)
+    assert exact_guard(lm2, "capture", 0.03) == 0.03  # rounds unlike serial: the guard stays

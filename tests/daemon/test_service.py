@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from daemon import service
-from daemon.service import LABEL, UNIT_NAME, render, resolve_paths
+from daemon.service import LABEL, UNIT_NAME, render, resolve_paths, steps
 
 try:  # the daemon's own default, so the templates' stop timeouts are checked against it
     from daemon.config import Config
@@ -309,7 +309,7 @@ def test_install_uninstall_round_trip(home, empty_path, platform):
     # print shows what install wrote (less the install record header).
     rc, printed, _ = run(["print", "--platform", platform, "--config", cfg], env)
     assert rc == 0
-    assert service._without_record(printed) == service._without_record(content)
+    assert service.without_record(printed) == service.without_record(content)
 
     rc, out, _ = run(["status", "--platform", platform, "--config", cfg], env)
     assert rc == 0 and "installed: yes, matches" in out and str(target) in out
@@ -459,7 +459,7 @@ def test_now_runs_the_launchctl_commands(home, tmp_path, monkeypatch):
     assert rc == service.EXIT_CONFIG  # x.toml does not exist
     (home / "x.toml").write_text("")
     # A changed file while loaded: bootout, then bootstrap (retried while the old one exits).
-    monkeypatch.setattr(service, "RETRY_DELAY_S", 0.0)
+    monkeypatch.setattr(steps, "RETRY_DELAY_S", 0.0)
     flaky = {**loaded, "FAKE_FAIL_ONCE": "bootstrap"}
     assert run(["install", "--platform", "darwin", "--now", "--config", str(home / "x.toml")], flaky)[0] == 0
     assert _calls(tmp_path) == [
@@ -494,3 +494,17 @@ def test_help_answers_questions(capsys):
     text = capsys.readouterr().out
     assert "--memory-high" in text and "--dry-run" in text and "Library/Logs/councild" in text
     assert service.main(["frobnicate"]) == 2
+
+
+def test_a_reader_that_leaves_gets_no_traceback(home):
+    """`councild service print | head -3`: stdout is a pipe nobody reads any more."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, deterministically
+    try:
+        proc = subprocess.run([sys.executable, "-m", "daemon.cli", "service", "print", "--platform", "linux"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "HOME": str(home)})
+    finally:
+        os.close(write_end)
+    assert proc.returncode == service.EXIT_FAILED
+    assert proc.stderr == ""

@@ -119,6 +119,19 @@ def test_exact_guard_absorbs_kernel_rounding_fast_does_not(lm, copy_head):
     assert exact_guarded > 0 and fast_diverged > 0
 
 
+def test_exact_without_the_guard_is_token_identical_where_verify_is_bit_identical(lm, copy_head, head):
+    """guard_margin=None (what the daemon runs where the exactness probe passes, as on CPU):
+    no position is re-decided serially, and the tokens are still serial's."""
+    for h in (head, copy_head):
+        for text in PROMPTS[:2]:
+            prompt = lm.tokenizer.encode(text)
+            ref = serial(lm, prompt, 32)
+            for k in (1, 2, 4):
+                got, steps = spec(lm, h, prompt, 32, k, exact=True, guard_margin=None)
+                assert got == ref, (text, k)
+                assert not any(s.guarded for s in steps)
+
+
 def test_one_token_prompt_and_no_head(lm, head):
     ref = serial(lm, [17], 12)
     got, steps = spec(lm, head, [17], 12, 2)

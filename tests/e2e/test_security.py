@@ -57,7 +57,7 @@ def test_default_runtime_dir_is_tightened(tmp_path, monkeypatch):
 
 
 def test_explicit_endpoint_in_a_world_writable_dir_is_refused(tmp_path, e2e_model):
-    # Decision (server._check_socket_dir): a folder others can write to could have the socket
+    # Decision (endpoint.EndpointGuard.check_socket_dir): a folder others can write to could have the socket
     # or its lock file replaced, so the daemon refuses it (exit 78) before loading the model.
     open_dir = tmp_path / "open"
     open_dir.mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from msgspec.structs import replace
 
 from governor.config import GovernorConfig
 from governor.fakes import make_estimates
@@ -37,6 +38,9 @@ class Harness:
         if "scores" in obs:
             obs["estimates"] = make_estimates(obs.pop("scores"))
         self.obs.update(obs)
+        self.samples: dict[int, int] = {}
+        self.decisions: list[tuple[float, str, int | None]] = []
+        self.cycles_per_tick = 25
         self.log: list[tuple[float, object]] = []
         self.pressure_log: list[tuple[float, str]] = []
 
@@ -45,11 +49,23 @@ class Harness:
             changes["estimates"] = make_estimates(changes.pop("scores"), stale=changes.pop("stale", False))
         self.decoding = changes.pop("decoding", self.decoding)
         self.obs.update(changes)
+        if self.decoding and self.obs["estimates"]:
+            # The cost model's sample counts grow at the depth decoding now (~25 cycles a
+            # tick), which is what a paired probe waits on.
+            k = self.state.depth if self.obs["head_resident"] else 0
+            self.samples[k] = self.samples.get(k, 0) + self.cycles_per_tick
+            self.obs["estimates"] = tuple(
+                replace(e, samples=e.samples + self.samples.get(e.depth, 0)) if e.depth == k else e
+                for e in self.obs["estimates"]
+            )
+            self.samples = {}
         obs = Observation(**self.obs, decode_s=self.decode_s)
         before = self.state.depth
         self.state, actions, reasons = decide(self.state, obs, self.t, self.cfg)
         assert reasons and all("decision" in r and "sentence" in r for r in reasons)
-        assert abs(self.state.depth - before) <= 1 or self.state.depth == 0 or self.state.override == "pin_depth"
+        probing = any(r["decision"] in ("probe", "probe_step", "probe_end") for r in reasons)
+        assert (abs(self.state.depth - before) <= 1 or self.state.depth == 0 or self.state.override == "pin_depth"
+                or probing)  # moves are one step at a time; a probe measures any depth
         for a in actions:
             self.log.append((self.t, a))
             if self.apply_head and isinstance(a, LoadHead):
@@ -57,6 +73,7 @@ class Harness:
             if isinstance(a, EvictHead):
                 self.obs["head_resident"] = False
         self.pressure_log.append((self.t, obs.pressure))
+        self.decisions += [(self.t, r["decision"], r.get("depth_to")) for r in reasons]
         self.t += self.cfg.tick_s
         if self.decoding:
             self.decode_s += self.cfg.tick_s
@@ -74,6 +91,14 @@ class Harness:
 
     def times(self, kind) -> list[float]:
         return [t for t, a in self.log if isinstance(a, kind)]
+
+    def moves(self) -> list[int]:
+        """Depths moved to, leaving out a paired probe's alternations (its start and its
+        verdict's depth stay)."""
+        return [k for _, d, k in self.decisions if k is not None and d != "probe_step"]
+
+    def move_times(self) -> list[float]:
+        return [t for t, d, k in self.decisions if k is not None and d != "probe_step"]
 
 
 # ---------------------------------------------------------------- shed fast
@@ -190,7 +215,7 @@ def test_reload_needs_headroom_for_head_plus_margin():
 
 
 def test_reload_needs_a_predicted_gain():
-    cfg = GovernorConfig(min_reload_gap_s=0.0)
+    cfg = GovernorConfig(min_reload_gap_s=0.0, head_trial_interval_s=0.0)  # trials: their own tests
     h = _evicted_by_critical(cfg=cfg)
     h.run(600.0, pressure="normal", scores=[20.0, 12.0, 11.0, 10.0, 9.0])
     assert not h.times(LoadHead)
@@ -206,7 +231,7 @@ def test_no_reload_while_batching_several_streams():
 
 
 def test_idle_head_evicted_after_idle_evict_s():
-    h = Harness(state=State(depth=1, head_target=True))
+    h = Harness(cfg=GovernorConfig(head_trial_interval_s=0.0), state=State(depth=1, head_target=True))
     h.run(5.0, scores=[20.0, 10.0, 9.0, 8.0, 7.0])  # speculation does not pay: depth 0
     assert h.state.depth == 0
     t0 = next(t for t, a in h.log if a == SetDepth(0))
@@ -215,7 +240,7 @@ def test_idle_head_evicted_after_idle_evict_s():
     h.run(15.0)
     (t_ev,) = h.times(EvictHead)
     assert CFG.idle_evict_s - 0.5 <= t_ev - t0 <= CFG.idle_evict_s + 0.5
-    # And it does not come back while the model says it would not pay.
+    # With trials off, it does not come back while the model says it would not pay.
     h.run(1200.0)
     assert not h.times(LoadHead)
 
@@ -302,9 +327,9 @@ def test_stale_neighbour_is_probed_then_left():
     h.run(29.0, scores=GOOD, stale=[False, False, True, False, False])
     assert not h.times(SetDepth)
     h.run(2.0)
-    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]  # probing depth 2
+    assert h.moves() == [2] and h.state.probe_depth == 2  # probing depth 2
     h.run(3.0, scores=GOOD, stale=False)  # measured: not better
-    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2, 1]
+    assert h.state.depth == 1 and [d for _, d, _ in h.decisions].count("probe_end") == 1
     assert h.state.probe_depth is None and h.state.probe_count == 1
 
 
@@ -425,14 +450,16 @@ def test_probe_interval_counts_decode_time_not_idle_time():
     h.run(4.5, decoding=True)  # 29.5 s of decoding: not yet
     assert not h.times(SetDepth)
     h.run(1.0)
-    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]  # probing depth 2
+    assert h.moves() == [2]  # probing depth 2
     probe_start = h.times(SetDepth)[0]
     h.run(1.0)  # the burst ends 1 s into the probe: an idle minute does not end it
     h.run(60.0, decoding=False)
-    assert h.state.probe_depth == 2 and h.state.depth == 2
-    h.run(1.5, scores=GOOD, stale=False, decoding=True)  # 2 s of decoding at depth 2: judged
-    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2, 1]
-    assert h.times(SetDepth)[1] - probe_start > 60.0
+    assert h.state.probe_depth == 2
+    h.run(1.5, scores=GOOD, stale=False, decoding=True)  # 2 s of decoding, both depths sampled: judged
+    assert h.state.probe_depth is None and h.state.depth == 1
+    assert [d for _, d, _ in h.decisions].count("probe_end") == 1
+    (end,) = [t for t, d, _ in h.decisions if d == "probe_end"]
+    assert end - probe_start > 60.0
 
 
 def test_wall_clock_interval_would_have_probed_every_burst():
@@ -441,7 +468,7 @@ def test_wall_clock_interval_would_have_probed_every_burst():
     cfg = GovernorConfig(probe_interval_s=30.0, probe_s=2.0)
     h = Harness(cfg=cfg, state=State(depth=1, head_target=True))
     h.run(31.0, scores=GOOD, stale=[False, False, True, False, False])
-    assert [a.depth for _, a in h.log if isinstance(a, SetDepth)] == [2]
+    assert h.moves() == [2] and h.state.probe_depth == 2
 
 
 # ---------------------------------------------------------------- start depth

@@ -61,9 +61,13 @@ def test_policy_invariants(steps, start_depth, resident):
 
         assert reasons and all(r["decision"] and r["sentence"] for r in reasons)
         assert 0 <= state.depth <= CFG.max_depth
-        # One depth step per tick, except the safety drop to 0 and an operator pin.
+        # One depth step per tick, except the safety drop to 0, an operator pin, and a probe
+        # (it measures the depth that looks best directly, then stays or goes back).
         if abs(state.depth - before.depth) > 1:
-            assert state.depth == 0 or state.override == "pin_depth"
+            probe = {r["decision"] for r in reasons} & {"probe", "probe_step", "probe_end"}
+            assert state.depth == 0 or state.override == "pin_depth" or probe
+            if probe and state.probe_depth is not None:
+                assert state.depth in (state.probe_depth, state.probe_return)
         sets = [a for a in actions if isinstance(a, SetDepth)]
         assert len(sets) <= 1 + any(isinstance(a, EvictHead) for a in actions)
         if sets:

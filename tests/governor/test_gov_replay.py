@@ -68,13 +68,18 @@ def test_critical_spike_sheds_fast_and_restores_slowly():
 
 
 def test_replay_with_other_thresholds_answers_what_if():
-    rows = replay(trace("critical"), GovernorConfig(min_reload_gap_s=180.0))
+    # 150 s, not more: the replay's cycles are the recorded run's, which reloaded at ~188 s
+    # and speculated from then on, so a replay still serial after that has no fresh
+    # depth-0 cost to judge a move by (it holds, as the live policy would without data).
+    rows = replay(trace("critical"), GovernorConfig(min_reload_gap_s=150.0))
     (ld,) = acts(rows, "LoadHead")
     first = next(r for r in rows if r["pressure"] == "critical")
-    assert ld["t"] >= first["t"] + 180.0
-    # The simulated head follows the replay's own decisions: speculation resumes after it.
+    assert ld["t"] >= first["t"] + 150.0
+    # The simulated head follows the replay's own decisions: speculation resumes after it
+    # (a probe of the depth that looks best, paired against serial).
     later = [r for r in rows if r["t"] > ld["t"] and r["actions"]]
-    assert later and later[0]["actions"] == ["SetDepth(1)"]
+    assert later and later[0]["actions"][0] in ("SetDepth(1)", "SetDepth(2)", "SetDepth(3)", "SetDepth(4)")
+    assert "probe" in later[0]["reasons"]
 
 
 def test_replay_rejects_a_broken_line():
