@@ -389,6 +389,8 @@ DELEGATED = {
                             "MTP head vs + prompt lookup vs per-request depth, on quoting and plain prompts"),
     ("bench", "compile"): ("daemon.measure.compile_bench",
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
+    ("bench", "prefill"): ("daemon.measure.prefill_bench",
+                           "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),

@@ -53,7 +53,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
     ``chunked_prefill``: prefill GatedDeltaNet layers in chunked form (``chunked_prefill.py``;
-    None: wherever mlx-lm has no fused recurrence kernel, i.e. off Metal's GPU).
+    None: on a GPU without Metal, i.e. CUDA, the one backend where it was measured faster).
     ``progress(bytes_read, total_bytes, seconds)`` is called as the weights are read."""
     import mlx_lm
 

@@ -35,7 +35,7 @@ class LoadedModel:
     # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
     decode_path: str = "eager: not requested"
     # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
-    # instead of token by token; load_model turns it on where mlx-lm has no fused kernel.
+    # instead of token by token; load_model turns it on on CUDA (chunked_prefill.default_enabled).
     chunked_prefill: bool = False
 
     @property

@@ -164,6 +164,34 @@ def test_long_prompt_through_the_engine_prefill(lm):
     _assert_agree_until_near_tie(ref, margins, got)
 
 
+def test_the_daemons_resumable_prefill_takes_the_chunked_path(lm):
+    """engine/prefill.py's ChunkedPrefill (what the daemon runs) leaves the caches that
+    serial.prefill leaves at the same chunk size, chunked GatedDeltaNet on; with it off the
+    caches differ (so the comparison can tell the two paths apart)."""
+    from daemon.engine.prefill import ChunkedPrefill
+
+    prompt = sum((lm.encode_prompt(p, None, None) for p in load_prompts()), [])[:300]
+    saved = lm.chunked_prefill
+
+    def caches(chunked: bool, resumable: bool):
+        lm.chunked_prefill = chunked
+        cache = lm.make_cache()
+        if resumable:
+            job = ChunkedPrefill(lm, prompt, cp.MIN_T, cache)
+            while job.step():
+                pass
+        else:
+            prefill(lm, prompt, cache, cp.MIN_T)
+        return cache_arrays(cache)
+
+    try:
+        daemon_path, serial_path, token_loop = caches(True, True), caches(True, False), caches(False, False)
+    finally:
+        lm.chunked_prefill = saved
+    assert all(mx.array_equal(a, b).item() for a, b in zip(daemon_path, serial_path, strict=True))
+    assert not all(mx.array_equal(a, b).item() for a, b in zip(daemon_path, token_loop, strict=True))
+
+
 def test_prefill_path_declines_what_it_does_not_handle(lm):
     cache = lm.make_cache()
     short = mx.zeros((1, cp.MIN_T - 1), dtype=mx.uint32)

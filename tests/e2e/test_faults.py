@@ -308,11 +308,13 @@ def test_daemon_killed_and_restarted(tmp_path, e2e_model):
             while True:
                 assert d2.proc.poll() is None, d2.log_path.read_text()[-3000:]
                 try:
-                    st = client.status()
+                    # A Pong means serving (Status is answered while the model still loads).
+                    client.ping()
                     break
                 except DaemonUnavailable:
                     assert time.monotonic() - t_restart < 120
             recovered_s = time.monotonic() - t_restart
+            st = client.status()
             assert st.detail["pid"] == d2.proc.pid
             assert client.generate("def again():", max_tokens=8).result().usage.completion_tokens == 8
         finally:
