@@ -54,11 +54,7 @@ class ChunkedPrefill:
             self.history = None  # the governor evicted the head: this request decodes serially
         n = min(self.chunk, self.total - self.pos)
         chunk = self.ids[self.pos : self.pos + n]
-<<<<<<< HEAD
-        h = self.lm.prefill_hidden(chunk[None], self.cache)
-=======
         h = self.lm.prefill_hidden(chunk[None], self.cache)  # chunked GatedDeltaNet where enabled
->>>>>>> main
         arrays = [c.state for c in self.cache]
         if self.history is not None:
             self.history.add(h, self.ids[self.pos + 1 : self.pos + n + 1])
