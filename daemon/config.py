@@ -55,9 +55,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A prompt is prefilled this many tokens at a time, each chunk one unit of work between
     # other streams' decode cycles; cancel, deadlines and the drain are checked between
     # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
-    # prefill throughput. The chunk size is part of the numerics (chunks of 128+ tokens run
-    # the chunked GatedDeltaNet form from their own start), so two daemons with different
-    # chunks can differ at a near-tie; one daemon's runs, prefix-cache hits included, agree.
+    # prefill throughput. The chunk size can be part of the numerics (where the chunked
+    # GatedDeltaNet form runs, from each chunk's start; on CPU, sizes like 17 or 100 too), so
+    # daemons with different chunks can differ at a near-tie; one daemon's runs agree,
+    # prefix-cache hits included (OPERATIONS.md, Chunked prefill).
     prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()

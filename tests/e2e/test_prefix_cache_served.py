@@ -10,7 +10,7 @@ from e2e_harness import start_daemon
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
-CHUNK = 128  # the chunked GatedDeltaNet form runs from 128 tokens: the fragile path
+CHUNK = 128  # where the chunked GatedDeltaNet form is on (CUDA), it runs from 128 tokens
 CONFIG = f"""
 heartbeat_interval_s = 0.5
 governor_enabled = false
