@@ -126,7 +126,19 @@ async def run_arm(arm: str, conc: int, tokens: int, ctx: dict, offset: int) -> d
     return summarise(list(rows))
 
 
-async def bench(args, endpoint: str, arms: dict) -> dict:
+def cpu_seconds(procs: dict) -> dict:
+    out = {}
+    for name, p in procs.items():
+        t = p.cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+async def bench(args, endpoint: str, arms: dict, pids: dict) -> dict:
+    import psutil
+
+    procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+    procs["client"] = psutil.Process()
     ctx: dict = {"zmq": [AsyncClient(endpoint, seat=f"zmq{i}", timeout_s=120) for i in range(max(args.streams))],
                  "http_client": httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64))}
     ctx.update(arms)
@@ -137,7 +149,11 @@ async def bench(args, endpoint: str, arms: dict) -> dict:
             order = names[r % len(names):] + names[: r % len(names)]
             for conc in args.streams:
                 for arm in order:
+                    c0 = cpu_seconds(procs)
                     res = await run_arm(arm, conc, args.tokens, ctx, offset=r)
+                    c1 = cpu_seconds(procs)
+                    # CPU seconds each process spent per 1,000 tokens of this batch.
+                    res.update({f"cpu_{k}_s_per_1k": (c1[k] - c0[k]) * 1000 / max(1, res["tokens"]) for k in c0})
                     if r:
                         samples[arm][conc].append(res)
             print(f"round {r}/{args.rounds}" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
@@ -189,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(mlx)
             wait_http(f"http://127.0.0.1:{mport}/v1/models", mlx)
             arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1/completions", args.model)
-        samples = asyncio.run(bench(args, endpoint, arms))
+        pids = {"daemon": daemon.pid, "front": front.pid}
+        if args.mlx_server:
+            pids["mlx_lm.server"] = mlx.pid
+        samples = asyncio.run(bench(args, endpoint, arms, pids))
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -207,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm, by in samples.items():
         out["arms"][arm] = {}
         for conc, rows in by.items():
-            s = {k: spread([r[k] for r in rows]) for k in ("ttft_s", "decode_tok_s", "aggregate_tok_s")}
+            s = {k: spread([r[k] for r in rows]) for k in rows[0] if k == "ttft_s" or k.endswith("tok_s")
+                 or k.startswith("cpu_")}
             out["arms"][arm][str(conc)] = s
             t, d, a = s["ttft_s"], s["decode_tok_s"], s["aggregate_tok_s"]
             lines.append(f"| {arm} | {conc} | {t['median'] * 1e3:.1f} ({t['min'] * 1e3:.1f}-{t['max'] * 1e3:.1f}) | "
@@ -228,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {arm} | {conc} | {agg['median']:.3f} ({agg['min']:.3f}-{agg['max']:.3f}) | "
                          f"{dec['median']:.3f} | {ttft['median'] * 1e3:+.1f} ({ttft['min'] * 1e3:+.1f}-"
                          f"{ttft['max'] * 1e3:+.1f}) |")
+    lines += ["", "| arm | streams | CPU s per 1,000 tokens: daemon | front | mlx_lm.server | this client |",
+              "|---|---|---|---|---|---|"]
+    for arm, by in out["arms"].items():
+        for conc, s in by.items():
+            cells = [f"{s[f'cpu_{k}_s_per_1k']['median']:.2f}" if f"cpu_{k}_s_per_1k" in s else "-"
+                     for k in ("daemon", "front", "mlx_lm.server", "client")]
+            lines.append(f"| {arm} | {conc} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)

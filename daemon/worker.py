@@ -99,9 +99,9 @@ class EngineSnapshot:
     governor: dict = field(default_factory=dict)
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
 
 
 class InjectedFault(RuntimeError):
@@ -530,6 +530,9 @@ class EngineWorker(threading.Thread):
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
 
+    def _token_text(self, token_id: int) -> str:
+        return self.lm.tokenizer.decode([token_id])
+
     def _prefill_chunk(self, job: Job) -> None:
         """One unit of a job's prefill; the loop checks commands, deadlines and the drain,
         and feeds the watchdog, before the next."""
@@ -545,8 +548,6 @@ class EngineWorker(threading.Thread):
         self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
         with self.snapshot_lock:
             self.snapshot.prefill_tokens_total += n
-    def _token_text(self, token_id: int) -> str:
-        return self.lm.tokenizer.decode([token_id])
 
     def _request_depth(self, job: Job):
         """The depth a request drafts at: the governor's, capped by the best depth `councild
@@ -756,9 +757,9 @@ class EngineWorker(threading.Thread):
             self.snapshot.recent_tokens_per_s = total_rate
             self.snapshot.seats = seats
             self.snapshot.memory = memory
+            self.snapshot.stats = self.tallies.to_dict()
             if self.prefix_cache is not None:
                 self.snapshot.prefix_cache = self.prefix_cache.stats()
-            self.snapshot.stats = self.tallies.to_dict()
             if self.governance is not None:
                 self.snapshot.governor = self.governance.snapshot()
                 self.snapshot.shedding = self.governance.shed

@@ -35,9 +35,11 @@ from .metrics import FrontMetrics
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
 
 SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
-# Status replies for /health and /metrics wait at most this long, so a daemon that is down
-# answers the probe quickly instead of after the client's liveness timeout.
+# /health waits at most this long for the daemon's status, so a daemon that is down answers
+# the probe quickly instead of after the client's liveness timeout; /metrics waits longer (a
+# scrape has its own timeout, typically 10 s, and a loaded machine answers slowly).
 STATUS_TIMEOUT_S = 3.0
+METRICS_STATUS_TIMEOUT_S = 8.0
 # Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
 MAX_SEATS = 256
 
@@ -149,18 +151,18 @@ class Front:
                                                  client_name="councild-http")
         return c
 
-    async def status(self, max_age: float | None = None) -> m.StatusReply | None:
+    async def status(self, max_age: float | None = None, timeout: float = STATUS_TIMEOUT_S) -> m.StatusReply | None:
         """The daemon's StatusReply, at most ``max_age`` (default status_ttl_s) old; None when
-        it does not answer (``_status_error`` says why)."""
+        it does not answer within ``timeout`` (``_status_error`` says why)."""
         max_age = self.cfg.status_ttl_s if max_age is None else max_age
         async with self._status_lock:
             if self._status is not None and time.monotonic() - self._status_at <= max_age:
                 return self._status
             if self._status_client is None:
                 self._status_client = AsyncClient(self.endpoint, seat=self.cfg.default_seat,
-                                                  timeout_s=STATUS_TIMEOUT_S, client_name="councild-http-status")
+                                                  timeout_s=METRICS_STATUS_TIMEOUT_S, client_name="councild-http-status")
             try:
-                self._status = await asyncio.wait_for(self._status_client.status(), STATUS_TIMEOUT_S + 0.5)
+                self._status = await asyncio.wait_for(self._status_client.status(), timeout)
                 self._status_at = time.monotonic()
                 self._status_error = None
             except (CouncilError, asyncio.TimeoutError) as exc:
@@ -255,6 +257,10 @@ class Front:
             return exc.response()
         except CouncilError as exc:
             err = from_council(exc)
+            if exc.code == "overloaded":
+                st = await self.status()
+                if st is not None and st.detail.get("state") == "loading":  # not ready, not busy
+                    err = HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.metrics.request(route, seat, err.status, exc.code)
             return err.response()
 
@@ -268,7 +274,7 @@ class Front:
             while True:
                 msg = await stream.next_message()
                 if isinstance(msg, m.Tokens):
-                    if msg.text or msg.logprobs:
+                    if msg.text or msg.logprobs or msg.reasoning:
                         now = time.monotonic()
                         if first_token:
                             self.metrics.ttft.observe(now - received)
@@ -276,7 +282,7 @@ class Front:
                         elif last is not None:
                             self.metrics.chunk_gap.observe(now - last)
                         last = now
-                        yield sse(shape.chunk(msg.text, msg.logprobs))
+                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning))
                 elif isinstance(msg, m.Done):
                     ended = True
                     yield sse(shape.chunk(None if parsed.chat else "", None, finish=finish_reason(msg)))
@@ -318,17 +324,20 @@ class Front:
     async def health(self, request: Request) -> Response:
         st = await self.status()
         if st is None:
-            # The daemon binds its socket only once the model is loaded, so a daemon that is
-            # starting looks like one that is not running: both are "loading" here.
+            # No answer: a daemon not (yet) started looks like one starting; both are
+            # "loading" here, with the reason.
             return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
                                 headers={"Retry-After": "2"})
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
+        if st.detail.get("state") == "loading":  # the daemon answers while it reads the weights
+            return JSONResponse({"status": "loading", "model": st.model, "progress": st.detail.get("load_progress")},
+                                status_code=503, headers={"Retry-After": "2"})
         return JSONResponse({"status": "ready", "model": st.model, "active": st.active, "queued": st.queued,
                              "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
 
     async def metrics_route(self, request: Request) -> Response:
-        st = await self.status(max_age=0.0)
+        st = await self.status(max_age=0.0, timeout=METRICS_STATUS_TIMEOUT_S)
         body, content_type = self.metrics.render(st)
         return Response(body, media_type=content_type)
 

@@ -17,6 +17,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from protocol import messages as m
 
 PRESSURE_LEVEL = {"normal": 0, "warn": 1, "critical": 2}
+# The prefix cache's cumulative numbers (the rest of its stats are gauges: entries, bytes).
+PREFIX_CACHE_COUNTERS = {"hits": "lookups that found a stored prefix", "misses": "lookups that found none",
+                         "cached_tokens": "prompt tokens taken from the cache instead of computed",
+                         "evicted": "snapshots evicted (LRU or memory pressure)"}
 
 
 def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
@@ -86,6 +90,7 @@ class DaemonCollector:
         yield gauge("councild_head_bytes", "bytes of the MTP head when resident", d.get("head_bytes", 0))
         yield gauge("councild_tokens_per_second", "output tokens per second over the last 10 s", d.get("recent_tokens_per_s", 0))
         yield gauge("councild_draining", "1 while the daemon drains for shutdown", bool(d.get("draining")))
+        yield gauge("councild_loading", "1 while the daemon reads the model's weights", d.get("state") == "loading")
         yield gauge("councild_clients", "connected clients", d.get("clients", 0))
         yield gauge("councild_uptime_seconds", "seconds since the daemon started", st.uptime_s)
         for key, name in (("active_bytes", "active"), ("cache_bytes", "cache"), ("peak_bytes", "peak")):
@@ -100,10 +105,20 @@ class DaemonCollector:
         if gov:
             yield gauge("councild_shedding", "1 while the governor refuses new work", bool(gov.get("shedding")))
         cache = d.get("prefix_cache")
-        if isinstance(cache, dict):  # issue 13's prefix cache, when the daemon has one
+        if isinstance(cache, dict) and cache:  # the prefix cache, when the daemon has one
             for key, value in cache.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    continue
+                if key in PREFIX_CACHE_COUNTERS:
+                    c = CounterMetricFamily(f"councild_prefix_cache_{key}", PREFIX_CACHE_COUNTERS[key])
+                    c.add_metric([], value)
+                    yield c
+                else:
                     yield gauge(f"councild_prefix_cache_{key}", f"prefix cache: {key}", value)
+        if "prefill_tokens_total" in d:
+            c = CounterMetricFamily("councild_prefill_tokens", "prompt tokens computed (not taken from the prefix cache)")
+            c.add_metric([], d["prefill_tokens_total"])
+            yield c
 
 
 class FrontMetrics:

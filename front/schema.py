@@ -31,7 +31,9 @@ COMMON = {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "strea
           # councild extras
           "priority", "speculation", "top_k", "min_p", "repetition_penalty", "deadline_ms"}
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
-             "function_call", "parallel_tool_calls", "response_format", "modalities"}
+             "function_call", "parallel_tool_calls", "response_format", "modalities",
+             # councild (and vLLM) extra: variables for the chat template, e.g. enable_thinking
+             "chat_template_kwargs"}
 COMPLETION_ONLY = {"prompt", "echo", "best_of", "suffix"}
 
 
@@ -199,6 +201,11 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> Parsed:
             raise BadRequest(f"'{key}' must be one of {', '.join(allowed)}, not {v!r}", key)
         gen[key] = v
 
+    if chat and body.get("chat_template_kwargs") is not None:
+        kw = body["chat_template_kwargs"]
+        if not isinstance(kw, dict):
+            raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+        gen["chat_template_kwargs"] = kw  # checked by the protocol's own validation
     if chat:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):
@@ -279,7 +286,10 @@ class ResponseShape:
     def full(self, done: m.Done) -> dict:
         lps = done.logprobs or []
         if self.p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": done.text},
+            message = {"role": "assistant", "content": done.text}
+            if done.reasoning:  # thinking apart from the answer, as vLLM and DeepSeek name it
+                message["reasoning_content"] = done.reasoning
+            choice = {"index": 0, "message": message,
                       "logprobs": chat_logprobs(lps) if self.p.logprobs else None, "finish_reason": finish_reason(done)}
             body = self._base("chat.completion")
         else:
@@ -292,12 +302,14 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, lps: list[m.TokenLogprob] | None, finish: str | None = None,
-              first: bool = False) -> dict:
+              first: bool = False, reasoning: str = "") -> dict:
         if self.p.chat:
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
-            if text is not None:
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if text is not None and (text or not reasoning):
                 delta["content"] = text
             choice = {"index": 0, "delta": delta,
                       "logprobs": chat_logprobs(lps) if (self.p.logprobs and lps) else None, "finish_reason": finish}

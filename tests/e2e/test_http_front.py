@@ -246,8 +246,9 @@ def test_metrics_move_after_a_request(stack, oai):
     def get(m, name, **labels):
         return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
-    # The daemon publishes its snapshot between decode cycles (at most 0.1 s behind).
-    deadline = time.monotonic() + 10
+    # The daemon publishes its snapshot between decode cycles (at most 0.1 s behind); a
+    # loaded machine can be much slower than that.
+    deadline = time.monotonic() + 60
     while True:
         after = _metrics(front)
         if get(after, "councild_requests_total", seat="http-test", outcome="length") > \
@@ -320,7 +321,7 @@ def test_eight_streams_with_random_disconnects_lose_and_duplicate_nothing(stack)
 
 def test_the_grafana_dashboard_graphs_series_that_exist(stack):
     """Every series docs/grafana-councild.json queries is one /metrics serves (the prefix
-    cache's are matched by a regex and appear only when the daemon has one)."""
+    cache is on by default, so its series are served too)."""
     import json
     import re
     from pathlib import Path
@@ -332,7 +333,7 @@ def test_the_grafana_dashboard_graphs_series_that_exist(stack):
     dash = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-councild.json").read_text())
     wanted = {n for p in dash["panels"] for t in p["targets"] for n in re.findall(r"\bcouncild_[a-z_]+\b", t["expr"])}
     assert len(wanted) > 15
-    missing = sorted(n for n in wanted if n not in served and not n.startswith("councild_prefix_cache_"))
+    missing = sorted(n for n in wanted if n not in served)
     assert not missing, missing
 
 

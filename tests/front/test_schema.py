@@ -24,6 +24,13 @@ def test_extras_and_options_map():
     assert (g["priority"], g["speculation"], g["top_k"], g["min_p"]) == ("interactive", "fast", 5, 0.1)
 
 
+def test_chat_template_kwargs_only_for_chat():
+    assert chat(chat_template_kwargs={"enable_thinking": False}).generate["chat_template_kwargs"] == {
+        "enable_thinking": False}
+    with pytest.raises(BadRequest):
+        parse_request({"prompt": "x", "chat_template_kwargs": {"a": 1}}, False, 10)
+
+
 def test_content_parts_and_developer_role():
     p = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                                       {"type": "text", "text": "b"}]}]}, True, 10)

@@ -71,11 +71,10 @@ def strategy_for(t: mi.Type) -> st.SearchStrategy:
     if isinstance(t, mi.ListType):
         hi = min(t.max_length if t.max_length is not None else 4, 4)
         return st.lists(strategy_for(t.item_type), min_size=t.min_length or 0, max_size=hi)
-    if isinstance(t, mi.DictType):
-        if isinstance(t.key_type, mi.AnyType) or isinstance(t.value_type, mi.AnyType):  # free-form (status detail)
-            return st.dictionaries(st.text(max_size=8), _any_value, max_size=3)
-        hi = min(t.max_length if t.max_length is not None else 3, 3)
-        return st.dictionaries(strategy_for(t.key_type), strategy_for(t.value_type), max_size=hi)
+    if isinstance(t, mi.DictType):  # typed keys/values where the message declares them
+        keys = st.text(max_size=8) if isinstance(t.key_type, mi.AnyType) else strategy_for(t.key_type)
+        values = _any_value if isinstance(t.value_type, mi.AnyType) else strategy_for(t.value_type)
+        return st.dictionaries(keys, values, max_size=min(t.max_length if t.max_length is not None else 3, 3))
     if isinstance(t, mi.AnyType):
         return _any_value
     if isinstance(t, mi.StructType):
