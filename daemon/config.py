@@ -55,8 +55,10 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # A prompt is prefilled this many tokens at a time, each chunk one unit of work between
     # other streams' decode cycles; cancel, deadlines and the drain are checked between
     # chunks. Smaller: others' streams stall less and a cancel lands sooner, at some
-    # prefill throughput. (On CPU, chunks of a multiple of 8 tokens leave the cache bit-
-    # identical to one-shot prefill; other sizes can differ in the last ulp.)
+    # prefill throughput. The chunk size can be part of the numerics (where the chunked
+    # GatedDeltaNet form runs, from each chunk's start; on CPU, sizes like 17 or 100 too), so
+    # daemons with different chunks can differ at a near-tie; one daemon's runs agree,
+    # prefix-cache hits included (OPERATIONS.md, Chunked prefill).
     prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
@@ -103,7 +105,7 @@ class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # chat's first message's) and continue later prompts that start with them.
     enabled: bool = True
     # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
-    max_bytes: PositiveInt = 1 << 30
+    max_bytes: Annotated[int, Meta(ge=1, le=1 << 42)] = 1 << 30
 
 
 class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):

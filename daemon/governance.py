@@ -18,6 +18,7 @@ from governor import (
     CycleTelemetry,
     EvictHead,
     Governor,
+    LimitPromptCache,
     LoadHead,
     LoadTracker,
     MlxMemoryProbe,
@@ -100,6 +101,8 @@ class Governance:
         """Called by the step loop between cycles."""
         self._finish_load()
         now = time.monotonic()
+        if self.worker.prefix_cache is not None:
+            self.gov.note_prompt_cache(self.worker.prefix_cache.nbytes)
         if now >= self.next_tick:
             self.next_tick = now + self.cfg.tick_s
             self.apply(self.gov.tick())
@@ -132,6 +135,28 @@ class Governance:
                 self.shed = (action.on, action.retry_after_s)
             elif isinstance(action, ClearCache):
                 mx.clear_cache()
+            elif isinstance(action, LimitPromptCache):
+                self._limit_prompt_cache(action.max_bytes)
+
+    # ------------------------------------------------------------------ prompt caches
+    def _limit_prompt_cache(self, max_bytes: int | None) -> None:
+        """Cap the prefix cache (oldest snapshots go first), each one logged; None lifts
+        the cap."""
+        pc = self.worker.prefix_cache
+        if pc is None:
+            return
+        held = pc.nbytes
+        before = mx.get_active_memory()
+        dropped = pc.set_limit(max_bytes)
+        for nbytes, tokens in dropped:
+            log.info("prefix_cache.evicted", bytes=nbytes, tokens=tokens, reason="governor",
+                     limit_bytes=max_bytes, held_bytes=held)
+            held -= nbytes
+        if dropped:
+            mx.clear_cache()
+        log.info("prefix_cache.limit", limit_bytes=max_bytes, budget_bytes=pc.budget, held_bytes=pc.nbytes,
+                 dropped=len(dropped), freed_bytes=before - mx.get_active_memory())
+        self.gov.note_prompt_cache(pc.nbytes)
 
     # ------------------------------------------------------------------ head residency
     def _evict(self) -> None:

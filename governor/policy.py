@@ -9,6 +9,8 @@ which is what makes a recorded trace replayable and every rule below testable wi
 
 Order within a tick (the order the actions come out in, and the step loop applies them):
   1. timers        pressure episodes (normal since, warn episode, not critical since)
+  1b. prompt caches shed first under pressure (critical: all, warn: the oldest half per
+                   tick), the cap lifted after the restore window; the head waits for them
   2. head          shed fast (critical now, warn sustained, idle), restore slowly
   3. admissions    shed under critical, clear MLX's cache, release once it passes
   4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
@@ -46,9 +48,11 @@ from .config import GovernorConfig
 from .types import (
     CRITICAL,
     NORMAL,
+    WARN,
     Action,
     ClearCache,
     EvictHead,
+    LimitPromptCache,
     LoadHead,
     Observation,
     SetDepth,
@@ -111,6 +115,34 @@ def _timers(s: State, obs: Observation, now: float, cfg: GovernorConfig) -> Stat
     return replace(
         s, normal_since=normal_since, not_critical_since=not_crit, warn_since=warn_since, last_not_normal_at=last_bad
     )
+
+
+# ---------------------------------------------------------------- 1b. prompt caches
+
+
+def _prompt_caches(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:
+    """Prompt caches are the cheapest memory to give back (a miss costs one prefill), so
+    they go before the head; the cap comes off only after the head's restore window."""
+    held = obs.prompt_cache_bytes
+    inputs = {"prompt_cache_bytes": held, "prompt_cache_limit": s.prompt_cache_limit,
+              "available_bytes": obs.available_bytes, "detail": obs.pressure_detail}  # fmt: skip
+    # (Critical with nothing held and no cap yet, e.g. no prefix cache at all: nothing to do.)
+    if obs.pressure == CRITICAL and (held > 0 or s.prompt_cache_limit not in (None, 0)):
+        out.emit(LimitPromptCache(0), "shed_prompt_caches",
+                 "critical memory pressure: every prompt cache goes, before the head", **inputs)  # fmt: skip
+        return replace(s, prompt_cache_limit=0, prompt_cache_shed_at=now)
+    if obs.pressure == WARN and held > 0:
+        target = held // 2
+        out.emit(LimitPromptCache(target), "shed_prompt_caches",
+                 f"memory pressure warn: the oldest prompt caches go, down to {target >> 20}MiB", **inputs)  # fmt: skip
+        return replace(s, prompt_cache_limit=target, prompt_cache_shed_at=now)
+    if (s.prompt_cache_limit is not None and obs.pressure == NORMAL and s.normal_since is not None
+            and now - s.normal_since >= cfg.restore_window_s):  # fmt: skip
+        out.emit(LimitPromptCache(None), "restore_prompt_caches",
+                 f"normal for {now - s.normal_since:.0f}s (restore window {cfg.restore_window_s:.0f}s): "
+                 "prompt caches may use their configured budget again", **inputs)  # fmt: skip
+        return replace(s, prompt_cache_limit=None)
+    return s
 
 
 # ---------------------------------------------------------------- 2. head
@@ -226,6 +258,12 @@ def _head(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out
         return s
 
     if s.head_target:
+        pressed = obs.pressure == CRITICAL or (s.warn_since is not None and now - s.warn_since >= cfg.warn_evict_s)
+        if pressed and obs.prompt_cache_bytes > 0:
+            # The prompt caches were shed this tick (1b): see whether that was enough first.
+            out.emit(None, "evict_head_deferred", "prompt caches go before the head",
+                     prompt_cache_bytes=obs.prompt_cache_bytes, **inputs)  # fmt: skip
+            return s
         if obs.pressure == CRITICAL:
             return _evict(s, out, now, "evict_head", "critical memory pressure: head out now", **inputs)
         if s.warn_since is not None and now - s.warn_since >= cfg.warn_evict_s:
@@ -493,6 +531,7 @@ def decide(
 ) -> tuple[State, list[Action], list[Reason]]:
     out = _Out(obs)
     s = _timers(state, obs, now, cfg)
+    s = _prompt_caches(s, obs, now, cfg, out)
     s = _head(s, obs, now, cfg, out)
     s = _admissions(s, obs, now, cfg, out)
     s = _depth(s, obs, now, cfg, out)

@@ -56,7 +56,7 @@ class Governor:
         self.log = logger or log
         self._lock = threading.RLock()
         self._head = {"head_available": head_available, "head_resident": head_resident, "head_loading": False,
-                      "head_bytes": int(head_bytes)}  # fmt: skip
+                      "head_bytes": int(head_bytes), "prompt_cache_bytes": 0}  # fmt: skip
         depth = self.cfg.initial_depth if initial_depth is None else initial_depth
         depth = min(depth, self.cfg.max_depth) if head_resident else 0
         self.start_reason: Reason | None = None
@@ -111,6 +111,11 @@ class Governor:
                            ("head_available", available), ("head_bytes", head_bytes)):  # fmt: skip
                 if v is not None:
                     self._head[key] = v
+
+    def note_prompt_cache(self, nbytes: int) -> None:
+        """The daemon reports the bytes its prompt caches hold now."""
+        with self._lock:
+            self._head["prompt_cache_bytes"] = int(nbytes)
 
     def record_cycle(self, t: CycleTelemetry) -> None:
         with self._lock:

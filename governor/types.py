@@ -137,6 +137,8 @@ class Observation(Struct, frozen=True, kw_only=True):
     # of cycle times). Probe timing runs on it, so idle time between bursts does not make a
     # probe due; it stands still while nothing decodes.
     decode_s: float = 0.0
+    # Bytes held by the daemon's prompt (prefix) caches: shed before the head.
+    prompt_cache_bytes: int = 0
     # Prompt-lookup cycles (engine/lookup.py), apart from the head's estimates; None when
     # none has run.
     lookup: LookupEstimate | None = None
@@ -190,6 +192,10 @@ class State(Struct, frozen=True, kw_only=True):
     last_trial_decode_s: float | None = None
     trial_failures: int = 0
     ticks: int = 0
+    # The governor's cap on the prompt caches' bytes (None: their configured budget) and
+    # when it last lowered it.
+    prompt_cache_limit: int | None = None
+    prompt_cache_shed_at: float | None = None
 
 
 # ---------------------------------------------------------------- actions out
@@ -216,7 +222,13 @@ class ClearCache(Struct, frozen=True, tag=True):
     pass
 
 
-Action = Union[SetDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache]
+class LimitPromptCache(Struct, frozen=True, tag=True):
+    """Cap the prompt caches at ``max_bytes`` (oldest go first); None lifts the cap."""
+
+    max_bytes: int | None
+
+
+Action = Union[SetDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache, LimitPromptCache]
 
 
 def action_name(a: Action) -> str:
@@ -224,4 +236,6 @@ def action_name(a: Action) -> str:
         return f"SetDepth({a.depth})"
     if isinstance(a, ShedAdmissions):
         return f"ShedAdmissions({'on' if a.on else 'off'})"
+    if isinstance(a, LimitPromptCache):
+        return f"LimitPromptCache({'none' if a.max_bytes is None else a.max_bytes})"
     return type(a).__name__

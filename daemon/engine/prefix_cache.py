@@ -87,6 +87,8 @@ class Snapshot:
 class PrefixCache:
     def __init__(self, max_bytes: int, chunk: int):
         self.max_bytes = max_bytes
+        # The governor's cap under memory pressure (None: none); the budget is the lower.
+        self.limit: int | None = None
         self.chunk = chunk
         self.entries: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()  # LRU: oldest first
         self.nbytes = 0
@@ -155,16 +157,29 @@ class PrefixCache:
             mx.eval(hidden)
         base = clone_cache(cache)
         nbytes = _nbytes(base) + (_nbytes(head) + hidden.nbytes if head is not None else 0)
-        if nbytes > self.max_bytes:
+        if nbytes > self.budget:
             return None
         if old is not None:
             self._drop(key)
         snap = Snapshot(tuple(tokens), base, head, hidden, nbytes)
         self.entries[key] = snap
         self.nbytes += nbytes
-        while self.nbytes > self.max_bytes:
+        while self.nbytes > self.budget:
             self.evict_oldest()
         return snap
+
+    @property
+    def budget(self) -> int:
+        return self.max_bytes if self.limit is None else min(self.max_bytes, self.limit)
+
+    def set_limit(self, limit: int | None) -> list[tuple[int, int]]:
+        """Apply the governor's cap: drop the oldest snapshots until under it. Returns
+        (bytes, tokens) of each one dropped, oldest first."""
+        self.limit = limit
+        dropped = []
+        while self.nbytes > self.budget and self.entries:
+            dropped.append(self.evict_oldest())
+        return dropped
 
     # ------------------------------------------------------------------ shedding
     def _drop(self, key) -> int:
@@ -194,6 +209,6 @@ class PrefixCache:
             self.chunk = chunk
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
+        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes, "limit_bytes": self.limit,
                 "hits": self.hits, "misses": self.misses, "cached_tokens": self.cached_tokens,
                 "evicted": self.evicted}

@@ -250,9 +250,13 @@ def test_no_request_waits_past_the_bound_while_another_seat_is_over_its_share(op
         waiting_before = {j.name: aged(j) for j in s.waiting()}
         moves_before = len(s.displaced)
         s.admit()
+        # Admitted in this admit: new to the active set, or parked and re-admitted in it.
+        readmitted = {id(v) for v, *_ in s.displaced}
+        s.displaced.clear()
         for j in s.active:
-            if id(j) not in before:
-                run_rank[j.name] = waiting_before[j.name]
+            if id(j) not in before or id(j) in readmitted:
+                # (one parked and re-admitted at once had waited 0 s: its own class)
+                run_rank[j.name] = waiting_before.get(j.name, RANK[j.priority])
                 just_admitted.add(j.name)
         # A running request parked and admitted again within this same admit (a starved
         # request took its slot, then the fair split gave it one back) was admitted in this

@@ -13,6 +13,9 @@ threshold, and holds them. We check, through the protocol and the daemon's JSON 
 - generation continues: a stream started before the episode keeps producing tokens after
   the eviction and ends with Done; new requests during critical pressure are refused with
   ``overloaded`` and a ``retry_after_s`` (admission shedding);
+- the prefix cache's snapshots go first: the governor caps the prompt caches
+  (``shed_prompt_caches``, each snapshot dropped logged as ``prefix_cache.evicted``) before
+  it evicts the head, and lifts the cap again only after the restore window;
 - once the helper releases its memory and the restore window passes, the governor loads the
   head back (``head.loaded`` reason "governor", ``head_resident`` True), admissions reopen,
   and a request at depth >= 1 drafts and has drafts accepted.
@@ -69,6 +72,9 @@ heartbeat_interval_s = 0.5
 [speculation]
 mode = "exact"
 depth = 1
+
+[scheduler]
+prefill_chunk = 64
 
 [governor]
 tick_s = 0.1
@@ -155,6 +161,12 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             # Warm up first: the first request leaves a few bytes of lasting state (seen: 2 B),
             # which would otherwise count against the drop measured below.
             c.complete(PROMPT, max_tokens=16, speculation="off")
+            # Prompt caches to shed: three prompts of 165 tokens leave a 128-token snapshot each.
+            for i in range(3):
+                c.complete(f"# module {i}\n" + PROMPT * 20, max_tokens=2, speculation="off")
+            pc = c.status().detail["prefix_cache"]
+            assert pc["entries"] >= 3 and pc["bytes"] > 0, pc
+            prompt_cache_bytes = pc["bytes"]
             active_before = _idle_active_bytes(c)
 
             # 1. A long serial stream in flight across the episode.
@@ -179,6 +191,7 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             st = _wait(head_out, 20, "the head to be evicted")
             evicted_at = time.monotonic()
             assert st["depth"] == 0 and st["governor"]["pressure"] == "critical", st["governor"]
+            assert st["prefix_cache"]["bytes"] == 0 and st["prefix_cache"]["limit_bytes"] == 0, st["prefix_cache"]
             assert streamer.is_alive() and streamer.done is None, "the stream ended before the eviction"
 
             # 4. New work is shed while critical; the stream in flight is not.
@@ -207,6 +220,8 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             reloaded_after_s = time.monotonic() - released_at
             assert reloaded_after_s >= 3.0 - 0.5, f"reloaded {reloaded_after_s:.1f} s after release (window 3 s)"
             _wait(lambda: not c.status().detail["governor"]["shedding"], 10, "shedding to end")
+            _wait(lambda: c.status().detail["prefix_cache"]["limit_bytes"] is None, 10,
+                  "the prompt caches' cap to be lifted")
             done = c.complete("def g():\n", max_tokens=8)
             assert done.usage.completion_tokens == 8
 
@@ -232,6 +247,18 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
     assert evict and evict[0]["pressure"] == "critical" and "EvictHead" in evict[0]["actions"], decisions[:5]
     assert "memavail=" in evict[0]["detail"]
     assert any(e.get("decision") == "shed_admissions" for e in decisions)
+    # Prompt caches went first, oldest first, every one logged; then the head.
+    names = [e["event"] if e["event"] != "governor.decision" else e.get("decision") for e in events]
+    assert names.index("shed_prompt_caches") < names.index("evict_head"), names
+    shed = next(e for e in decisions if e.get("decision") == "shed_prompt_caches")
+    assert shed["prompt_cache_bytes"] == prompt_cache_bytes and shed["pressure"] in ("warn", "critical")
+    assert "LimitPromptCache" in shed["actions"][0]
+    dropped = [e for e in events if e["event"] == "prefix_cache.evicted"]
+    assert sum(e["bytes"] for e in dropped) == prompt_cache_bytes and all(e["reason"] == "governor" for e in dropped)
+    assert names.index("prefix_cache.evicted") < names.index("head.evicted")
+    assert [e["tokens"] for e in dropped] == [128] * len(dropped)  # one per prompt, oldest first
+    restored = [e for e in decisions if e.get("decision") == "restore_prompt_caches"]
+    assert len(restored) == 1 and "LimitPromptCache(none)" in restored[0]["actions"]
     loads = [e for e in decisions if e.get("decision") == "load_head"]
     assert loads and "LoadHead" in loads[0]["actions"], decisions[-5:]
     evicted = [e for e in events if e["event"] == "head.evicted"]

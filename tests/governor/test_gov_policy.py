@@ -538,3 +538,53 @@ def test_a_profile_start_is_held_until_this_daemon_measures():
     for i in range(40):
         s, acts, reasons = decide(s, obs, i * 0.25, CFG)
         assert acts == [] and s.depth == 0
+
+
+# ---------------------------------------------------------------- prompt caches before the head
+
+
+def _shed(h: Harness, acts) -> None:
+    """Apply LimitPromptCache as the daemon does (drop the oldest until under the cap)."""
+    from governor.types import LimitPromptCache
+
+    for a in acts:
+        if isinstance(a, LimitPromptCache) and a.max_bytes is not None:
+            h.obs["prompt_cache_bytes"] = min(h.obs["prompt_cache_bytes"], a.max_bytes)
+
+
+def test_critical_sheds_prompt_caches_first_then_the_head():
+    from governor.types import LimitPromptCache
+
+    h = Harness(state=State(depth=1, head_target=True), prompt_cache_bytes=300 * MiB)
+    acts, reasons = h.tick(pressure="critical", available_bytes=100 * MiB)
+    assert LimitPromptCache(0) in acts and EvictHead() not in acts
+    shed = next(r for r in reasons if r["decision"] == "shed_prompt_caches")
+    assert shed["prompt_cache_bytes"] == 300 * MiB and shed["available_bytes"] == 100 * MiB
+    assert any(r["decision"] == "evict_head_deferred" for r in reasons)
+    _shed(h, acts)
+    # Still critical with the caches gone: now the head.
+    acts, _ = h.tick()
+    assert EvictHead() in acts and not any(isinstance(a, LimitPromptCache) for a in acts)
+
+
+def test_caches_shed_enough_keeps_the_head_and_the_cap_lifts_slowly():
+    from governor.types import LimitPromptCache
+
+    h = Harness(state=State(depth=1, head_target=True), prompt_cache_bytes=512 * MiB)
+    acts, _ = h.tick(pressure="warn")
+    assert acts == [LimitPromptCache(256 * MiB)]  # warn: the oldest half goes
+    _shed(h, acts)
+    acts = h.run(CFG.warn_clear_s + 1.0, pressure="normal")  # shedding was enough
+    assert EvictHead() not in acts and h.obs["head_resident"]
+    assert LimitPromptCache(None) not in acts  # not yet: restore slowly
+    more = h.run(CFG.restore_window_s + 1.0)
+    assert more.count(LimitPromptCache(None)) == 1 and h.state.prompt_cache_limit is None
+    assert EvictHead() not in more
+
+
+def test_no_prompt_caches_changes_nothing():
+    from governor.types import LimitPromptCache
+
+    h = Harness(state=State(depth=1, head_target=True))
+    acts = h.run(10.0, pressure="warn") + h.run(5.0, pressure="critical")
+    assert not any(isinstance(a, LimitPromptCache) for a in acts)
