@@ -49,8 +49,9 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
     msg = job.msg
     try:
         # The daemon's [chat] defaults, then the request's own (chat requests only).
-        template_kwargs = ({**(chat.template_kwargs if chat else {}), **(msg.chat_template_kwargs or {})}
-                           if msg.messages is not None else msg.chat_template_kwargs)
+        asked = msg.chat_template_kwargs or None  # UNSET (not sent) and None alike: none
+        template_kwargs = ({**(chat.template_kwargs if chat else {}), **(asked or {})}
+                           if msg.messages is not None else asked)
         job.prompt = lm.encode_prompt(
             msg.prompt,
             [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,

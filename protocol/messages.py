@@ -83,7 +83,9 @@ class Generate(_Message, tag="generate"):
     speculation: Speculation | None = None
     # Extra variables for the model's chat template (with ``messages`` only), e.g.
     # {"enable_thinking": false} for Qwen3.5; they override the daemon's [chat] defaults.
-    chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None = None
+    # UNSET unless given (like the sampling options below), so a client that does not use it
+    # stays understood by a daemon that predates it.
+    chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None | UnsetType = UNSET
     # Sampling options (engine/sampling.py has the order they apply in). Penalties and
     # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
     # UNSET means SAMPLING_DEFAULTS' value.

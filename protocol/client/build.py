@@ -99,7 +99,7 @@ def build_generate(
         priority=priority,
         deadline_ms=deadline_ms,
         speculation=speculation,
-        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else None,
+        chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else msgspec.UNSET,
     )
     if options:
         unknown = sorted(set(options) - set(SAMPLING_OPTIONS))

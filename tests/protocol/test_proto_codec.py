@@ -226,3 +226,19 @@ _any_frame = st.one_of(
 def test_fuzz_deep(frame):
     """All the fuzzers above with many more examples: `pytest -m slow tests/protocol`."""
     _decodes_or_protocol_error(frame)
+
+
+def test_a_generate_without_template_options_does_not_carry_the_field():
+    """An older daemon (forbid unknown fields) must still accept a newer client's requests
+    that do not use chat_template_kwargs, as for the sampling options."""
+    from protocol.client import _build_generate
+
+    msg, frame = _build_generate("hi", None, None, max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=None,
+                                 stop=None, priority=None, deadline_ms=None, speculation=None, request_id=None,
+                                 stream=True, limits=None)
+    assert b"chat_template_kwargs" not in frame
+    msg, frame = _build_generate(None, [{"role": "user", "content": "hi"}], None, max_tokens=4, temperature=0.0,
+                                 top_p=1.0, top_k=0, seed=None, stop=None, priority=None, deadline_ms=None,
+                                 speculation=None, request_id=None, stream=True, limits=None,
+                                 chat_template_kwargs={"enable_thinking": False})
+    assert b"chat_template_kwargs" in frame and b"enable_thinking" in frame
