@@ -140,8 +140,13 @@ def test_retried_generate_is_not_run_twice(faults_daemon):
     rid = f"retry-{time.monotonic_ns()}"
     with Client(d.endpoint, seat="planner", timeout_s=30) as first, \
             Client(d.endpoint, seat="planner", timeout_s=30) as retry:
-        s1 = first.generate("def retried():", max_tokens=300, request_id=rid)
-        next(iter(s1))  # it is running
+        # stream=False: nothing flows back until the Done, so this connection's small send
+        # queue (SEND_HWM) cannot fill while the test talks to the other one.
+        s1 = first.generate("def retried():", max_tokens=300, request_id=rid, stream=False)
+        deadline = time.monotonic() + 60
+        while not any(r["request_id"] == rid for r in first.status().detail["active_requests"]):
+            assert time.monotonic() < deadline, "the first request never started"
+            time.sleep(0.05)  # it is running
         with pytest.raises(InvalidRequest) as exc:
             retry.generate("def retried():", max_tokens=300, request_id=rid).result()
         assert exc.value.code == "duplicate_request"
