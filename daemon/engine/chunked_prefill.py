@@ -43,6 +43,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from .forward import backbone_layers, gdn_conv_qkv, gdn_projections
+
 CHUNK = 64
 # Shorter forwards gain nothing from chunking (and speculative verifies are never prefill).
 MIN_T = 2 * CHUNK
@@ -144,40 +146,17 @@ def chunk_gated_delta(
 # -- the GatedDeltaNet layer and the backbone, for prefill ------------------------------------
 
 
-def _layers(backbone: nn.Module) -> list:
-    return getattr(backbone, "pipeline_layers", backbone.layers)
-
-
 def gdn_prefill_forward(attn: nn.Module, inputs: mx.array, cache: ArraysCache, chunk: int = CHUNK) -> mx.array:
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections) for one
     unpadded sequence with a cache, with the recurrence chunked. Updates ``cache``."""
-    from mlx_lm.models.gated_delta import normalize_qk
-
     B, S, _ = inputs.shape
-    if hasattr(attn, "in_proj_qkvz"):  # qwen3_next
-        q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(inputs), attn.in_proj_ba(inputs))
-        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
-    else:  # qwen3_5
-        qkv = attn.in_proj_qkv(inputs)
-        z = attn.in_proj_z(inputs).reshape(B, S, attn.num_v_heads, attn.head_v_dim)
-        b = attn.in_proj_b(inputs)
-        a = attn.in_proj_a(inputs)
-
+    qkv, z, b, a = gdn_projections(attn, inputs)
     conv_state = cache[0]
     if conv_state is None:
         conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=inputs.dtype)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     cache[0] = mx.contiguous(conv_input[:, -(attn.conv_kernel_size - 1) :, :])
-    conv_out = nn.silu(attn.conv1d(conv_input))
-    q, k, v = [
-        t.reshape(B, S, h, d)
-        for t, h, d in zip(
-            mx.split(conv_out, [attn.key_dim, 2 * attn.key_dim], -1),
-            [attn.num_k_heads, attn.num_k_heads, attn.num_v_heads],
-            [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
-        )
-    ]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
 
     beta = mx.sigmoid(b)
     # log of mlx-lm's compute_g (g = exp(-exp(A_log) * softplus(a + dt_bias))), taken
@@ -201,7 +180,7 @@ def applies(lm, tokens: mx.array, cache: list | None) -> bool:
         return False
     if not lm.supports_mtp or getattr(bb, "pipeline_size", 1) > 1:
         return False
-    layers = _layers(bb)
+    layers = backbone_layers(bb)
     if len(cache) != len(layers):
         return False
     for layer, c in zip(layers, cache):
@@ -223,7 +202,7 @@ def prefill_hidden(lm, tokens: mx.array, cache: list, chunk: int = CHUNK) -> mx.
     bb = lm.backbone
     h = bb.embed_tokens(tokens)
     fa_mask = create_attention_mask(h, cache[bb.fa_idx]) if bb.fa_idx is not None else None
-    for layer, c in zip(_layers(bb), cache):
+    for layer, c in zip(backbone_layers(bb), cache):
         if layer.is_linear:
             r = gdn_prefill_forward(layer.linear_attn, layer.input_layernorm(h), c, chunk)
         else:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # type only: the model module must not be a runtime dependenc
     from .model import LoadedModel
 
 
-def _layers(backbone: nn.Module) -> list:
+def backbone_layers(backbone: nn.Module) -> list:
     return getattr(backbone, "pipeline_layers", backbone.layers)
 
 
@@ -55,10 +55,9 @@ class _Capture:
     n_keep: int
 
 
-def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
-    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
-    plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
-    ops path (CPU, CUDA) bit for bit. Returns (output, conv_input, per-token states)."""
+def gdn_projections(attn: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The GatedDeltaNet block's input projections, op for op as mlx-lm computes them, for
+    qwen3_5 and qwen3_next layouts: (qkv [B, S, C], z [B, S, Hv, Dv], b, a)."""
     B, S, _ = inputs.shape
     if hasattr(attn, "in_proj_qkvz"):  # qwen3_next
         q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(inputs), attn.in_proj_ba(inputs))
@@ -68,8 +67,12 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
         z = attn.in_proj_z(inputs).reshape(B, S, attn.num_v_heads, attn.head_v_dim)
         b = attn.in_proj_b(inputs)
         a = attn.in_proj_a(inputs)
+    return qkv, z, b, a
 
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+
+def gdn_conv_qkv(attn: nn.Module, conv_input: mx.array, B: int, S: int) -> tuple[mx.array, mx.array, mx.array]:
+    """SiLU(conv) over [conv state, new rows], split into q, k, v heads for the last S
+    positions, q and k normalized: mlx-lm's order of ops."""
     conv_out = nn.silu(attn.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -79,7 +82,17 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
             [attn.head_k_dim, attn.head_k_dim, attn.head_v_dim],
         )
     ]
-    q, k = normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6)
+    return (*normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6), v)
+
+
+def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
+    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
+    plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
+    ops path (CPU, CUDA) bit for bit. Returns (output, conv_input, per-token states)."""
+    B, S, _ = inputs.shape
+    qkv, z, b, a = gdn_projections(attn, inputs)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
 
     # gated_delta_update -> gated_delta_ops, keeping every intermediate state.
     beta = mx.sigmoid(b)
@@ -132,7 +145,7 @@ def capture_hidden(lm: LoadedModel, tokens: mx.array, cache: list, rec: list) ->
         return compiled.capture_hidden(tokens, cache, rec)
     bb = lm.backbone
     h = bb.embed_tokens(tokens)
-    layers = _layers(bb)
+    layers = backbone_layers(bb)
     fa_mask = create_attention_mask(h, cache[bb.fa_idx]) if bb.fa_idx is not None else None
     ssm_mask = create_ssm_mask(h, cache[bb.ssm_idx]) if bb.ssm_idx is not None else None
     for layer, c in zip(layers, cache):
