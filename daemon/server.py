@@ -357,10 +357,12 @@ class Server:
             return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
         if key in self.live:
             return reject("duplicate_request", f"request {msg.request_id!r} is already in flight for seat {seat!r}")
-        governance = self.worker.governance
-        if governance is not None and governance.shed[0]:
+        # The governor's shedding, as the engine thread last published it (the socket thread
+        # reads no engine object directly; the snapshot is refreshed between cycles).
+        shedding, retry_after = self.worker.read_snapshot().shedding
+        if shedding:
             return reject("overloaded", "memory pressure is critical; new work is refused until it eases",
-                          retry_after=governance.shed[1])
+                          retry_after=retry_after)
         sc = self.cfg.scheduler
         seat_live = sum(1 for k in self.live if k[0] == seat)
         if len(self.live) >= sc.max_queued or seat_live >= sc.max_queued_per_seat:
