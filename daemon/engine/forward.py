@@ -107,7 +107,10 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
         states.append(state)
     out = mx.stack(ys, axis=1)  # y is cast to q's dtype inside the step: no float32 leak
     out = attn.norm(out, z)
-    return attn.out_proj(out.reshape(B, S, -1)), conv_input, states
+    out = attn.out_proj(out.reshape(B, S, -1))
+    if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
+        out = mx.distributed.all_sum(out, group=attn.sharding_group)
+    return out, conv_input, states
 
 
 def initial_states(attn: nn.Module, cache: ArraysCache, B: int, dtype) -> tuple[mx.array, mx.array]:

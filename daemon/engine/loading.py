@@ -48,21 +48,28 @@ def _read_weights(model, progress: Callable[[int, int, float], None] | None) -> 
 
 
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
-               progress: Callable[[int, int, float], None] | None = None) -> LoadedModel:
+               progress: Callable[[int, int, float], None] | None = None, group=None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
     ``chunked_prefill``: prefill GatedDeltaNet layers in chunked form (``chunked_prefill.py``;
     None: on a GPU without Metal, i.e. CUDA, the one backend where it was measured faster).
-    ``progress(bytes_read, total_bytes, seconds)`` is called as the weights are read."""
+    ``progress(bytes_read, total_bytes, seconds)`` is called as the weights are read.
+    ``group``: an ``mx.distributed`` group of more than one rank splits the model across it
+    (tensor parallel, ``sharding.py``) before the weights are read; ShardingRefused when the
+    model does not divide."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no model at {path}: config.json is missing")
     model, tokenizer = mlx_lm.load(str(path), lazy=True)
-    _read_weights(model, progress)
     config = json.loads((path / "config.json").read_text())
+    if group is not None and group.size() > 1:
+        from .sharding import shard_model
+
+        shard_model(model, config, group)
+    _read_weights(model, progress)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

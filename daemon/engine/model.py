@@ -81,7 +81,12 @@ class LoadedModel:
         text = self.text_module
         if text.args.tie_word_embeddings:
             return text.model.embed_tokens.as_linear(hidden)
-        return text.lm_head(hidden)
+        out = text.lm_head(hidden)
+        if getattr(text, "sharding_group", None) is not None:  # a vocabulary split across ranks
+            from mlx_lm.models.base import gather_last_axis
+
+            out = gather_last_axis(out, text.sharding_group)
+        return out
 
     def embed(self, tokens: mx.array) -> mx.array:
         return self.backbone.embed_tokens(tokens)
