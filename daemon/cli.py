@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--speculation", choices=["off", "exact", "fast"], help="default speculation mode for requests that do not say")
     serve.add_argument("--insecure-tcp", action="store_true", help="allow a tcp:// endpoint without CURVE (logs a warning)")
+    serve.add_argument("--distributed", action="store_true",
+                       help="serve tensor-parallel across an mx.distributed group (config: [distributed] enabled): "
+                            "start every rank with this, under `mlx.launch` or with MLX_RANK and MLX_HOSTFILE set; "
+                            "rank 0 binds the endpoint and leads, the others follow it in lockstep; a model whose "
+                            "heads the group size does not divide is refused (exit 78); a rank that dies makes the "
+                            "others exit 70 within distributed.peer_timeout_s (docs/OPERATIONS.md, Several machines)")
 
     gen = sub.add_parser("generate", help="send one prompt to a running daemon and stream the answer",
                          description="Stream a completion from a running daemon to stdout; usage and timings go to stderr.")
@@ -144,6 +150,8 @@ def cmd_serve(args) -> int:
     }.items() if v is not None}
     if args.speculation:
         overrides["speculation"] = {"mode": args.speculation}
+    if getattr(args, "distributed", False):
+        overrides["distributed"] = {"enabled": True}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -168,7 +176,23 @@ def cmd_serve(args) -> int:
             model = resolve_model(cfg.model)
         except ModelRefError as exc:  # a repo id that was never pulled: fix the config, no retry
             raise StartupError(str(exc), EXIT_CONFIG) from None
-        code = Server(cfg, model, endpoint, cli_overrides=overrides).run(args.config)
+        group = None
+        if cfg.distributed.enabled:
+            from .distributed.group import GroupRefused, open_group
+
+            try:
+                group = open_group(cfg.distributed.backend)
+            except GroupRefused as exc:
+                raise StartupError(str(exc), EXIT_CONFIG) from None
+            import structlog
+
+            structlog.contextvars.bind_contextvars(rank=group.rank())
+        if group is not None and group.rank() != 0:  # no endpoint here: follow rank 0
+            from .distributed.follower import run_follower
+
+            code = run_follower(cfg, model, group)
+        else:
+            code = Server(cfg, model, endpoint, cli_overrides=overrides, group=group).run(args.config)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
         _print_err(f"councild: {exc}")

@@ -117,6 +117,23 @@ class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
     separate_reasoning: bool = True
 
 
+class DistributedConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # Serve one model tensor-parallel across the processes of an mx.distributed group
+    # (several Macs over Thunderbolt or Ethernet, or GPUs): every rank runs `councild serve`
+    # with this on (flag --distributed), started by mlx.launch or with MLX_RANK and
+    # MLX_HOSTFILE set; rank 0 binds the endpoint, the others follow it in lockstep
+    # (daemon/distributed/, docs/OPERATIONS.md "Several machines").
+    enabled: bool = False
+    # mx.distributed backend: "any" takes the first available (MLX's order), or name one.
+    backend: Literal["any", "ring", "jaccl", "mpi", "nccl"] = "any"
+    # A rank that completes no exchange with the group for this long exits non-zero
+    # (group.peer_lost). Above the longest single engine action (a prefill chunk, a head
+    # load); a rank that dies on the ring backend is noticed at once.
+    peer_timeout_s: Seconds = 30.0
+    # The same, until every rank has loaded the model (ranks load at different speeds).
+    startup_timeout_s: Seconds = 900.0
+
+
 class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     endpoint: str | None = None
@@ -151,6 +168,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
+    distributed: DistributedConfig = DistributedConfig()
     # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
     # only lets it sit in the same file.
     http: dict[str, Any] = {}

@@ -61,7 +61,8 @@ def _iso(t: float) -> str:
 
 
 class Server:
-    def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None):
+    def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None,
+                 group=None):
         self.cfg = cfg
         # Flags given at start-up win over the file on every SIGHUP reload too.
         self.cli_overrides = cli_overrides or {}
@@ -91,7 +92,12 @@ class Server:
         self.endpoint_guard = EndpointGuard(cfg, endpoint, self.ctx)
         self.notifier = None
         self._watchdog = None
-        self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
+        if group is None:
+            self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
+        else:  # rank 0 of a tensor-parallel group (daemon/distributed/)
+            from .distributed.lockstep import LeaderWorker
+
+            self.worker = LeaderWorker(cfg, self.ctx, model_path, hooks=_Hooks(self), group=group)
 
     # ------------------------------------------------------------------ signals
     def _install_signals(self) -> None:
@@ -629,6 +635,7 @@ class Server:
                 "log_lines_dropped": lines_dropped(),
                 "memory": snap.memory,
                 "governor": snap.governor,
+                **({"group": snap.group} if snap.group else {}),
                 "stats": self._stats(snap),
                 # Wall-clock times (UTC, ISO 8601 and Unix seconds), for logs and dashboards.
                 "time": {

@@ -102,6 +102,8 @@ class EngineSnapshot:
     stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
+    # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.
+    group: dict = field(default_factory=dict)
 
 
 class InjectedFault(RuntimeError):
@@ -154,6 +156,9 @@ class EngineWorker(threading.Thread):
         self._stopping = False
         self._published_at = 0.0
         self.tallies = Tallies()
+        # An mx.distributed group of several ranks when serving tensor-parallel
+        # (daemon/distributed/, which subclasses this worker); None in one process.
+        self.group = None
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -186,7 +191,8 @@ class EngineWorker(threading.Thread):
 
         route_library_logs()
         t0 = time.perf_counter()
-        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress)
+        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress,
+                             group=self.group)
         context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
@@ -363,23 +369,29 @@ class EngineWorker(threading.Thread):
             except queue.Empty:
                 return True
             timeout = 0.0
-            if isinstance(cmd, Submit):
-                self._submit(cmd.job)
-            elif isinstance(cmd, CancelJob):
-                self._cancel(cmd.key, cmd.reason)
-            elif isinstance(cmd, CancelAll):
-                self._fail_all(cmd.code, cmd.message)
-            elif isinstance(cmd, GovernorOverride):
-                self._override(cmd)
-            elif isinstance(cmd, ReloadGovernor):
-                if self.governance is not None:
-                    self.governance.reconfigure(cmd.table)
-            elif isinstance(cmd, ReloadScheduler):
-                self.scheduler.cfg = cmd.cfg
-            elif isinstance(cmd, Stop):
-                self._stopping = True
-                if not self.scheduler.has_work():
-                    return False
+            if not self._apply_command(cmd):
+                return False
+
+    def _apply_command(self, cmd) -> bool:
+        """Apply one command; False when the thread must stop."""
+        if isinstance(cmd, Submit):
+            self._submit(cmd.job)
+        elif isinstance(cmd, CancelJob):
+            self._cancel(cmd.key, cmd.reason)
+        elif isinstance(cmd, CancelAll):
+            self._fail_all(cmd.code, cmd.message)
+        elif isinstance(cmd, GovernorOverride):
+            self._override(cmd)
+        elif isinstance(cmd, ReloadGovernor):
+            if self.governance is not None:
+                self.governance.reconfigure(cmd.table)
+        elif isinstance(cmd, ReloadScheduler):
+            self.scheduler.cfg = cmd.cfg
+        elif isinstance(cmd, Stop):
+            self._stopping = True
+            if not self.scheduler.has_work():
+                return False
+        return True
 
     def _submit(self, job: Job) -> None:
         if job.rejection is not None:  # refused by the intake thread, before or after tokenizing
@@ -432,8 +444,12 @@ class EngineWorker(threading.Thread):
         for job in list(self.jobs.values()):
             self._finish(job, m.Error(request_id=job.request_id, code=code, message=message))
 
+    def _now(self) -> float:
+        """The clock deadlines are read against (a group reads rank 0's, per iteration)."""
+        return time.monotonic()
+
     def _expire_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self._now()
         for job in [j for j in self.jobs.values() if j.deadline is not None and now >= j.deadline]:
             where = ("mid-prefill" if job.prefill is not None else
                      "in the queue" if job.generator is None else "mid-generation")
@@ -572,7 +588,7 @@ class EngineWorker(threading.Thread):
         if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
             out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
         # An operator's pinned depth is drafted in full; under the governor it is a ceiling.
-        pinned = self.governance is not None and self.governance.gov.state.override == "pin_depth"
+        pinned = self.depth_pinned()
         if spec.draft_stop_threshold > 0 and not pinned:
             out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
         if spec.loop_guard:  # speculative_decode arms it for sampled requests only
@@ -580,6 +596,9 @@ class EngineWorker(threading.Thread):
 
             out["loop_guard"] = LoopGuardConfig()
         return out
+
+    def depth_pinned(self) -> bool:
+        return self.governance is not None and self.governance.gov.state.override == "pin_depth"
 
     def _advance(self, job: Job) -> None:
         if job.prefill is not None:
