@@ -14,6 +14,7 @@ carry the model's activations too, so they must be a private network either way
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import Any
 
 import msgspec
@@ -21,8 +22,17 @@ import numpy as np
 from msgspec import Struct
 
 SLOT_BYTES = 4096
-_HEADER = struct.Struct("<IB")  # payload length, 1 when the payload follows in an overflow all_sum
+# magic, exchange number, payload length, CRC of the payload, 1 when the payload follows in
+# an overflow all_sum. A collective whose peer died can return without raising and hand back
+# whatever its buffer held: every slot is checked against these before it is trusted.
+_HEADER = struct.Struct("<IQIIB")
+_MAGIC = 0xC0C1D0D0
 _ROOM = SLOT_BYTES - _HEADER.size
+
+
+class LinkBroken(RuntimeError):
+    """An exchange returned a frame that is not what a live peer sends: the peer connection
+    was lost mid-collective."""
 
 
 # ---------------------------------------------------------------------- wire structs
@@ -97,6 +107,9 @@ class Report(Struct, array_like=True):
     cache_bytes: int
     peak_bytes: int
     total_bytes: int | None
+    # A running CRC of every token this rank's engine committed, as of its previous
+    # iteration: rank 0 compares it with its own to catch a rank that drew another token.
+    digest: int = 0
 
 
 _enc = msgspec.msgpack.Encoder()
@@ -105,19 +118,26 @@ _hello_dec = msgspec.msgpack.Decoder(Hello)
 _report_dec = msgspec.msgpack.Decoder(Report)
 
 
-def _slot(payload: bytes) -> np.ndarray:
+def _slot(payload: bytes, seq: int) -> np.ndarray:
     buf = np.zeros(SLOT_BYTES, dtype=np.uint8)
-    if len(payload) <= _ROOM:
-        buf[: _HEADER.size] = np.frombuffer(_HEADER.pack(len(payload), 0), dtype=np.uint8)
+    overflow = len(payload) > _ROOM
+    header = _HEADER.pack(_MAGIC, seq, len(payload), zlib.crc32(payload), int(overflow))
+    buf[: _HEADER.size] = np.frombuffer(header, dtype=np.uint8)
+    if not overflow:
         buf[_HEADER.size: _HEADER.size + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-    else:
-        buf[: _HEADER.size] = np.frombuffer(_HEADER.pack(len(payload), 1), dtype=np.uint8)
     return buf
 
 
-def _unslot(buf: np.ndarray) -> tuple[int, bool, bytes]:
-    n, overflow = _HEADER.unpack(buf[: _HEADER.size].tobytes())
-    return n, bool(overflow), b"" if overflow else buf[_HEADER.size: _HEADER.size + n].tobytes()
+def _unslot(buf: np.ndarray, seq: int, rank: int) -> tuple[int, int, bool, bytes]:
+    """(length, crc, overflow, payload) of a slot; LinkBroken when it is not a live peer's."""
+    magic, got_seq, n, crc, overflow = _HEADER.unpack(buf[: _HEADER.size].tobytes())
+    if magic != _MAGIC or got_seq != seq or overflow not in (0, 1) or (not overflow and n > _ROOM):
+        raise LinkBroken(f"exchange {seq}: rank {rank}'s frame is malformed (magic {magic:#x}, exchange {got_seq}): "
+                         f"the connection to a peer was lost mid-collective")
+    payload = b"" if overflow else buf[_HEADER.size: _HEADER.size + n].tobytes()
+    if not overflow and zlib.crc32(payload) != crc:
+        raise LinkBroken(f"exchange {seq}: rank {rank}'s frame fails its CRC: the connection to a peer was lost")
+    return n, crc, bool(overflow), payload
 
 
 class LockstepChannel:
@@ -137,15 +157,18 @@ class LockstepChannel:
 
     def _round(self, mine: bytes) -> tuple[bytes, list[bytes]]:
         mx = self.mx
-        gathered = mx.distributed.all_gather(mx.array(_slot(mine)), group=self.group)
+        seq = self.exchanges
+        gathered = mx.distributed.all_gather(mx.array(_slot(mine, seq)), group=self.group)
         slots = np.array(gathered, copy=False).reshape(self.size, SLOT_BYTES)
-        n, overflow, lead = _unslot(slots[0])
+        n, crc, overflow, lead = _unslot(slots[0], seq, 0)
         if overflow:
             self.overflows += 1
             own = np.frombuffer(mine, dtype=np.uint8) if self.rank == 0 else np.zeros(n, dtype=np.uint8)
             summed = mx.distributed.all_sum(mx.array(own), group=self.group)
             lead = np.array(summed, copy=False).astype(np.uint8).tobytes()
-        others = [_unslot(slots[r])[2] for r in range(1, self.size)]
+            if len(lead) != n or zlib.crc32(lead) != crc:
+                raise LinkBroken(f"exchange {seq}: the overflow frame fails its CRC: the connection to a peer was lost")
+        others = [_unslot(slots[r], seq, r)[3] for r in range(1, self.size)]
         self.exchanges += 1
         if self.on_exchange is not None:
             self.on_exchange()
@@ -154,13 +177,20 @@ class LockstepChannel:
     # rank 0 ----------------------------------------------------------------------
     def send(self, msg: Tick | Hello) -> list[Report]:
         _, others = self._round(_enc.encode(msg))
-        return [_report_dec.decode(b) for b in others if b]
+        return [_decode(_report_dec, b) for b in others if b]
 
     # other ranks ------------------------------------------------------------------
     def receive_tick(self, report: Report | None) -> Tick:
         lead, _ = self._round(_enc.encode(report) if report is not None else b"")
-        return _tick_dec.decode(lead)
+        return _decode(_tick_dec, lead)
 
     def receive_hello(self, report: Report | None) -> Hello:
         lead, _ = self._round(_enc.encode(report) if report is not None else b"")
-        return _hello_dec.decode(lead)
+        return _decode(_hello_dec, lead)
+
+
+def _decode(decoder, frame: bytes):
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:  # checked frames that still do not decode: versions differ
+        raise LinkBroken(f"a peer's frame does not decode ({exc}); are all ranks the same councild version?") from None

@@ -14,6 +14,7 @@ import queue
 import secrets
 import time
 import traceback
+import zlib
 
 import msgspec
 
@@ -28,7 +29,8 @@ from ..worker import (CancelAll, CancelJob, EngineWorker, InjectedFault, ReloadG
 from .channel import (CancelAllWire, CancelWire, Hello, JobWire, LockstepChannel, Report, SchedulerWire, Settings,
                       StopWire, Tick)
 from .group import PeerMemoryProbe, RankProbe, backend_name, describe
-from .watchdog import GroupWatchdog, die
+from ..exits import EXIT_SOFTWARE
+from .watchdog import GroupWatchdog, leave_group
 
 log = get_logger("councild.group")
 
@@ -40,8 +42,13 @@ def _fault(rank: int, exc: BaseException, **fields) -> None:
     """Any exception in engine work ends the group: a rank that skipped (or half ran) a
     forward can never line up with the others again."""
     text = str(exc).lower()
-    event = "group.peer_lost" if any(w in text for w in _LINK_WORDS) else "group.engine_fault"
-    die(event, rank, error=repr(exc), traceback=traceback.format_exc(), **fields)
+    fields.update(rank=rank, exit_code=EXIT_SOFTWARE, error=repr(exc), traceback=traceback.format_exc())
+    if any(w in text for w in _LINK_WORDS):
+        log.error("group.peer_lost", reason="a collective with the group failed: a rank died or its link broke",
+                  **fields)
+    else:
+        log.error("group.engine_fault", **fields)
+    leave_group()
 
 
 class _GroupMember:
@@ -57,6 +64,14 @@ class _GroupMember:
         self.watchdog = GroupWatchdog(rank, self.size, d.peer_timeout_s, d.startup_timeout_s)
         self.channel = LockstepChannel(group, on_exchange=self.watchdog.beat)
         self.rank_probe = RankProbe(rank, self.cfg.governor)
+        self.digest = 0
+
+    def _report(self) -> Report:
+        return msgspec.structs.replace(self.rank_probe.report(), digest=self.digest)
+
+    def _deliver(self, job: Job, step) -> None:
+        self.digest = zlib.crc32(b"".join(int(t).to_bytes(4, "little") for t in step.tokens), self.digest)
+        super()._deliver(job, step)
 
     def _now(self) -> float:
         return self._tick_now
@@ -110,10 +125,18 @@ class LeaderWorker(_GroupMember, EngineWorker):
         if self.governance is not None:
             self.governance.gov.memory_probes += [PeerMemoryProbe(r, self.reports) for r in range(1, self.size)]
 
-    def _collect(self, reports: list[Report]) -> None:
+    def _collect(self, reports: list[Report], digest: int | None = None) -> None:
+        """Keep each rank's report; ``digest``: this rank's token digest when the tick
+        was sent, which every other rank's report (from the same point of the loop) must equal."""
         now = time.monotonic()
         for r in reports:
             self.reports[r.rank] = (now, r)
+            if digest is not None and r.digest != digest:
+                log.error("group.diverged", rank=0, exit_code=EXIT_SOFTWARE, peer=r.rank, peer_host=r.host,
+                          digest=digest, peer_digest=r.digest,
+                          reason="another rank committed different tokens (its numerics or inputs differ); "
+                                 "the group cannot serve consistent output")
+                leave_group()
 
     def _settings(self) -> Settings:
         pc = self.prefix_cache
@@ -163,7 +186,8 @@ class LeaderWorker(_GroupMember, EngineWorker):
                 go = False
                 break
         tick = Tick(now=self._tick_now, commands=shipped, settings=self._settings())
-        self._collect(self._exchange(lambda: self.channel.send(tick)))
+        digest = self.digest  # no token is committed during a drain
+        self._collect(self._exchange(lambda: self.channel.send(tick)), digest)
         return go
 
     def _publish(self) -> None:
@@ -192,7 +216,7 @@ class FollowerWorker(_GroupMember, EngineWorker):
     def serve(self) -> int:
         self.watchdog.start()
         self._load()  # a refusal (ShardingRefused) or failure propagates to the caller
-        hello = self._exchange(lambda: self.channel.receive_hello(self.rank_probe.report()))
+        hello = self._exchange(lambda: self.channel.receive_hello(self._report()))
         self.verify_exact = hello.verify_exact
         if self.batch is not None and hello.batch_exact is not None:
             self.batch.exact_ok = hello.batch_exact
@@ -216,7 +240,7 @@ class FollowerWorker(_GroupMember, EngineWorker):
         pass
 
     def _drain_commands(self, block: bool) -> bool:
-        tick = self._exchange(lambda: self.channel.receive_tick(self.rank_probe.report()))
+        tick = self._exchange(lambda: self.channel.receive_tick(self._report()))
         self._tick_now = tick.now
         for wire in tick.commands:
             if not self._apply_command(self._command(wire)):

@@ -20,10 +20,9 @@ from ..logs import get_logger
 log = get_logger("councild.group")
 
 
-def die(event: str, rank: int, **fields) -> None:
-    """Log why this rank leaves the group and exit non-zero at once (no interpreter
-    teardown: another thread may be inside a collective that will never return)."""
-    log.error(event, rank=rank, exit_code=EXIT_SOFTWARE, **fields)
+def leave_group() -> None:
+    """Exit non-zero at once, after the caller logged why (no interpreter teardown: another
+    thread may be inside a collective that will never return)."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -63,7 +62,8 @@ class GroupWatchdog(threading.Thread):
         while not self._stop.wait(poll):
             silent = self.clock() - self.last
             if silent > self.deadline_s:
-                die("group.peer_lost", self.rank, size=self.size, silent_s=round(silent, 2),
-                    deadline_s=self.deadline_s, exchanges=self.exchanges,
-                    reason="no exchange with the group completed within the deadline: a rank died, hangs "
-                           "or cannot be reached; every rank exits so the service manager restarts the group")
+                log.error("group.peer_lost", rank=self.rank, exit_code=EXIT_SOFTWARE, size=self.size,
+                          silent_s=round(silent, 2), deadline_s=self.deadline_s, exchanges=self.exchanges,
+                          reason="no exchange with the group completed within the deadline: a rank died, hangs "
+                                 "or cannot be reached; every rank exits so the service manager restarts the group")
+                leave_group()

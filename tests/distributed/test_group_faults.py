@@ -1,0 +1,85 @@
+"""Faults of a tensor-parallel group, with real processes: a rank killed mid-stream ends the
+group in bounded time and the client hears the daemon is gone; a model the group size
+cannot split is refused at start-up with the reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client, DaemonUnavailable
+
+from group_harness import start_group
+
+EXIT_SOFTWARE, EXIT_CONFIG = 70, 78
+
+
+def _stream_until_killed(g, victim: int) -> None:
+    outcome: dict = {}
+    first_token = threading.Event()
+
+    def consume() -> None:
+        try:
+            with Client(g.endpoint, seat="victim", timeout_s=5) as c:
+                for _ in c.generate("def fibonacci(n):\n", max_tokens=4000, speculation="exact"):
+                    first_token.set()
+            outcome["done"] = True
+        except BaseException as exc:  # what the client raised is the assertion below
+            outcome["error"] = exc
+        finally:
+            first_token.set()
+
+    t = threading.Thread(target=consume, daemon=True)
+    t.start()
+    assert first_token.wait(60), "no token streamed"
+    os.kill(g.procs[victim].pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    survivor = 1 - victim
+    code = g.wait(survivor, timeout=10)
+    waited = time.monotonic() - killed_at
+    assert code is not None, f"rank {survivor} still running 10 s after rank {victim} was killed:\n{g.tail(survivor)}"
+    assert code == EXIT_SOFTWARE, (code, g.tail(survivor))
+    events = [e for e in g.events(survivor) if e["event"] in ("group.peer_lost", "group.engine_fault")]
+    assert events and events[-1]["event"] == "group.peer_lost" and events[-1]["rank"] == survivor, g.tail(survivor)
+    t.join(20)
+    assert not t.is_alive(), "the client's stream hangs"
+    assert isinstance(outcome.get("error"), DaemonUnavailable), outcome
+    print(f"rank {survivor} exited {waited:.2f} s after rank {victim} was killed")
+
+
+def test_killing_a_follower_mid_stream_ends_rank_0_and_the_client_hears_unavailable(tmp_path):
+    g = start_group(tmp_path, BUNDLED_MODEL, 2)
+    try:
+        _stream_until_killed(g, victim=1)
+    finally:
+        g.kill()
+
+
+def test_killing_rank_0_mid_stream_ends_the_follower(tmp_path):
+    g = start_group(tmp_path, BUNDLED_MODEL, 2)
+    try:
+        _stream_until_killed(g, victim=0)
+    finally:
+        g.kill()
+
+
+def test_a_model_whose_heads_the_group_does_not_divide_is_refused_with_the_reason(tmp_path):
+    from daemon.engine.random_model import build_random_model
+
+    model = build_random_model(tmp_path / "model", seed=0,
+                               text_config={"num_attention_heads": 3, "num_key_value_heads": 1})
+    g = start_group(tmp_path, model, 2, wait=False)
+    try:
+        codes = [g.wait(r, timeout=120) for r in range(2)]
+        assert codes == [EXIT_CONFIG, EXIT_CONFIG], (codes, g.tail(0), g.tail(1))
+        for rank in range(2):
+            failed = [e for e in g.events(rank) if e["event"] == "daemon.startup_failed"]
+            assert failed and "num_attention_heads = 3" in failed[-1]["error"], g.tail(rank)
+            assert "cannot be split across 2 ranks" in failed[-1]["error"]
+    finally:
+        g.kill()

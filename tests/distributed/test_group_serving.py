@@ -1,0 +1,82 @@
+"""A two-rank tensor-parallel daemon on the bundled model (ring backend over loopback)
+serves what the single-process daemon serves, token for token, at temperature 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+from group_harness import start_group
+
+PROMPTS = ["def fibonacci(n):\n", "The council met at dawn to decide"]
+TOKENS = 24
+
+
+def _tokens(c: Client, prompt: str, **kw) -> tuple[list[int], object]:
+    stream = c.generate(prompt, max_tokens=TOKENS, **kw)
+    text = "".join(stream)
+    assert text == stream.done.text
+    return list(stream.token_ids), stream.done
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, list[int]]:
+    """Serial greedy tokens from the single-process daemon, the group's yardstick."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "e2e"))
+    from e2e_harness import start_daemon
+
+    d = start_daemon(tmp_path_factory.mktemp("single"), BUNDLED_MODEL)
+    try:
+        with Client(d.endpoint, seat="ref", timeout_s=60) as c:
+            return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS}
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory, reference):
+    g = start_group(tmp_path_factory.mktemp("group"), BUNDLED_MODEL, 2)
+    yield g
+    codes = g.stop()
+    assert codes == [0, 0], (codes, g.tail(0), g.tail(1))
+    assert any(e["event"] == "group.stopped" for e in g.events(1)), g.tail(1)
+
+
+def test_greedy_output_is_the_single_process_output_at_depth_0_and_in_exact_mode(group, reference):
+    with Client(group.endpoint, seat="fidelity", timeout_s=60) as c:
+        status = c.status().detail
+        assert status["exact_decode"] == "speculate"  # the exactness probe ran across the group
+        for p in PROMPTS:
+            assert _tokens(c, p, speculation="off")[0] == reference[p], p
+        for depth in (1, 2):
+            assert c.governor("pin_depth", depth).ok
+            for p in PROMPTS:
+                tokens, done = _tokens(c, p, speculation="exact")
+                assert tokens == reference[p], (depth, p)
+                assert done.speculation.mode == "exact" and done.speculation.drafted > 0
+        assert c.governor("auto").ok
+
+
+def test_sampled_and_concurrent_requests_keep_the_ranks_in_lockstep(group, reference):
+    """Sampling without a seed, batched rows and a cancel: rank 0 checks every rank's token
+    digest at each exchange and would exit (group.diverged) on any difference."""
+    with Client(group.endpoint, seat="mix", timeout_s=60) as c:
+        streams = [c.generate(p, max_tokens=TOKENS, temperature=0.9, speculation=s)
+                   for p in PROMPTS for s in ("off", "fast")]
+        cut = c.generate(PROMPTS[0], max_tokens=400, temperature=0.7)
+        next(iter(cut))
+        cut.cancel()
+        for s in streams:
+            "".join(s)
+            assert s.done.usage.completion_tokens > 0
+        assert _tokens(c, PROMPTS[1], speculation="exact")[0] == reference[PROMPTS[1]]
+        detail = c.status().detail
+    g = detail["group"]
+    assert g["size"] == 2 and g["backend"] == "ring"
+    assert [r["rank"] for r in g["ranks"]] == [0, 1]
+    assert all(r["memory"]["active_bytes"] > 0 and r["host"] for r in g["ranks"])
+    assert group.procs[0].poll() is None and group.procs[1].poll() is None
