@@ -1,15 +1,14 @@
 """The daemon's side of the governor: build it, tick it, apply what it decides.
 
-Everything here runs on the engine thread between decode cycles (the safe points), except
-reading the head's weights from disk, which runs on a loader thread so a reload never
-stalls decoding; the finished head is swapped in at the next safe point.
+Everything here runs on the engine thread between decode cycles (the safe points). What the
+governor changes lives in the head slot (head_slot.py: depth, residency, the background
+load) and the prefix cache; both are handed in, so governance never holds the worker.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import mlx.core as mx
 
@@ -28,10 +27,8 @@ from governor import (
     load_config,
 )
 
+from .head_slot import HeadSlot
 from .logs import get_logger
-
-if TYPE_CHECKING:
-    from .worker import EngineWorker
 
 log = get_logger("councild.governor")
 
@@ -44,19 +41,23 @@ def _recommended_working_set() -> int | None:
 
 
 class Governance:
-    def __init__(self, worker: "EngineWorker", trace: str | None = None):
-        self.worker = worker
-        self.cfg = load_config(worker.cfg.governor)
+    """Ticks the governor at the engine's safe points and applies its decisions to the head
+    slot (depth, residency) and to the prompt caches. It holds those two, not the worker."""
+
+    def __init__(self, slot: HeadSlot, table: dict, model_path, *, prefix_cache=None,
+                 holding_head: Callable[[], int] = lambda: 0, trace: str | None = None):
+        self.slot = slot
+        self.prefix_cache = prefix_cache
+        # How many requests hold the head now (reported when it is evicted under them).
+        self._holding_head = holding_head
+        self.cfg = load_config(table)
         self.load = LoadTracker(tau_s=self.cfg.arrival_tau_s)
-        head = worker.head
         # Start from this machine's tuned profile (`councild tune`) when one matches the
-        # model and versions; otherwise from the config's priors.
+        # model and versions; otherwise from the config's priors. The worker also reads it:
+        # it caps each request's depth by its sampling settings' tuned best depth.
         from .profile import governor_profile, load_profile
 
-        tuned = load_profile(worker.lm.path)
-        # The worker caps each request's depth by its sampling settings' tuned best depth.
-        worker.tuned_profile = tuned
-        profile = governor_profile(tuned)
+        self.tuned_profile = load_profile(model_path)
         self.gov = Governor(
             self.cfg,
             clock=time.monotonic,
@@ -64,21 +65,17 @@ class Governance:
             mlx_probe=MlxMemoryProbe(mx.get_active_memory, mx.get_cache_memory, mx.get_peak_memory,
                                      _recommended_working_set),
             load=self.load,
-            profile=profile,
-            head_available=worker.head_available,
-            head_resident=head is not None,
-            head_bytes=head.nbytes if head is not None else worker.head_bytes_hint,
-            initial_depth=worker.cfg.speculation.depth,
+            profile=governor_profile(self.tuned_profile),
+            head_available=slot.available,
+            head_resident=slot.resident,
+            head_bytes=slot.nbytes,
+            initial_depth=slot.depth,
             trace=trace,
         )
         self.next_tick = 0.0
         # Shedding is read by the socket thread: a (on, retry_after) tuple swaps atomically.
         self.shed: tuple[bool, float] = (False, 0.0)
-        self._loader: threading.Thread | None = None
-        self._loaded_head = None
-        self._load_error: BaseException | None = None
-        self._load_started = 0.0
-        worker.depth = self.gov.depth
+        slot.depth = self.gov.depth
 
     # ------------------------------------------------------------------ inputs
     def after_step(self, step, batch: int = 1) -> None:
@@ -101,8 +98,8 @@ class Governance:
         """Called by the step loop between cycles."""
         self._finish_load()
         now = time.monotonic()
-        if self.worker.prefix_cache is not None:
-            self.gov.note_prompt_cache(self.worker.prefix_cache.nbytes)
+        if self.prefix_cache is not None:
+            self.gov.note_prompt_cache(self.prefix_cache.nbytes)
         if now >= self.next_tick:
             self.next_tick = now + self.cfg.tick_s
             self.apply(self.gov.tick())
@@ -114,7 +111,7 @@ class Governance:
             # would misread every measurement taken under the pin.
             return False, (f"depth {depth} is above governor.max_depth = {self.cfg.max_depth}; "
                            f"pin a depth from 0 to {self.cfg.max_depth} (or raise max_depth in the config)")
-        before = (self.gov.depth, self.worker.head is not None)
+        before = (self.gov.depth, self.slot.resident)
         try:
             actions = self.gov.override(action, depth)
         except ValueError as exc:
@@ -123,10 +120,9 @@ class Governance:
         return True, describe_override(action, depth, actions, before, self.gov.depth)
 
     def apply(self, actions) -> None:
-        w = self.worker
         for action in actions:
             if isinstance(action, SetDepth):
-                w.depth = action.depth
+                self.slot.depth = action.depth
             elif isinstance(action, EvictHead):
                 self._evict()
             elif isinstance(action, LoadHead):
@@ -142,7 +138,7 @@ class Governance:
     def _limit_prompt_cache(self, max_bytes: int | None) -> None:
         """Cap the prefix cache (oldest snapshots go first), each one logged; None lifts
         the cap."""
-        pc = self.worker.prefix_cache
+        pc = self.prefix_cache
         if pc is None:
             return
         held = pc.nbytes
@@ -160,61 +156,31 @@ class Governance:
 
     # ------------------------------------------------------------------ head residency
     def _evict(self) -> None:
-        w = self.worker
-        if w.head is None:
-            return
-        before = mx.get_active_memory()
         t0 = time.perf_counter()
-        head = w.head
-        nbytes = w.drop_head()
-        # Delete the weights in place: a request that is drafting holds a reference to the
-        # same head, sees it unloaded at its next cycle and carries on serially, so the
-        # memory comes back now rather than when the last such request ends.
-        head.unload()
-        del head
-        mx.clear_cache()
-        freed = before - mx.get_active_memory()
+        holding = self._holding_head()
+        evicted = self.slot.evict()
+        if evicted is None:
+            return
+        nbytes, freed = evicted
         self.gov.note_head(resident=False)
         log.info("head.evicted", bytes=nbytes, freed_bytes=freed, ms=round((time.perf_counter() - t0) * 1000, 1),
-                 requests_going_serial=w.requests_holding_head())
+                 requests_going_serial=holding)
 
     def _start_load(self) -> None:
-        w = self.worker
-        if w.head is not None or (self._loader is not None and self._loader.is_alive()):
-            return
-        self.gov.note_head(loading=True)
-        self._load_started = time.perf_counter()
-
-        def load() -> None:
-            from .engine.mtp_head import load_mtp_head
-
-            try:
-                # Its own stream: reading and converting the weights does not queue behind
-                # (or ahead of) the decode work on the engine thread's stream.
-                with mx.stream(mx.new_stream(mx.default_device())):
-                    head = load_mtp_head(w.lm)
-                    mx.eval(head.parameters())
-                self._loaded_head = head
-            except BaseException as exc:  # reported at the next safe point
-                self._load_error = exc
-
-        self._loader = threading.Thread(target=load, name="councild-head-loader", daemon=True)
-        self._loader.start()
+        if self.slot.start_load():
+            self.gov.note_head(loading=True)
 
     def _finish_load(self) -> None:
-        if self._loader is None or self._loader.is_alive():
+        done = self.slot.finish_load()
+        if done is None:
             return
-        self._loader = None
-        ms = round((time.perf_counter() - self._load_started) * 1000, 1)
-        if self._load_error is not None:
-            err, self._load_error = self._load_error, None
+        if done.error is not None:
             self.gov.note_head(loading=False, resident=False)
-            log.error("head.load_failed", error=repr(err), ms=ms)
+            log.error("head.load_failed", error=repr(done.error), ms=done.ms)
             return
-        head, self._loaded_head = self._loaded_head, None
-        self.worker.install_head(head)
+        head = done.head
         self.gov.note_head(loading=False, resident=True, head_bytes=head.nbytes)
-        log.info("head.loaded", bytes=head.nbytes, ms=ms, source=getattr(head, "source", "?"), reason="governor")
+        log.info("head.loaded", bytes=head.nbytes, ms=done.ms, source=getattr(head, "source", "?"), reason="governor")
 
     def reconfigure(self, table: dict) -> None:
         """New [governor] settings from a SIGHUP, applied between cycles. The table was

@@ -13,7 +13,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -27,6 +27,9 @@ from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
 from .stats import Tallies
+
+if TYPE_CHECKING:
+    from .head_slot import HeadSlot
 
 log = get_logger("councild.engine")
 
@@ -141,13 +144,12 @@ class EngineWorker(threading.Thread):
         self.load_error: BaseException | None = None
         self.hooks = hooks
         self.lm = None
-        self.head = None
+        # The MTP head and the depth it drafts at (head_slot.py), made once the model is
+        # loaded; governance changes it between cycles, this thread reads it every cycle.
+        self.slot: HeadSlot | None = None
         # `councild tune`'s profile when the governor loaded one (governance.py): per
         # sampling setting, the best depth measured, which caps a request's depth.
         self.tuned_profile: dict | None = None
-        self.head_available = False
-        self.head_bytes_hint = 0
-        self.depth = cfg.speculation.depth
         self.governance = None
         self.scheduler = Scheduler(cfg.scheduler)
         self.jobs: dict[tuple[str, str], Job] = {}
@@ -197,10 +199,16 @@ class EngineWorker(threading.Thread):
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
                  context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
+        from .head_slot import HeadSlot
+
+        self.slot = HeadSlot(self.lm, self.cfg.speculation.depth, on_change=self._head_changed)
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
-            self._load_head(keep=self.cfg.speculation.load_head)
+            self.slot.load_at_startup(keep=self.cfg.speculation.load_head)
+            if self.slot.error is not None:
+                with self.snapshot_lock:
+                    self.snapshot.head_error = self.slot.error
         self.verify_exact = True
-        if self.head_available:
+        if self.slot.available:
             self._probe_exactness()
         self.batch = None
         self.prefix_cache = None
@@ -218,7 +226,9 @@ class EngineWorker(threading.Thread):
         if self.cfg.governor_enabled:
             from .governance import Governance
 
-            self.governance = Governance(self, trace=self.cfg.governor_trace)
+            self.governance = Governance(self.slot, self.cfg.governor, self.lm.path, prefix_cache=self.prefix_cache,
+                                         holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
+            self.tuned_profile = self.governance.tuned_profile
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
@@ -281,53 +291,17 @@ class EngineWorker(threading.Thread):
                          + ("decode serially" if exact_decode == "serial" else
                             "speculate with the near-tie guard, which bounds flips but cannot exclude them")))
 
-    def _load_head(self, keep: bool) -> None:
-        """Load the head at start-up (``keep`` False: only learn whether one exists)."""
-        import mlx.core as mx
-
-        from .engine.mtp_head import NoMTPHead, load_mtp_head
-
-        before = mx.get_active_memory()
-        t0 = time.perf_counter()
-        try:
-            head = load_mtp_head(self.lm)
-        except NoMTPHead as exc:
-            log.warning("head.absent", reason=str(exc), message="serving serially")
-            with self.snapshot_lock:
-                self.snapshot.head_error = str(exc)
-            return
-        self.head_available = True
-        self.head_bytes_hint = head.nbytes
-        if not keep:
-            del head
-            mx.clear_cache()
-            return
-        log.info("head.loaded", bytes=head.nbytes, active_memory_delta=mx.get_active_memory() - before,
-                 ms=round((time.perf_counter() - t0) * 1000, 1), source=head.source, reason="start-up")
-        self.install_head(head)
-
-    def install_head(self, head) -> None:
-        self.head = head
+    def _head_changed(self, resident: bool, nbytes: int) -> None:
+        # Written at once rather than at the next publish: a status read right after a
+        # head.loaded / head.evicted line shows it.
         with self.snapshot_lock:
-            self.snapshot.head_resident = True
-            self.snapshot.head_bytes = head.nbytes
-
-    def drop_head(self) -> int:
-        """Forget the head: new requests decode serially at once. (Governance then unloads
-        the weights in place, and requests already drafting go serial at their next cycle.)"""
-        nbytes = self.head.nbytes if self.head is not None else 0
-        self.head = None
-        with self.snapshot_lock:
-            self.snapshot.head_resident = False
-        return nbytes
+            self.snapshot.head_resident = resident
+            if resident:
+                self.snapshot.head_bytes = nbytes
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked
                    if j.spec.mode != "off" or (j.prefill is not None and j.prefill.history is not None))
-
-    def current_depth(self) -> int:
-        """Read by speculative generators at the start of every cycle."""
-        return self.depth if self.head is not None else 0
 
     def _loop(self) -> None:
         while True:
@@ -484,18 +458,18 @@ class EngineWorker(threading.Thread):
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
             job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
         chunk = self.scheduler.cfg.prefill_chunk
-        want_head = job.mode != "off" and self.head is not None
+        want_head = job.mode != "off" and self.slot.resident
         cache, history, start = None, None, 0
         if self.prefix_cache is not None:
             self.prefix_cache.set_chunk(chunk)
             snap, start = self.prefix_cache.lookup(job.prompt, want_head)
             if snap is not None:
-                cache, history = self.prefix_cache.restore(snap, job.prompt[start], self.head if want_head else None)
+                cache, history = self.prefix_cache.restore(snap, job.prompt[start], self.slot.head if want_head else None)
             job.snapshot_at = self.prefix_cache.boundaries(len(job.prompt), start, job.segment_ends)
         if history is None and want_head:
             from .engine.speculative import HeadHistory
 
-            history = HeadHistory(self.head)  # primed during prefill, in case it speculates
+            history = HeadHistory(self.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start
         job.started_at = time.monotonic()
         job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
@@ -517,7 +491,7 @@ class EngineWorker(threading.Thread):
         alone = len(self.scheduler.active) <= 1 or latency_first
         drafting = self._drafting_options()
         # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
-        can_draft = self.head is not None and self.current_depth() > 0 or "lookup" in drafting
+        can_draft = self.slot.resident and self.slot.current_depth() > 0 or "lookup" in drafting
         speculate = mode != "off" and can_draft and alone
         if (not speculate and not latency_first and self.batch is not None
                 and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
@@ -525,16 +499,16 @@ class EngineWorker(threading.Thread):
             job.batched = True
             job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
             return
-        if mode != "off" and (self.head is not None or "lookup" in drafting):
+        if mode != "off" and (self.slot.resident or "lookup" in drafting):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            history = pre.history if pre.history is not None and pre.history.head is self.head else None
+            history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
             # near-tie guard cannot change a token: exact mode runs without it (issue 18).
-            gen = speculative_decode(self.lm, self.head, last, sampler, depth=self._request_depth(job),
+            gen = speculative_decode(self.lm, self.slot.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact",
                                      guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
@@ -574,9 +548,9 @@ class EngineWorker(threading.Thread):
         entry = sampling_entry(self.tuned_profile, p.temperature, p.top_p, p.top_k)
         if entry is None:
             job.depth_ceiling = None
-            return self.current_depth
+            return self.slot.current_depth
         ceiling = job.depth_ceiling = best_depth(entry)
-        return lambda: min(self.current_depth(), ceiling)
+        return lambda: min(self.slot.current_depth(), ceiling)
 
     def _drafting_options(self) -> dict:
         """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
@@ -771,7 +745,7 @@ class EngineWorker(threading.Thread):
             s["tokens_per_s"] = per_seat.get(seat, 0.0)
         with self.snapshot_lock:
             self.snapshot.active = active
-            self.snapshot.depth = self.current_depth()
+            self.snapshot.depth = self.slot.current_depth()
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
             self.snapshot.recent_tokens_per_s = total_rate
             self.snapshot.seats = seats

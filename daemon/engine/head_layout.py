@@ -105,3 +105,33 @@ def head_files(folder: str | Path) -> list[Path]:
         if (folder / name).exists() and any(is_mtp_key(k) or not k.startswith("model.") for k in tensor_names(folder / name)):
             return [folder / name]
     return []
+
+
+def head_tensor_shapes(text_cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors of a one-layer head as the base's text config fixes them: canonical
+    ``mtp.*`` names and shapes (q_proj twice as wide: per head, query channels then gate
+    channels). The dense MLP's three tensors are listed only when the config has no experts;
+    an MoE head's expert tensors are laid out differently by each conversion."""
+    h = text_cfg["hidden_size"]
+    nh, nkv = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"]
+    hd = text_cfg.get("head_dim") or h // nh
+    p = "mtp.layers.0."
+    shapes = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        p + "input_layernorm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (2 * nh * hd, h),
+        p + "self_attn.k_proj.weight": (nkv * hd, h),
+        p + "self_attn.v_proj.weight": (nkv * hd, h),
+        p + "self_attn.o_proj.weight": (h, nh * hd),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+    }
+    if not text_cfg.get("num_experts"):
+        inter = text_cfg["intermediate_size"]
+        shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+    shapes["mtp.norm.weight"] = (h,)
+    return shapes

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .head_layout import SIDECARS, head_files, is_mtp_key, read_header, shard_files, strip_mtp
+from .head_layout import SIDECARS, head_files, head_tensor_shapes, is_mtp_key, read_header, shard_files, strip_mtp
 
 from .model import HYBRID_MTP_TYPES, LoadedModel
 
@@ -306,32 +306,6 @@ def load_mtp_head(lm: LoadedModel, folder: str | Path | None = None, zero_centre
     head._lm = lm
     head.source = source
     return head
-
-
-def head_tensor_shapes(text_cfg: dict) -> dict[str, tuple[int, ...]]:
-    """The 15 tensors of a real one-layer head, HF names and shapes (q_proj twice as wide:
-    per head, query channels then gate channels)."""
-    h = text_cfg["hidden_size"]
-    nh, nkv, hd = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"], text_cfg["head_dim"]
-    inter = text_cfg["intermediate_size"]
-    p = "mtp.layers.0."
-    return {
-        "mtp.fc.weight": (h, 2 * h),
-        "mtp.pre_fc_norm_embedding.weight": (h,),
-        "mtp.pre_fc_norm_hidden.weight": (h,),
-        p + "input_layernorm.weight": (h,),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (2 * nh * hd, h),
-        p + "self_attn.k_proj.weight": (nkv * hd, h),
-        p + "self_attn.v_proj.weight": (nkv * hd, h),
-        p + "self_attn.o_proj.weight": (h, nh * hd),
-        p + "self_attn.q_norm.weight": (hd,),
-        p + "self_attn.k_norm.weight": (hd,),
-        p + "mlp.gate_proj.weight": (inter, h),
-        p + "mlp.up_proj.weight": (inter, h),
-        p + "mlp.down_proj.weight": (h, inter),
-        "mtp.norm.weight": (h,),
-    }
 
 
 def copy_head_tensors(text_cfg: dict, dtype: mx.Dtype = mx.bfloat16) -> dict[str, mx.array]:

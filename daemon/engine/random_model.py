@@ -87,7 +87,7 @@ def _train_tokenizer(folder: Path, vocab_size: int) -> None:
 def _random_mtp_tensors(text_cfg: dict, seed: int) -> dict[str, mx.array]:
     """A real head's tensors with random values; norms in the HF zero-centred convention
     (scale = 1 + w), so small values around 0."""
-    from .mtp_head import head_tensor_shapes
+    from .head_layout import head_tensor_shapes
 
     key = mx.random.key(seed + 1)
     weights = {}

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from daemon.engine.head_layout import INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files, is_mtp_key, read_header
+from daemon.engine.head_layout import (INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files,
+                                       head_tensor_shapes, is_mtp_key, read_header)
 from .refs import ALLOW_PATTERNS, ModelRef, parse_ref
 
 MIN_ACCEPTANCE = 0.1  # well-paired heads measure 0.6-0.98 at depth 1; a foreign trunk ~0
@@ -244,36 +245,8 @@ def _source_folder_files(src: ModelRef) -> tuple[dict[str, Path], str]:
     return paths, f"{src.repo_id}@{commit}"
 
 
-def expected_head_shapes(text_cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Shapes the base's config fixes for the head's tensors (canonical ``mtp.*`` names).
-    Dense MLP shapes are only checked when the config has no experts."""
-    h = text_cfg["hidden_size"]
-    nh, nkv = text_cfg["num_attention_heads"], text_cfg["num_key_value_heads"]
-    hd = text_cfg.get("head_dim") or h // nh
-    p = "mtp.layers.0."
-    shapes = {
-        "mtp.fc.weight": (h, 2 * h),
-        "mtp.pre_fc_norm_embedding.weight": (h,),
-        "mtp.pre_fc_norm_hidden.weight": (h,),
-        "mtp.norm.weight": (h,),
-        p + "input_layernorm.weight": (h,),
-        p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.q_proj.weight": (2 * nh * hd, h),
-        p + "self_attn.k_proj.weight": (nkv * hd, h),
-        p + "self_attn.v_proj.weight": (nkv * hd, h),
-        p + "self_attn.o_proj.weight": (h, nh * hd),
-        p + "self_attn.q_norm.weight": (hd,),
-        p + "self_attn.k_norm.weight": (hd,),
-    }
-    if not text_cfg.get("num_experts"):
-        inter = text_cfg["intermediate_size"]
-        shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                       p + "mlp.down_proj.weight": (h, inter)})
-    return shapes
-
-
 def check_head_shapes(tensors: dict, base_cfg: dict, source: str) -> None:
-    expected = expected_head_shapes(_text_config(base_cfg))
+    expected = head_tensor_shapes(_text_config(base_cfg))
     missing = [k for k in expected if k not in tensors]
     wrong = [f"{k} is {tuple(tensors[k].shape)}, the base needs {v}" for k, v in expected.items()
              if k in tensors and tuple(tensors[k].shape) != v]

@@ -72,3 +72,37 @@ def test_a_local_model_folder_gets_a_head_from_a_local_source(tmp_path):
     assert read_header(tmp_path / "mtp.safetensors")["__metadata__"]["source"] == str(BUNDLED_MODEL.resolve())
     with pytest.raises(PullError, match="already has an MTP head"):
         pull(str(tmp_path), mtp_from=str(BUNDLED_MODEL), check=False)
+
+
+def _shapes_of(cfg: dict) -> dict:
+    from types import SimpleNamespace
+
+    from daemon.engine.head_layout import head_tensor_shapes
+
+    return {k: SimpleNamespace(shape=v) for k, v in head_tensor_shapes(cfg).items()}
+
+
+DENSE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+         "intermediate_size": 96}
+
+
+def test_a_head_that_fits_the_base_passes_and_one_that_does_not_is_refused_by_name():
+    from daemon.models.pull import check_head_shapes
+
+    check_head_shapes(_shapes_of(DENSE), {"text_config": DENSE}, "src")
+    # A head from a model twice as wide: every tensor is the wrong shape.
+    with pytest.raises(PullError, match=r"does not fit this base.*mtp\.fc\.weight is \(128, 256\), the base needs \(64, 128\)"):
+        check_head_shapes(_shapes_of({**DENSE, "hidden_size": 128}), {"text_config": DENSE}, "src")
+    missing = _shapes_of(DENSE)
+    del missing["mtp.norm.weight"]
+    with pytest.raises(PullError, match="missing mtp.norm.weight"):
+        check_head_shapes(missing, DENSE, "src")
+
+
+def test_head_shapes_fall_back_to_hidden_over_heads_and_leave_moe_experts_alone():
+    from daemon.engine.head_layout import head_tensor_shapes
+
+    no_hd = {k: v for k, v in DENSE.items() if k != "head_dim"}
+    assert head_tensor_shapes(no_hd)["mtp.layers.0.self_attn.q_norm.weight"] == (16,)
+    moe = head_tensor_shapes({**DENSE, "num_experts": 8})
+    assert not any(".mlp." in k for k in moe) and "mtp.norm.weight" in moe

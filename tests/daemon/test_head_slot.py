@@ -1,0 +1,103 @@
+"""The head slot (daemon/head_slot.py): what the worker reads and governance changes, on a
+real (random-weight) checkpoint, and the rule that governance holds the slot, not the worker."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import shutil
+import time
+
+import pytest
+
+import daemon
+from daemon.engine.loading import load_model
+from daemon.head_slot import HeadSlot
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    return load_model(random_model_path)
+
+
+def _finish(slot: HeadSlot, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while (done := slot.finish_load()) is None:
+        assert time.monotonic() < deadline, "the head's background load did not finish"
+        time.sleep(0.05)
+    return done
+
+
+def test_startup_probe_learns_the_head_without_keeping_it(lm):
+    changes = []
+    slot = HeadSlot(lm, depth=2, on_change=lambda resident, nbytes: changes.append((resident, nbytes)))
+    slot.load_at_startup(keep=False)
+    assert slot.available and not slot.resident and slot.bytes_hint > 0
+    assert slot.current_depth() == 0  # no head: nothing drafts, whatever the depth
+    assert slot.nbytes == slot.bytes_hint and changes == []
+
+
+def test_load_install_evict_round_trip(lm):
+    changes = []
+    slot = HeadSlot(lm, depth=2, on_change=lambda resident, nbytes: changes.append((resident, nbytes)))
+    slot.load_at_startup(keep=True)
+    assert slot.resident and slot.current_depth() == 2
+    head, held = slot.head, slot.head.nbytes
+    assert changes == [(True, held)] and slot.nbytes == held
+    assert not slot.start_load()  # one is resident already
+
+    nbytes, freed = slot.evict()
+    assert nbytes == held and not slot.resident and slot.current_depth() == 0
+    assert head.unloaded  # a request still holding it sees it gone at its next cycle
+    assert changes[-1] == (False, 0)
+    assert slot.evict() is None
+
+    assert slot.start_load() and slot.loading
+    assert not slot.start_load()  # one load at a time
+    done = _finish(slot)
+    assert done.error is None and slot.head is done.head and slot.resident
+    assert changes[-1] == (True, done.head.nbytes)
+    assert slot.finish_load() is None  # reported once
+
+
+def test_a_failed_load_is_reported_and_leaves_the_slot_empty(lm, random_model_path, tmp_path):
+    slot = HeadSlot(lm, depth=1)
+    slot.load_at_startup(keep=False)
+    # The head's weights vanish between start-up and the governor's reload.
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    heads = [p for p in pathlib.Path(random_model_path).iterdir() if "mtp" in p.name]
+    assert heads, "the random checkpoint carries a sidecar head"
+    for p in heads:
+        shutil.move(str(p), moved / p.name)
+    try:
+        assert slot.start_load()
+        done = _finish(slot)
+    finally:
+        for p in moved.iterdir():
+            shutil.move(str(p), pathlib.Path(random_model_path) / p.name)
+    assert done.head is None and done.error is not None
+    assert not slot.resident and slot.current_depth() == 0
+
+
+def test_no_head_is_recorded_not_raised(lm, tmp_path, random_model_path):
+    bare = tmp_path / "bare"
+    shutil.copytree(random_model_path, bare, ignore=lambda d, names: [n for n in names if "mtp" in n])
+    slot = HeadSlot(load_model(bare), depth=2)
+    slot.load_at_startup(keep=True)
+    assert not slot.available and not slot.resident and slot.error
+
+
+def test_governance_holds_the_slot_not_the_worker():
+    """Not even for annotations: the governor's hands reach the head slot and the prefix
+    cache it is given, never the worker's jobs, scheduler or sockets."""
+    source = (pathlib.Path(daemon.__file__).parent / "governance.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+    assert not {n for n in imported if "worker" in n.lower() or "server" in n.lower()}, imported
+    assert "head_slot" in imported
