@@ -140,7 +140,7 @@ class LeaderWorker(_GroupMember, EngineWorker):
 
     def _settings(self) -> Settings:
         pc = self.prefix_cache
-        return Settings(depth=self.depth, head=self.head is not None, pinned=self.depth_pinned(),
+        return Settings(depth=self.slot.depth, head=self.slot.resident, pinned=self.depth_pinned(),
                         prompt_cache_limit=pc.limit if pc is not None else None)
 
     def _wire(self, cmd):
@@ -265,19 +265,13 @@ class FollowerWorker(_GroupMember, EngineWorker):
         return Stop()
 
     def _apply_settings(self, s: Settings) -> None:
-        self.depth = s.depth
+        self.slot.depth = s.depth
         self._pinned = s.pinned
-        if s.head and self.head is None:
+        if s.head and not self.slot.resident:
             self._follow_head_load()
-        elif not s.head and self.head is not None:
-            import mlx.core as mx
-
-            head = self.head
-            nbytes = self.drop_head()
-            head.unload()
-            del head
-            mx.clear_cache()
-            log.info("head.evicted", rank=self.rank, bytes=nbytes, reason="rank 0 evicted it")
+        elif not s.head and self.slot.resident:
+            nbytes, freed = self.slot.evict()
+            log.info("head.evicted", rank=self.rank, bytes=nbytes, freed_bytes=freed, reason="rank 0 evicted it")
         pc = self.prefix_cache
         if pc is not None and pc.limit != s.prompt_cache_limit:
             pc.set_limit(s.prompt_cache_limit)
@@ -290,6 +284,6 @@ class FollowerWorker(_GroupMember, EngineWorker):
             head = load_mtp_head(self.lm)
         except Exception as exc:
             _fault(self.rank, exc, during="head load")
-        self.install_head(head)
+        self.slot.install(head)
         log.info("head.loaded", rank=self.rank, bytes=head.nbytes, ms=round((time.perf_counter() - t0) * 1000, 1),
                  reason="rank 0 loaded it")

@@ -3,6 +3,8 @@ serves what the single-process daemon serves, token for token, at temperature 0.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from daemon.paths import BUNDLED_MODEL
@@ -80,3 +82,23 @@ def test_sampled_and_concurrent_requests_keep_the_ranks_in_lockstep(group, refer
     assert [r["rank"] for r in g["ranks"]] == [0, 1]
     assert all(r["memory"]["active_bytes"] > 0 and r["host"] for r in g["ranks"])
     assert group.procs[0].poll() is None and group.procs[1].poll() is None
+
+
+def test_a_head_eviction_and_reload_happen_on_every_rank(group, reference):
+    with Client(group.endpoint, seat="ops", timeout_s=60) as c:
+        assert c.governor("evict_head").ok
+        assert not c.status().detail["head_resident"]
+        # The follower applies the eviction at the next exchange; a request then runs serially on both.
+        assert _tokens(c, PROMPTS[0], speculation="exact")[0] == reference[PROMPTS[0]]
+        evicted = [e for e in group.events(1) if e["event"] == "head.evicted"]
+        assert evicted and evicted[-1]["reason"] == "rank 0 evicted it", group.tail(1)
+        assert c.governor("pin_depth", 1).ok  # loads the head (on a loader thread on rank 0)
+        deadline = time.monotonic() + 60
+        while not c.status().detail["head_resident"]:
+            assert time.monotonic() < deadline, "the head did not come back"
+            time.sleep(0.2)
+        tokens, done = _tokens(c, PROMPTS[0], speculation="exact")
+        assert tokens == reference[PROMPTS[0]] and done.speculation.drafted > 0
+        loaded = [e for e in group.events(1) if e["event"] == "head.loaded"]
+        assert loaded and loaded[-1]["reason"] == "rank 0 loaded it", group.tail(1)
+        assert c.governor("auto").ok
