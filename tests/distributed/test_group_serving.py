@@ -14,6 +14,8 @@ from group_harness import start_group
 
 PROMPTS = ["def fibonacci(n):\n", "The council met at dawn to decide"]
 TOKENS = 24
+# Longer than one exchange's slot once tokenized: its request crosses in the overflow round.
+LONG = "".join(f"def step_{i}(x):\n    return x + {i}\n\n" for i in range(120))
 
 
 def _tokens(c: Client, prompt: str, **kw) -> tuple[list[int], object]:
@@ -34,7 +36,7 @@ def reference(tmp_path_factory) -> dict[str, list[int]]:
     d = start_daemon(tmp_path_factory.mktemp("single"), BUNDLED_MODEL)
     try:
         with Client(d.endpoint, seat="ref", timeout_s=60) as c:
-            return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS}
+            return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS + [LONG]}
     finally:
         assert d.stop() == 0
 
@@ -102,3 +104,13 @@ def test_a_head_eviction_and_reload_happen_on_every_rank(group, reference):
         loaded = [e for e in group.events(1) if e["event"] == "head.loaded"]
         assert loaded and loaded[-1]["reason"] == "rank 0 loaded it", group.tail(1)
         assert c.governor("auto").ok
+
+
+def test_a_prompt_larger_than_an_exchange_slot_crosses_in_the_overflow_round(group, reference):
+    with Client(group.endpoint, seat="long", timeout_s=120) as c:
+        before = c.status().detail["group"]["overflow_exchanges"]
+        tokens, done = _tokens(c, LONG, speculation="exact")
+        assert done.usage.prompt_tokens > 1500
+        assert tokens == reference[LONG]
+        time.sleep(0.3)  # status is republished every 0.1 s
+        assert c.status().detail["group"]["overflow_exchanges"] > before
