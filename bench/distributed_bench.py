@@ -122,18 +122,54 @@ def _speculate(lm, head, prompt: list[int], seq: list[int], depth: int, tokens: 
             "matches_serial": out[:n] == seq[:n]}
 
 
-def _measure(lm, head, prompt, args) -> dict:
+def _draft_ms(lm, head, reps: int = 20) -> float:
+    """One head step (the head's layer + logits through the shared lm_head) on a short history."""
+    import mlx.core as mx
+
+    tok = mx.array([[1]])
+    hidden = lm.embed(tok)  # any hidden of the activation dtype: the cost is what is timed
+    cache = head.make_cache()
+    mx.eval(head.logits(head(hidden, tok, cache)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(head.logits(head(hidden, tok, cache)))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def _measure(lm, head, prompt, args, split_head=None) -> dict:
     import mlx.core as mx
 
     _serial(lm, prompt, 8)  # warm-up: kernels, first allocations
     serial, seq = _serial(lm, prompt, args.tokens)
     # The oracle needs the serial continuation beyond what speculation commits in its last cycle.
     _, seq = _serial(lm, prompt, args.tokens + max(args.depths) + 1)
-    res = {"serial": serial, "depths": {}}
+    res = {"serial": serial, "depths": {}, "draft_ms": _draft_ms(lm, head)}
     for k in args.depths:
         res["depths"][str(k)] = _speculate(lm, head, prompt, seq, k, args.tokens)
+    if split_head is not None:  # the same, with the head split across the ranks too
+        res["split_head"] = {"draft_ms": _draft_ms(lm, split_head), "depths": {
+            str(k): _speculate(lm, split_head, prompt, seq, k, args.tokens) for k in args.depths}}
     res["active_bytes"] = mx.get_active_memory()
     return res
+
+
+def _split_head(head, group):
+    """A copy of ``head`` split across ``group`` (engine/sharding.py: shard_head)."""
+    import copy
+
+    import mlx.core as mx
+
+    from daemon.engine.sharding import shard_head
+
+    lm = head._lm
+    head._lm = None  # not copied: the split head drafts through the same base model
+    twin = copy.deepcopy(head)
+    head._lm = twin._lm = lm
+    shard_head(twin, group)
+    mx.eval(twin.parameters())
+    return twin
 
 
 def worker(args) -> int:
@@ -146,6 +182,7 @@ def worker(args) -> int:
     if args.inproc:
         whole = _load(args.shape, None) if rank == 0 else None
         split = _load(args.shape, group)
+        twin = _split_head(split[1], group)
         barrier = lambda: mx.eval(mx.distributed.all_sum(mx.ones(1), group=group))  # noqa: E731
         for r in range(args.rounds):
             for arm in ("A", "B") if r % 2 == 0 else ("B", "A"):
@@ -154,13 +191,14 @@ def worker(args) -> int:
                     if rank == 0:
                         runs.append({"round": r, "arm": "A", "ranks": 1, **_measure(*whole, args)})
                 else:
-                    res = _measure(*split, args)
+                    res = _measure(*split, args, split_head=twin)
                     runs.append({"round": r, "arm": "B", "ranks": size, **res})
                 barrier()
     else:
         lm, head, prompt = _load(args.shape, group if size > 1 else None)
+        twin = _split_head(head, group) if size > 1 else None
         runs.append({"round": args.round, "arm": "B" if size > 1 else "A", "ranks": size,
-                     **_measure(lm, head, prompt, args)})
+                     **_measure(lm, head, prompt, args, split_head=twin)})
     if rank == 0:
         Path(args.out).write_text(json.dumps({"runs": runs, "device": str(mx.default_device()),
                                               "mlx": mx.__version__}))
@@ -228,7 +266,21 @@ def summarise(runs: list[dict], depths: list[int]) -> dict:
         b = [get(by["B"][i]) for i in rounds]
         out[name] = {"A": _spread(a), "B": _spread(b), "B_over_A": _spread([y / x for x, y in zip(a, b)])}
     exact = all(d["matches_serial"] for r in runs for d in r["depths"].values())
-    return {"rounds": rounds, "metrics": out, "oracle_speculation_matches_serial": exact}
+    exact = exact and all(d["matches_serial"] for r in runs if "split_head" in r
+                          for d in r["split_head"]["depths"].values())
+    # The MTP head on the split arm: replicated (what the daemon does) vs split too.
+    head = {}
+    b = [by["B"][i] for i in rounds if "split_head" in by["B"][i]]
+    if b:
+        pairs = [("draft step ms", lambda r: r["draft_ms"], lambda r: r["split_head"]["draft_ms"])]
+        for k in depths:
+            pairs.append((f"depth {k} tok/s", lambda r, k=k: r["depths"][str(k)]["tok_s"],
+                          lambda r, k=k: r["split_head"]["depths"][str(k)]["tok_s"]))
+        for name, rep_, spl in pairs:
+            x, y = [rep_(r) for r in b], [spl(r) for r in b]
+            head[name] = {"replicated": _spread(x), "split": _spread(y),
+                          "split_over_replicated": _spread([q / p for p, q in zip(x, y)])}
+    return {"rounds": rounds, "metrics": out, "head": head, "oracle_speculation_matches_serial": exact}
 
 
 def format_table(result: dict) -> str:
@@ -238,10 +290,18 @@ def format_table(result: dict) -> str:
              f"{result['config']['backend']}: A = 1 rank (whole model), B = {ranks} ranks (split); "
              f"{len(s['rounds'])} rounds ABAB, median (min-max) over rounds", "",
              "| figure | A: 1 rank | B: %d ranks | B / A |" % ranks, "|---|---|---|---|"]
+    def cell(d):
+        return f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})"
+
     for name, m in s["metrics"].items():
-        def cell(d):
-            return f"{d['median']:.2f} ({d['min']:.2f}-{d['max']:.2f})"
         lines.append(f"| {name} | {cell(m['A'])} | {cell(m['B'])} | {cell(m['B_over_A'])} |")
+    if s["head"]:
+        lines += ["", f"The MTP head on the {ranks}-rank arm: replicated on every rank (the daemon's choice) vs "
+                      f"split like the base's attention layers (one all_sum more per layer and draft):", "",
+                  "| figure | replicated | split | split / replicated |", "|---|---|---|---|"]
+        for name, m in s["head"].items():
+            lines.append(f"| {name} | {cell(m['replicated'])} | {cell(m['split'])} | "
+                         f"{cell(m['split_over_replicated'])} |")
     lines += ["", f"Oracle speculation committed the serial tokens on every arm: "
                   f"{s['oracle_speculation_matches_serial']}."]
     return "\n".join(lines)

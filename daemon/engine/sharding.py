@@ -62,3 +62,31 @@ def shard_model(model: Any, config: dict, group: Any) -> None:
     if problems:
         raise ShardingRefused(f"the model cannot be split across {n} ranks: " + "; ".join(problems))
     model.shard(group)
+
+
+def shard_head(head: Any, group: Any) -> None:
+    """Split a dense MTP head's decoder layer across ``group`` as mlx-lm splits the base's
+    attention layers (heads of q/k/v, then o_proj and the MLP with an all_sum each); fc and
+    the norms stay whole. The daemon replicates the head instead (no collective per draft);
+    this exists so bench/distributed_bench.py can measure the two against each other."""
+    from mlx.nn.layers.distributed import shard_linear
+
+    n = group.size()
+    if n <= 1:
+        return
+    if getattr(head, "moe", False):
+        raise ShardingRefused("splitting an MoE head is not implemented; it is replicated")
+    for layer in head.layers:
+        attn = layer.self_attn
+        if attn.num_attention_heads % n or attn.num_key_value_heads % n:
+            raise ShardingRefused(f"the head's {attn.num_attention_heads} attention / {attn.num_key_value_heads} KV "
+                                  f"heads do not divide by {n} ranks")
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, shard_linear(getattr(attn, name), "all-to-sharded", group=group))
+        attn.o_proj = shard_linear(attn.o_proj, "sharded-to-all", group=group)
+        attn.num_attention_heads //= n
+        attn.num_key_value_heads //= n
+        mlp = layer.mlp
+        mlp.gate_proj = shard_linear(mlp.gate_proj, "all-to-sharded", group=group)
+        mlp.up_proj = shard_linear(mlp.up_proj, "all-to-sharded", group=group)
+        mlp.down_proj = shard_linear(mlp.down_proj, "sharded-to-all", group=group)
