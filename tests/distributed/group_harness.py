@@ -70,7 +70,9 @@ class Group:
 
 
 def start_group(tmp: Path, model: Path, n: int = 2, *extra: str, config: str | None = None,
-                wait: bool = True) -> Group:
+                rank_configs: dict[int, str] | None = None, wait: bool = True) -> Group:
+    """``config``: every rank's TOML; ``rank_configs``: a rank's own instead (the [governor]
+    table is read by each rank for its memory probes)."""
     runtime = tmp / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
     endpoint = f"ipc://{runtime / 'councild.sock'}"
@@ -78,16 +80,18 @@ def start_group(tmp: Path, model: Path, n: int = 2, *extra: str, config: str | N
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
     cmd = [sys.executable, "-m", "daemon.cli", "serve", "--distributed", "--model", str(model),
            "--endpoint", endpoint, "--log-format", "json", *extra]
-    if config is not None:
-        path = tmp / "councild.toml"
-        path.write_text(config)
-        cmd += ["--config", str(path)]
     procs, logs = [], []
     for rank in range(n):
+        text = (rank_configs or {}).get(rank, config)
+        rank_cmd = list(cmd)
+        if text is not None:
+            path = tmp / f"councild-rank{rank}.toml"
+            path.write_text(text)
+            rank_cmd += ["--config", str(path)]
         log_path = tmp / f"rank{rank}.log"
         env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1", MLX_RANK=str(rank),
                    MLX_HOSTFILE=str(hostfile))
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(rank_cmd, cwd=REPO, env=env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT))
         logs.append(log_path)
     g = Group(endpoint, procs, logs)
     if wait:

@@ -83,3 +83,27 @@ def test_a_model_whose_heads_the_group_does_not_divide_is_refused_with_the_reaso
             assert "cannot be split across 2 ranks" in failed[-1]["error"]
     finally:
         g.kill()
+
+
+def test_the_governor_acts_on_the_worst_ranks_memory_and_evicts_on_every_rank(tmp_path):
+    """Rank 1 alone reads critical memory pressure (its own thresholds sit above any machine's
+    free memory); rank 0's governor hears it in rank 1's report and evicts the head on both."""
+    critical = "[governor.linux]\nmemavail_warn_bytes = 2000000000000000\nmemavail_critical_bytes = 1000000000000000\n"
+    g = start_group(tmp_path, BUNDLED_MODEL, 2, rank_configs={1: critical})
+    try:
+        with Client(g.endpoint, seat="ops", timeout_s=30) as c:
+            deadline = time.monotonic() + 30
+            while c.status().detail["head_resident"]:
+                assert time.monotonic() < deadline, g.tail(0)
+                time.sleep(0.2)
+            mine = [r for r in c.status().detail["group"]["ranks"]]
+        assert [r["memory"]["pressure"] for r in mine] == ["normal", "critical"], mine
+        evictions = [e for e in g.events(0) if e["event"] == "governor.decision" and e["decision"] == "evict_head"]
+        assert evictions and evictions[0]["pressure"] == "critical", g.tail(0)
+        assert "rank1: " in evictions[0]["detail"] and evictions[0]["detail"].endswith("-> critical"), evictions[0]
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "head.evicted" for e in g.events(1)):
+            assert time.monotonic() < deadline, g.tail(1)
+            time.sleep(0.2)
+    finally:
+        g.kill()
