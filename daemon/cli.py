@@ -324,6 +324,15 @@ def format_status(reply) -> str:
     mem = d.get("memory")
     if mem:
         rows.append(("memory", ", ".join(f"{k.removesuffix('_bytes')} {_mb(v)}" for k, v in mem.items())))
+    group = d.get("group")
+    if group:  # tensor parallel (daemon/distributed/): one row per rank
+        rows.append(("group", f"{group['size']} ranks, {group['backend']} backend, {group['exchanges']} exchanges"))
+        for r in group.get("ranks", []):
+            m = r["memory"]
+            rows.append((f"rank {r['rank']}", f"{r['host']} pid {r['pid']}: active {_mb(m['active_bytes'])}, "
+                                               f"cache {_mb(m['cache_bytes'])}, pressure {m['pressure']}"
+                                               + (f", {_mb(m['available_bytes'])} available"
+                                                  if m.get("available_bytes") is not None else "")))
     if gov:
         pressure = gov.get("pressure") or "unknown"
         if gov.get("available_bytes") is not None:

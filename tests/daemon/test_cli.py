@@ -148,3 +148,16 @@ def test_clients_with_work_are_told_apart_from_clients_heard_from():
     r = dict(row.split("  ", 1) for row in format_status(reply(**dict(FULL, clients_with_work=1))).splitlines()
              if "  " in row)
     assert r["in flight"].strip() == "1 active, 2 queued; clients: 1 with work in flight, 2 heard from within the heartbeat timeout"
+
+
+def test_status_table_shows_a_tensor_parallel_group_rank_by_rank():
+    group = {"size": 2, "backend": "ring", "exchanges": 812, "ranks": [
+        {"rank": r, "host": f"mac-{r}", "pid": 100 + r,
+         "memory": {"active_bytes": 8_000_000_000, "cache_bytes": 0, "peak_bytes": 9_000_000_000,
+                    "available_bytes": 2_000_000_000, "total_bytes": None, "pressure": p}}
+        for r, p in ((0, "normal"), (1, "warn"))]}
+    text = format_status(reply(**FULL, group=group))
+    r = rows(text)
+    assert r["group"] == "2 ranks, ring backend, 812 exchanges"
+    assert r["rank 1"] == "mac-1 pid 101: active 8000.0 MB, cache 0.0 MB, pressure warn, 2000.0 MB available"
+    assert "group" not in rows(format_status(reply(**FULL)))
