@@ -100,6 +100,13 @@ class _SinkHandler(logging.Handler):
 SINK: LogSink | None = None
 
 
+def _library_event(_logger, _method, event_dict: dict) -> dict:
+    """A library's log record becomes the event ``library.log`` with its text under
+    ``message``: event names stay a small fixed set that ops can count and alert on, not
+    one per library sentence."""
+    return {"event": "library.log", "message": event_dict.pop("event", ""), **event_dict}
+
+
 def lines_dropped() -> int:
     return SINK.dropped if SINK is not None else 0
 
@@ -138,7 +145,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream=None) -> No
     handler = _SinkHandler(sink)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processor=renderer,
-        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+        foreign_pre_chain=[_library_event, structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
                            structlog.processors.TimeStamper(fmt="iso", utc=True)],
     ))
     root = logging.getLogger()

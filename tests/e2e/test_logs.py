@@ -192,7 +192,9 @@ def test_rejected_invalid_frame_log_names_request_and_seat(tty_daemon):
 
 
 # ---------------------------------------------------------------------------- the doc
-EMIT = re.compile(r'(?:\.(?:info|warning|error|debug|exception|critical)|\bemit)\(\s*"([a-z_]+\.[a-z_.]+)"')
+# A logger call with the event as first argument, or an event dict built by a processor
+# (logs.py renames library records to one event).
+EMIT = re.compile(r'(?:(?:\.(?:info|warning|error|debug|exception|critical)|\bemit)\(\s*|\{"event": )"([a-z_]+\.[a-z_.]+)"')
 
 
 def emitted_events() -> dict[str, set[str]]:

@@ -187,3 +187,6 @@ def test_every_line_the_bundled_daemon_logs_is_json(bundled_daemon):
     events = [json.loads(line) for line in lines]  # every line, not just most
     assert "model.loaded" in {e["event"] for e in events}
     assert all({"event", "level", "timestamp"} <= e.keys() for e in events)
+    # A library's sentence is a message under one event name, not an event name of its own.
+    library = [e for e in events if e.get("logger", "").startswith("transformers")]
+    assert library and all(e["event"] == "library.log" and "rope_parameters" in e["message"] for e in library), library
