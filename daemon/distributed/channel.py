@@ -93,6 +93,7 @@ class Hello(Struct, array_like=True):
     batch_exact: bool | None
     compiled: bool
     tuned_profile: dict | None
+    fingerprint: str = ""
 
 
 class Report(Struct, array_like=True):
@@ -110,6 +111,8 @@ class Report(Struct, array_like=True):
     # A running CRC of every token this rank's engine committed, as of its previous
     # iteration: rank 0 compares it with its own to catch a rank that drew another token.
     digest: int = 0
+    # What must be equal on every rank for lockstep (lockstep.fingerprint); sent with the hello.
+    fingerprint: str = ""
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -10,6 +10,8 @@ applies the same. Everything after the drain is the single-process code.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import queue
 import secrets
 import time
@@ -29,7 +31,7 @@ from ..worker import (CancelAll, CancelJob, EngineWorker, InjectedFault, ReloadG
 from .channel import (CancelAllWire, CancelWire, Hello, JobWire, LockstepChannel, Report, SchedulerWire, Settings,
                       StopWire, Tick)
 from .group import PeerMemoryProbe, RankProbe, backend_name, describe
-from ..exits import EXIT_SOFTWARE
+from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from .watchdog import GroupWatchdog, leave_group
 
 log = get_logger("councild.group")
@@ -49,6 +51,30 @@ def _fault(rank: int, exc: BaseException, **fields) -> None:
     else:
         log.error("group.engine_fault", **fields)
     leave_group()
+
+
+def fingerprint(cfg, lm) -> str:
+    """What every rank's step loop must agree on to stay in lockstep: the settings the
+    engine reads (scheduling, speculation, prefix cache, decode path, fault injection) and
+    the model (its config and each weight's name, shape and dtype, as this rank holds it;
+    the split makes the shards' shapes equal). Settings only rank 0 reads (the socket, the
+    governor, logs) may differ: a rank reads its own [governor] table for its memory probes."""
+    from mlx.utils import tree_flatten
+
+    engine = {k: msgspec.to_builtins(getattr(cfg, k)) for k in
+              ("scheduler", "speculation", "prefix_cache", "compile_decode", "debug_fail_after_tokens",
+               "debug_inexact_verify")}
+    weights = [(k, list(v.shape), str(v.dtype)) for k, v in tree_flatten(lm.model.parameters())]
+    blob = json.dumps({"engine": engine, "model": lm.config, "weights": weights}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _mismatch(rank: int, mine: str, theirs: str, peer: int) -> None:
+    log.error("group.config_mismatch", rank=rank, peer=peer, fingerprint=mine, peer_fingerprint=theirs,
+              exit_code=EXIT_CONFIG,
+              reason="the ranks' engine settings ([scheduler], [speculation], [prefix_cache], compile_decode) "
+                     "or models differ; every rank must serve the same model with the same settings")
+    leave_group(EXIT_CONFIG)
 
 
 class _GroupMember:
@@ -115,7 +141,13 @@ class LeaderWorker(_GroupMember, EngineWorker):
         hello = Hello(verify_exact=self.verify_exact,
                       batch_exact=self.batch.exact_ok if self.batch is not None else None,
                       compiled=self.lm.compiled_decode is not None, tuned_profile=self.tuned_profile)
-        self._collect(self._exchange(lambda: self.channel.send(hello)))
+        mine = fingerprint(self.cfg, self.lm)
+        hello.fingerprint = mine
+        reports = self._exchange(lambda: self.channel.send(hello))
+        for r in reports:
+            if r.fingerprint != mine:
+                _mismatch(0, mine, r.fingerprint, r.rank)
+        self._collect(reports)
         self.watchdog.started()
         log.info("group.ready", rank=0, size=self.size, backend=self.backend,
                  ranks=[{"rank": k, "host": r.host, "pid": r.pid} for k, (_, r) in sorted(self.reports.items())])
@@ -216,7 +248,11 @@ class FollowerWorker(_GroupMember, EngineWorker):
     def serve(self) -> int:
         self.watchdog.start()
         self._load()  # a refusal (ShardingRefused) or failure propagates to the caller
-        hello = self._exchange(lambda: self.channel.receive_hello(self._report()))
+        mine = fingerprint(self.cfg, self.lm)
+        report = msgspec.structs.replace(self._report(), fingerprint=mine)
+        hello = self._exchange(lambda: self.channel.receive_hello(report))
+        if hello.fingerprint != mine:
+            _mismatch(self.rank, mine, hello.fingerprint, 0)
         self.verify_exact = hello.verify_exact
         if self.batch is not None and hello.batch_exact is not None:
             self.batch.exact_ok = hello.batch_exact

@@ -20,15 +20,16 @@ from ..logs import get_logger
 log = get_logger("councild.group")
 
 
-def leave_group() -> None:
+def leave_group(code: int = EXIT_SOFTWARE) -> None:
     """Exit non-zero at once, after the caller logged why (no interpreter teardown: another
-    thread may be inside a collective that will never return)."""
+    thread may be inside a collective that will never return). 70 lets the service manager
+    restart the group; 78 (a configuration the ranks disagree on) does not."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    os._exit(EXIT_SOFTWARE)
+    os._exit(code)
 
 
 class GroupWatchdog(threading.Thread):

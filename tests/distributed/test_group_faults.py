@@ -107,3 +107,15 @@ def test_the_governor_acts_on_the_worst_ranks_memory_and_evicts_on_every_rank(tm
             time.sleep(0.2)
     finally:
         g.kill()
+
+
+def test_ranks_whose_engine_settings_differ_refuse_to_serve(tmp_path):
+    """A rank with another prefill chunk would run other forwards: the group refuses at hello."""
+    g = start_group(tmp_path, BUNDLED_MODEL, 2, rank_configs={1: "[scheduler]\nprefill_chunk = 128\n"}, wait=False)
+    try:
+        codes = [g.wait(r, timeout=120) for r in range(2)]
+        assert codes == [EXIT_CONFIG, EXIT_CONFIG], (codes, g.tail(0), g.tail(1))
+        for rank in range(2):
+            assert any(e["event"] == "group.config_mismatch" for e in g.events(rank)), g.tail(rank)
+    finally:
+        g.kill()
