@@ -119,3 +119,21 @@ def test_ranks_whose_engine_settings_differ_refuse_to_serve(tmp_path):
             assert any(e["event"] == "group.config_mismatch" for e in g.events(rank)), g.tail(rank)
     finally:
         g.kill()
+
+
+def test_a_rank_that_stops_answering_is_left_by_the_watchdog(tmp_path):
+    """SIGSTOP keeps the peer's sockets open, so no collective fails: rank 0 is stuck in one
+    until its watchdog's deadline (distributed.peer_timeout_s) ends it."""
+    g = start_group(tmp_path, BUNDLED_MODEL, 2, config="[distributed]\npeer_timeout_s = 3.0\n")
+    try:
+        os.kill(g.procs[1].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        code = g.wait(0, timeout=15)
+        assert code == EXIT_SOFTWARE, (code, g.tail(0))
+        assert time.monotonic() - stopped_at >= 2.5  # not before the deadline
+        lost = [e for e in g.events(0) if e["event"] == "group.peer_lost"]
+        assert lost and lost[-1]["silent_s"] > 3.0 and lost[-1]["deadline_s"] == 3.0, g.tail(0)
+    finally:
+        if g.procs[1].poll() is None:
+            os.kill(g.procs[1].pid, signal.SIGCONT)
+        g.kill()
