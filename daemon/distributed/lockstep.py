@@ -24,6 +24,7 @@ from protocol import encode
 from protocol.codec import decode_client
 
 from ..config import SchedulerConfig
+from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from ..logs import get_logger
 from ..requests import Job
 from ..worker import (CancelAll, CancelJob, EngineWorker, InjectedFault, ReloadGovernor, ReloadScheduler, Stop,
@@ -31,7 +32,6 @@ from ..worker import (CancelAll, CancelJob, EngineWorker, InjectedFault, ReloadG
 from .channel import (CancelAllWire, CancelWire, Hello, JobWire, LockstepChannel, Report, SchedulerWire, Settings,
                       StopWire, Tick)
 from .group import PeerMemoryProbe, RankProbe, backend_name, describe
-from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from .watchdog import GroupWatchdog, leave_group
 
 log = get_logger("councild.group")
