@@ -183,7 +183,7 @@ def cmd_serve(args) -> int:
             try:
                 group = open_group(cfg.distributed.backend)
             except GroupRefused as exc:
-                raise StartupError(str(exc), EXIT_CONFIG) from None
+                raise StartupError(str(exc), exc.exit_code) from None
             import structlog
 
             structlog.contextvars.bind_contextvars(rank=group.rank())

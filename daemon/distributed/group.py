@@ -18,6 +18,7 @@ from governor.probes import MemoryReading
 from governor.probes import MlxMemoryProbe, default_memory_probes  # noqa: I001
 from governor.types import worst
 
+from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from .channel import Report
 
 # A report older than this says nothing (a rank that stopped reporting is the watchdog's).
@@ -25,20 +26,37 @@ STALE_S = 10.0
 
 
 class GroupRefused(RuntimeError):
-    """The group cannot be formed (wrong backend, one rank only)."""
+    """The group cannot be formed: ``exit_code`` 70 when the peers could not be reached (a
+    restart may find them up), 78 when nothing describes a group (a restart will not help)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def open_group(backend: str) -> Any:
+# Set by mlx.launch (every backend but MPI) or by hand, and by MPI launchers.
+_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def open_group(backend: str, env: dict | None = None) -> Any:
     import mlx.core as mx
 
+    env = os.environ if env is None else env
+    if not any(v in env for v in _RANK_VARS):
+        raise GroupRefused("distributed.enabled is set but nothing describes a group here (no MLX_RANK): start "
+                           "every rank with mlx.launch, or set MLX_RANK and MLX_HOSTFILE (docs/OPERATIONS.md, "
+                           "Several machines)", EXIT_CONFIG)
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except (RuntimeError, ValueError) as exc:
-        raise GroupRefused(f"cannot join an mx.distributed group with backend {backend!r}: {exc} "
-                           f"(start every rank with mlx.launch, or set MLX_RANK and MLX_HOSTFILE)") from None
+        # The ring backend gives up after ~30 s without its neighbours ("Couldn't connect"):
+        # the ranks must start within that of each other, or be restarted until they do.
+        raise GroupRefused(f"cannot join an mx.distributed group with backend {backend!r}: {exc} (are the other "
+                           f"ranks starting? every rank needs MLX_RANK and MLX_HOSTFILE, or mlx.launch)",
+                           EXIT_SOFTWARE) from None
     if group.size() < 2:
         raise GroupRefused(f"distributed.enabled is set but the {backend!r} group has one rank: start the ranks "
-                           f"with mlx.launch (or MLX_RANK and MLX_HOSTFILE), or turn distributed off")
+                           f"with mlx.launch (or MLX_RANK and MLX_HOSTFILE), or turn distributed off", EXIT_CONFIG)
     return group
 
 

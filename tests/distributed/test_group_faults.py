@@ -137,3 +137,17 @@ def test_a_rank_that_stops_answering_is_left_by_the_watchdog(tmp_path):
         if g.procs[1].poll() is None:
             os.kill(g.procs[1].pid, signal.SIGCONT)
         g.kill()
+
+
+def test_distributed_without_a_group_is_a_configuration_error(tmp_path):
+    import subprocess
+    import sys
+
+    from group_harness import REPO
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_RANK", "MLX_HOSTFILE")}
+    run = subprocess.run([sys.executable, "-m", "daemon.cli", "serve", "--distributed", "--log-format", "json",
+                          "--endpoint", f"ipc://{tmp_path}/s.sock"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == EXIT_CONFIG, run.stderr[-2000:]
+    assert "no MLX_RANK" in run.stderr
