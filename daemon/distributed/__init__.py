@@ -26,7 +26,11 @@ whose result is the same on every rank (with two ranks a + b == b + a bit for bi
 NCCL reduce each chunk on one rank and broadcast it), and the logits come from replicated
 weights, so argmax and the sampler (same seed: rank 0 assigns one to every request that
 has none) pick the same token everywhere; (2) start-up probes (verify exactness, batch
-exactness, the compiled step) are decided on rank 0 and adopted by the others.
+exactness, the compiled step) are decided on rank 0 and adopted by the others. Two checks
+guard the assumption rather than trust it: at hello the ranks compare a fingerprint of their
+engine settings and model (a difference refuses to serve, exit 78), and at every exchange
+rank 0 compares a running digest of each rank's committed tokens with its own (a
+difference ends the group: group.diverged).
 The MTP head is replicated (every rank holds it whole and drafts locally): its drafts cost
 no collective, and it is ~3% of a 27B model.
 
