@@ -22,3 +22,6 @@ out=${OUT:-/tmp}
 python3 bench/distributed_bench.py --ranks 2 --backend nccl --inproc --shape 27b --rounds "${ROUNDS:-2}" \
   --tokens "${TOKENS:-32}" --depths 1,2,3 --json "$out/distributed_h200x2_27b.json" \
   --md "$out/distributed_h200x2_27b.md" 2>&1 | tee "$out/distributed_h200x2_27b.log"
+# The daemon's own lockstep channel over NCCL: 1-rank vs 2-rank daemon, same greedy requests.
+python3 bench/distributed_daemon_check.py --ranks 2 --backend nccl --json "$out/distributed_daemon_h200x2.json" \
+  2>&1 | tee "$out/distributed_daemon_h200x2.log" || true
