@@ -176,7 +176,9 @@ def worker(args) -> int:
     """One rank of one launch: measure the arm(s) and (rank 0) write them to ``--out``."""
     import mlx.core as mx
 
-    group = mx.distributed.init(strict=False, backend=args.backend)
+    # Strict where a launcher described a group: a backend that fails must not quietly
+    # measure one rank as if it were the split arm.
+    group = mx.distributed.init(strict="MLX_RANK" in os.environ, backend=args.backend)
     rank, size = group.rank(), group.size()
     runs: list[dict] = []
     if args.inproc:
