@@ -17,6 +17,11 @@ One process, in order:
      (spec_bench.run_bench), at two acceptance profiles, vs the bound
      E(k) / (verify(k) + k * draft).
 
+``--cycle-ab`` instead (issue 20 item 1): per dtype, the speculative cycle before (an
+earlier engine, ``--before-engine``, or this one building each cycle after the last) and
+after (this engine, building the next cycle ahead), interleaved with serial at each depth
+and profile, with both bounds and the cycle's time split (forwards vs the rest).
+
 Model shape (Qwen3.5-27B text config, from public configs: hidden 5120, 64 layers,
 full_attention_interval 4 (48 GatedDeltaNet + 16 gated attention), intermediate 17408,
 24 q heads / 4 kv heads x 256, linear heads 16 key / 48 value x 128, conv 4, vocab 248320,
