@@ -17,6 +17,11 @@ One process, in order:
      (spec_bench.run_bench), at two acceptance profiles, vs the bound
      E(k) / (verify(k) + k * draft).
 
+``--cycle-ab`` instead (issue 20 item 1): per dtype, the speculative cycle before (an
+earlier engine, ``--before-engine``, or this one building each cycle after the last) and
+after (this engine, building the next cycle ahead), interleaved with serial at each depth
+and profile, with both bounds and the cycle's time split (forwards vs the rest).
+
 Model shape (Qwen3.5-27B text config, from public configs: hidden 5120, 64 layers,
 full_attention_interval 4 (48 GatedDeltaNet + 16 gated attention), intermediate 17408,
 24 q heads / 4 kv heads x 256, linear heads 16 key / 48 value x 128, conv 4, vocab 248320,
@@ -197,7 +202,7 @@ class OracleHead:
         self.seq = sequence
         self.acc = acceptance
         self.vocab = vocab
-        self.rng = random.Random(seed)
+        self.seed = seed
         self.unloaded = False
         self._g = None
         self._i = 0
@@ -225,8 +230,11 @@ class OracleHead:
         tok = self.seq[self._pos] if self._pos < len(self.seq) else 0
         a = self.acc[self._i - 1] if self._i - 1 < len(self.acc) else 0.0
         self.drafted += 1
-        if self.rng.random() >= a:
-            tok = (tok + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        # The coin for (position, draft index) is fixed by the seed: every arm, and a cycle
+        # built ahead and undone, sees the same drafts at the same place.
+        rng = random.Random(f"{self.seed}:{self._pos}:{self._i}")
+        if rng.random() >= a:
+            tok = (tok + 1 + rng.randrange(self.vocab - 1)) % self.vocab
             self.corrupted += 1
         return lg + (self._ar == tok).astype(lg.dtype) * 30000.0
 
@@ -530,6 +538,99 @@ def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
         + f"; token mismatches: {len(res['token_mismatches'])}")
 
 
+def cycle_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
+    """Issue 20 item 1: the speculative cycle before (each cycle built after the previous
+    one is decided) and after (built ahead on the guess of a full accept), interleaved with
+    serial, on the compiled decode path as the daemon runs it; oracle drafts at each
+    profile. Reports both bounds (synced verify costs as before; prebuilt-graph device
+    costs) and the cycle's time split (forwards vs the rest)."""
+    from daemon.engine.compiled import enable_compiled_decode
+    from daemon.engine.sampling import Sampler
+    from daemon.engine.serial import serial_decode
+    from daemon.engine.types import SamplingParams
+    from daemon.measure.spec_bench import cycle_split, forward_costs, run_bench, verify_cost
+
+    r: dict = {}
+    results.setdefault("cycle_ab", {})[name] = r
+    lm.compiled_decode = None
+    t = time.perf_counter()
+    reason = enable_compiled_decode(lm)
+    r["decode_path"] = "compiled" if reason is None else f"eager: {reason}"
+    log(f"{name}: decode path {r['decode_path']} ({time.perf_counter() - t:.1f} s)")
+    gen = serial_decode(lm, prompt, Sampler(SamplingParams()))
+    seq: list[int] = []
+    for step in gen:
+        seq += step.tokens
+        if len(seq) >= args.tokens + 16:
+            break
+    gen.close()
+    depths = [int(d) for d in args.cycle_depths.split(",")]
+    vc = verify_cost(lm, depths, context=len(prompt), reps=args.reps)
+    fc = forward_costs(lm, head, depths, context=len(prompt), reps=args.reps)
+    dc = fc["draft_s"]
+    r["verify_cost"], r["forward_costs"] = vc, fc
+    log(f"{name}: synced step {1000 * vc['serial_step_s']:.2f} ms, capture verify T=2.. "
+        + " ".join(f"{vc['capture'][k]:.2f}" for k in depths) + f"; prebuilt step {1000 * fc['step_s']:.2f} ms, verify "
+        + " ".join(f"{1000 * fc['verify_s'][k]:.2f}" for k in depths) + f" ms, draft {1000 * dc:.2f} ms")
+    r["profiles"] = {}
+    for pname in args.cycle_profiles.split(","):
+        acc = PROFILES[pname]
+        oracle = OracleHead(head, list(prompt) + seq, acc, lm.text_args.vocab_size, seed=1)
+        before = False
+        if args.before_engine:
+            from daemon.measure.spec_bench import load_engine_module
+
+            before = load_engine_module(args.before_engine).speculative_decode
+        variants = {"before": before, "off": False, "after": True} if args.cycle_arms == 3 else {"before": before, "after": True}
+        res = run_bench(lm, oracle, [prompt], depths, args.rounds, args.tokens, strategies=("capture",), exact=True,
+                        log=log, pipelines=variants)
+        res["pipelines"] = {"before": args.before_engine or "this engine, pipeline off", "after": "this engine, pipeline on"}
+        if args.cycle_arms == 3:
+            res["pipelines"]["off"] = "this engine, pipeline off"
+        res["cycle_split"] = cycle_split(res, fc)
+        res["forward_costs"] = fc
+        bound, dev_bound = {}, {}
+        for k in depths:
+            e = expected_tokens(acc, k)
+            bound[k] = e / (vc["capture"][k] + k * dc / vc["serial_step_s"])
+            dev_bound[k] = e * fc["step_s"] / (fc["verify_s"][k] + k * dc)
+        res["bound_speedup"] = bound  # synced verify costs (the bound of the earlier tables)
+        res["device_bound_speedup"] = dev_bound  # prebuilt-graph (device) costs, target acceptance
+        res["target_conditional_acceptance"] = acc
+        r["profiles"][pname] = res
+        log(f"{name} {pname}: " + ", ".join(
+            f"d{k} before {res['arms'][f'capture/d{k}/before']['decode_speedup']['median']:.2f}x "
+            f"after {res['arms'][f'capture/d{k}/after']['decode_speedup']['median']:.2f}x "
+            f"(bound {bound[k]:.2f}x, device bound {dev_bound[k]:.2f}x)" for k in depths))
+        (Path(args.out) / "gpu_bench.json").write_text(json.dumps(results, indent=2, default=str))
+    lm.compiled_decode = None
+
+
+def format_cycle_summary(res: dict) -> str:
+    from daemon.measure.spec_bench import format_bench
+
+    lines = [f"## speculative cycle before/after: {res['machine']['device']}, mlx {res['machine']['mlx']}", ""]
+    for name, r in res.get("cycle_ab", {}).items():
+        lines += [f"### {name} ({r['decode_path']})", ""]
+        for pname, sp in r.get("profiles", {}).items():
+            lines += [f"#### {pname} (target conditional acceptance {sp['target_conditional_acceptance']})", "",
+                      "| depth | before (decode speedup, min-max) | after | after/before (paired, min-max) | "
+                      "bound (synced verify) | after / bound | device bound | after / device bound |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for k in sp["bound_speedup"]:
+                k = int(k)
+                b = sp["arms"][f"capture/d{k}/before"]["decode_speedup"]
+                a = sp["arms"][f"capture/d{k}/after"]["decode_speedup"]
+                per = sp["pipeline_ab"]["per_arm"]
+                ab = per.get(f"capture/d{k}") or per[f"capture/d{k} after"]
+                bd, db = sp["bound_speedup"][k], sp["device_bound_speedup"][k]
+                lines.append(f"| {k} | {b['median']:.3f}x ({b['min']:.2f}-{b['max']:.2f}) | {a['median']:.3f}x "
+                             f"({a['min']:.2f}-{a['max']:.2f}) | {ab['median']:.3f} ({ab['min']:.2f}-{ab['max']:.2f}) | "
+                             f"{bd:.3f}x | {a['median'] / bd:.3f} | {db:.3f}x | {a['median'] / db:.3f} |")
+            lines += ["", format_bench(sp, f"{name} {pname}: all arms"), ""]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/out/gpu")
@@ -555,6 +656,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-pairs", type=int, default=20, help="interleaved eager/compiled forward pairs per T")
     ap.add_argument("--compile-skip-tokps", action="store_true",
                     help="--compile-ab: only the self-check and the paired forwards (no verify-cost or tok/s arms)")
+    ap.add_argument("--cycle-ab", action="store_true",
+                    help="instead of the full bench: the speculative cycle built after (before) vs ahead (after), "
+                         "with its time split, per dtype and profile (compiled decode path)")
+    ap.add_argument("--cycle-profiles", default="paired_0.98,seed_0.83", help="profiles for --cycle-ab")
+    ap.add_argument("--cycle-depths", default="1,2,3,4", help="depths for --cycle-ab")
+    ap.add_argument("--cycle-arms", type=int, choices=(2, 3), default=2,
+                    help="--cycle-ab: 2 = before/after; 3 = before, this engine pipeline off, pipeline on")
+    ap.add_argument("--before-engine", help="--cycle-ab's before arm: this earlier speculative.py (git show "
+                                            "main:daemon/engine/speculative.py > FILE) instead of this engine with the pipeline off")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -583,6 +693,21 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompt = [rng.randrange(cfg["vocab_size"]) for _ in range(args.context)]
     dtypes = args.dtypes.split(",")
+    if args.cycle_ab:
+        try:
+            for name in dtypes:
+                if name == "4bit":
+                    quantize_4bit(lm, head)
+                    mx.clear_cache()
+                cycle_ab_dtype(name, lm, head, prompt, args, results)
+                save()
+        finally:
+            results["elapsed_s"] = time.perf_counter() - T0
+            save()
+        md = format_cycle_summary(results)
+        print(md)
+        (out / "gpu_cycle_ab.md").write_text(md + "\n")
+        return 0
     if args.compile_ab:
         try:
             for name in dtypes:

@@ -98,6 +98,10 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # times over 24+ tokens), decode serially under a DRY penalty until it stops looping
     # (engine/loop_guard.py). Never applies at temperature 0.
     loop_guard: bool = True
+    # Build each head-drafted cycle's successor while the device runs it (engine/speculative.py,
+    # "Pipeline"; the same tokens either way): "auto" does on CUDA, where it was measured
+    # faster, and not on the CPU (measured slower) or Metal (not measured yet).
+    build_ahead: Literal["auto"] | bool = "auto"
 
 
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):

@@ -512,7 +512,8 @@ class EngineWorker(threading.Thread):
                                      exact=mode == "exact",
                                      guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
-                                     context=job.prompt, **drafting)
+                                     context=job.prompt,
+                                     pipeline=None if spec.build_ahead == "auto" else spec.build_ahead, **drafting)
         else:
             mode = "off"
             gen = serial_decode(self.lm, last, sampler, cache=pre.cache)

@@ -62,7 +62,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .model import LoadedModel
-from .sampling import Sampler, logprobs as _logprobs
+from .sampling import Sampler, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK, prefill
 
 # The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
@@ -308,11 +308,8 @@ class BatchDecoder:
         self._next = nxt
         to_eval = [nxt] + [c.state for c in self._cache]
         if pre is not None:
-            top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
-            hi, lo = top2.max(axis=-1), top2.min(axis=-1)
-            scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
             mask = mx.array([i in guard_rows for i in range(B)])
-            flags = mx.logical_and((hi - lo) <= self.guard_margin * scale, mask)
+            flags = mx.logical_and(near_tie(lp, logits, self.guard_margin), mask)
             self._pending = (flags, inputs, pre)
             to_eval.append(flags)
             self.stats.guard_checks += len(guard_rows)

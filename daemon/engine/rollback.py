@@ -73,6 +73,36 @@ class Snapshot:
             c.trim(c.offset - off)
 
 
+class CacheMark:
+    """Every slot of some caches as it is now, to undo forwards that were built but never run.
+
+    ``Snapshot`` suffices once a forward has run (a KV slot past the offset is overwritten
+    later). A forward that was only built has already rebound the KV buffers: mlx-lm writes
+    them by slice assignment, which replaces the array object's graph in place, so the next
+    evaluation reading the buffer would still compute the unrun forward. The mark keeps
+    aliases of the buffers as they were (``mx.stop_gradient``: a new array object on the
+    same data, no copy). Drop the mark before the built forward runs, or the aliases keep
+    it from writing the buffer in place (it would copy the buffer instead)."""
+
+    def __init__(self, caches: list):
+        self.arrays: list[tuple[ArraysCache, list]] = []
+        self.kv: list[tuple[Any, int, Any, Any]] = []
+        for c in caches:
+            if isinstance(c, ArraysCache):
+                self.arrays.append((c, list(c.cache)))
+            elif isinstance(c, KVCache):
+                alias = lambda x: None if x is None else mx.stop_gradient(x)  # noqa: E731
+                self.kv.append((c, c.offset, alias(c.keys), alias(c.values)))
+            else:  # pragma: no cover - unknown cache kinds are refused up front
+                raise TypeError(f"cannot mark a {type(c).__name__}")
+
+    def restore(self) -> None:
+        for c, arrays in self.arrays:
+            c.cache = list(arrays)
+        for c, off, k, v in self.kv:
+            c.offset, c.keys, c.values = off, k, v
+
+
 def check_cache(cache: list) -> None:
     for c in cache:
         if not isinstance(c, (ArraysCache, KVCache)):
@@ -100,6 +130,15 @@ class SnapshotRollback:
         self.snap = Snapshot.take(self.cache)
         self.tokens = tokens
         return self.lm.hidden(tokens, self.cache)
+
+    def detach(self) -> tuple:
+        """Take this verify's record away (a verify built after it starts a new one)."""
+        out, self.tokens, self.snap = (self.tokens, self.snap), None, None
+        return out
+
+    def attach(self, record: tuple) -> None:
+        """Give back a record from ``detach`` (the cache restored to just after its verify)."""
+        self.tokens, self.snap = record
 
     def commit(self, keep: int) -> None:
         """Leave exactly the first ``keep`` verify tokens in the cache."""
@@ -129,6 +168,13 @@ class CaptureRollback:
         self.rec = []
         self.T = tokens.shape[1]
         return capture_hidden(self.lm, tokens, self.cache, self.rec)
+
+    def detach(self) -> tuple:
+        out, self.rec, self.snap = (self.rec, self.snap, self.T), [], None
+        return out
+
+    def attach(self, record: tuple) -> None:
+        self.rec, self.snap, self.T = record
 
     def commit(self, keep: int) -> None:
         rec, snap = self.rec, self.snap

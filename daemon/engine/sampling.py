@@ -42,6 +42,22 @@ def logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
+def near_tie(lp: mx.array, logits: mx.array, margin: float) -> mx.array:
+    """Exact mode's guard, per row of logprobs [R, V]: top1 - top2 <= margin * max(1,
+    |top1 logit|). top2 is the largest value left once the argmax is masked out, so it
+    equals top1 when two entries tie (as ``mx.topk(lp, 2)`` would give): two reductions
+    instead of a partial sort over the vocabulary (on CUDA a top-k over 248k entries costs
+    more than the rest of the decision).
+    """
+    lp = lp.astype(mx.float32)
+    hi = lp.max(axis=-1)
+    top = mx.argmax(lp, axis=-1)
+    rest = mx.where(mx.arange(lp.shape[-1])[None, :] == top[:, None], -mx.inf, lp)
+    lo = rest.max(axis=-1)
+    scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
+    return (hi - lo) <= margin * scale
+
+
 class Sampler:
     def __init__(self, params: SamplingParams, prompt: list[int] | None = None):
         self.params = params

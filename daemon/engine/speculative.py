@@ -54,6 +54,23 @@ queues the next cycle's first draft (head feed + d1) before yielding, and a dept
 queues the next serial step (undone through a snapshot if depth rises). Neither is queued
 when the next cycle will verify a lookup block or run under the loop guard.
 
+Pipeline (a cycle costs what its forwards cost): a cycle's acceptance is decided on the
+device down to one small int array, read once per cycle (the only host sync; a guarded
+cycle adds one). While the device runs a head-drafted cycle, the host builds the next one
+as if this one accepts everything: the committed block, the head's pairs and the bonus
+token are all known lazily then, so the next drafts and verify are built without waiting.
+When the host then reads a full accept, that prebuilt cycle is issued at once (the device
+never waits for Python to build a graph); otherwise it is undone before it ever ran
+(``rollback.CacheMark``: cache slots, the head's history and the sampler's key and counts
+back as they were) and the cycle is committed as before. Either way the same tokens are
+committed. The next cycle's depth is read when it is built (the cycle boundary before
+the current one is decided), so a depth change lands one cycle later. Not built ahead:
+after a lookup block, when the loop guard is armed, when the draft stopper would read a
+draft's confidence (depth above its base), while fewer than PIPELINE_MIN_FULL of cycles
+accept everything, or while cycles are shorter than PIPELINE_MIN_CYCLE_S (the host is the
+bottleneck then, and a build thrown away is pure loss). ``pipeline=None`` (the default)
+builds ahead on CUDA only (``resolve_pipeline``).
+
 The tokens of one DecodeStep may run past an EOS; the caller cuts at the first one. In a
 guarded cycle, draft positions from the guarded one on are reported not accepted (they
 were not judged); ``guarded`` says so.
@@ -63,14 +80,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .model import LoadedModel
 from .lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 from .loop_guard import LoopGuard, LoopGuardConfig
-from .rollback import Snapshot, check_cache, make_rollback
-from .sampling import Sampler, logprob_entries, logprobs as _logprobs
+from .rollback import CacheMark, Snapshot, check_cache, make_rollback
+from .sampling import Sampler, logprob_entries, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK
 from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
@@ -89,6 +107,51 @@ def resolve_rollback(strategy: str) -> str:
     return "snapshot" if on_metal else "capture"
 # Queued head pairs are fed to the head once this many accumulate at depth 0.
 FLUSH_PENDING = 64
+# Building the next cycle ahead (on the guess that this one accepts all its drafts) costs
+# host time that is wasted when the guess is wrong: build ahead while at least this share
+# of cycles accept everything (a running mean with this weight).
+# Measured on the H200 (bench/results/README.md, issue 20 item 1): where fewer cycles
+# accept everything the builds thrown away cost more than the overlap wins.
+PIPELINE_MIN_FULL = 0.6
+FULL_RATE_ALPHA = 0.1
+# Building ahead hides the host's build behind the device's work; where a cycle is this
+# short the host is the bottleneck (launching kernels is host work too) and there is no
+# device time to hide it behind: the bundled model on the H200 (3.6-6 ms cycles) lost
+# 5-20% with it, the 27B shape (40-120 ms cycles) gained up to 20% at 4-bit.
+PIPELINE_MIN_CYCLE_S = 0.010
+
+
+def resolve_pipeline(pipeline: bool | None) -> bool:
+    """None ("auto"): build ahead on CUDA, where it was measured (27B shape 4-bit on the
+    H200: 1.13-1.20x at depths 1, 2 and 4). Not on the CPU, where the host and the device
+    share the cores (`councild bench spec --pipeline ab`: 0.96-0.97x), and not on Metal
+    until it is measured there (``speculation.build_ahead = true`` turns it on)."""
+    if pipeline is not None:
+        return pipeline
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
+@dataclass
+class _Cycle:
+    """One cycle's graph, built: its verify and what the host reads to decide acceptance."""
+
+    k: int
+    source: str
+    stopped_early: bool
+    committed_slots: int  # the head's committed slots; drafts 2..k are speculative ones
+    verify_in: mx.array  # [1, k+1]
+    d_all: mx.array  # [k] drafts
+    hid: mx.array  # [1, k+1, H] verify hiddens
+    lp: mx.array  # [k+1, V] processed log-probabilities
+    picks: mx.array | None = None  # [k+1]: argmax (greedy) or the sample (sampled) per position
+    bonus: mx.array | None = None  # [1]: picks[k], the token after a full accept
+    host: mx.array | None = None  # int32: picks, drafts, then guard flags or accept coins
+
+    def step(self, a: int, committed: list[int], guarded: int, cycle_s: float, logprobs) -> DecodeStep:
+        return DecodeStep(tokens=committed, depth=self.k, drafted=self.k, accepted=a,
+                          accepted_mask=[True] * a + [False] * (self.k - a), guarded=guarded,
+                          cycle_s=cycle_s, logprobs=logprobs, draft_source=self.source,
+                          stopped_early=self.stopped_early)
 
 
 class HeadHistory:
@@ -164,6 +227,7 @@ def speculative_decode(
     draft_stop: DraftStopConfig | None = None,
     loop_guard: LoopGuardConfig | None = None,
     context: list[int] | None = None,
+    pipeline: bool | None = None,
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
@@ -181,6 +245,9 @@ def speculative_decode(
     ``context``: the whole prompt, when ``prompt`` is only its tail and ``cache`` holds the
     rest (a chunked prefill or a prefix-cache hit ran it); prompt lookup and the loop guard
     match against it.
+    ``pipeline``: build each head-drafted cycle's successor while the device runs it (see
+    the module docstring); False builds every cycle after the previous one is decided;
+    None: ``resolve_pipeline`` (on a GPU only). All commit the same tokens.
     """
     if not prompt:
         raise ValueError("speculative_decode needs at least one prompt token")
@@ -191,6 +258,7 @@ def speculative_decode(
     rb = make_rollback(resolve_rollback(rollback), lm, cache)
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
+    pipeline = resolve_pipeline(pipeline)
     jitter_key = mx.random.key(0x5EED)
     whole = list(context) if context is not None else list(prompt)
     finder = PromptLookup(whole, lookup) if lookup is not None else None
@@ -247,82 +315,31 @@ def speculative_decode(
         finder.extend(committed)
         return [] if loops is not None and loops.armed else finder.propose()
 
-    while True:
-        t0 = time.perf_counter()
-        k = max(0, int(depth_fn()))
-        head_ok = head is not None and not getattr(head, "unloaded", False)
-        if not head_ok or (hist.n == 0 and draft_ahead is None):
-            k = 0
-        n_cycles += 1
-        if n_cycles % 256 == 0:
-            mx.clear_cache()
-        block, plan = plan, []
-        armed = loops is not None and loops.armed
-        if armed:  # in a loop: serial steps under the penalty, nothing drafted
-            k, block = 0, []
+    def head_drafts(k: int, first: tuple) -> tuple:
+        """d1 (``first``: first_draft()'s tuple), then d2..dk from the head's own outputs.
+        The stopper may end the chain early; it reads each draft's confidence (a sync)."""
+        committed_slots, g, d, ql, conf = first
+        drafts, logq = [d], [ql]
+        prefix_conf, stopped_early = 1.0, False
+        for i in range(1, k):
+            if stopper is not None and i >= stopper.cfg.base:
+                prefix_conf *= conf.item()
+                if not stopper.more(i, prefix_conf):
+                    stopped_early = True
+                    break
+            g = head(g, drafts[-1][None], hist.cache)
+            d, ql, conf = draft_from(g, drafts)
+            drafts.append(d)
+            logq.append(ql)
+        return committed_slots, drafts, logq, stopped_early
 
-        if k == 0 and not block:
-            draft_ahead = None  # its pairs are in the head's history; d1 is not needed
-            if ahead is not None:
-                nxt, h, lps, _ = ahead
-            else:
-                nxt, h, lps = serial_step(primary, penalty=loops.penalty() if armed else None)
-            sampler.commit(nxt)
-            if head_ok:  # without a head there is no history to keep (and nothing to grow)
-                hist.add(h, nxt)
-                if hist.n >= FLUSH_PENDING:
-                    hist.feed(keep_last=True)
-            if finder is not None or loops is not None:  # the next cycle may verify a block,
-                mx.eval(nxt)  # or need a penalty that depends on this token
-                plan = plan_next([nxt.item()])
-            # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
-            if head_ok and not plan and not (loops is not None and loops.armed):
-                snap = Snapshot.take(cache)
-                nxt2, h2, lps2 = serial_step(nxt)
-                mx.async_eval(nxt2, h2, hist.state())
-                ahead = (nxt2, h2, lps2, snap)
-            else:
-                mx.eval(nxt, h, hist.state())
-                ahead = None
-            primary = nxt
-            yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
-                             logprobs=logprob_entries(lps), penalised=armed)
-            continue
-        if ahead is not None:  # depth rose: undo the step issued ahead
-            ahead[3].restore()
-            ahead = None
-
-        # 1. draft: the lookup block, or d1..dk from the head (d1 usually issued ahead).
-        if block:
-            source = "lookup"
-            stopped_early = False
-            # A head draft issued ahead has fed the committed pairs (they stay); its d1 is
-            # not used. Nothing speculative sits in the head's cache.
-            draft_ahead = None
-            committed_slots = hist.offset
-            drafts = [mx.array([t], dtype=mx.uint32) for t in block]
-            logq = [] if greedy else [None] * len(block)
-        else:
-            source = "head"
-            stopped_early = False
-            committed_slots, g, d, ql, conf = draft_ahead if draft_ahead is not None else first_draft()
-            draft_ahead = None
-            drafts, logq = [d], [ql]
-            prefix_conf = 1.0
-            for i in range(1, k):
-                if stopper is not None and i >= stopper.cfg.base:
-                    prefix_conf *= conf.item()
-                    if not stopper.more(i, prefix_conf):
-                        stopped_early = True
-                        break
-                g = head(g, drafts[-1][None], hist.cache)
-                d, ql, conf = draft_from(g, drafts)
-                drafts.append(d)
-                logq.append(ql)
+    def build_verify(first_token: mx.array, drafts: list[mx.array], logq: list, source: str,
+                     committed_slots: int, stopped_early: bool) -> _Cycle:
+        """Steps 2 and 3 as a graph: verify [first_token, d1..dk] in one base forward and
+        decide acceptance on the device, down to one small int array the host reads."""
+        nonlocal jitter_key
         k = len(drafts)
-
-        # 2. verify [primary, d1..dk] in one base forward
-        verify_in = mx.concatenate([primary] + drafts)[None]  # [1, k+1]
+        verify_in = mx.concatenate([first_token] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
         d_all = mx.concatenate(drafts)
         logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
@@ -330,49 +347,12 @@ def speculative_decode(
         if logit_jitter > 0.0:
             jitter_key, sub = mx.random.split(jitter_key)
             lp = lp.astype(mx.float32) + mx.random.uniform(-logit_jitter, logit_jitter, lp.shape, key=sub)
-
-        guarded = 0
-        logprobs = None
+        cyc = _Cycle(k, source, stopped_early, committed_slots, verify_in, d_all, hid, lp)
         if greedy:
-            targets = mx.argmax(lp, axis=-1)
-            to_eval = [targets, d_all, hid]
-            guarding = exact and guard_margin is not None
-            if guarding:
-                top2 = mx.topk(lp.astype(mx.float32), 2, axis=-1)
-                hi, lo = top2.max(axis=-1), top2.min(axis=-1)
-                scale = mx.maximum(mx.abs(logits.max(axis=-1).astype(mx.float32)), 1.0)
-                guard = (hi - lo) <= guard_margin * scale
-                to_eval.append(guard)
-            mx.eval(to_eval)
-            t_l, d_l = targets.tolist(), d_all.tolist()
-            g_l = guard.tolist() if guarding else [False] * (k + 1)
-            a = 0
-            stop_guard = False
-            while True:
-                if g_l[a]:
-                    stop_guard = True
-                    break
-                if a < k and t_l[a] == d_l[a]:
-                    a += 1
-                    continue
-                break
-            if stop_guard:
-                # Keep the verify's first `a` tokens; decide position a with serial numerics.
-                rb.commit(a)
-                nxt, h_last, lps_last = serial_step(verify_in[:, a], d_all, a)
-                hidden_pairs = mx.concatenate([hid[:, :a], h_last], axis=1) if a else h_last
-                guarded = 1
-                committed_arr = mx.concatenate([d_all[:a], nxt]) if a else nxt
-                mx.eval(committed_arr)
-                committed = committed_arr.tolist()
-                if sampler.wants_logprobs:
-                    head_rows = logprob_entries(sampler.logprob_arrays(lp[:a], d_all[:a])) if a else []
-                    logprobs = head_rows + logprob_entries(lps_last)
-            else:
-                rb.commit(a + 1)
-                committed = d_l[:a] + [t_l[a]]
-                hidden_pairs = hid[:, : a + 1]
-                nxt = targets[a : a + 1].astype(mx.uint32)
+            cyc.picks = mx.argmax(lp, axis=-1)  # the base model's token at every position
+            host = [cyc.picks, d_all]
+            if exact and guard_margin is not None:
+                host.append(near_tie(lp, logits, guard_margin))
         else:
             # Rejection sampling (Leviathan et al. / Chen et al.): output ~ p exactly.
             logp = sampler.log_distribution(lp).astype(mx.float32)  # [k+1, V]
@@ -392,48 +372,207 @@ def speculative_decode(
             has_mass = resid.sum(axis=-1, keepdims=True) > 0
             log_resid = mx.where(has_mass, mx.log(resid), logp[:k])
             fallback = mx.concatenate([log_resid, logp[k:]], axis=0)  # row k: bonus from p
-            samples = mx.random.categorical(fallback, key=sampler.next_key())  # [k+1]
-            mx.eval(accept, samples, d_all, hid)
-            acc_l, s_l, d_l = accept.tolist(), samples.tolist(), d_all.tolist()
-            a = 0
-            while a < k and acc_l[a]:
-                a += 1
-            rb.commit(a + 1)
-            committed = d_l[:a] + [s_l[a]]
-            hidden_pairs = hid[:, : a + 1]
-            nxt = samples[a : a + 1].astype(mx.uint32)
+            cyc.picks = mx.random.categorical(fallback, key=sampler.next_key())  # [k+1]
+            host = [cyc.picks, d_all, accept]
+        cyc.bonus = cyc.picks[k:].astype(mx.uint32)  # the token after a full accept
+        cyc.host = mx.concatenate([x.reshape(-1).astype(mx.int32) for x in host])
+        return cyc
 
-        if sampler.wants_logprobs and logprobs is None:
-            logprobs = logprob_entries(sampler.logprob_arrays(lp[: a + 1], mx.array(committed, dtype=mx.uint32)))
+    def decide(cyc: _Cycle) -> tuple[int, bool, list[int], list[int]]:
+        """The cycle's one host sync: (accepted a, guard stop at position a, the base model's
+        picks by position, the drafts). Greedy: accept while the draft equals the argmax,
+        stopping at a guarded position; sampled: accept while the coin says so."""
+        k = cyc.k
+        vals = cyc.host.tolist()
+        picks, d_l, flags = vals[: k + 1], vals[k + 1 : 2 * k + 1], vals[2 * k + 1 :]
+        a = 0
+        if greedy:
+            guards = flags or [0] * (k + 1)
+            while not guards[a] and a < k and picks[a] == d_l[a]:
+                a += 1
+            return a, bool(guards[a]), picks, d_l
+        while a < k and flags[a]:
+            a += 1
+        return a, False, picks, d_l
+
+    def optimistic_next(cyc: _Cycle) -> tuple | None:
+        """Build, without running it, the cycle that follows ``cyc`` if ``cyc`` accepts all
+        its drafts: commit the full block lazily, draft, build the verify. The caller runs
+        it when the host reads a full accept, else undoes it (``undo``). Returns (cycle,
+        mark, rollback record) or None where no such cycle is built."""
+        if not pipeline or cyc.source != "head" or full_rate < PIPELINE_MIN_FULL:
+            return None
+        if cycle_s_mean is None or cycle_s_mean < PIPELINE_MIN_CYCLE_S:
+            return None
+        if head is None or getattr(head, "unloaded", False) or (loops is not None and loops.armed):
+            return None
+        k2 = max(0, int(depth_fn()))  # the next cycle's depth, read at this cycle boundary
+        if k2 == 0 or (stopper is not None and k2 > stopper.cfg.base):
+            return None  # nothing to draft, or the stopper would read a draft's confidence
+        mark = (CacheMark(cache + hist.cache), (list(hist.h), list(hist.t), hist.n),
+                (sampler._key, sampler._counts, list(sampler._pending)))
+        record = rb.detach()
+        full = mx.concatenate([cyc.d_all, cyc.bonus])
+        sampler.commit(full)
+        hist.trim(hist.offset - cyc.committed_slots)
+        hist.add(cyc.hid, full)
+        committed_slots, drafts, logq, stopped = head_drafts(k2, first_draft())
+        return build_verify(cyc.bonus, drafts, logq, "head", committed_slots, stopped), mark, record
+
+    def undo(spec: tuple) -> None:
+        _, (cache_mark, (h, t, n), (key, counts, pend)), record = spec
+        cache_mark.restore()
+        hist.h, hist.t, hist.n = h, t, n
+        sampler._key, sampler._counts, sampler._pending = key, counts, pend
+        rb.attach(record)
+
+    # A cycle built and running ahead (its predecessor accepted everything), and the share
+    # of cycles that accept everything (when it is low, building ahead wastes host time).
+    pending: _Cycle | None = None
+    full_rate = 1.0
+    cycle_s_mean: float | None = None  # running mean of a head cycle's wall time
+
+    def head_cycle_done(cycle_s: float) -> None:
+        nonlocal cycle_s_mean
+        cycle_s_mean = cycle_s if cycle_s_mean is None else cycle_s_mean + FULL_RATE_ALPHA * (cycle_s - cycle_s_mean)
+
+    while True:
+        t0 = time.perf_counter()
+        n_cycles += 1
+        if n_cycles % 256 == 0:
+            mx.clear_cache()
+        if pending is not None:
+            cyc, pending = pending, None
+            k = cyc.k
+        else:
+            k = max(0, int(depth_fn()))
+            head_ok = head is not None and not getattr(head, "unloaded", False)
+            if not head_ok or (hist.n == 0 and draft_ahead is None):
+                k = 0
+            block, plan = plan, []
+            armed = loops is not None and loops.armed
+            if armed:  # in a loop: serial steps under the penalty, nothing drafted
+                k, block = 0, []
+
+            if k == 0 and not block:
+                draft_ahead = None  # its pairs are in the head's history; d1 is not needed
+                if ahead is not None:
+                    nxt, h, lps, _ = ahead
+                else:
+                    nxt, h, lps = serial_step(primary, penalty=loops.penalty() if armed else None)
+                sampler.commit(nxt)
+                if head_ok:  # without a head there is no history to keep (and nothing to grow)
+                    hist.add(h, nxt)
+                    if hist.n >= FLUSH_PENDING:
+                        hist.feed(keep_last=True)
+                if finder is not None or loops is not None:  # the next cycle may verify a block,
+                    mx.eval(nxt)  # or need a penalty that depends on this token
+                    plan = plan_next([nxt.item()])
+                # Issue the next serial step now; a cycle at depth > 0 discards it (restore).
+                if head_ok and not plan and not (loops is not None and loops.armed):
+                    snap = Snapshot.take(cache)
+                    nxt2, h2, lps2 = serial_step(nxt)
+                    mx.async_eval(nxt2, h2, hist.state())
+                    ahead = (nxt2, h2, lps2, snap)
+                else:
+                    mx.eval(nxt, h, hist.state())
+                    ahead = None
+                primary = nxt
+                yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
+                                 logprobs=logprob_entries(lps), penalised=armed)
+                continue
+            if ahead is not None:  # depth rose: undo the step issued ahead
+                ahead[3].restore()
+                ahead = None
+
+            # 1. draft: the lookup block, or d1..dk from the head (d1 usually issued ahead).
+            if block:
+                # A head draft issued ahead has fed the committed pairs (they stay); its d1 is
+                # not used. Nothing speculative sits in the head's cache.
+                draft_ahead = None
+                drafts = [mx.array([t], dtype=mx.uint32) for t in block]
+                cyc = build_verify(primary, drafts, [] if greedy else [None] * len(block), "lookup", hist.offset, False)
+            else:
+                first, draft_ahead = draft_ahead if draft_ahead is not None else first_draft(), None
+                committed_slots, drafts, logq, stopped = head_drafts(k, first)
+                # 2.-3. verify in one base forward, acceptance on the device
+                cyc = build_verify(primary, drafts, logq, "head", committed_slots, stopped)
+            k = cyc.k
+
+        # Run this cycle; while the device works, build the next as if this one accepts all.
+        spec = None
+        if pipeline and cyc.source == "head":
+            mx.async_eval(cyc.host)
+            spec = optimistic_next(cyc)
+        a, stop_guard, picks, d_l = decide(cyc)
+        full = a == k and not stop_guard
+        full_rate += FULL_RATE_ALPHA * (float(full) - full_rate)
+        guarded = int(stop_guard)
         judged = a if guarded else k  # positions past a guarded one were not judged
-        if source == "lookup":
+        if cyc.source == "lookup":
             finder.record(judged, a)
         elif stopper is not None:
             stopper.record(judged, a)
 
+        if spec is not None and full:
+            committed = d_l + [picks[k]]
+            plan = plan_next(committed)
+            if not plan and not (loops is not None and loops.armed):
+                # 4. already done lazily by optimistic_next; run the next cycle now.
+                pending, spec = spec[0], None  # the mark goes: the next verify writes in place
+                logprobs = None
+                if sampler.wants_logprobs:
+                    logprobs = logprob_entries(sampler.logprob_arrays(cyc.lp, mx.array(committed, dtype=mx.uint32)))
+                mx.async_eval([pending.host] + [c.state for c in cache] + hist.state())
+                primary = cyc.bonus
+                dt = time.perf_counter() - t0
+                head_cycle_done(dt)
+                yield cyc.step(a, committed, 0, dt, logprobs)
+                continue
+            undo(spec)  # a lookup block or the loop guard takes the next cycle
+        else:
+            if spec is not None:
+                undo(spec)
+            committed = None
+        spec = None
+
+        logprobs = None
+        if stop_guard:
+            # Keep the verify's first `a` tokens; decide position a with serial numerics.
+            rb.commit(a)
+            nxt, h_last, lps_last = serial_step(cyc.verify_in[:, a], cyc.d_all, a)
+            hidden_pairs = mx.concatenate([cyc.hid[:, :a], h_last], axis=1) if a else h_last
+            committed_arr = mx.concatenate([cyc.d_all[:a], nxt]) if a else nxt
+            committed = committed_arr.tolist()  # a second sync, in a guarded cycle only
+            if sampler.wants_logprobs:
+                head_rows = logprob_entries(sampler.logprob_arrays(cyc.lp[:a], cyc.d_all[:a])) if a else []
+                logprobs = head_rows + logprob_entries(lps_last)
+            plan = plan_next(committed)
+        else:
+            rb.commit(a + 1)
+            hidden_pairs = cyc.hid[:, : a + 1]
+            nxt = cyc.picks[a : a + 1].astype(mx.uint32)
+            if committed is None:
+                committed = d_l[:a] + [picks[a]]
+                plan = plan_next(committed)
+            if sampler.wants_logprobs:
+                logprobs = logprob_entries(sampler.logprob_arrays(cyc.lp[: a + 1], mx.array(committed, dtype=mx.uint32)))
+
         # 4. head history: drop speculative slots, queue the committed pairs.
         committed_ids = mx.array(committed, dtype=mx.uint32)
         sampler.commit(committed_ids)  # before the next first draft, which must see them
+        head_ok = head is not None and not getattr(head, "unloaded", False)
         if head_ok:
-            hist.trim(hist.offset - committed_slots)
+            hist.trim(hist.offset - cyc.committed_slots)
             hist.add(hidden_pairs, committed_ids)
-            if source == "lookup" and hist.n >= FLUSH_PENDING:
+            if cyc.source == "lookup" and hist.n >= FLUSH_PENDING:
                 hist.feed(keep_last=True)
         primary = nxt
-        plan = plan_next(committed)
         go_on = not plan and not (loops is not None and loops.armed)
         draft_ahead = first_draft() if head_ok and k > 0 and go_on and depth_fn() > 0 else None
         mx.async_eval([primary, hidden_pairs] + [c.state for c in cache] + hist.state()
                       + ([draft_ahead[2]] if draft_ahead else []))
-        yield DecodeStep(
-            tokens=committed,
-            depth=k,
-            drafted=k,
-            accepted=a,
-            accepted_mask=[True] * a + [False] * (k - a),
-            guarded=guarded,
-            cycle_s=time.perf_counter() - t0,
-            logprobs=logprobs,
-            draft_source=source,
-            stopped_early=stopped_early,
-        )
+        dt = time.perf_counter() - t0
+        if cyc.source == "head":
+            head_cycle_done(dt)
+        yield cyc.step(a, committed, guarded, dt, logprobs)

@@ -181,6 +181,7 @@ def run_fidelity_gate(
     report: FidelityReport | None = None,
     drafting=("mtp",),
     quoting: list[str] | list[list[int]] = (),
+    pipeline: bool | None = None,
 ) -> FidelityReport:
     """Serial vs speculative at temperature 0, for each drafting variant, mode and depth,
     both decoding with ``params`` (temperature 0 plus any logit processors). Arms that use
@@ -205,7 +206,7 @@ def run_fidelity_gate(
             got: list[int] = []
             gen = speculative_decode(
                 lm, head, prompt, Sampler(params, prompt=prompt), depth, exact=(mode == "exact"),
-                guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter, **options,
+                guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter, pipeline=pipeline, **options,
             )
             for step in gen:
                 got += step.tokens
@@ -479,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip measuring verify-vs-serial logit deviation (informs the guard)")
     ap.add_argument("--logit-jitter", type=float, default=0.0,
                     help="fault injection: noise on the verify's logprobs, to prove the gate can fail")
+    ap.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
+                    help="speculation builds each cycle ahead (on), not (off), or as the daemon does (auto: on a GPU)")
     args = ap.parse_args(argv)
+    pipeline = {"auto": None, "on": True, "off": False}[args.pipeline]
 
     from ..engine.loading import load_model
     from ..engine.mtp_head import NoMTPHead, load_mtp_head
@@ -505,14 +509,14 @@ def main(argv: list[str] | None = None) -> int:
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
         modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=guard,
         logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
-        quoting=load_quoting_prompts(args.quoting),
+        quoting=load_quoting_prompts(args.quoting), pipeline=pipeline,
     )
     if args.processors and "exact" in args.modes.split(","):
         run_fidelity_gate(
             lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
             modes=("exact",), rollback=args.rollback, guard_margin=guard, logit_jitter=args.logit_jitter,
             params=SamplingParams(**PROCESSORS), report=report, drafting=tuple(args.drafting.split(",")),
-            quoting=load_quoting_prompts(args.quoting),
+            quoting=load_quoting_prompts(args.quoting), pipeline=pipeline,
         )
     if args.deviation:
         report.deviation = batch_deviation(

@@ -168,3 +168,11 @@ def test_heartbeat_interval_must_be_below_the_timeout(tmp_path, text):
         load_config(f, env={})
     f.write_text("heartbeat_interval_s = 2.0\nheartbeat_timeout_s = 3.0\n")
     assert load_config(f, env={}).heartbeat_interval_s == 2.0
+
+
+def test_build_ahead_is_auto_or_a_bool(tmp_path):
+    assert load_config(None, env={}).speculation.build_ahead == "auto"
+    for text, want in (("true", True), ("false", False), ('"auto"', "auto")):
+        assert load_config(write(tmp_path, f"[speculation]\nbuild_ahead = {text}\n"), env={}).speculation.build_ahead == want
+    with pytest.raises(ConfigError, match="speculation.build_ahead"):
+        load_config(write(tmp_path, '[speculation]\nbuild_ahead = "sometimes"\n'), env={})
