@@ -513,7 +513,7 @@ class EngineWorker(threading.Thread):
                                      guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
                                      context=job.prompt,
-                                     pipeline=None if spec.build_ahead == "auto" else spec.build_ahead, **drafting)
+                                     pipeline=self._build_ahead(), **drafting)
         else:
             mode = "off"
             gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
@@ -571,6 +571,16 @@ class EngineWorker(threading.Thread):
 
             out["loop_guard"] = LoopGuardConfig()
         return out
+
+    def _build_ahead(self) -> bool | None:
+        """speculative_decode's ``pipeline``. Never in a group: whether a cycle is built ahead
+        depends on this rank's wall-clock cycle time, so ranks could build (and run) their
+        forwards' collectives in different graphs and orders; lockstep needs every rank to
+        make the same choice, and only a fixed one is."""
+        if self.group is not None:
+            return False
+        spec = self.cfg.speculation
+        return None if spec.build_ahead == "auto" else spec.build_ahead
 
     def depth_pinned(self) -> bool:
         return self.governance is not None and self.governance.gov.state.override == "pin_depth"
