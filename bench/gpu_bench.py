@@ -693,36 +693,28 @@ def main(argv=None) -> int:
     rng = random.Random(7)
     prompt = [rng.randrange(cfg["vocab_size"]) for _ in range(args.context)]
     dtypes = args.dtypes.split(",")
+    def ab_over_dtypes(run_dtype, summarize, name: str) -> int:
+        """Run one A/B bench per dtype (4-bit quantizes the model in place, so it goes
+        last), saving after each, then print and write its summary."""
+        try:
+            for dtype in dtypes:
+                if dtype == "4bit":
+                    quantize_4bit(lm, head)
+                    mx.clear_cache()
+                run_dtype(dtype, lm, head, prompt, args, results)
+                save()
+        finally:
+            results["elapsed_s"] = time.perf_counter() - T0
+            save()
+        md = summarize(results)
+        print(md)
+        (out / name).write_text(md + "\n")
+        return 0
+
     if args.cycle_ab:
-        try:
-            for name in dtypes:
-                if name == "4bit":
-                    quantize_4bit(lm, head)
-                    mx.clear_cache()
-                cycle_ab_dtype(name, lm, head, prompt, args, results)
-                save()
-        finally:
-            results["elapsed_s"] = time.perf_counter() - T0
-            save()
-        md = format_cycle_summary(results)
-        print(md)
-        (out / "gpu_cycle_ab.md").write_text(md + "\n")
-        return 0
+        return ab_over_dtypes(cycle_ab_dtype, format_cycle_summary, "gpu_cycle_ab.md")
     if args.compile_ab:
-        try:
-            for name in dtypes:
-                if name == "4bit":
-                    quantize_4bit(lm, head)
-                    mx.clear_cache()
-                compile_ab_dtype(name, lm, head, prompt, args, results)
-                save()
-        finally:
-            results["elapsed_s"] = time.perf_counter() - T0
-            save()
-        md = format_compile_summary(results)
-        print(md)
-        (out / "gpu_compile_ab.md").write_text(md + "\n")
-        return 0
+        return ab_over_dtypes(compile_ab_dtype, format_compile_summary, "gpu_compile_ab.md")
     try:
         if "bf16" in dtypes:
             profs = {} if args.bf16_profiles == "none" else {p: PROFILES[p] for p in args.bf16_profiles.split(",")}

@@ -52,18 +52,11 @@ def _stream_until_killed(g, victim: int) -> None:
     print(f"rank {survivor} exited {waited:.2f} s after rank {victim} was killed")
 
 
-def test_killing_a_follower_mid_stream_ends_rank_0_and_the_client_hears_unavailable(tmp_path):
+@pytest.mark.parametrize("victim", [1, 0], ids=["follower-killed", "rank0-killed"])
+def test_killing_a_rank_mid_stream_ends_the_other_and_the_client_hears_unavailable(tmp_path, victim):
     g = start_group(tmp_path, BUNDLED_MODEL, 2)
     try:
-        _stream_until_killed(g, victim=1)
-    finally:
-        g.kill()
-
-
-def test_killing_rank_0_mid_stream_ends_the_follower(tmp_path):
-    g = start_group(tmp_path, BUNDLED_MODEL, 2)
-    try:
-        _stream_until_killed(g, victim=0)
+        _stream_until_killed(g, victim=victim)
     finally:
         g.kill()
 
