@@ -359,6 +359,9 @@ class Server:
             return reject("invalid_request", "give exactly one of prompt, messages, prompt_tokens")
         if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
             return reject("invalid_request", "the prompt is empty")
+        if msg.option_constraint() is not None:
+            # Until constrained decoding lands, fail closed: never unconstrained output.
+            return reject("invalid_request", "constrained decoding is not supported by this daemon")
         if msg.max_tokens > self.cfg.max_tokens:
             return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
         if key in self.live:

@@ -56,6 +56,19 @@ class ChatMessage(Struct, forbid_unknown_fields=True):
 
 TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 
+MAX_CONSTRAINT_CHARS = 1 << 20
+
+
+class Constraint(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What the output must match. ``json_schema``: ``value`` is a JSON Schema (as JSON
+    text); ``json_object``: any JSON object (``value`` empty); ``regex``: a regular
+    expression the whole output matches; ``lark``: a grammar in llguidance's Lark dialect.
+    A constraint the daemon cannot enforce is refused (``invalid_request``, naming the
+    construct): output is never returned unconstrained."""
+
+    kind: Literal["json_schema", "json_object", "regex", "lark"]
+    value: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+
 
 class Generate(_Message, tag="generate"):
     """Ask for a completion. Exactly one of ``prompt``, ``messages``, ``prompt_tokens``.
@@ -98,11 +111,17 @@ class Generate(_Message, tag="generate"):
     # Per output token: its log-probability and the top_logprobs most likely alternatives.
     logprobs: bool | UnsetType = UNSET
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | UnsetType = UNSET
+    # Constrained decoding (llguidance): UNSET or None means unconstrained.
+    constraint: Constraint | None | UnsetType = UNSET
 
     def option(self, name: str):
         """A sampling option's value, its default when it was not sent."""
         value = getattr(self, name)
         return SAMPLING_DEFAULTS[name] if value is UNSET else value
+
+    def option_constraint(self) -> Constraint | None:
+        """The request's constraint, None when it has none (UNSET or null)."""
+        return None if self.constraint is UNSET else self.constraint
 
     def prompt_kind(self) -> str | None:
         """Which prompt field is set, or None when zero or several are (a client error)."""
@@ -296,6 +315,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Hello",
     "ChatMessage",
+    "Constraint",
     "Generate",
     "Cancel",
     "Status",
