@@ -1,0 +1,252 @@
+"""A council through the OpenAI API, as agents use it: councild's modes against mlx_lm.server.
+
+Workload (one arm, one round): ``--seats`` seats share a system prompt of ``--system-tokens``
+tokens; each seat runs ``--turns`` turns one after another, all seats at once; a turn sends
+the chat so far (system, the seat's earlier user messages and the replies it got) plus a new
+user message of ~``--message-tokens`` tokens to ``/v1/chat/completions``, streaming, greedy,
+``--max-tokens`` out, with the official ``openai`` client. Each (round, arm) salts the system
+prompt, so every arm starts cold and reuses only what its own workload built.
+
+Arms (one councild daemon + its HTTP front; mlx_lm.server beside them), rotated each round:
+- ``default``: no speculation field (the daemon's configured mode, exact unless configured);
+- ``fast`` / ``off``: ``speculation`` in the request body;
+- ``mlx_lm.server``: ``python -m mlx_lm server --model MODEL``, the same requests.
+Reported per arm: aggregate tok/s (completion tokens over the workload's wall time), TTFT
+p50/p95 (send to the first content), each seat's share of the tokens, cached prompt tokens
+where the server reports them; for councild the governor's depth table and the batch's
+speculation counters from status after each arm. Medians and ranges over the rounds, and
+per-round ratios against mlx_lm.server.
+
+    .venv/bin/python bench/council_http.py --rounds 3 --json bench/results/council_http_cpu.json \\
+        --markdown bench/results/council_http_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.http_bench import free_port, wait_http  # noqa: E402
+from daemon.measure.bench_io import spread, write_results  # noqa: E402
+from protocol.readiness import wait_until_answering  # noqa: E402
+
+SYSTEM_LINE = "def council_rule_{i}(motion, votes):\n    return sum(votes) > len(votes) // 2  # rule {i}\n"
+USER_LINE = "seat {s} turn {t}: consider clause {i} of the motion.\n"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def text_of_tokens(tok, line: str, n: int, **fmt) -> str:
+    """Text of about n tokens: lines appended until the tokenizer counts n."""
+    out, i = "", 0
+    while len(tok.encode(out).ids) < n:
+        out += line.format(i=i, **fmt)
+        i += 1
+    return out
+
+
+async def workload(client, model: str, extra: dict, args, tok, salt: str) -> dict:
+    system = f"[{salt}]\n" + text_of_tokens(tok, SYSTEM_LINE, args.system_tokens)
+    records: list[dict] = []
+
+    async def seat(s: int) -> None:
+        chat = [{"role": "system", "content": system}]
+        for t in range(args.turns):
+            chat.append({"role": "user", "content": text_of_tokens(tok, USER_LINE, args.message_tokens, s=s, t=t)})
+            t0 = time.perf_counter()
+            first = None
+            text, usage = [], None
+            stream = await client.chat.completions.create(
+                model=model, messages=chat, max_tokens=args.max_tokens, temperature=0.0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra,
+                extra_headers={"X-Councild-Seat": f"seat{s}"})
+            async for ev in stream:
+                if ev.usage is not None:
+                    usage = ev.usage
+                for c in ev.choices:
+                    if c.delta and c.delta.content:
+                        first = first or time.perf_counter()
+                        text.append(c.delta.content)
+            end = time.perf_counter()
+            chat.append({"role": "assistant", "content": "".join(text)})
+            details = getattr(usage, "prompt_tokens_details", None) if usage else None
+            records.append({"seat": s, "turn": t, "ttft_s": (first or end) - t0,
+                            "completion_tokens": usage.completion_tokens if usage else len(text),
+                            "prompt_tokens": usage.prompt_tokens if usage else 0,
+                            "cached_tokens": (getattr(details, "cached_tokens", 0) or 0) if details else 0})
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(seat(s) for s in range(args.seats)))
+    wall = time.perf_counter() - t0
+    total = sum(r["completion_tokens"] for r in records)
+    ttft = [r["ttft_s"] for r in records]
+    later = [r["ttft_s"] for r in records if r["turn"] > 0]
+    shares = {f"seat{s}": sum(r["completion_tokens"] for r in records if r["seat"] == s) / max(1, total)
+              for s in range(args.seats)}
+    return {"wall_s": wall, "tokens": total, "tok_s": total / wall, "ttft_p50": pct(ttft, 0.5),
+            "ttft_p95": pct(ttft, 0.95), "ttft_later_p50": pct(later, 0.5),
+            "cached_tokens": sum(r["cached_tokens"] for r in records),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records), "shares": shares, "requests": records}
+
+
+def councild_status(endpoint: str) -> dict:
+    from protocol.client import Client
+
+    with Client(endpoint, seat="bench-status", timeout_s=30) as c:
+        detail = c.status().detail
+    return {"governor": detail.get("governor", {}), "speculation": detail.get("speculation", {}),
+            "batch": detail.get("batch", {}), "stats": {k: v for k, v in detail.get("stats", {}).items()
+                                                        if k in ("drafted", "accepted")}}
+
+
+async def bench(args, arms: dict, endpoint: str, tok) -> dict:
+    from openai import AsyncOpenAI
+
+    clients = {name: AsyncOpenAI(base_url=url, api_key="unused", timeout=900, max_retries=0)
+               for name, (url, _model, _extra) in arms.items()}
+    names = list(arms)
+    samples: dict[str, list[dict]] = {a: [] for a in names}
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms every path (compilation, first shapes)
+            order = names[r % len(names):] + names[: r % len(names)]
+            for arm in order:
+                _url, model, extra = arms[arm]
+                res = await workload(clients[arm], model, extra, args, tok, salt=f"round {r} arm {arm}")
+                if arm != "mlx_lm.server":
+                    res["councild"] = councild_status(endpoint)
+                if r:
+                    samples[arm].append(res)
+                print(f"round {r}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s, TTFT p50 "
+                      f"{res['ttft_p50'] * 1e3:.0f} ms" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
+    finally:
+        for c in clients.values():
+            await c.close()
+    return samples
+
+
+def start_councild(args, tmp: Path, env: dict) -> tuple[list[subprocess.Popen], str, int]:
+    runtime = tmp / "run"
+    runtime.mkdir(mode=0o700)
+    endpoint = f"ipc://{runtime / 'councild.sock'}"
+    port = free_port()
+    cfg = tmp / "councild.toml"
+    cfg.write_text(f"[scheduler]\nmax_active = {max(4, args.seats)}\n[http]\nport = {port}\n" + args.config_extra)
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", args.model, "--endpoint",
+                               endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO,
+                              stdout=open(tmp / "daemon.log", "w"), stderr=subprocess.STDOUT, env=env)
+    wait_until_answering(endpoint, daemon, timeout_s=600, log_path=tmp / "daemon.log")
+    front = subprocess.Popen([sys.executable, "-m", "daemon.cli", "http", "--config", str(cfg), "--endpoint", endpoint,
+                              "--log-level", "warning"], cwd=REPO, stdout=open(tmp / "front.log", "w"),
+                             stderr=subprocess.STDOUT, env=env)
+    wait_http(f"http://127.0.0.1:{port}/health", front, timeout_s=300)
+    return [daemon, front], endpoint, port
+
+
+def report(args, samples: dict) -> tuple[dict, str]:
+    out = {"benchmark": "council_http", "model": args.model, "seats": args.seats, "turns": args.turns,
+           "system_tokens": args.system_tokens, "message_tokens": args.message_tokens, "max_tokens": args.max_tokens,
+           "rounds": args.rounds, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "command": " ".join([Path(sys.executable).name, *sys.argv]), "arms": {}, "vs_mlx_lm_server": {}}
+    lines = ["| arm | aggregate tok/s (min-max) | TTFT p50 ms (min-max) | TTFT p95 ms | cached / prompt tokens | "
+             "seat shares |", "|---|---|---|---|---|---|"]
+    for arm, rows in samples.items():
+        s = {k: spread([r[k] for r in rows]) for k in ("tok_s", "ttft_p50", "ttft_p95")}
+        s["cached_tokens"] = sum(r["cached_tokens"] for r in rows)
+        s["prompt_tokens"] = sum(r["prompt_tokens"] for r in rows)
+        s["shares"] = [r["shares"] for r in rows]
+        s["councild"] = [r.get("councild") for r in rows]
+        out["arms"][arm] = s
+        shares = rows[-1]["shares"]
+        lines.append(f"| {arm} | {s['tok_s']['median']:.1f} ({s['tok_s']['min']:.1f}-{s['tok_s']['max']:.1f}) | "
+                     f"{s['ttft_p50']['median'] * 1e3:.0f} ({s['ttft_p50']['min'] * 1e3:.0f}-"
+                     f"{s['ttft_p50']['max'] * 1e3:.0f}) | {s['ttft_p95']['median'] * 1e3:.0f} | "
+                     f"{s['cached_tokens']} / {s['prompt_tokens']} | "
+                     + " ".join(f"{v:.2f}" for v in shares.values()) + " |")
+    if "mlx_lm.server" in samples:
+        lines += ["", "| arm vs mlx_lm.server (paired by round) | aggregate tok/s ratio (min-max) | TTFT p50 ratio |",
+                  "|---|---|---|"]
+        base = samples["mlx_lm.server"]
+        for arm, rows in samples.items():
+            if arm == "mlx_lm.server":
+                continue
+            tok = spread([a["tok_s"] / b["tok_s"] for a, b in zip(rows, base)])
+            ttft = spread([a["ttft_p50"] / b["ttft_p50"] for a, b in zip(rows, base)])
+            out["vs_mlx_lm_server"][arm] = {"tok_s_ratio": tok, "ttft_p50_ratio": ttft}
+            lines.append(f"| {arm} | {tok['median']:.2f} ({tok['min']:.2f}-{tok['max']:.2f}) | "
+                         f"{ttft['median']:.2f} ({ttft['min']:.2f}-{ttft['max']:.2f}) |")
+    return out, "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(REPO / "daemon/assets/tiny-qwen35"))
+    ap.add_argument("--seats", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--message-tokens", type=int, default=100)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arms", default="default,fast,off,mlx_lm.server",
+                    help="comma-separated: default, fast, off, exact, mlx_lm.server")
+    ap.add_argument("--config-extra", default="", help="TOML appended to the daemon's config")
+    ap.add_argument("--json", default="bench/out/council_http.json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    tmp = Path(tempfile.mkdtemp(prefix="council-http-"))
+    env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(tmp / "run"), COUNCILD_CACHE_DIR=str(tmp / "cache"))
+    procs: list[subprocess.Popen] = []
+    try:
+        wanted = args.arms.split(",")
+        arms: dict = {}
+        endpoint = ""
+        if any(a != "mlx_lm.server" for a in wanted):
+            started, endpoint, port = start_councild(args, tmp, env)
+            procs += started
+            for a in wanted:
+                if a != "mlx_lm.server":
+                    arms[a] = (f"http://127.0.0.1:{port}/v1", "councild", {} if a == "default" else {"speculation": a})
+        if "mlx_lm.server" in wanted:
+            mport = free_port()
+            mlx = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(mport),
+                                    "--log-level", "WARNING"], cwd=REPO, stdout=open(tmp / "mlx_server.log", "w"),
+                                   stderr=subprocess.STDOUT, env=env)
+            procs.append(mlx)
+            wait_http(f"http://127.0.0.1:{mport}/v1/models", mlx, timeout_s=300)
+            arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1", args.model, {})
+        samples = asyncio.run(bench(args, arms, endpoint, tok))
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    out, table = report(args, samples)
+    print(table)
+    write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
