@@ -274,7 +274,7 @@ class Front:
             while True:
                 msg = await stream.next_message()
                 if isinstance(msg, m.Tokens):
-                    if msg.text or msg.logprobs or msg.reasoning:
+                    if msg.text or msg.logprobs or msg.reasoning or msg.tool_calls:
                         now = time.monotonic()
                         if first_token:
                             self.metrics.ttft.observe(now - received)
@@ -282,7 +282,7 @@ class Front:
                         elif last is not None:
                             self.metrics.chunk_gap.observe(now - last)
                         last = now
-                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning))
+                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning, tool_calls=msg.tool_calls))
                 elif isinstance(msg, m.Done):
                     ended = True
                     yield sse(shape.chunk(None if parsed.chat else "", None, finish=finish_reason(msg)))
