@@ -41,18 +41,31 @@ _FUNCTION_RE = re.compile(r"\A\s*<function=([^>\n]+)>\n?(.*?)</function>\s*\Z", 
 _PARAM_RE = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def _param_types(tools: list[m.ToolSpec]) -> dict[str, dict[str, object]]:
-    """function name -> parameter name -> its schema's ``type`` (None when untyped)."""
-    out: dict[str, dict[str, object]] = {}
+def is_text_param(schema: object) -> bool:
+    """Whether an XML parameter of this schema is written as bare text (a string, or one of
+    string constants), not as JSON. The grammar (tool_grammar.py) uses the same rule."""
+    if not isinstance(schema, dict):
+        return False
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None:
+        return bool(choices) and all(isinstance(c, str) for c in choices)
+    t = schema.get("type")
+    return t == "string" or (isinstance(t, list) and "string" in t)
+
+
+def _param_types(tools: list[m.ToolSpec]) -> dict[str, dict[str, bool]]:
+    """function name -> parameter name -> whether its value is bare text."""
+    out: dict[str, dict[str, bool]] = {}
     for tool in tools:
         props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
-        out[tool.name] = {k: (v.get("type") if isinstance(v, dict) else None)
-                          for k, v in (props or {}).items()}
+        out[tool.name] = {k: is_text_param(v) for k, v in (props or {}).items()}
     return out
 
 
-def _xml_value(raw: str, kind: object):
-    if kind == "string" or kind is None or (isinstance(kind, list) and "string" in kind):
+def _xml_value(raw: str, text: bool | None):
+    """A parameter's value: bare text for text parameters and for ones the schema does not
+    name; otherwise JSON, or the text when it is not JSON."""
+    if text or text is None:
         return raw
     try:
         return json.loads(raw)
@@ -64,7 +77,7 @@ def _xml_value(raw: str, kind: object):
 class CallParser:
     """Turns one ``<tool_call>`` body into (name, arguments JSON text), or None."""
 
-    types: dict[str, dict[str, object]]
+    types: dict[str, dict[str, bool]]
 
     def parse(self, body: str) -> tuple[str, str] | None:
         stripped = body.strip()

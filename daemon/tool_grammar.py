@@ -21,6 +21,8 @@ import llguidance
 
 from protocol import messages as m
 
+from .tool_calls import is_text_param
+
 XML, JSON = "xml", "json"
 
 
@@ -42,11 +44,6 @@ def _schema(tool: m.ToolSpec) -> dict:
     return p if isinstance(p, dict) and p else {"type": "object", "properties": {}}
 
 
-def _is_string(schema: dict) -> bool:
-    t = schema.get("type")
-    return t == "string" and not ({"enum", "const", "pattern", "format", "minLength", "maxLength"} & set(schema))
-
-
 def _xml_call(i: int, tool: m.ToolSpec) -> list[str]:
     schema = _schema(tool)
     props = schema.get("properties") or {}
@@ -57,8 +54,13 @@ def _xml_call(i: int, tool: m.ToolSpec) -> list[str]:
         if not isinstance(sub, dict):
             raise ToolGrammarError(f"tool {tool.name!r}: parameters.properties.{name} must be a schema object")
         open_tag = _lit(f"<parameter={name}>\n")
-        if _is_string(sub):
-            # Any text; lazy, so the first "\n</parameter>\n" ends it (as the parser reads it).
+        choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+        if is_text_param(sub) and choices:  # one of the constants, bare
+            rules.append(f"p{i}_{j}: {open_tag} ({' | '.join(_lit(c) for c in choices)}) "
+                         f"{_lit(chr(10) + '</parameter>' + chr(10))}")
+        elif is_text_param(sub):
+            # Any text (length and pattern bounds are not enforced in this format); lazy, so
+            # the first "\n</parameter>\n" ends it, as the parser reads it.
             rules.append(f"v{i}_{j}[lazy]: STRING_TEXT {_lit(chr(10) + '</parameter>' + chr(10))}")
             rules.append(f"p{i}_{j}: {open_tag} v{i}_{j}")
         else:

@@ -5,6 +5,7 @@ never a partial tag in the text, malformed calls kept as text; and the grammar
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -170,3 +171,36 @@ def test_unknown_named_tool_and_unsupported_schema_are_refused_by_name():
     for template in (None, "<function="):
         with pytest.raises(ToolGrammarError, match='"not"'):
             tool_constraint(_generate(tools=bad, tool_choice="required"), template)
+
+
+@pytest.fixture(scope="module")
+def ll_tokenizer():
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[2] / "daemon" / "assets" / "tiny-qwen35"))
+    return tok, llguidance.hf.from_tokenizer(tok)
+
+
+@pytest.mark.parametrize("fmt", [XML, JSON])
+@pytest.mark.parametrize("thinking", [False, True])
+def test_grammar_admits_what_the_parser_reads_and_refuses_what_breaks_the_schema(ll_tokenizer, fmt, thinking):
+    import llguidance
+
+    tok, lt = ll_tokenizer
+    make = xml_call if fmt == XML else json_call
+    good = make("get_weather", {"city": "Paris </b> x", "days": 3, "units": "f"}) + "\n" + make("search", {"query": "q"})
+    bad_enum = make("get_weather", {"city": "Oslo", "units": "kelvin"})
+    bad_type = make("get_weather", {"city": "Oslo", "days": "three"})
+    prefix = "I should call the tools </b></think>\n\n" if thinking else ""
+    grammar = llguidance.grammar_from("lark", tool_call_lark(TOOLS, "required", True, fmt, thinking))
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(lt, grammar)
+        return matcher.consume_tokens(tok.encode(prefix + text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(good)
+    assert not accepts(bad_enum) and not accepts(bad_type) and not accepts("plain text")
+    _, calls = parse_tool_calls(good, TOOLS, cid)
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris </b> x", "days": 3, "units": "f"},
+                                                        {"query": "q"}]
