@@ -87,3 +87,23 @@ def test_a_call_never_closed_ends_as_text(tok):
     chunks, done = run(tok, "a " + CALL[:40], 2)
     assert done.tool_calls == [] and done.text == "a " + CALL[:40]
     assert "".join(c.text for c in chunks) == done.text
+
+
+def test_the_bundled_template_shows_tools_and_calls_the_qwen35_way(tok):
+    from daemon.intake import template_message, template_tool
+    from daemon.tool_calls import parse_tool_calls
+    from daemon.tool_grammar import XML, tool_format
+
+    call = m.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris", "days": 2}')
+    chat = [m.ChatMessage(role="user", content="hi"), m.ChatMessage(role="assistant", content="", tool_calls=[call]),
+            m.ChatMessage(role="tool", content="sunny", tool_call_id="call_1")]
+    text = tok.apply_chat_template([template_message(c) for c in chat], tools=[template_tool(TOOLS[0])],
+                                   add_generation_prompt=True, tokenize=False)
+    assert '"name": "get_weather"' in text and "<tool_response>\nsunny\n</tool_response>" in text
+    assert tool_format(tok.chat_template) == XML
+    # The earlier call is rendered in the format the parser reads back to the same call.
+    shown = text[text.index("<tool_call>\n<function=get_weather>"):]
+    shown = shown[: shown.index("</tool_call>") + len("</tool_call>")]
+    assert parse_tool_calls(shown, TOOLS, lambda i: "call_1") == ("", [call])
+    plain = tok.apply_chat_template([template_message(chat[0])], add_generation_prompt=True, tokenize=False)
+    assert plain == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # unchanged without tools
