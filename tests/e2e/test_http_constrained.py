@@ -82,8 +82,10 @@ def test_forced_tool_choice_makes_one_valid_call_and_streams_it_identically(oai,
     _check_args(call.function.name, call.function.arguments)
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(d.index, d.id, d.function.name, d.function.arguments) for d in deltas] == \
-        [(0, call.id, call.function.name, call.function.arguments)]
+    # The same call, under the streamed request's own id (ids are per request: call_<request id>_<n>).
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(0, call.function.name, call.function.arguments)]
+    assert deltas[0].id.startswith("call_") and deltas[0].id.endswith("_0") and deltas[0].id != call.id
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
