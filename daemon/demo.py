@@ -58,7 +58,8 @@ def member(endpoint: str, seat: str, priority: str, prompt: str, max_tokens: int
             if "constraint" not in client.welcome.capabilities:
                 print(json.dumps({"seat": seat, "skipped": "this daemon does not enforce constraints"}), flush=True)
                 return 0
-            stream = client.generate(messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+            # A call's tags alone are ~40 of the tiny tokenizer's tokens: room for it whole.
+            stream = client.generate(messages=[{"role": "user", "content": question}], max_tokens=max(max_tokens, 160),
                                      priority=priority, **extra)
         else:
             stream = client.generate(prompt, max_tokens=max_tokens, priority=priority)
@@ -156,10 +157,10 @@ def run_council(endpoint: str, max_tokens: int, env: dict) -> int:
             print(f"[{seat} failed with exit code {code}]")
             failed += 1
             continue
-        first = chunks[0]["t"] if chunks else float("nan")
-        last = chunks[-1]["t"] if chunks else float("nan")
-        print(f"[{done['finish_reason']}: {done['tokens']} tokens in {len(chunks)} chunks, streamed from "
-              f"{first:.2f} s to {last:.2f} s, {done['tokens_per_s']} tok/s, ttft {done['ttft_s'] * 1000:.0f} ms"
+        streamed = (f" in {len(chunks)} chunks, streamed from {chunks[0]['t']:.2f} s to {chunks[-1]['t']:.2f} s"
+                    if chunks else "")  # a call arrives whole, not as text chunks
+        print(f"[{done['finish_reason']}: {done['tokens']} tokens{streamed}, {done['tokens_per_s']} tok/s, "
+              f"ttft {done['ttft_s'] * 1000:.0f} ms"
               + (f", speculation {done['speculation']}" if done["speculation"] else "") + "]\n")
     return 1 if failed else 0
 
