@@ -102,9 +102,15 @@ def test_anthropic_tool_use_with_tool_choice_any(stack):
     claude = anthropic.Anthropic(base_url=stack[1].url, api_key="x", max_retries=0, timeout=300)
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
               "input_schema": t["function"]["parameters"]} for t in TOOLS]
-    out = claude.messages.create(model="any", max_tokens=120, extra_body={"temperature": 0}, messages=ASK,
-                                 tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    kw = dict(model="any", max_tokens=120, extra_body={"temperature": 0}, messages=ASK, tools=tools,
+              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    out = claude.messages.create(**kw)
     assert out.stop_reason == "tool_use"
     uses = [b for b in out.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name in ("forecast", "alarm")
     _check_args(uses[0].name, json.dumps(uses[0].input))
+    # Streamed: the SDK assembles the same tool_use block from Anthropic's events.
+    with claude.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed] == [(uses[0].name, uses[0].input)]
