@@ -1,9 +1,12 @@
-"""`make demo`: the daemon on the bundled model, serving a council of three processes.
+"""`make demo`: the daemon on the bundled model, serving a council of five processes.
 
 It starts `councild serve` as a real child process on a private runtime directory, waits
-until the daemon answers, runs three member processes (each its own seat, streaming at the
+until the daemon answers, runs the member processes (each its own seat, streaming at the
 same time), prints what each said with its timings, prints the daemon's status, and stops
-the daemon with SIGTERM the way a service manager would.
+the daemon with SIGTERM the way a service manager would. Three members continue code; the
+scout must call a tool (tool_choice "required": the daemon enforces it with a grammar and
+parses the call) and the judge answers in a JSON Schema (a json_schema constraint). A
+daemon without constrained decoding refuses those two, and the demo says so.
 """
 
 from __future__ import annotations
@@ -24,7 +27,24 @@ MEMBERS = [
     ("planner", "normal", "def fibonacci(n):\n"),
     ("coder", "normal", "class Stack:\n    def __init__(self):\n"),
     ("critic", "normal", "import os\n\n\ndef list_files(path):\n"),
+    ("scout", "normal", "@tool"),
+    ("judge", "normal", "@schema"),
 ]
+# The structured members' chats and what constrains them. Bounded arguments, so that even the
+# tiny bundled model (never trained on tools) ends its call within the demo's max_tokens.
+WEATHER = {"name": "get_weather", "description": "Weather forecast for a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city", "days"]}}
+VERDICT = {"type": "object", "properties": {"verdict": {"enum": ["approve", "revise"]},
+                                            "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
+           "required": ["verdict", "confidence"], "additionalProperties": False}
+STRUCTURED = {
+    "@tool": ("What will the weather be in Paris for the next three days?",
+              {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}),
+    "@schema": ("Should the council adopt the Stack class? Give a verdict.",
+                {"constraint": {"kind": "json_schema", "value": json.dumps(VERDICT)}}),
+}
 
 
 def member(endpoint: str, seat: str, priority: str, prompt: str, max_tokens: int) -> int:
@@ -33,12 +53,22 @@ def member(endpoint: str, seat: str, priority: str, prompt: str, max_tokens: int
 
     t0 = time.monotonic()
     with Client(endpoint, seat=seat, timeout_s=60.0) as client:
-        stream = client.generate(prompt, max_tokens=max_tokens, priority=priority)
+        if prompt in STRUCTURED:
+            question, extra = STRUCTURED[prompt]
+            if "constraint" not in client.welcome.capabilities:
+                print(json.dumps({"seat": seat, "skipped": "this daemon does not enforce constraints"}), flush=True)
+                return 0
+            # A call's tags alone are ~40 of the tiny tokenizer's tokens: room for it whole.
+            stream = client.generate(messages=[{"role": "user", "content": question}], max_tokens=max(max_tokens, 160),
+                                     priority=priority, **extra)
+        else:
+            stream = client.generate(prompt, max_tokens=max_tokens, priority=priority)
         for chunk in stream:
             print(json.dumps({"seat": seat, "t": round(time.monotonic() - t0, 3), "chunk": chunk}), flush=True)
         done = stream.done
     print(json.dumps({"seat": seat, "t": round(time.monotonic() - t0, 3), "done": {
         "finish_reason": done.finish_reason, "tokens": done.usage.completion_tokens,
+        "tool_calls": [[c.name, c.arguments] for c in done.tool_calls],
         "tokens_per_s": round(done.timings.tokens_per_s, 1), "ttft_s": round(done.timings.ttft_s, 3),
         "speculation": None if done.speculation is None else {
             "mode": done.speculation.mode, "drafted": done.speculation.drafted,
@@ -78,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon_proc = subprocess.Popen(cmd, env=env, stderr=log_file, stdout=log_file)
         try:
             wait_ready(endpoint, daemon_proc)
-            print(f"demo: daemon ready on {endpoint}; three council members stream at once\n")
+            print(f"demo: daemon ready on {endpoint}; {len(MEMBERS)} council members stream at once\n")
             rc = run_council(endpoint, args.max_tokens, env)
             show_status(endpoint)
         finally:
@@ -112,15 +142,25 @@ def run_council(endpoint: str, max_tokens: int, env: dict) -> int:
         chunks = [e for e in events if "chunk" in e]
         done = next((e["done"] for e in events if "done" in e), None)
         print(f"--- {seat} ({prio}) ---")
-        print(prompt + "".join(e["chunk"] for e in chunks))
+        skipped = next((e["skipped"] for e in events if "skipped" in e), None)
+        if skipped:
+            print(f"[{STRUCTURED[prompt][0]!r} skipped: {skipped}]\n")
+            continue
+        if prompt in STRUCTURED:
+            print(f"user: {STRUCTURED[prompt][0]}")
+            print("assistant: " + "".join(e["chunk"] for e in chunks))
+            for name, arguments in (done or {}).get("tool_calls", []):
+                print(f"tool call: {name}({arguments})")
+        else:
+            print(prompt + "".join(e["chunk"] for e in chunks))
         if done is None or code != 0:
             print(f"[{seat} failed with exit code {code}]")
             failed += 1
             continue
-        first = chunks[0]["t"] if chunks else float("nan")
-        last = chunks[-1]["t"] if chunks else float("nan")
-        print(f"[{done['finish_reason']}: {done['tokens']} tokens in {len(chunks)} chunks, streamed from "
-              f"{first:.2f} s to {last:.2f} s, {done['tokens_per_s']} tok/s, ttft {done['ttft_s'] * 1000:.0f} ms"
+        streamed = (f" in {len(chunks)} chunks, streamed from {chunks[0]['t']:.2f} s to {chunks[-1]['t']:.2f} s"
+                    if chunks else "")  # a call arrives whole, not as text chunks
+        print(f"[{done['finish_reason']}: {done['tokens']} tokens{streamed}, {done['tokens_per_s']} tok/s, "
+              f"ttft {done['ttft_s'] * 1000:.0f} ms"
               + (f", speculation {done['speculation']}" if done["speculation"] else "") + "]\n")
     return 1 if failed else 0
 

@@ -10,12 +10,16 @@ more chat messages than allowed tokens, is refused before it is tokenized.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
+
+import msgspec
 
 from .logs import get_logger
 from .reasoning import reasoning_split_for
 from .requests import Job
+from .tool_grammar import ToolGrammarError, tool_constraint
 
 log = get_logger("councild.intake")
 
@@ -47,6 +51,16 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
     if bad is not None:
         return bad
     msg = job.msg
+    if msg.messages is None and (msg.tools or msg.tool_choice):
+        return "invalid_request", "tools and tool_choice apply to messages only (the chat template renders them)"
+    try:  # tool_choice required or named: a grammar in the model's call format (tool_grammar.py)
+        derived = tool_constraint(msg, getattr(lm.tokenizer, "chat_template", None))
+    except ToolGrammarError as exc:
+        return "invalid_request", str(exc)
+    if derived is not None:
+        if msg.option_constraint() is not None:
+            return "invalid_request", "give a constraint or tool_choice 'required' / a named tool, not both"
+        job.msg = msg = msgspec.structs.replace(msg, constraint=derived)
     try:
         # The daemon's [chat] defaults, then the request's own (chat requests only).
         asked = msg.chat_template_kwargs or None  # UNSET (not sent) and None alike: none
@@ -54,9 +68,10 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
                            if msg.messages is not None else asked)
         job.prompt = lm.encode_prompt(
             msg.prompt,
-            [{"role": c.role, "content": c.content} for c in msg.messages] if msg.messages is not None else None,
+            [template_message(c) for c in msg.messages] if msg.messages is not None else None,
             msg.prompt_tokens,
             template_kwargs,
+            tools=[template_tool(t) for t in job.tools] or None,
         )
         if msg.messages is not None and chat is not None and chat.separate_reasoning:
             job.reasoning = reasoning_split_for(lm.tokenizer, job.prompt)
@@ -72,6 +87,35 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
     if msg.messages is not None:
         job.segment_ends = chat_segment_ends(lm, msg, job.prompt)
     return None
+
+
+def template_message(c) -> dict:
+    """A ChatMessage as chat templates read it (the shape of OpenAI's messages, which
+    Hugging Face templates follow): an assistant's calls with their arguments as a mapping
+    (Qwen's templates iterate over them), a tool turn with the call it answers."""
+    out: dict = {"role": c.role, "content": c.content}
+    if c.tool_calls:
+        out["tool_calls"] = [{"id": t.id, "type": "function",
+                              "function": {"name": t.name, "arguments": _arguments(t.arguments)}}
+                             for t in c.tool_calls]
+    if c.tool_call_id:
+        out["tool_call_id"] = c.tool_call_id
+    if c.name:
+        out["name"] = c.name
+    return out
+
+
+def _arguments(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def template_tool(t) -> dict:
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.parameters or {"type": "object", "properties": {}}}}
 
 
 def chat_segment_ends(lm, msg, prompt: list[int]) -> list[int]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from protocol import messages as m
 
 from .engine.types import DecodeStep
+from .tool_calls import ToolCallStream, parse_tool_calls
 
 
 @dataclass
@@ -97,6 +98,9 @@ class Job:
         self.sent_reasoning = 0
         self.sent_answer = 0
         self.seq = 0
+        # Requests with tools: calls are parsed out of the answer (daemon/tool_calls.py).
+        self.tools = msg.option_tools() if msg.messages is not None else []
+        self.tool_stream = ToolCallStream(self.tools, self.call_id) if self.tools else None
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # when output tokens were last delivered
@@ -181,18 +185,31 @@ class Job:
             end = max(self.sent_chars, end - hold)
         return self.text[self.sent_chars : end]
 
+    def call_id(self, index: int) -> str:
+        """The id of the request's index-th tool call: the same in its chunk and in Done."""
+        return f"call_{self.request_id[:48]}_{index}"
+
     def chunk(self, token_ids: list[int]) -> m.Tokens | None:
         text = self.pending_text()
         if self.reasoning is not None:
             return self._split_chunk(self.sent_chars + len(text), token_ids)
-        if not text and not token_ids:
+        if not text and not token_ids and self.finished_reason is None:
             return None
         self.sent_chars += len(text)
         lps = None
         if self.msg.option("logprobs"):
             lps = self.logprobs[self.sent_logprobs : self.sent_logprobs + len(token_ids)]
             self.sent_logprobs += len(lps)
-        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=text, token_ids=token_ids, logprobs=lps)
+        return self._tokens(text, "", token_ids, lps)
+
+    def _tokens(self, answer: str, reasoning: str, token_ids: list[int], lps=None) -> m.Tokens | None:
+        calls = None
+        if self.tool_stream is not None:  # calls out of the answer; partial tags held back
+            answer, calls = self.tool_stream.feed(answer, final=self.finished_reason is not None)
+        if not answer and not reasoning and not token_ids and not calls:
+            return None
+        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=answer, token_ids=token_ids,
+                       reasoning=reasoning, logprobs=lps, tool_calls=calls or None)
         self.seq += 1
         return msg
 
@@ -201,12 +218,10 @@ class Job:
             upto = max(self.sent_chars, self.reasoning.safe_end(self.text, upto))
         reasoning, answer = self.reasoning.split(self.text[:upto])
         new_r, new_a = reasoning[self.sent_reasoning:], answer[self.sent_answer:]
-        if not new_r and not new_a and not token_ids:
+        if not new_r and not new_a and not token_ids and self.finished_reason is None:
             return None
         self.sent_chars, self.sent_reasoning, self.sent_answer = upto, len(reasoning), len(answer)
-        msg = m.Tokens(request_id=self.request_id, seq=self.seq, text=new_a, token_ids=token_ids, reasoning=new_r)
-        self.seq += 1
-        return msg
+        return self._tokens(new_a, new_r, token_ids)
 
     def done(self, reason: str | None = None) -> m.Done:
         now = time.monotonic()
@@ -214,11 +229,19 @@ class Job:
         first = self.first_token_at or now
         decode_s = max(now - first, 1e-9)
         n = len(self.token_ids)
+        reasoning, answer = ("", self.text) if self.reasoning is None else self.reasoning.split(self.text)
+        calls: list[m.ToolCall] = []
+        if self.tools:
+            answer, calls = parse_tool_calls(answer, self.tools, self.call_id)
+        finish = reason or self.finished_reason or "stop"
+        if calls and finish == "stop":
+            finish = "tool_calls"
         return m.Done(
             request_id=self.request_id,
-            finish_reason=reason or self.finished_reason or "stop",
-            text=self.text if self.reasoning is None else self.reasoning.split(self.text)[1],
-            reasoning="" if self.reasoning is None else self.reasoning.split(self.text)[0],
+            finish_reason=finish,
+            text=answer,
+            reasoning=reasoning,
+            tool_calls=calls,
             usage=m.Usage(prompt_tokens=len(self.prompt), completion_tokens=n, cached_tokens=self.cached_tokens),
             timings=m.Timings(
                 queue_s=started - self.received_at,

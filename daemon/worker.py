@@ -373,6 +373,11 @@ class EngineWorker(threading.Thread):
             self._finish(job, m.Error(request_id=job.request_id, code=code, message=message), registered=False)
             return
         msg = job.msg
+        if msg.count_only:  # tokenized by the intake thread; nothing to decode
+            self._send(job.identity, m.Accepted(request_id=job.request_id, queue_position=0,
+                                                prompt_tokens=len(job.prompt)), key=job.key)
+            self._finish(job, job.done(), registered=False)
+            return
         self.jobs[job.key] = job
         self.scheduler.submit(job)
         if self.governance is not None:
@@ -685,7 +690,7 @@ class EngineWorker(threading.Thread):
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
             # Flush any held-back tail before the terminal message.
             rest = job.chunk([])
-            if rest is not None and rest.text:
+            if rest is not None and (rest.text or rest.reasoning or rest.tool_calls):
                 self._send(job.identity, rest, key=job.key)
         # Log first: whoever has seen the terminal message can rely on the log holding it.
         if isinstance(terminal, m.Done):

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from protocol import messages as m
 from protocol.client import AsyncClient, CouncilError, DaemonUnavailable
 
+from .anthropic_api import AnthropicAPI
 from .config import HttpConfig
 from .metrics import FrontMetrics
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
@@ -123,11 +124,14 @@ class Front:
         self._status_error: str | None = None
         self._status_lock = asyncio.Lock()
         self.metrics = FrontMetrics(self)
+        anthropic = AnthropicAPI(self, http_error=HTTPError, from_council=from_council, until_disconnect=until_disconnect,
+                                 disconnected=_Disconnected)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                *anthropic.routes(),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_route, methods=["GET"]),
             ],
@@ -191,12 +195,14 @@ class Front:
         if self.cfg.api_keys:
             auth = request.headers.get("authorization", "")
             key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            key = key or request.headers.get("x-api-key", "").strip()  # how Anthropic's clients send it
             seat = None
             for known, known_seat in self.cfg.api_keys.items():  # compare every key in constant time
                 if hmac.compare_digest(known.encode(), key.encode()):
                     seat = known_seat
             if seat is None:
-                raise HTTPError(401, "a valid API key is required (Authorization: Bearer <key>)", code="invalid_api_key")
+                raise HTTPError(401, "a valid API key is required (Authorization: Bearer <key>, or x-api-key)",
+                                code="invalid_api_key")
             if header is not None and header != seat:
                 raise HTTPError(403, f"this API key speaks as seat {seat!r}; X-Councild-Seat may not name another",
                                 param="X-Councild-Seat", code="seat_not_allowed")
@@ -274,7 +280,7 @@ class Front:
             while True:
                 msg = await stream.next_message()
                 if isinstance(msg, m.Tokens):
-                    if msg.text or msg.logprobs or msg.reasoning:
+                    if msg.text or msg.logprobs or msg.reasoning or msg.tool_calls:
                         now = time.monotonic()
                         if first_token:
                             self.metrics.ttft.observe(now - received)
@@ -282,7 +288,7 @@ class Front:
                         elif last is not None:
                             self.metrics.chunk_gap.observe(now - last)
                         last = now
-                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning))
+                        yield sse(shape.chunk(msg.text, msg.logprobs, reasoning=msg.reasoning, tool_calls=msg.tool_calls))
                 elif isinstance(msg, m.Done):
                     ended = True
                     yield sse(shape.chunk(None if parsed.chat else "", None, finish=finish_reason(msg)))

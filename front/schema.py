@@ -9,6 +9,7 @@ repetition_penalty, deadline_ms) ride in the same body, as the openai client's
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,23 @@ def _content(value: Any, where: str) -> str:
     raise BadRequest(f"{where} must be a string or a list of text parts", where)
 
 
+def _tool_calls(raw: Any, where: str) -> list[dict]:
+    """An assistant message's tool_calls (OpenAI's shape) -> protocol ToolCall dicts."""
+    if not isinstance(raw, list):
+        raise BadRequest(f"{where} must be a list", where)
+    out = []
+    for j, call in enumerate(raw):
+        w = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function" or not isinstance(call.get("id"), str):
+            raise BadRequest(f"{w} must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}", w)
+        args = fn.get("arguments", "{}")
+        if not isinstance(fn.get("name"), str) or not isinstance(args, str):
+            raise BadRequest(f"{w}.function needs a string 'name' and 'arguments' (JSON text)", f"{w}.function")
+        out.append({"id": call["id"], "name": fn["name"], "arguments": args})
+    return out
+
+
 def _messages(raw: Any) -> list[dict[str, str]]:
     if not isinstance(raw, list) or not raw:
         raise BadRequest("'messages' must be a non-empty list", "messages")
@@ -96,11 +114,72 @@ def _messages(raw: Any) -> list[dict[str, str]]:
         if role not in ("system", "user", "assistant", "tool"):
             raise BadRequest(f"messages[{i}].role {msg.get('role')!r} is not one of system, developer, user, "
                              "assistant, tool", f"messages[{i}].role")
+        item: dict[str, Any] = {"role": role, "content": _content(msg.get("content"), f"messages[{i}].content")}
         if msg.get("tool_calls"):
-            raise BadRequest(f"messages[{i}].tool_calls: tool calling is not supported", f"messages[{i}].tool_calls",
-                             "unsupported_parameter")
-        out.append({"role": role, "content": _content(msg.get("content"), f"messages[{i}].content")})
+            if role != "assistant":
+                raise BadRequest(f"messages[{i}].tool_calls: only assistant messages make tool calls",
+                                 f"messages[{i}].tool_calls")
+            item["tool_calls"] = _tool_calls(msg["tool_calls"], f"messages[{i}].tool_calls")
+        if role == "tool":
+            if not isinstance(msg.get("tool_call_id"), str) or not msg["tool_call_id"]:
+                raise BadRequest(f"messages[{i}].tool_call_id is required for a tool message", f"messages[{i}].tool_call_id")
+            item["tool_call_id"] = msg["tool_call_id"]
+        if role in ("tool", "user", "assistant") and isinstance(msg.get("name"), str) and msg["name"]:
+            item["name"] = msg["name"]
+        out.append(item)
     return out
+
+
+def _tools(raw: Any) -> list[dict] | None:
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise BadRequest("'tools' must be a list", "tools")
+    out = []
+    for i, tool in enumerate(raw):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function":
+            raise BadRequest(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}; only function tools "
+                             "are supported", f"tools[{i}]", "unsupported_parameter")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(fn.get("name"), str) or not isinstance(params, dict):
+            raise BadRequest(f"tools[{i}].function needs a string 'name' and an object 'parameters'", f"tools[{i}].function")
+        out.append({"name": fn["name"], "description": fn.get("description") or "", "parameters": params})
+    return out
+
+
+def _tool_choice(raw: Any, tools: list[dict] | None):
+    if raw is None:
+        return None
+    if raw in ("auto", "none", "required"):
+        return raw
+    fn = raw.get("function") if isinstance(raw, dict) and raw.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise BadRequest("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                         "\"function\": {\"name\": ...}}", "tool_choice")
+    if not any(t["name"] == fn["name"] for t in tools or []):
+        raise BadRequest(f"'tool_choice' names {fn['name']!r}, which is not among the tools", "tool_choice")
+    return {"name": fn["name"]}
+
+
+def _response_format(raw: Any) -> dict | None:
+    """response_format -> a protocol Constraint (dict), None for plain text."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"kind": "json_object", "value": ""}
+    if kind == "json_schema":
+        spec = raw.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("'response_format.json_schema.schema' must be a JSON Schema object",
+                             "response_format.json_schema.schema")
+        return {"kind": "json_schema", "value": json.dumps(schema)}
+    raise BadRequest("'response_format.type' must be text, json_object or json_schema", "response_format.type",
+                     "unsupported_parameter")
 
 
 def _stop(raw: Any) -> list[str]:
@@ -147,19 +226,27 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> Parsed:
     _unsupported(body, "echo", (False,))
     _unsupported(body, "suffix", ("",))
     _unsupported(body, "function_call", ("none",))
-    _unsupported(body, "tool_choice", ("none",))
     _unsupported(body, "modalities", (["text"],))
-    if body.get("tools") or body.get("functions"):
-        raise BadRequest("tool and function calling are not supported", "tools" if body.get("tools") else "functions",
+    if body.get("functions"):
+        raise BadRequest("the legacy 'functions' parameter is not supported; use 'tools'", "functions",
                          "unsupported_parameter")
-    rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
-        raise BadRequest("'response_format' other than {\"type\": \"text\"} (JSON mode, schemas) is not supported",
-                         "response_format", "unsupported_parameter")
 
     gen: dict[str, Any] = {}
     if chat:
         gen["messages"] = _messages(body.get("messages"))
+        tools = _tools(body.get("tools"))
+        choice = _tool_choice(body.get("tool_choice"), tools)
+        if choice not in (None, "none", "auto") and not tools:
+            raise BadRequest(f"'tool_choice' {body.get('tool_choice')!r} needs 'tools'", "tool_choice")
+        gen["tools"] = tools
+        gen["tool_choice"] = choice if tools else None
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+        gen["parallel_tool_calls"] = parallel if tools else None
+        gen["constraint"] = _response_format(body.get("response_format"))
+        if gen["constraint"] is not None and choice not in (None, "none", "auto") and tools:
+            raise BadRequest("'response_format' and a forced 'tool_choice' exclude each other", "response_format")
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -267,7 +354,14 @@ def completion_logprobs(entries: list[m.TokenLogprob], offset: int = 0) -> dict:
 
 
 def finish_reason(done: m.Done) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
+    return done.finish_reason if done.finish_reason in ("length", "tool_calls") else "stop"
+
+
+def openai_tool_call(call: m.ToolCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    if index is not None:  # stream deltas carry the call's position
+        out = {"index": index, **out}
+    return out
 
 
 class ResponseShape:
@@ -279,6 +373,7 @@ class ResponseShape:
         self.model = model
         self.created = int(time.time())
         self.text_offset = 0
+        self.calls_sent = 0
 
     def _base(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -287,6 +382,9 @@ class ResponseShape:
         lps = done.logprobs or []
         if self.p.chat:
             message = {"role": "assistant", "content": done.text}
+            if done.tool_calls:
+                message["content"] = done.text or None
+                message["tool_calls"] = [openai_tool_call(c) for c in done.tool_calls]
             if done.reasoning:  # thinking apart from the answer, as vLLM and DeepSeek name it
                 message["reasoning_content"] = done.reasoning
             choice = {"index": 0, "message": message,
@@ -302,15 +400,18 @@ class ResponseShape:
         return body
 
     def chunk(self, text: str | None, lps: list[m.TokenLogprob] | None, finish: str | None = None,
-              first: bool = False, reasoning: str = "") -> dict:
+              first: bool = False, reasoning: str = "", tool_calls: list[m.ToolCall] | None = None) -> dict:
         if self.p.chat:
             delta: dict = {}
             if first:
                 delta["role"] = "assistant"
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            if text is not None and (text or not reasoning):
+            if text is not None and (text or not (reasoning or tool_calls)):
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [openai_tool_call(c, self.calls_sent + i) for i, c in enumerate(tool_calls)]
+                self.calls_sent += len(tool_calls)
             choice = {"index": 0, "delta": delta,
                       "logprobs": chat_logprobs(lps) if (self.p.logprobs and lps) else None, "finish_reason": finish}
             body = self._base("chat.completion.chunk")

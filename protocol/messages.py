@@ -20,7 +20,7 @@ RequestId = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z
 SeatName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._\-]+$")]
 Priority = Literal["interactive", "normal", "background"]
 Speculation = Literal["off", "exact", "fast"]
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 
 # Bounds that hold whatever the daemon's configuration says; the daemon's own (often
 # tighter) limits are announced in Welcome.limits and enforced after decoding.
@@ -49,9 +49,47 @@ class Hello(_Message, tag="hello"):
     client: Annotated[str, Meta(max_length=128)] = ""
 
 
-class ChatMessage(Struct, forbid_unknown_fields=True):
+ToolName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+MAX_TOOLS = 128
+
+
+class ToolCall(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One function call the model made. ``arguments`` is a JSON object, as JSON text (the
+    form OpenAI's API carries it in), so that it round-trips byte for byte."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=128)]
+    name: ToolName
+    arguments: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)] = "{}"
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    """One chat turn. ``tool_calls``: the calls an assistant turn made; ``tool_call_id`` and
+    ``name``: which call a ``tool`` turn answers. UNSET unless given, so a chat without
+    tools encodes exactly as before and an older daemon still accepts it."""
+
     role: Literal["system", "user", "assistant", "tool"]
     content: Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | UnsetType = UNSET
+    tool_call_id: Annotated[str, Meta(min_length=1, max_length=128)] | UnsetType = UNSET
+    name: ToolName | UnsetType = UNSET
+
+
+class ToolSpec(Struct, forbid_unknown_fields=True, kw_only=True):
+    """A function the model may call: rendered into the prompt by the chat template, its
+    ``parameters`` (a JSON Schema of the arguments object) used to constrain calls."""
+
+    name: ToolName
+    description: Annotated[str, Meta(max_length=1 << 16)] = ""
+    parameters: dict = {}
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=True, kw_only=True):
+    """tool_choice naming one function: the model must call exactly it."""
+
+    name: ToolName
+
+
+ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
 
 
 TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
@@ -113,11 +151,30 @@ class Generate(_Message, tag="generate"):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | UnsetType = UNSET
     # Constrained decoding (llguidance): UNSET or None means unconstrained.
     constraint: Constraint | None | UnsetType = UNSET
+    # Tool calling (with ``messages`` only): the functions the model may call, and whether it
+    # may (auto), must not (none), must (required) or must call one named function. Calls in
+    # the output are parsed into Tokens/Done.tool_calls. UNSET unless given.
+    tools: Annotated[list[ToolSpec], Meta(max_length=MAX_TOOLS)] | None | UnsetType = UNSET
+    tool_choice: ToolChoice | UnsetType = UNSET
+    # required/named: whether several calls may come in one turn (default true).
+    parallel_tool_calls: bool | UnsetType = UNSET
+    # Tokenize only: Accepted (with prompt_tokens) then Done with no output; nothing decoded.
+    count_only: bool | UnsetType = UNSET
 
     def option(self, name: str):
         """A sampling option's value, its default when it was not sent."""
         value = getattr(self, name)
         return SAMPLING_DEFAULTS[name] if value is UNSET else value
+
+    def option_tools(self) -> list[ToolSpec]:
+        """The tools the model may call, [] when none or when tool_choice is "none"."""
+        if self.tools is UNSET or not self.tools or self.tool_choice == "none":
+            return []
+        return list(self.tools)
+
+    def option_tool_choice(self):
+        """tool_choice with its default: "auto" when tools are given."""
+        return "auto" if self.tool_choice is UNSET else self.tool_choice
 
     def option_constraint(self) -> Constraint | None:
         """The request's constraint, None when it has none (UNSET or null)."""
@@ -212,6 +269,8 @@ class Tokens(_DaemonMessage, tag="tokens"):
     reasoning: str = ""
     # Only when the request asked for logprobs: one entry per id in token_ids.
     logprobs: list[TokenLogprob] | None = None
+    # Tool calls completed in this chunk (each whole, once); their text is never in ``text``.
+    tool_calls: list[ToolCall] | None = None
 
 
 class Usage(Struct, kw_only=True):
@@ -255,6 +314,8 @@ class Done(_DaemonMessage, tag="done"):
     reasoning: str = ""
     # Only when the request asked for logprobs and did not stream: one entry per output token.
     logprobs: list[TokenLogprob] | None = None
+    # Every tool call of the output, in order (``text`` is the text around them).
+    tool_calls: list[ToolCall] = []
 
 
 ErrorCode = Literal[
@@ -316,6 +377,9 @@ __all__ = [
     "Hello",
     "ChatMessage",
     "Constraint",
+    "ToolCall",
+    "ToolSpec",
+    "NamedToolChoice",
     "Generate",
     "Cancel",
     "Status",

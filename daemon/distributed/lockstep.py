@@ -178,7 +178,7 @@ class LeaderWorker(_GroupMember, EngineWorker):
     def _wire(self, cmd):
         if isinstance(cmd, Submit):
             job = cmd.job
-            if job.rejection is not None:  # answered here; never reaches the engine
+            if job.rejection is not None or job.msg.count_only:  # answered here; never reaches the engine
                 return None
             if job.msg.seed is None:  # every rank must draw the same samples
                 job.msg = msgspec.structs.replace(job.msg, seed=secrets.randbits(63))

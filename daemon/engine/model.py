@@ -97,15 +97,18 @@ class LoadedModel:
         return make_prompt_cache(self.model)
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None,
-                      template_kwargs: dict | None = None) -> list[int]:
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """Token ids of a request's prompt. ``template_kwargs`` are extra variables for the
-        chat template (e.g. ``enable_thinking``), for ``messages`` only."""
+        chat template (e.g. ``enable_thinking``), for ``messages`` only; ``tools`` (OpenAI's
+        function-tool dicts) are rendered by the template, which knows the model's format."""
         if template_kwargs and messages is None:
             raise ValueError("chat_template_kwargs apply to messages only (the chat template renders them)")
         if tokens is not None:
             return list(tokens)
         if messages is not None:
             if getattr(self.tokenizer, "chat_template", None):
+                if tools:
+                    template_kwargs = {**(template_kwargs or {}), "tools": tools}
                 return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                                **(template_kwargs or {})))
             prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "

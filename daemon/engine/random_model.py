@@ -17,6 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from .chat_templates import QWEN_TOOLS_TEMPLATE
+
 DEFAULT_TEXT_CONFIG = {
     "model_type": "qwen3_5_text",
     "hidden_size": 128,
@@ -65,10 +67,7 @@ def _train_tokenizer(folder: Path, vocab_size: int) -> None:
     )
     tok.train([str(p) for p in corpus], trainer)
     tok.save(str(folder / "tokenizer.json"))
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    template = QWEN_TOOLS_TEMPLATE  # ChatML, and tools the Qwen3.5 way
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {

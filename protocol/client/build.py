@@ -15,6 +15,9 @@ from .errors import InvalidRequest
 # Generate fields a caller may pass to ``generate`` as keyword arguments beyond the ones it
 # names (sampling options, logprobs); they are validated with the rest by the daemon's decoder.
 SAMPLING_OPTIONS = tuple(m.SAMPLING_DEFAULTS)
+# Generate fields beyond the sampling options that ``generate`` takes as keyword arguments, as
+# structs or as plain dicts/lists (converted here): constrained decoding and tool calling.
+REQUEST_EXTRAS = ("constraint", "tools", "tool_choice", "parallel_tool_calls", "count_only")
 
 
 def new_request_id() -> str:
@@ -101,6 +104,15 @@ def build_generate(
         speculation=speculation,
         chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else msgspec.UNSET,
     )
+    options = dict(options or {})
+    extras = {k: options.pop(k) for k in REQUEST_EXTRAS if k in options}
+    extras = {k: v for k, v in extras.items() if v is not None}  # None: not used, left out of the frame
+    if extras:
+        try:  # convert dicts to the fields' types (ToolSpec, Constraint, ...), with their bounds
+            typed = msgspec.convert({"request_id": rid, "prompt": "-", **extras}, m.Generate)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest("invalid_request", str(exc), request_id=rid) from None
+        msg = msgspec.structs.replace(msg, **{k: getattr(typed, k) for k in extras})
     if options:
         unknown = sorted(set(options) - set(SAMPLING_OPTIONS))
         if unknown:

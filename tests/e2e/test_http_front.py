@@ -140,8 +140,8 @@ def test_invalid_requests_are_400_in_openai_shape(oai, stack):
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model="any", messages=[{"role": "user", "content": "x"}],
-                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert e.value.code == "unsupported_parameter"
+                                    functions=[{"name": "f", "parameters": {}}])
+    assert e.value.code == "unsupported_parameter" and e.value.param == "functions"
     with pytest.raises(openai.BadRequestError) as e:
         oai.completions.create(model="any", prompt=PROMPT, max_tokens=10**6)
     assert "max_tokens" in e.value.message

@@ -40,7 +40,10 @@ def test_content_parts_and_developer_role():
 @pytest.mark.parametrize("body, param", [
     ({"n": 3}, "n"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "grammar"}}, "response_format.type"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "a"}]}]}, "messages[0].tool_calls"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"presence_penalty": 3}, "presence_penalty"),
@@ -62,3 +65,25 @@ def test_completions_prompt_forms_and_legacy_logprobs():
         parse_request({"prompt": ["a", "b"]}, False, 10)
     with pytest.raises(BadRequest):
         parse_request({"prompt": "x", "echo": True}, False, 10)
+
+
+def test_tools_tool_choice_and_response_format_map_to_the_protocol():
+    tool = {"type": "function", "function": {"name": "f", "description": "d",
+                                             "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+    g = parse_request({"messages": [{"role": "user", "content": "hi"}], "tools": [tool],
+                       "tool_choice": {"type": "function", "function": {"name": "f"}}, "parallel_tool_calls": False},
+                      True, 10).generate
+    assert g["tools"] == [{"name": "f", "description": "d", "parameters": tool["function"]["parameters"]}]
+    assert g["tool_choice"] == {"name": "f"} and g["parallel_tool_calls"] is False and g["constraint"] is None
+    g = parse_request({"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strict": True}}}, True, 10).generate
+    assert g["constraint"] == {"kind": "json_schema", "value": '{"type": "object"}'} and g["tools"] is None
+    g = parse_request({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+                      True, 10).generate
+    assert g["constraint"] == {"kind": "json_object", "value": ""}
+    turn = parse_request({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]}, True, 10).generate["messages"]
+    assert turn == [{"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "f", "arguments": '{"a": "x"}'}]},
+                    {"role": "tool", "content": "done", "tool_call_id": "c1"}]
