@@ -83,9 +83,12 @@ class SimEngine:
         acceptance: float = 0.85,
         load_fn: Callable[[], float] = lambda: 0.1,
         streams_fn: Callable[[], int] = lambda: 1,
+        batch_cost_fn: Callable[[int, int], float] | None = None,
     ):
         self.gov, self.cost_fn, self.acceptance, self.load_fn = gov, cost_fn, acceptance, load_fn
         self.streams_fn = streams_fn
+        # A batched cycle's cost in seconds by (rows, depth); None: the CPU-like default below.
+        self.batch_cost_fn = batch_cost_fn
         self.depth = gov.depth
         # The batch heights' depths (SetHeightDepth), index bucket - 1; None: the solo depth.
         self.heights: list[int | None] = [None] * (N_BUCKETS - 1)
@@ -110,14 +113,18 @@ class SimEngine:
     def cycle(self) -> CycleTelemetry:
         """One cycle at the current depth; acceptance is a deterministic low-discrepancy
         sequence (no RNG), so the long-run accepted fraction per position is ``acceptance``.
-        Several streams are one batched cycle at the height's depth, CPU-like (compute-bound):
-        a batch of n rows costs 1 + 0.1(n-1) steps, and each drafted position 0.9 of that
-        again, so speculation does not pay in a batch."""
+        Several streams are one batched cycle at the height's depth, costed by
+        ``batch_cost_fn``, else CPU-like (compute-bound): a batch of n rows costs
+        1 + 0.1(n-1) steps, and each drafted position 0.9 of that again, so speculation
+        does not pay in a batch."""
         n = self.streams_fn()
         if n > 1:
             k = depth_at(tuple(self.heights), self.depth, n) if self.resident else 0
             rows = tuple(self._accepted(k) for _ in range(n))
-            c = self.cost_fn(0, self.load_fn()) * (1.0 + 0.1 * (n - 1)) * (1.0 + 0.9 * k)
+            if self.batch_cost_fn is not None:
+                c = self.batch_cost_fn(n, k)
+            else:
+                c = self.cost_fn(0, self.load_fn()) * (1.0 + 0.1 * (n - 1)) * (1.0 + 0.9 * k)
             t = CycleTelemetry(depth=k, cycle_s=c, drafted=n * k, accepted=sum(rows), emitted=n + sum(rows), batch=n,
                                row_accepted=rows if k else None)  # fmt: skip
             self.gov.record_cycle(t)
