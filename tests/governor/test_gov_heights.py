@@ -220,3 +220,16 @@ def test_pin_applies_to_every_height_and_holds_against_the_scores():
     eng.apply(gov.override("auto"))
     eng.run(60.0, clock)
     assert gov.depth_for(4) < 2  # released: the cost model decides again
+
+
+def test_a_profile_can_carry_cost_by_batch_height_as_a_prior():
+    prof = {"cost_s": {"0": 0.03, "1": 0.05}, "batch_cost_s": {"4": {"0": 0.01, "1": 0.0105}}}
+    m = CostModel(GovernorConfig(), prof)
+    e = m.batch_estimate(bucket_of(3), 1, 0.0)
+    assert e.source == "profile" and e.cost_s == pytest.approx(0.0105) and e.stale  # a prior: probe before trusting
+    assert m.batch_estimate(bucket_of(8), 1, 0.0).score is None  # nothing known at 5-8
+    for i in range(3):  # a few live samples at depth 0: depth 1 priced by the profile's ratio
+        m.record(CycleTelemetry(depth=0, cycle_s=0.08, emitted=4, batch=4), float(i))
+    assert m.batch_estimate(bucket_of(4), 1, 3.0).cost_s == pytest.approx(
+        ((3 * 0.02 + 5 * 0.01) / 8) * 1.05)  # shrunk towards the profile's 0.01, times 1.05
+    assert CostModel(GovernorConfig(), m.profile()).profile() == m.profile()
