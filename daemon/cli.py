@@ -288,9 +288,10 @@ def _clients(d: dict) -> str:
 
 
 def _height_depths(table: list[dict]) -> str:
-    """The governor's depth per bucket of batch heights: "1: 1, 2: 2, 3-4: 0, 5-8: 1 (as 1)";
-    "(as 1)" where it has no measurement at that height yet and follows height 1's."""
-    return ", ".join(f"{r['heights']}: {r['depth']}" + (" (as 1)" if r.get("chosen") is None else "")
+    """The governor's depth per bucket of batch heights: "1: 1, 2: 2, 3-4: 0, 5-8: 0 (not
+    measured)"; a height not measured yet drafts at the nearest measured height's depth, or
+    height 1's while none is."""
+    return ", ".join(f"{r['heights']}: {r['depth']}" + (" (not measured)" if r.get("chosen") is None else "")
                      for r in table)  # fmt: skip
 
 

@@ -46,7 +46,8 @@ class HeadSlot:
         self.depth = depth
         # The governor's depth per bucket of batch heights 2, 3-4, 5-8, 9+ (governor/heights.py);
         # None where it has not chosen one (no measurement there yet): such a batch drafts at
-        # ``depth``. Empty without a governor.
+        # the nearest chosen height's depth, or at ``depth`` while none is. Empty without a
+        # governor.
         self.height_depths: tuple[int | None, ...] = ()
         # Whether the checkpoint has a head at all, and its size before it is resident: the
         # governor plans a load from these.
@@ -76,8 +77,8 @@ class HeadSlot:
 
     def depth_for(self, batch_height: int) -> int:
         """The depth a batched cycle of ``batch_height`` rows drafts at: the governor's for
-        that height, else ``current_depth()`` (no governor, no measurement there yet, or one
-        row). 0 while no head is resident."""
+        that height (or the nearest height it measured), else ``current_depth()`` (no
+        governor, no batch measured yet, or one row). 0 while no head is resident."""
         if self.head is None:
             return 0
         return depth_at(self.height_depths, self.depth, batch_height)

@@ -303,13 +303,22 @@ class CostModel:
             return True
         return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
 
-    def _batch_ratio(self, b: int, k: int, j: int) -> float:
+    def _batch_ratio(self, b: int, k: int, j: int, now: float) -> float:
         """cost(b, k) / cost(b, j): the profile's for this bucket when it has both depths,
-        else the solo ratio (a guess, and pessimistic on a GPU, where extra verify positions
-        are nearly free in a batch: such a guess is only ever a reason to probe)."""
+        else the nearest other bucket's measured ratio (learned: batches of neighbouring
+        heights share their shape, a near-flat verify on a GPU, a steep one on a CPU), else
+        the solo ratio (a guess, and too steep on a GPU, where extra verify positions are
+        nearly free in a batch: such a guess is only ever a reason to probe)."""
         p = self._profile_batch.get(b, {})
         if k in p and j in p:
             return p[k] / p[j]
+        trust = self.cfg.trust_samples
+        for o in sorted(range(1, N_BUCKETS), key=lambda o: (abs(o - b), o)):
+            if o == b:
+                continue
+            ck, cj = self._buckets[o - 1].cost[k], self._buckets[o - 1].cost[j]
+            if ck.n >= trust and cj.n >= trust and self._fresh(ck, now) and self._fresh(cj, now) and cj.value > 0:
+                return ck.value / cj.value
         return self._ratio(k) / self._ratio(j)
 
     def _batch_anchor(self, b: int, k: int, now: float, load: float | None) -> tuple[float | None, str]:
@@ -331,7 +340,7 @@ class CostModel:
             j = min(live, key=lambda j: (self.batch_stale(b, j, load), abs(j - k), j))
             e, trust, p = bk.cost[j], self.cfg.trust_samples, self._profile_batch.get(b, {})
             base = (e.n * e.value + (trust - e.n) * p[j]) / trust if e.n < trust and j in p else e.value
-            return base * self._batch_ratio(b, k, j), "prior"
+            return base * self._batch_ratio(b, k, j, now), "prior"
         p = self._profile_batch.get(b, {})
         if k in p:
             return p[k], "profile"

@@ -10,17 +10,20 @@ learns cost(B, k) per row and picks
     argmax_k  E(k) / cost_per_row(B, k)      (the batch's tokens per second)
 
 with the solo depth's rules: depth 0 the floor, a move only for a ``depth_margin`` better
-score, one step at a time, a stale or never-measured depth probed (paired with the current
-one, tick by tick) before it is trusted, a measured neighbour re-probed every
-``probe_interval_s`` of that bucket's decoding. Each bucket decides only on ticks in which
+score, one step at a time (or straight to a stale depth that looks best), a measured
+neighbour re-probed every ``probe_interval_s`` of that bucket's decoding. Stricter than the
+solo rules in one way: every move is the verdict of a paired probe (the two depths
+alternating tick by tick, so both are measured over the same seconds), never a comparison
+of medians taken at different moments. Each bucket decides only on ticks in which
 it decoded (its clock moved): a bucket the council is not using now keeps its depth, so a
 height that alternates (2, 3, 2, 3) finds each bucket where it left it, and no probe runs
 in a bucket that is not running. A never-measured neighbour is probed at once: the prior
 for another depth in a batch is the solo cost ratio, which is wrong both ways on real
 machines (too high on a GPU, too low on this CPU), so it must not stand in for a look.
 
-Until a bucket has its first measurement its depth is None: batches there run at the solo
-depth (``heights.depth_at``), and the first decision adopts the depth they ran at.
+Until a bucket has its first measurement its depth is None: batches there run at the
+nearest measured bucket's depth, else the solo depth (``heights.depth_at``), and the first
+decision adopts the depth they ran at.
 
 Forced: an operator pin sets every height; critical pressure or a forced eviction sets 0;
 no usable head holds the table (a batch without a head runs serially anyway).
@@ -139,10 +142,11 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
         if ests[best].stale and best != step:
             return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}")
-        if ests[step].stale:
-            return _probe(h, bk, step, f"{why}, but depth {step}'s estimate is stale: probe it")
         if (_score(ests, step) or 0.0) > cs:
-            return bk.emit(h, step, "height_depth", f"{why}: one step to {step}")
+            # A move is a paired probe's verdict, never a comparison of medians taken at
+            # other moments: on a contended CPU a bucket's cost swings 40% within seconds
+            # (the replay: a batch of 2 stepped to a depth 30% worse on one such swing).
+            return _probe(h, bk, step, f"{why}: probe depth {step} against {cur} (paired) before moving")
     return _maybe_probe(h, bk, obs, cfg)
 
 
@@ -153,15 +157,24 @@ def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str) -> HeightState:
 
 
 def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
-    """A neighbour this bucket never measured is probed at once; a measured one when its
-    estimate is stale and probe_interval_s of this bucket's decoding passed since the last."""
+    """A neighbour this bucket never measured is probed at once (depth 0 always; another
+    unless the bucket's own line, two measured depths (cost_model._batch_anchor), prices it
+    more than the margin worse); a measured one when its estimate is stale and probe_interval_s of this bucket's
+    decoding passed since the last."""
     if obs.pressure != NORMAL:
         return h
     cur = h.depth or 0
     sides = (cur + 1, cur - 1) if h.probe_count % 2 == 0 else (cur - 1, cur + 1)
     sides = tuple(n for n in sides if 0 <= n <= cfg.max_depth and n < len(bk.ests))
-    for n in sides:
-        if bk.ests[n].samples == 0:
+    measured = sum(1 for e in bk.ests if e.samples >= cfg.trust_samples)
+    cs = _score(bk.ests, cur)
+    # Never measured: the lower side first, and depth 0 always (the floor, no head forward:
+    # the reference every bucket needs, and the cheapest look).
+    for n in sorted(sides):
+        sn = _score(bk.ests, n)
+        priced_worse = (n > 0 and measured >= 2 and sn is not None and cs is not None
+                        and sn * (1 + cfg.depth_margin) < cs)  # fmt: skip
+        if bk.ests[n].samples == 0 and not priced_worse:
             return _probe(h, bk, n, f"depth {n} was never measured at this height: probe it against {cur}")
     last = h.last_probe_s if h.last_probe_s is not None else bk.clock
     if bk.clock - last < cfg.probe_interval_s:
@@ -174,13 +187,14 @@ def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorCon
 
 def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, back: int) -> bool:
     """As the solo probe's rule, on this bucket's clock: probe_s passed and both depths have
-    cost_window new cycles, or a clear verdict (both trusted, 2x the margin apart), or
-    probe_max_factor x probe_s at most."""
+    cost_window new cycles, or probe_max_factor x probe_s at most; or, at any time, a clear
+    verdict (both with trust_samples new cycles, 2x the margin apart). A batched cycle is
+    several steps long (0.1 s on the H200 at 4-8 rows), so a window of 32 a side is seconds
+    of a worse depth; neighbouring depths in a batch differ by 10-40% there, which the early
+    verdict settles in 8 cycles a side."""
     ran = bk.clock - (h.probe_started_s if h.probe_started_s is not None else bk.clock)
     if ran >= cfg.probe_s * cfg.probe_max_factor:
         return True
-    if ran < cfg.probe_s:
-        return False
     at = h.probe_samples_at or (0, 0)
 
     def new(k: int, start: int) -> int:
@@ -188,7 +202,7 @@ def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, b
         return n - start if n >= start else n
 
     n_p, n_b = new(probed, at[0]), new(back, at[1])
-    if n_p >= cfg.cost_window and n_b >= cfg.cost_window:
+    if ran >= cfg.probe_s and n_p >= cfg.cost_window and n_b >= cfg.cost_window:
         return True
     sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
     clear = 1 + 2 * cfg.depth_margin

@@ -38,10 +38,16 @@ def bucket_label(b: int) -> str:
 
 
 def depth_at(heights: tuple[int | None, ...], solo_depth: int, height: int) -> int:
-    """The depth wanted at ``height`` from a per-bucket table (index = bucket - 1, None:
-    not chosen yet, so the solo depth, which is what such a batch has been running at)."""
+    """The depth wanted at ``height`` from a per-bucket table (index = bucket - 1; None: not
+    chosen yet). A bucket not chosen yet takes the nearest chosen bucket's depth (ties to the
+    lower), else the solo depth: a neighbouring height's measured choice is a better first
+    guess than one row's (the replay: a council of 4 that started at the solo depth spent 5%
+    of its regime climbing to where the council of 2 already was), and the first cycles
+    there are that depth's measurement, which the bucket then adopts or leaves."""
     b = bucket_of(height)
     if b == 0:
         return solo_depth
-    k = heights[b - 1] if b - 1 < len(heights) else None
-    return solo_depth if k is None else k
+    chosen = [(abs(i + 1 - b), i, k) for i, k in enumerate(heights) if k is not None]
+    if not chosen:
+        return solo_depth
+    return min(chosen)[2]

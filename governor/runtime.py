@@ -23,7 +23,7 @@ import structlog
 
 from .config import GovernorConfig
 from .cost_model import CostModel
-from .heights import N_BUCKETS, bucket_label, depth_at
+from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, depth_at
 from .policy import Reason, apply_override, decide, start_depth
 from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
@@ -205,20 +205,22 @@ class Governor:
         return self.state.depth
 
     def depth_for(self, batch_height: int) -> int:
-        """The depth wanted for a cycle of ``batch_height`` rows (the solo depth at 1, and
-        where that height's bucket has no measurement yet)."""
+        """The depth wanted for a cycle of ``batch_height`` rows (heights.depth_at: the solo
+        depth at 1 and before any batch was measured)."""
         return depth_at(tuple(h.depth for h in self.state.heights), self.state.depth, batch_height)
 
     def height_table(self) -> list[dict[str, Any]]:
-        """Per bucket of batch heights: the depth chosen (None: not yet, so the solo depth)
-        and the depth a batch there drafts now."""
+        """Per bucket of batch heights: the depth chosen (None: not yet) and the depth a
+        batch there drafts now (heights.depth_at: the nearest chosen bucket's, else solo)."""
         rows = [{"heights": bucket_label(0), "chosen": self.state.depth, "depth": self.state.depth}]
         hs = self.state.heights
+        table = tuple(h.depth for h in hs)
         for b in range(1, N_BUCKETS):
             chosen = hs[b - 1].depth if b - 1 < len(hs) else None
             probing = hs[b - 1].probe_depth is not None if b - 1 < len(hs) else False
-            rows.append({"heights": bucket_label(b), "chosen": chosen,
-                         "depth": self.state.depth if chosen is None else chosen, "probing": probing})  # fmt: skip
+            top = BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1
+            rows.append({"heights": bucket_label(b), "chosen": chosen, "depth": depth_at(table, self.state.depth, top),
+                         "probing": probing})  # fmt: skip
         return rows
 
     @property

@@ -126,7 +126,9 @@ def test_depth_for_follows_the_governors_table_per_batch_height(lm, random_model
         tick()
     table = {r["heights"]: r for r in gov.snapshot()["depth_by_height"]}
     assert table["3-4"]["chosen"] is not None and slot.depth_for(3) == table["3-4"]["depth"] == slot.depth_for(4)
-    assert table["2"]["chosen"] is None and slot.depth_for(2) == slot.current_depth()
+    # Height 2 has no measurement: it borrows the nearest measured height's depth.
+    assert table["2"]["chosen"] is None and slot.depth_for(2) == table["2"]["depth"] == slot.depth_for(4)
+    assert slot.depth_for(1) == slot.current_depth()
     heights = gov.snapshot()["cost_model"]["heights"]
     assert next(h for h in heights if h["heights"] == "3-4")["cycles"] == 12
 
