@@ -66,7 +66,7 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 sys.path[:0] = [str(REPO)]
 
-from governor.config import GovernorConfig  # noqa: E402
+from governor.config import GovernorConfig, load_config  # noqa: E402
 from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe  # noqa: E402
 from governor.runtime import Governor  # noqa: E402
 from governor.heights import N_BUCKETS, depth_at  # noqa: E402
@@ -632,11 +632,12 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: str | None = None) -> dict:
+def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: str | None = None,
+             governor: dict | None = None) -> dict:
     rec = json.loads(ACCEPTANCE_JSON.read_text())
     acceptance = {k: [a for p in v["prompts"] for a in p["accepted"]] for k, v in rec["kinds"].items()}
     noise = _cpu_noise()
-    cfg = GovernorConfig()
+    cfg = load_config(governor)
     regimes = schedule(seg_s)
     results = []
     t0 = time.perf_counter()
@@ -658,9 +659,10 @@ def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: s
         "cycles": {k: v["cycles"] for k, v in rec["kinds"].items()},
         "schedule": f"{len(regimes)} regimes of {seg_s:.0f} s wall each in one timeline (quiet, council 2/4/8, quiet "
                     f"again, memory warn, critical 15 s then normal, drift code->prose at half time); demand in "
-                    f"bursts of {BURST_ON_S:.0f} s on / {BURST_OFF_S:.0f} s off; default GovernorConfig",
+                    f"bursts of {BURST_ON_S:.0f} s on / {BURST_OFF_S:.0f} s off; GovernorConfig "
+                    f"{json.dumps(governor) if governor else 'default'}",
         "seeds": seeds,
-        "governor_config": "default",
+        "governor_config": governor or "default",
     }
     data = {"meta": meta, "results": results}
     out.write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -694,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "governor_eval.json"))
     ap.add_argument("--from-json", default=None, metavar="JSON", help="rewrite the markdown of an earlier replay")
     ap.add_argument("--md", default=str(RESULTS / "governor_eval.md"))
+    ap.add_argument("--governor", default=None, metavar="JSON",
+                    help='replay: a [governor] table for every auto arm, e.g. \'{"depth_margin": 0.05}\'')
     a = ap.parse_args(argv)
     if a.what == "record":
         rec = record(a.tokens, ACCEPTANCE_JSON)
@@ -707,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.md:
             Path(a.md).write_text(table)
         return 0
-    run_eval(a.segment_s, [int(s) for s in a.seeds.split(",")], Path(a.out), Path(a.md) if a.md else None, a.profile)
+    run_eval(a.segment_s, [int(s) for s in a.seeds.split(",")], Path(a.out), Path(a.md) if a.md else None, a.profile,
+             json.loads(a.governor) if a.governor else None)
     return 0
 
 

@@ -72,6 +72,17 @@ def seed_like_cost(serial_s: float = 0.05, verify_per_depth: float = 0.3, load_p
     return cost
 
 
+def gpu_like_batch_cost(serial_s: float = 0.05) -> Callable[[int, int], float]:
+    """A batched cycle on a memory-bound GPU: each row adds 0.2 step, each drafted position
+    0.05 of the batch's cost (the H200's 27B-shape rows: 4 x 2 positions cost 1.19x 4 x 1),
+    so speculation pays in a batch."""
+
+    def cost(n: int, k: int) -> float:
+        return serial_s * (1.0 + 0.2 * (n - 1)) * (1.0 + 0.05 * k)
+
+    return cost
+
+
 class SimEngine:
     """Applies a governor's actions the way the step loop would (at once) and produces
     deterministic cycle telemetry: acceptance a per position, cost from ``cost_fn``."""

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="councild governor replay", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("trace", nargs="?", help="a JSON-lines trace recorded by the governor")
-    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical")
+    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical, council")
     ap.add_argument("--config", metavar="JSON", help="governor config table as JSON (default: the trace's own)")
     ap.add_argument("--all", action="store_true", help="one row per tick, not only ticks that acted")
     ap.add_argument("--simulate-head", action="store_true", default=None,
