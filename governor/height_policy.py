@@ -140,14 +140,21 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
         if step > cur and obs.pressure != NORMAL:
             return h  # under warn, no deeper drafts (more memory); lower is still fine
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
-        if ests[best].stale and best != step:
+        if ests[best].stale and best != step and _may_probe(h, bk, best, cfg):
             return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}")
-        if (_score(ests, step) or 0.0) > cs:
+        if (_score(ests, step) or 0.0) > cs and _may_probe(h, bk, step, cfg):
             # A move is a paired probe's verdict, never a comparison of medians taken at
             # other moments: on a contended CPU a bucket's cost swings 40% within seconds
             # (the replay: a batch of 2 stepped to a depth 30% worse on one such swing).
             return _probe(h, bk, step, f"{why}: probe depth {step} against {cur} (paired) before moving")
     return _maybe_probe(h, bk, obs, cfg)
+
+
+def _may_probe(h: HeightState, bk: _Bucket, n: int, cfg: GovernorConfig) -> bool:
+    """After a probe that ran none of its depth's cycles (an engine that does not draft in
+    this batch), the next only once probe_interval_s of this bucket's decoding passed: else
+    such an engine is asked tick after tick."""
+    return h.unmeasured is None or bk.clock - (h.last_probe_s or 0.0) >= cfg.probe_interval_s
 
 
 def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str) -> HeightState:
@@ -174,7 +181,7 @@ def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorCon
         sn = _score(bk.ests, n)
         priced_worse = (n > 0 and measured >= 2 and sn is not None and cs is not None
                         and sn * (1 + cfg.depth_margin) < cs)  # fmt: skip
-        if bk.ests[n].samples == 0 and not priced_worse:
+        if bk.ests[n].samples == 0 and not priced_worse and _may_probe(h, bk, n, cfg):
             return _probe(h, bk, n, f"depth {n} was never measured at this height: probe it against {cur}")
     last = h.last_probe_s if h.last_probe_s is not None else bk.clock
     if bk.clock - last < cfg.probe_interval_s:
@@ -216,9 +223,18 @@ def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConf
     if not _probe_done(h, bk, cfg, probed, back):
         # Paired: alternate tick by tick, so both depths are measured over the same seconds.
         return bk.emit(h, back if h.depth == probed else probed, "height_probe_step", "paired probe")
+    at = h.probe_samples_at or (0, 0)
     h = replace(h, **_NO_PROBE)
     sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
     deeper_under_warn = probed > back and obs.pressure != NORMAL
+    # Only a measurement can win: a probe whose depth never ran (an engine that did not
+    # draft it: a batch path without speculation) leaves a prior in its place, and a prior
+    # is a reason to look, never to move.
+    got = bk.samples(probed) - at[0] if bk.samples(probed) >= at[0] else bk.samples(probed)
+    h = replace(h, unmeasured=probed if got == 0 else None)
+    if got < cfg.trust_samples:
+        return bk.emit(h, back, "height_probe_end", f"probed depth {probed} got {got} cycles (< {cfg.trust_samples}): "
+                                                    f"not measured, back to {back}")  # fmt: skip
     if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
         return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay")
     return bk.emit(h, back, "height_probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} "

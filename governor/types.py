@@ -190,6 +190,9 @@ class HeightState(Struct, frozen=True, kw_only=True):
     probe_count: int = 0
     # The bucket's decode clock at the last tick: the bucket decides only when it moved.
     seen_s: float | None = None
+    # The depth of the last probe when it ran none of that depth's cycles (the engine did
+    # not draft it), else None: until then the next probe waits for the probe interval.
+    unmeasured: int | None = None
 
 Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
 

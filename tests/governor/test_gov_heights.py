@@ -254,3 +254,26 @@ def test_a_profile_can_carry_cost_by_batch_height_as_a_prior():
     assert m.batch_estimate(bucket_of(4), 1, 3.0).cost_s == pytest.approx(
         ((3 * 0.02 + 5 * 0.01) / 8) * 1.05)  # shrunk towards the profile's 0.01, times 1.05
     assert CostModel(GovernorConfig(), m.profile()).profile() == m.profile()
+
+
+def test_a_probe_that_never_ran_its_depth_does_not_move_the_bucket():
+    """An engine whose batches do not draft (the batch path before batched speculation)
+    reports every batched cycle at depth 0 whatever the table says: the prior for depth 1
+    looks 20% better, the probe gets no depth-1 cycle, and the bucket stays at 0."""
+    gov, clock, eng, logger, st = make(table=H200, streams=4)
+    gov.state = gov.state.__class__(depth=0, head_target=True)
+    eng.depth = 0
+
+    def serial_batch() -> CycleTelemetry:
+        t = CycleTelemetry(depth=0, cycle_s=STEP_S * 2.75, emitted=4, batch=4)
+        gov.record_cycle(t)
+        return t
+
+    eng.cycle = serial_batch
+    eng.run(60.0, clock)
+    # It looked, and after a probe that ran none of depth 1's cycles, looks again only on
+    # the probe interval (30 s of the bucket's decoding), not tick after tick.
+    assert 1 <= len(decisions(logger, "height_probe")) <= 2
+    ends = decisions(logger, "height_probe_end")
+    assert ends and all(e["depth_to"] == 0 for e in ends) and "not measured" in ends[0]["sentence"]
+    assert gov.depth_for(4) == 0
