@@ -25,8 +25,8 @@ What is measured live and what is replayed:
   through a schedule of regimes with council-style bursts (arrivals) and pressure events.
 
 Arms: auto (the governor, started from a tuned profile of that machine, as a deployed daemon
-is), d0..d4 (fixed depth; several streams: d0 batches them, dk > 0 time-slices them, each
-speculating), and the oracle (for each regime phase the best fixed arm, switching free).
+is), d0..d4 (fixed depth, alone and in a batch of several streams: every row drafts k), and
+the oracle (for each regime phase the best fixed arm, switching free).
 Every arm keeps the same memory-safety rules (head out at critical at once, after warn_evict_s
 of warn; back after the restore window): pressure regimes compare depth choices, not safety.
 
@@ -34,7 +34,18 @@ Cycle model: a depth-k cycle costs step_s x cycle_ratio[k] x noise and yields 1 
 a = min(recorded accepted prefix at depth 4, k) for the current text. (At temperature 0 the
 drafts d1..dk from a position, and their verdicts, do not depend on k, since a verify here is
 bit-identical to serial steps; what this ignores is that another depth starts its cycles at
-other positions.) A batched step of n streams costs step_s x batch_ratio[n] and yields n.
+other positions.) A batched cycle of n rows at depth k (every row drafts k, one forward
+verifies n x (k + 1) positions, each row commits its own accepted prefix) costs
+step_s x batch_cost[n][k] and yields the sum over rows of 1 + a_row, each row's a drawn
+from the recorded acceptance in turn. Every arm batches concurrent streams: auto at the
+governor's depth for that height (HeadSlot.depth_for), dk at k.
+
+Batched cost tables (issue 25): the H200 27B-shape 4-bit rows are measured forwards
+(B = 1, 4, 8 x T = 1..4 positions per row, in 27 ms steps), with B = 2 interpolated, T = 5
+extrapolated and drafting added (both stated in the profile's sources line); this CPU's
+B = 4 row is measured (T = 1..4), B = 2 and 8 are it scaled by batch_cpu.json's batched
+serial steps. The other profiles' batched speculation is derived: priced like a verify of
+n x (k + 1) tokens.
 """
 
 from __future__ import annotations
@@ -55,10 +66,11 @@ REPO = HERE.parent
 RESULTS = HERE / "results"
 sys.path[:0] = [str(REPO)]
 
-from governor.config import GovernorConfig  # noqa: E402
+from governor.config import GovernorConfig, load_config  # noqa: E402
 from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe  # noqa: E402
 from governor.runtime import Governor  # noqa: E402
-from governor.types import CycleTelemetry, EvictHead, LoadHead, SetDepth  # noqa: E402
+from governor.heights import N_BUCKETS, depth_at  # noqa: E402
+from governor.types import CycleTelemetry, EvictHead, LoadHead, SetDepth, SetHeightDepth  # noqa: E402
 
 ACCEPTANCE_JSON = RESULTS / "governor_eval_acceptance.json"
 CPU_PROFILE_JSON = RESULTS / "governor_eval_cpu_profile.json"
@@ -154,7 +166,8 @@ class Profile:
     name: str
     step_s: float  # one serial step
     cycle_ratio: list[float]  # cost of a depth-k cycle, in serial steps, k = 0..4
-    batch_ratio: dict[int, float]  # cost of one batched step of n streams, in serial steps
+    # Cost of one batched cycle of n rows at depth k (k = 0..4), in serial steps.
+    batch_cost: dict[int, list[float]]
     noise: str  # "cpu" (recorded ratios) or "gpu" (lognormal, sigma 2%)
     source: str  # where each number came from
     # The tuned profile auto starts from ({"cost_s", "acceptance"}); None: this profile's own
@@ -172,6 +185,64 @@ def _cpu_noise() -> list[float]:
             ts.append(float(rec["cycle"]["cycle_s"]))
     med = statistics.median(ts)
     return [t / med for t in ts]
+
+
+def _verify_like_spec_batch(verify: list[float], per_draft: float, per_cycle: float,
+                            n_max: int = 8) -> dict[int, list[float]]:
+    """Batched speculation where only a verify row was measured: n rows at depth k are a
+    forward of n (k + 1) tokens (linear past the measured T), plus drafting (k head forwards
+    of n rows, priced per position as solo) when k > 0."""
+    v = [1.0] + verify
+    slope = v[-1] - v[-2]
+    fwd = lambda t: v[t - 1] if t <= len(v) else v[-1] + slope * (t - len(v))  # noqa: E731
+    return {n: [fwd(n * (k + 1)) + ((per_draft * k + per_cycle) if k else 0.0) for k in range(MAX_DEPTH + 1)]
+            for n in range(2, n_max + 1)}  # fmt: skip
+
+
+def _extend_t5(row: list[float]) -> list[float]:
+    """T = 1..4 measured -> T = 5: the dearer of T = 3, 4 plus the mean step per position
+    over T = 1..4 (the measured rows are not monotone at T = 4 everywhere)."""
+    return row + [max(row[2], row[3]) + (row[3] - row[0]) / 3]
+
+
+# Issue 25, measured on the H200 (27B shape, 4-bit, MLX on CUDA), forward cost relative to
+# one 27 ms step, by batch height and positions per row T = 1..4.
+H200_27B_FORWARD = {1: [1.00, 1.96, 2.62, 3.26], 4: [2.75, 3.28, 3.44, 3.33], 8: [4.34, 4.66, 5.02, 5.19]}
+# Issue 25, measured on this CPU (bundled model): a batch of 4, T = 1..4.
+CPU_B4_FORWARD = [1.52, 3.35, 4.66, 4.11]
+# Drafting a position (a head forward: one layer and the shared lm_head) and per-cycle host
+# work, in steps: the bundled size's calibration (H200 run, issue 18) for this CPU's small
+# model, the ~2B/~9B assumption for the 27B shape (its head is 1 of 64 layers). Assumed.
+DRAFT_BUNDLED, DRAFT_27B = (0.25, 0.2), (0.06, 0.05)
+
+
+def _h200_27b_batch() -> tuple[list[float], dict[int, list[float]]]:
+    fwd = {n: _extend_t5(r) for n, r in H200_27B_FORWARD.items()}
+    fwd[2] = [a + (b - a) / 3 for a, b in zip(fwd[1], fwd[4])]  # linear in B between 1 and 4
+    pd, pc = DRAFT_27B
+    cost = {n: [r[k] + ((pd * k + pc) if k else 0.0) for k in range(MAX_DEPTH + 1)] for n, r in fwd.items()}
+    return cost.pop(1), cost
+
+
+def _cpu_spec_batch() -> dict[int, list[float]]:
+    """B = 4 measured; B = 2, 8 scaled by batch_cpu.json's batched serial step ratio to B = 4.
+    Drafting a position in a batch of n costs the solo estimate times the n-row forward's
+    T = 1 cost (compute-bound: the head's forward grows with its rows as the model's does)."""
+    b4 = _extend_t5(CPU_B4_FORWARD)
+    serial = _cpu_batch()
+    pd, pc = DRAFT_BUNDLED
+    out = {}
+    for n in (2, 4, 8):
+        scale = serial[n] / serial[4]
+        row = [x * scale for x in b4]
+        out[n] = [row[k] + ((pd * row[0] * k + pc) if k else 0.0) for k in range(MAX_DEPTH + 1)]
+    return out
+
+
+def _serial_batches(batch: dict[int, float], cycle_ratio: list[float]) -> dict[int, list[float]]:
+    """Batched serial steps measured, speculation in a batch not: a depth-k batch priced as the
+    serial batch times the solo depth-k cycle ratio (what a time-sliced guess would say)."""
+    return {n: [c * r for r in cycle_ratio] for n, c in batch.items() if n > 1}
 
 
 def _verify_like_batch(verify: list[float], n_max: int = 8) -> dict[int, float]:
@@ -195,9 +266,11 @@ def load_profiles() -> list[Profile]:
     ]
     tuned = json.loads(CPU_PROFILE_JSON.read_text())
     profiles.append(Profile(
-        "cpu (this box)", cpu_cycle[0], [c / cpu_cycle[0] for c in cpu_cycle], _cpu_batch(), "cpu",
+        "cpu (this box)", cpu_cycle[0], [c / cpu_cycle[0] for c in cpu_cycle], _cpu_spec_batch(), "cpu",
         "measured: CPU ms per cycle " + ", ".join(f"d{k} {1e3 * c:.2f}" for k, c in enumerate(cpu_cycle))
-        + " (spec_guard_ab_cpu_run2.json, probe arms); batched steps from batch_cpu.json (tokens per CPU second); "
+        + " (spec_guard_ab_cpu_run2.json, probe arms); batched cycles: issue 25's B=4 forward T=1..4 "
+        f"{CPU_B4_FORWARD} (T=5 extrapolated), B=2/8 scaled by batch_cpu.json's batched serial steps, drafting "
+        f"{DRAFT_BUNDLED[0]} x (the n-row forward) per position + {DRAFT_BUNDLED[1]} per cycle (assumed); "
         "noise: run 7's recorded cycles; auto starts from a live `councild tune` taken on the loaded box "
         f"({tuned.get('created')}, governor_eval_cpu_profile.json)",
         tuned={"cost_s": tuned["cost_s"], "acceptance": tuned["acceptance"]},
@@ -218,11 +291,21 @@ def load_profiles() -> list[Profile]:
     for name, step, verify, per_draft, per_cycle in h200:
         ratios = [1.0] + [verify[k - 1] + per_draft * k + per_cycle for k in range(1, MAX_DEPTH + 1)]
         bundled = name.startswith("bundled")
+        batch = (_serial_batches(h200_bundled_batch, ratios) if bundled
+                 else _verify_like_spec_batch(verify, per_draft, per_cycle))  # fmt: skip
         profiles.append(Profile(
-            f"H200 {name}", step, ratios, h200_bundled_batch if bundled else _verify_like_batch(verify), "gpu",
+            f"H200 {name}", step, ratios, batch, "gpu",
             f"issue 18 row (verify T=2..5 {verify}); drafting {per_draft}/position + {per_cycle}/cycle (derived); "
-            + ("batched steps measured (batch_cuda_h200.json)" if bundled else "batched steps priced like verifies"),
+            + ("batched serial steps measured (batch_cuda_h200.json), batched depth k priced as that times the solo "
+               "cycle ratio (derived)" if bundled else "batched cycles priced like verifies of n(k+1) tokens (derived)"),
         ))  # fmt: skip
+    solo, batch = _h200_27b_batch()
+    profiles.append(Profile(
+        "H200 27B 4-bit (batched, issue 25)", 0.027, solo, batch, "gpu",
+        "issue 25, measured on the H200: forward cost in 27 ms steps by batch height and positions T=1..4 "
+        f"{H200_27B_FORWARD}; B=2 interpolated (linear in B between 1 and 4), T=5 extrapolated, drafting "
+        f"{DRAFT_27B[0]}/position + {DRAFT_27B[1]}/cycle (assumed); auto starts from these solo costs as a tune",
+    ))  # fmt: skip
     # Apple Silicon (derived from published numbers, DESIGN.md): MTPLX, Qwen3.6-27B 4-bit on an
     # M5 Max, depth 3: 28 -> 63 tok/s (2.24x) with acceptance 0.976 / 0.952 / 0.881 (taken as
     # conditional): E(3) = 1 + .976 + .976*.952 + .976*.952*.881 = 3.71 tokens per cycle, so
@@ -232,10 +315,12 @@ def load_profiles() -> list[Profile]:
     # Step: 1 / 28 tok/s.
     e3 = 1 + 0.976 + 0.976 * 0.952 + 0.976 * 0.952 * 0.881
     per_depth = (e3 / 2.24 - 1) / 3
+    apple = [1 + per_depth * k for k in range(MAX_DEPTH + 1)]
     profiles.append(Profile(
-        "Apple M5 Max 27B (derived)", 1 / 28, [1 + per_depth * k for k in range(MAX_DEPTH + 1)],
-        {n: 1 + 0.14 * (n - 1) for n in range(1, 9)}, "gpu",
-        f"derived: MTPLX depth 3 2.24x with E(3) {e3:.2f} -> {per_depth:.3f} step per depth; batch 1 + 0.14 (n-1)",
+        "Apple M5 Max 27B (derived)", 1 / 28, apple,
+        {n: [1 + 0.14 * (n * (k + 1) - 1) + 0.06 * k for k in range(MAX_DEPTH + 1)] for n in range(2, 9)}, "gpu",
+        f"derived: MTPLX depth 3 2.24x with E(3) {e3:.2f} -> {per_depth:.3f} step per depth; a batch of n rows at "
+        "depth k: a verify of n(k+1) tokens, 1 + 0.14 (n(k+1) - 1), plus 0.06 per drafted position",
     ))  # fmt: skip
     return profiles
 
@@ -370,6 +455,7 @@ def simulate(profile: Profile, arm: str, regimes: list[Regime], acceptance: dict
     rules = MemoryRules(cfg)
     head_resident, head_arrives = True, None
     depth = fixed or 0
+    heights: list[int | None] = [None] * (N_BUCKETS - 1)  # auto's depth per bucket of batch heights
     if arm == "auto":
         tuned = profile.tuned or {
             "cost_s": {str(k): profile.step_s * profile.cycle_ratio[k] for k in range(MAX_DEPTH + 1)},
@@ -406,6 +492,8 @@ def simulate(profile: Profile, arm: str, regimes: list[Regime], acceptance: dict
                     for a in gov.tick():
                         if isinstance(a, SetDepth):
                             depth = a.depth
+                        elif isinstance(a, SetHeightDepth):
+                            heights[a.bucket - 1] = a.depth
                         elif isinstance(a, EvictHead):
                             head_resident = False
                             gov.note_head(resident=False)
@@ -426,13 +514,17 @@ def simulate(profile: Profile, arm: str, regimes: list[Regime], acceptance: dict
                     clock.t = min(nxt, t_end) if gov is None else min(nxt, next_tick, t_end)
                     continue
                 k = depth if head_resident else 0
-                if streams > 1 and (gov is not None or k == 0):
-                    # Several streams: auto batches them (the worker's rule, the governor's
-                    # forced depth 0); d0 does too.
-                    dt = profile.step_s * profile.batch_ratio.get(streams, streams) * draw_noise()
-                    got = streams
-                    tel = CycleTelemetry(depth=0, cycle_s=dt, emitted=streams, batch=streams)
-                    kk = "batch"
+                if streams > 1:
+                    # Several streams: one batched cycle of every row at the height's depth
+                    # (auto: the governor's table, HeadSlot.depth_for; dk: k).
+                    if gov is not None:
+                        k = depth_at(tuple(heights), depth, streams) if head_resident else 0
+                    rows = [acc[ph.text].next(k) if k else 0 for _ in range(streams)]
+                    dt = profile.step_s * profile.batch_cost[streams][k] * draw_noise()
+                    got = streams + sum(rows)
+                    tel = CycleTelemetry(depth=k, cycle_s=dt, drafted=streams * k, accepted=sum(rows), emitted=got,
+                                         batch=streams, row_accepted=tuple(rows) if k else None)  # fmt: skip
+                    kk = f"b{streams}:{k}"
                 else:
                     a = acc[ph.text].next(k) if k else 0
                     dt = profile.step_s * profile.cycle_ratio[k] * draw_noise()
@@ -486,7 +578,7 @@ def evaluate(profile: Profile, regimes, acceptance, noise, cfg, seed: int) -> di
     mean_of = {a: statistics.mean(per_regime[r.name][a] for r in regimes) for a in [*arms, "oracle"]}
     return {"profile": profile.name, "source": profile.source, "step_ms": round(profile.step_s * 1e3, 3),
             "cycle_ratio": [round(x, 3) for x in profile.cycle_ratio],
-            "batch_ratio": {str(k): round(v, 3) for k, v in sorted(profile.batch_ratio.items())},
+            "batch_cost": {str(n): [round(x, 3) for x in v] for n, v in sorted(profile.batch_cost.items())},
             "per_regime": per_regime, "overall_tokens_per_s": overall, "mean_of_regimes": mean_of,
             "auto_cycles": {str(k): v for k, v in runs["auto"].cycles_by_depth.items()},
             "auto_actions": runs["auto"].decisions}  # fmt: skip
@@ -512,7 +604,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         regs = list(r["per_regime"])
         arms = ["auto", "d0", "d1", "d2", "d3", "d4", "oracle"]
         lines += [f"### {r['profile']}", "", f"Sources: {r['source']}. Step {r['step_ms']} ms; cycle cost in steps "
-                  f"by depth {r['cycle_ratio']}; batched step by streams {r['batch_ratio']}.", "",
+                  f"by depth {r['cycle_ratio']}; batched cycle in steps by rows, then depth 0..4: "
+                  + "; ".join(f"{n}: {v}" for n, v in r["batch_cost"].items()) + ".", "",
                   "| regime | " + " | ".join(arms) + " | auto / oracle | best fixed |",
                   "|---|" + "---|" * (len(arms) + 2)]  # fmt: skip
         for g in regs:
@@ -539,11 +632,12 @@ def markdown(results: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: str | None = None) -> dict:
+def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: str | None = None,
+             governor: dict | None = None) -> dict:
     rec = json.loads(ACCEPTANCE_JSON.read_text())
     acceptance = {k: [a for p in v["prompts"] for a in p["accepted"]] for k, v in rec["kinds"].items()}
     noise = _cpu_noise()
-    cfg = GovernorConfig()
+    cfg = load_config(governor)
     regimes = schedule(seg_s)
     results = []
     t0 = time.perf_counter()
@@ -565,9 +659,10 @@ def run_eval(seg_s: float, seeds: list[int], out: Path, md: Path | None, only: s
         "cycles": {k: v["cycles"] for k, v in rec["kinds"].items()},
         "schedule": f"{len(regimes)} regimes of {seg_s:.0f} s wall each in one timeline (quiet, council 2/4/8, quiet "
                     f"again, memory warn, critical 15 s then normal, drift code->prose at half time); demand in "
-                    f"bursts of {BURST_ON_S:.0f} s on / {BURST_OFF_S:.0f} s off; default GovernorConfig",
+                    f"bursts of {BURST_ON_S:.0f} s on / {BURST_OFF_S:.0f} s off; GovernorConfig "
+                    f"{json.dumps(governor) if governor else 'default'}",
         "seeds": seeds,
-        "governor_config": "default",
+        "governor_config": governor or "default",
     }
     data = {"meta": meta, "results": results}
     out.write_text(json.dumps(data, indent=1, default=str) + "\n")
@@ -601,6 +696,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "governor_eval.json"))
     ap.add_argument("--from-json", default=None, metavar="JSON", help="rewrite the markdown of an earlier replay")
     ap.add_argument("--md", default=str(RESULTS / "governor_eval.md"))
+    ap.add_argument("--governor", default=None, metavar="JSON",
+                    help='replay: a [governor] table for every auto arm, e.g. \'{"depth_margin": 0.05}\'')
     a = ap.parse_args(argv)
     if a.what == "record":
         rec = record(a.tokens, ACCEPTANCE_JSON)
@@ -614,7 +711,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.md:
             Path(a.md).write_text(table)
         return 0
-    run_eval(a.segment_s, [int(s) for s in a.seeds.split(",")], Path(a.out), Path(a.md) if a.md else None, a.profile)
+    run_eval(a.segment_s, [int(s) for s in a.seeds.split(",")], Path(a.out), Path(a.md) if a.md else None, a.profile,
+             json.loads(a.governor) if a.governor else None)
     return 0
 
 

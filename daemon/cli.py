@@ -287,6 +287,14 @@ def _clients(d: dict) -> str:
     return f"; clients: {with_work}{d['clients']} heard from within the heartbeat timeout"
 
 
+def _height_depths(table: list[dict]) -> str:
+    """The governor's depth per bucket of batch heights: "1: 1, 2: 2, 3-4: 0, 5-8: 0 (not
+    measured)"; a height not measured yet drafts at the nearest measured height's depth, or
+    height 1's while none is."""
+    return ", ".join(f"{r['heights']}: {r['depth']}" + (" (not measured)" if r.get("chosen") is None else "")
+                     for r in table)  # fmt: skip
+
+
 def format_status(reply) -> str:
     """The `councild status` table: one row per fact, then one row per seat."""
     d = reply.detail or {}
@@ -309,6 +317,7 @@ def format_status(reply) -> str:
         ("endpoint", d.get("endpoint", "?")),
         ("MTP head", head),
         ("depth", depth),
+        *([("depth by batch height", _height_depths(gov["depth_by_height"]))] if gov.get("depth_by_height") else []),
         *([("decoding", _decoding(d))] if "decode_path" in d else []),
         ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),

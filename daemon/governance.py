@@ -22,6 +22,7 @@ from governor import (
     LoadTracker,
     MlxMemoryProbe,
     SetDepth,
+    SetHeightDepth,
     ShedAdmissions,
     default_memory_probes,
     load_config,
@@ -76,10 +77,16 @@ class Governance:
         # Shedding is read by the socket thread: a (on, retry_after) tuple swaps atomically.
         self.shed: tuple[bool, float] = (False, 0.0)
         slot.depth = self.gov.depth
+        slot.height_depths = self._height_depths()
 
     # ------------------------------------------------------------------ inputs
     def after_step(self, step, batch: int = 1) -> None:
+        """Every decode cycle: a batched one (``batch`` rows) feeds cost(B, k) of its height's
+        bucket and its rows' acceptance; a solo one the solo depth's cost."""
         self.gov.record_cycle(CycleTelemetry.from_step(step, batch=batch))
+
+    def _height_depths(self) -> tuple[int | None, ...]:
+        return tuple(h.depth for h in self.gov.state.heights)
 
     def on_arrival(self) -> None:
         self.load.record_arrival(time.monotonic())
@@ -123,6 +130,9 @@ class Governance:
         for action in actions:
             if isinstance(action, SetDepth):
                 self.slot.depth = action.depth
+            elif isinstance(action, SetHeightDepth):
+                # The whole table, as the governor holds it now (one action per bucket changed).
+                self.slot.height_depths = self._height_depths()
             elif isinstance(action, EvictHead):
                 self._evict()
             elif isinstance(action, LoadHead):
@@ -187,6 +197,7 @@ class Governance:
         validated by the socket loop before it was sent here."""
         cfg = load_config(table)
         changed = self.gov.reconfigure(cfg, memory_probes=default_memory_probes(cfg))
+        self.slot.height_depths = self._height_depths()  # a new max_depth restarts the table
         self.cfg = cfg
         self.load.tau_s = cfg.arrival_tau_s
         log.info("governor.reconfigured", changed=changed)

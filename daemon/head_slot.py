@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from governor.heights import depth_at
+
 from .logs import get_logger
 
 log = get_logger("councild.head")
@@ -42,6 +44,11 @@ class HeadSlot:
         # The depth speculation drafts at while a head is resident (the governor's or the
         # config's); 0 turns speculation off without unloading anything.
         self.depth = depth
+        # The governor's depth per bucket of batch heights 2, 3-4, 5-8, 9+ (governor/heights.py);
+        # None where it has not chosen one (no measurement there yet): such a batch drafts at
+        # the nearest chosen height's depth, or at ``depth`` while none is. Empty without a
+        # governor.
+        self.height_depths: tuple[int | None, ...] = ()
         # Whether the checkpoint has a head at all, and its size before it is resident: the
         # governor plans a load from these.
         self.available = False
@@ -67,6 +74,14 @@ class HeadSlot:
     def current_depth(self) -> int:
         """Read by speculative generators at the start of every cycle."""
         return self.depth if self.head is not None else 0
+
+    def depth_for(self, batch_height: int) -> int:
+        """The depth a batched cycle of ``batch_height`` rows drafts at: the governor's for
+        that height (or the nearest height it measured), else ``current_depth()`` (no
+        governor, no batch measured yet, or one row). 0 while no head is resident."""
+        if self.head is None:
+            return 0
+        return depth_at(self.height_depths, self.depth, batch_height)
 
     @property
     def loading(self) -> bool:

@@ -116,10 +116,16 @@ def load_profile(model_path: str | Path, path: str | Path | None = None, *, vers
 
 
 def governor_profile(profile: dict | None) -> dict | None:
-    """Just the keys the governor's cost model reads ({"cost_s", "acceptance"})."""
+    """Just the keys the governor's cost model reads ({"cost_s", "acceptance"}, and
+    "batch_cost_s", seconds per row of a batched cycle by height then depth, when a profile
+    carries it: `councild tune` does not measure it yet, since a batched speculative cycle is
+    the worker's to build; the cost model takes it as a prior per bucket of heights)."""
     if not profile:
         return None
-    return {"cost_s": profile.get("cost_s", {}), "acceptance": profile.get("acceptance", [])}
+    out = {"cost_s": profile.get("cost_s", {}), "acceptance": profile.get("acceptance", [])}
+    if profile.get("batch_cost_s"):
+        out["batch_cost_s"] = profile["batch_cost_s"]
+    return out
 
 
 def sampling_entry(profile: dict | None, temperature: float, top_p: float = 1.0, top_k: int = 0) -> dict | None:

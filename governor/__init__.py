@@ -19,6 +19,7 @@ from .types import (
     LoadHead,
     Observation,
     SetDepth,
+    SetHeightDepth,
     ShedAdmissions,
     State,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "MlxMemoryProbe",
     "Observation",
     "SetDepth",
+    "SetHeightDepth",
     "ShedAdmissions",
     "State",
     "apply_override",

@@ -17,7 +17,17 @@ cost(0) when one was given, else (1 + prior_cost_per_depth * k) serial steps, sc
 live cost of the nearest measured depth so the prior moves with load too.
 
 Profile format (from a tuning run): {"cost_s": {"0": 0.049, "1": 0.074, ...},
-"acceptance": [0.83, 0.79, 0.77, 0.76]}; both keys optional.
+"acceptance": [0.83, 0.79, 0.77, 0.76], "batch_cost_s": {"4": {"0": 0.021, "1": 0.025}}};
+every key optional. ``batch_cost_s`` is seconds per row of a batched cycle, by batch height
+then depth: a prior for that height's bucket.
+
+Batched cycles (``batch`` > 1) are learned apart, per bucket of batch height
+(governor/heights.py) and per depth, as seconds per row (cycle_s / rows), so a bucket's
+heights (3 and 4) share one table and its score, E(k) / cost_per_row(b, k), is the batch's
+tokens per second over its rows. Acceptance is one table for all: it is the head's and the
+text's, not the batch's. Each bucket has its own decode clock (the seconds of its cycles):
+a bucket the council has left does not go stale while it is not running, nor is a probe of
+it due.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Any
 import msgspec
 
 from .config import GovernorConfig
+from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, bucket_of
 from .types import CycleTelemetry, DepthEstimate, LookupEstimate
 
 
@@ -84,11 +95,25 @@ class _RecentMedian:
             self.load_at = load if self.load_at is None else self.load_at + w * (load - self.load_at)
 
 
+class _Bucket:
+    """One bucket of batch heights: per-row cycle cost by depth, on its own decode clock."""
+
+    __slots__ = ("cost", "decode_s", "cycles")
+
+    def __init__(self, max_depth: int, window: int) -> None:
+        self.cost = [_RecentMedian(window) for _ in range(max_depth + 1)]
+        self.decode_s = 0.0
+        self.cycles = 0
+
+
 class CostModel:
     def __init__(self, cfg: GovernorConfig | None = None, profile: dict[str, Any] | None = None):
         self.cfg = cfg or GovernorConfig()
         k = self.cfg.max_depth
         self._cost = [_RecentMedian(self.cfg.cost_window) for _ in range(k + 1)]
+        # Batched cycles, per bucket of batch height (index b - 1 for bucket b >= 1).
+        self._buckets = [_Bucket(k, self.cfg.cost_window) for _ in range(N_BUCKETS - 1)]
+        self._profile_batch: dict[int, dict[int, float]] = {}
         self._emitted = [_Ewma() for _ in range(k + 1)]
         self._accept = [_Ewma() for _ in range(k + 1)]  # index 1..k; 0 unused
         self._profile_cost: dict[int, float] = {}
@@ -110,13 +135,27 @@ class CostModel:
         """Take a tuned profile as the prior (never as measurements: live data wins)."""
         self._profile_cost = {int(d): float(s) for d, s in (profile.get("cost_s") or {}).items() if float(s) > 0}
         self._profile_accept = [min(1.0, max(0.0, float(a))) for a in (profile.get("acceptance") or [])]
+        self._profile_batch = {}
+        for height, by_depth in sorted((profile.get("batch_cost_s") or {}).items(), key=lambda kv: int(kv[0])):
+            b = bucket_of(int(height))
+            if b > 0:  # height 1 is cost_s's
+                self._profile_batch[b] = {int(d): float(v) for d, v in by_depth.items() if float(v) > 0}
+
+    def profile(self) -> dict[str, Any]:
+        """What was seeded, in the profile's format (to rebuild the model on a reconfigure)."""
+        top = lambda b: BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1  # noqa: E731
+        return {"cost_s": {str(k): v for k, v in self._profile_cost.items()},
+                "acceptance": list(self._profile_accept),
+                "batch_cost_s": {str(top(b)): {str(k): v for k, v in t.items()} for b, t in self._profile_batch.items()}}
 
     def record(self, t: CycleTelemetry, now: float, load: float | None = None) -> None:
         k = min(max(t.depth, 0), self.cfg.max_depth)
         if t.batch > 1:
-            # A batched step serves several streams: not a per-stream cycle cost.
+            # A batched cycle: its cost per row goes to its height's bucket, its rows'
+            # accepted prefixes to the one acceptance table.
             self.batched_cycles += 1
             self.decode_s += max(t.cycle_s, 0.0)
+            self._record_batched(t, k, now, load)
             return
         if t.source == "lookup":
             self.lookup_cycles += 1
@@ -137,6 +176,21 @@ class CostModel:
         self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
         drafted = min(t.drafted or k, self.cfg.max_depth)
         m = t.accepted_prefix() if t.drafted else min(t.accepted, drafted)
+        self._learn_acceptance(m, drafted, now)
+
+    def _record_batched(self, t: CycleTelemetry, k: int, now: float, load: float | None) -> None:
+        b = bucket_of(t.batch)
+        bk = self._buckets[b - 1]
+        bk.cycles += 1
+        if t.cycle_s > 0:
+            if bk.cost[k].n and self.batch_stale(b, k, load):
+                bk.cost[k] = _RecentMedian(self.cfg.cost_window)
+            bk.decode_s += t.cycle_s
+            bk.cost[k].add(t.cycle_s / t.batch, self.cfg.cost_alpha, now, load, decode_at=bk.decode_s)
+        for m in t.row_accepted or ():
+            self._learn_acceptance(min(max(m, 0), k), k, now)
+
+    def _learn_acceptance(self, m: int, drafted: int, now: float) -> None:
         # Positions 1..m were accepted; m+1 was tried and rejected; later ones unseen.
         for i in range(1, min(m, drafted) + 1):
             self._accept[i].add(1.0, self.cfg.accept_alpha, now)
@@ -239,6 +293,79 @@ class CostModel:
     def estimates(self, now: float, load: float | None = None) -> tuple[DepthEstimate, ...]:
         return tuple(self.estimate(k, now, load) for k in range(self.cfg.max_depth + 1))
 
+    # ------------------------------------------------------------ batched estimates
+
+    def batch_stale(self, b: int, k: int, load: float | None = None) -> bool:
+        """As ``stale``, on bucket b's own decode clock."""
+        bk = self._buckets[b - 1]
+        e = bk.cost[k]
+        if e.n == 0 or e.last_decode_at is None or bk.decode_s - e.last_decode_at > self.cfg.stale_after_s:
+            return True
+        return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
+
+    def _batch_ratio(self, b: int, k: int, j: int, now: float) -> float:
+        """cost(b, k) / cost(b, j): the profile's for this bucket when it has both depths,
+        else the nearest other bucket's measured ratio (learned: batches of neighbouring
+        heights share their shape, a near-flat verify on a GPU, a steep one on a CPU), else
+        the solo ratio (a guess, and too steep on a GPU, where extra verify positions are
+        nearly free in a batch: such a guess is only ever a reason to probe)."""
+        p = self._profile_batch.get(b, {})
+        if k in p and j in p:
+            return p[k] / p[j]
+        trust = self.cfg.trust_samples
+        for o in sorted(range(1, N_BUCKETS), key=lambda o: (abs(o - b), o)):
+            if o == b:
+                continue
+            ck, cj = self._buckets[o - 1].cost[k], self._buckets[o - 1].cost[j]
+            if ck.n >= trust and cj.n >= trust and self._fresh(ck, now) and self._fresh(cj, now) and cj.value > 0:
+                return ck.value / cj.value
+        return self._ratio(k) / self._ratio(j)
+
+    def _batch_anchor(self, b: int, k: int, now: float, load: float | None) -> tuple[float | None, str]:
+        """The prior for cost(b, k). With two or more depths measured in this bucket, the
+        line through the two nearest to k (the bucket's own cost per depth, learned: a GPU
+        batch's near-flat verify and this CPU's steep one both show in two points), never
+        below the cheaper of them when extrapolating down nor above... only floored; else
+        the nearest measured depth scaled by the profile's (or the solo) ratio; else the
+        profile's value."""
+        bk = self._buckets[b - 1]
+        live = [j for j, e in enumerate(bk.cost) if j != k and self._fresh(e, now) and e.n >= self.cfg.trust_samples]
+        if len(live) >= 2:
+            j1, j2 = sorted(sorted(live, key=lambda j: (abs(j - k), j))[:2])
+            c1, c2 = bk.cost[j1].value, bk.cost[j2].value
+            v = c1 + (c2 - c1) * (k - j1) / (j2 - j1)
+            return max(v, 0.5 * min(c1, c2)), "prior"
+        live = [j for j, e in enumerate(bk.cost) if j != k and self._fresh(e, now)]
+        if live:
+            j = min(live, key=lambda j: (self.batch_stale(b, j, load), abs(j - k), j))
+            e, trust, p = bk.cost[j], self.cfg.trust_samples, self._profile_batch.get(b, {})
+            base = (e.n * e.value + (trust - e.n) * p[j]) / trust if e.n < trust and j in p else e.value
+            return base * self._batch_ratio(b, k, j, now), "prior"
+        p = self._profile_batch.get(b, {})
+        if k in p:
+            return p[k], "profile"
+        return None, "none"
+
+    def batch_estimate(self, b: int, k: int, now: float, load: float | None = None) -> DepthEstimate:
+        """Depth k at bucket b (>= 1): cost is seconds per row, score the batch's tokens/s."""
+        e = self._buckets[b - 1].cost[k]
+        prior, src = self._batch_anchor(b, k, now, load)
+        c, how = self._blend(e, self._fresh(e, now), prior)
+        src = src if how == "prior" else how
+        et = self.expected_tokens(k)
+        return DepthEstimate(depth=k, expected_tokens=et, cost_s=c, score=(et / c) if c else None, samples=e.n,
+                             source=src, stale=self.batch_stale(b, k, load),
+                             load_at=e.load_at if src in ("measured", "blend") else None)  # fmt: skip
+
+    def batch_estimates(self, now: float, load: float | None = None) -> tuple[tuple[DepthEstimate, ...], ...]:
+        """Per batched bucket (index b - 1), per depth 0..max_depth."""
+        return tuple(tuple(self.batch_estimate(b, k, now, load) for k in range(self.cfg.max_depth + 1))
+                     for b in range(1, N_BUCKETS))  # fmt: skip
+
+    def batch_decode_s(self) -> tuple[float, ...]:
+        """Each batched bucket's decode clock (seconds of its cycles)."""
+        return tuple(bk.decode_s for bk in self._buckets)
+
     def lookup_estimate(self) -> LookupEstimate | None:
         if not self.lookup_cycles:
             return None
@@ -268,6 +395,17 @@ class CostModel:
             "acceptance": [round(self.acceptance(i), 4) for i in range(1, self.cfg.max_depth + 1)],
             "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
             "batched_cycles": self.batched_cycles,
+            # cost(B, k) by bucket of batch height: seconds per row, the batch's tokens/s.
+            "heights": [
+                {
+                    "heights": bucket_label(b),
+                    "cycles": self._buckets[b - 1].cycles,
+                    "decode_s": round(self._buckets[b - 1].decode_s, 3),
+                    "depths": [{"depth": e.depth, "cost_s_per_row": e.cost_s, "score": e.score, "samples": e.samples,
+                                "source": e.source, "stale": e.stale} for e in ests],
+                }
+                for b, ests in enumerate(self.batch_estimates(now, load), start=1)
+            ],
             "decode_s": round(self.decode_s, 3),
             "lookup": msgspec.to_builtins(self.lookup_estimate()),
         }

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .heights import N_BUCKETS, depth_at
 from .probes.base import LoadReading, MemoryReading, MlxReading
-from .types import NORMAL, Action, CycleTelemetry, EvictHead, Level, LoadHead, SetDepth
+from .types import NORMAL, Action, CycleTelemetry, EvictHead, Level, LoadHead, SetDepth, SetHeightDepth
 
 
 class FakeClock:
@@ -71,6 +72,17 @@ def seed_like_cost(serial_s: float = 0.05, verify_per_depth: float = 0.3, load_p
     return cost
 
 
+def gpu_like_batch_cost(serial_s: float = 0.05) -> Callable[[int, int], float]:
+    """A batched cycle on a memory-bound GPU: each row adds 0.2 step, each drafted position
+    0.05 of the batch's cost (the H200's 27B-shape rows: 4 x 2 positions cost 1.19x 4 x 1),
+    so speculation pays in a batch."""
+
+    def cost(n: int, k: int) -> float:
+        return serial_s * (1.0 + 0.2 * (n - 1)) * (1.0 + 0.05 * k)
+
+    return cost
+
+
 class SimEngine:
     """Applies a governor's actions the way the step loop would (at once) and produces
     deterministic cycle telemetry: acceptance a per position, cost from ``cost_fn``."""
@@ -82,10 +94,15 @@ class SimEngine:
         acceptance: float = 0.85,
         load_fn: Callable[[], float] = lambda: 0.1,
         streams_fn: Callable[[], int] = lambda: 1,
+        batch_cost_fn: Callable[[int, int], float] | None = None,
     ):
         self.gov, self.cost_fn, self.acceptance, self.load_fn = gov, cost_fn, acceptance, load_fn
         self.streams_fn = streams_fn
+        # A batched cycle's cost in seconds by (rows, depth); None: the CPU-like default below.
+        self.batch_cost_fn = batch_cost_fn
         self.depth = gov.depth
+        # The batch heights' depths (SetHeightDepth), index bucket - 1; None: the solo depth.
+        self.heights: list[int | None] = [None] * (N_BUCKETS - 1)
         self.resident = bool(gov._head["head_resident"])
         self.history: list[tuple[float, Action]] = []
         self._phase = 0.0
@@ -95,6 +112,8 @@ class SimEngine:
             self.history.append((self.gov.clock(), a))
             if isinstance(a, SetDepth):
                 self.depth = a.depth
+            elif isinstance(a, SetHeightDepth):
+                self.heights[a.bucket - 1] = a.depth
             elif isinstance(a, EvictHead):
                 self.resident = False
                 self.gov.note_head(resident=False)
@@ -105,24 +124,37 @@ class SimEngine:
     def cycle(self) -> CycleTelemetry:
         """One cycle at the current depth; acceptance is a deterministic low-discrepancy
         sequence (no RNG), so the long-run accepted fraction per position is ``acceptance``.
-        Several streams are one batched serial step (a batch of n costs 1 + 0.1(n-1) steps)."""
+        Several streams are one batched cycle at the height's depth, costed by
+        ``batch_cost_fn``, else CPU-like (compute-bound): a batch of n rows costs
+        1 + 0.1(n-1) steps, and each drafted position 0.9 of that again, so speculation
+        does not pay in a batch."""
         n = self.streams_fn()
         if n > 1:
-            c = self.cost_fn(0, self.load_fn()) * (1.0 + 0.1 * (n - 1))
-            t = CycleTelemetry(depth=0, cycle_s=c, emitted=n, batch=n)
+            k = depth_at(tuple(self.heights), self.depth, n) if self.resident else 0
+            rows = tuple(self._accepted(k) for _ in range(n))
+            if self.batch_cost_fn is not None:
+                c = self.batch_cost_fn(n, k)
+            else:
+                c = self.cost_fn(0, self.load_fn()) * (1.0 + 0.1 * (n - 1)) * (1.0 + 0.9 * k)
+            t = CycleTelemetry(depth=k, cycle_s=c, drafted=n * k, accepted=sum(rows), emitted=n + sum(rows), batch=n,
+                               row_accepted=rows if k else None)  # fmt: skip
             self.gov.record_cycle(t)
             return t
         k = self.depth if self.resident else 0
+        accepted = self._accepted(k)
+        c = self.cost_fn(k, self.load_fn())
+        t = CycleTelemetry(depth=k, cycle_s=c, drafted=k, accepted=accepted, emitted=1 + accepted)
+        self.gov.record_cycle(t)
+        return t
+
+    def _accepted(self, k: int) -> int:
         accepted = 0
         for _ in range(k):
             self._phase = (self._phase + 0.6180339887498949) % 1.0
             if self._phase >= self.acceptance:
                 break
             accepted += 1
-        c = self.cost_fn(k, self.load_fn())
-        t = CycleTelemetry(depth=k, cycle_s=c, drafted=k, accepted=accepted, emitted=1 + accepted)
-        self.gov.record_cycle(t)
-        return t
+        return accepted
 
     def run(self, seconds: float, clock) -> None:
         """Run cycles and ticks for ``seconds`` of fake time (ticks every cfg.tick_s)."""

@@ -15,6 +15,8 @@ Order within a tick (the order the actions come out in, and the step loop applie
   3. admissions    shed under critical, clear MLX's cache, release once it passes
   4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
                    with a neighbour probed now and then (on the decode clock)
+  5. heights       the same per bucket of batch heights (height_policy.py): the depth a
+                   batched cycle of that height drafts, by E(k) / cost per row (B, k)
 Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
 
 A stale estimate is a reason to look, never to move: the depth that looks best is probed
@@ -45,6 +47,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
+from .height_policy import decide_heights, settled_depth
 from .types import (
     CRITICAL,
     NORMAL,
@@ -535,8 +538,11 @@ def decide(
     s = _head(s, obs, now, cfg, out)
     s = _admissions(s, obs, now, cfg, out)
     s = _depth(s, obs, now, cfg, out)
-    # The idle clock runs while the head is resident and unused.
-    idle = s.head_target and obs.head_resident and s.depth == 0
+    s = decide_heights(s, obs, now, cfg, out)
+    # The idle clock runs while the head is resident and unused: depth 0 alone and in
+    # every batch height (a height not chosen yet runs at the solo depth).
+    # A bucket's probe does not count as use (it measures; its verdict is what counts).
+    idle = s.head_target and obs.head_resident and s.depth == 0 and all(not settled_depth(h) for h in s.heights)
     s = replace(
         s,
         idle_since=(s.idle_since if s.idle_since is not None else now) if idle else None,

@@ -23,6 +23,7 @@ import msgspec
 
 from .config import GovernorConfig, load_config
 from .cost_model import CostModel
+from .heights import bucket_label
 from .policy import apply_override, decide
 from .types import CycleTelemetry, EvictHead, LoadHead, Observation, State, action_name
 
@@ -46,7 +47,7 @@ def replay(
 
     ``simulate_head``: None = simulate when ``cfg`` differs from the trace's own config.
 
-    Row keys: t, pressure, available_mib, streams, cpu_load, depth, head, actions, reasons
+    Row keys: t, pressure, available_mib, streams, cpu_load, depth, heights, head, actions, reasons
     (the reason sentences joined), and decisions (the structured reasons).
     """
     rows: list[dict] = []
@@ -88,7 +89,7 @@ def replay(
                 decode_s = model.decode_s
                 model = CostModel(new_cfg)
                 model.decode_s = decode_s
-                state = msgspec.structs.replace(state, depth=min(state.depth, new_cfg.max_depth))
+                state = msgspec.structs.replace(state, depth=min(state.depth, new_cfg.max_depth), heights=())
             else:
                 model.cfg = new_cfg
             cfg = new_cfg
@@ -98,7 +99,9 @@ def replay(
                 sim = bool(raw.get("head_resident", False)) if sim is None else sim
                 raw = {**raw, "head_resident": sim, "head_loading": False}
             obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")), decode_s=model.decode_s,
-                              lookup=model.lookup_estimate())
+                              lookup=model.lookup_estimate(),
+                              batch_estimates=model.batch_estimates(t, raw.get("cpu_load")),
+                              batch_decode_s=model.batch_decode_s())
             state, actions, reasons = decide(state, obs, t, cfg)
             for a in actions:
                 if isinstance(a, (LoadHead, EvictHead)):
@@ -112,6 +115,8 @@ def replay(
                         "streams": obs.active_streams,
                         "cpu_load": obs.cpu_load,
                         "depth": state.depth,
+                        # Depth per bucket of batch heights 2, 3-4, 5-8, 9+ (None: the solo depth).
+                        "heights": [h.depth for h in state.heights],
                         "head": bool(state.head_target),
                         "actions": [action_name(a) for a in actions],
                         "reasons": "; ".join(r["sentence"] for r in reasons),
@@ -128,6 +133,10 @@ def format_table(rows: list[dict]) -> str:
         load = "-" if r["cpu_load"] is None else f"{r['cpu_load']:.2f}"
         avail = "-" if r["available_mib"] is None else f"{r['available_mib']}M"
         acts = ", ".join(r["actions"]) or "-"
+        hs = r.get("heights") or []
+        if any(k is not None for k in hs):  # the batch heights' depths, when any was chosen
+            acts = "[B " + " ".join(f"{bucket_label(b)}:{'-' if k is None else k}"
+                                    for b, k in enumerate(hs, start=1)) + "] " + acts  # fmt: skip
         out.append(
             f"{r['t']:8.2f}  {r['pressure']:<8} {avail:>7} {r['streams']:>3} {load:>5} {r['depth']:>3} "
             f"{'in' if r['head'] else 'out':<4}  {acts} | {r['reasons']}"
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="councild governor replay", description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("trace", nargs="?", help="a JSON-lines trace recorded by the governor")
-    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical")
+    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical, council")
     ap.add_argument("--config", metavar="JSON", help="governor config table as JSON (default: the trace's own)")
     ap.add_argument("--all", action="store_true", help="one row per tick, not only ticks that acted")
     ap.add_argument("--simulate-head", action="store_true", default=None,

@@ -23,6 +23,7 @@ import structlog
 
 from .config import GovernorConfig
 from .cost_model import CostModel
+from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, depth_at
 from .policy import Reason, apply_override, decide, start_depth
 from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
@@ -169,14 +170,16 @@ class Governor:
     def _decide(self, raw: dict[str, Any], now: float) -> list[Action]:
         self._cpu_load = raw.get("cpu_load")
         obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load), decode_s=self.cost.decode_s,
-                          lookup=self.cost.lookup_estimate())
+                          lookup=self.cost.lookup_estimate(),
+                          batch_estimates=self.cost.batch_estimates(now, self._cpu_load),
+                          batch_decode_s=self.cost.batch_decode_s())
         self.state, actions, reasons = decide(self.state, obs, now, self.cfg)
         self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
         names = [action_name(a) for a in actions]
         for r in reasons:
             # Ticks that change nothing log at debug: four a second would drown the log; so
             # do a paired probe's alternations (its start and verdict log at info).
-            emit = self.log.debug if r["decision"] in ("hold", "probe_step") else self.log.info
+            emit = self.log.debug if r["decision"] in ("hold", "probe_step", "height_probe_step") else self.log.info
             emit("governor.decision", **{"depth": self.state.depth, "actions": names, **r})
         return actions
 
@@ -201,6 +204,25 @@ class Governor:
     def depth(self) -> int:
         return self.state.depth
 
+    def depth_for(self, batch_height: int) -> int:
+        """The depth wanted for a cycle of ``batch_height`` rows (heights.depth_at: the solo
+        depth at 1 and before any batch was measured)."""
+        return depth_at(tuple(h.depth for h in self.state.heights), self.state.depth, batch_height)
+
+    def height_table(self) -> list[dict[str, Any]]:
+        """Per bucket of batch heights: the depth chosen (None: not yet) and the depth a
+        batch there drafts now (heights.depth_at: the nearest chosen bucket's, else solo)."""
+        rows = [{"heights": bucket_label(0), "chosen": self.state.depth, "depth": self.state.depth}]
+        hs = self.state.heights
+        table = tuple(h.depth for h in hs)
+        for b in range(1, N_BUCKETS):
+            chosen = hs[b - 1].depth if b - 1 < len(hs) else None
+            probing = hs[b - 1].probe_depth is not None if b - 1 < len(hs) else False
+            top = BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1
+            rows.append({"heights": bucket_label(b), "chosen": chosen, "depth": depth_at(table, self.state.depth, top),
+                         "probing": probing})  # fmt: skip
+        return rows
+
     @property
     def shedding(self) -> bool:
         return self.state.shedding
@@ -214,12 +236,12 @@ class Governor:
             new = msgspec.to_builtins(cfg)
             changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             if cfg.max_depth != self.cfg.max_depth:
-                profile = {"cost_s": {str(k): v for k, v in self.cost._profile_cost.items()},
-                           "acceptance": list(self.cost._profile_accept)}
+                profile = self.cost.profile()
                 decode_s = self.cost.decode_s  # the decode clock runs on (the policy's probe timing)
-                self.cost = CostModel(cfg, profile if profile["cost_s"] or profile["acceptance"] else None)
+                self.cost = CostModel(cfg, profile if any(profile.values()) else None)
                 self.cost.decode_s = decode_s
-                self.state = msgspec.structs.replace(self.state, depth=min(self.state.depth, cfg.max_depth))
+                # The height table's probes referred to the old model's samples: start it afresh.
+                self.state = msgspec.structs.replace(self.state, depth=min(self.state.depth, cfg.max_depth), heights=())
             else:
                 self.cost.cfg = cfg
             self.cfg = cfg
@@ -233,6 +255,7 @@ class Governor:
             now = self.clock()
             return {
                 "depth": self.state.depth,
+                "depth_by_height": self.height_table(),
                 "head": {**self._head, "target": self.state.head_target},
                 "override": self.state.override,
                 "pin_depth": self.state.pin_depth,

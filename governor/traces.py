@@ -9,6 +9,9 @@ Scenarios (each a function of seconds since start -> the world at that moment):
             once and does not come back until the restore window has passed calmly.
   critical  a critical spike: depth 0, head out, cache cleared, admissions shed in the
             same tick; released after, the head restored only after the restore window.
+  council   batched speculation on a GPU-like machine (extra verify positions nearly free
+            in a batch): one stream, then a batch of 4, then the height alternating 2, 3
+            every tick, then 8; each bucket of heights finds its own depth (>= 1) and keeps it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .config import GovernorConfig
-from .fakes import FakeClock, FakeLoad, FakeMemoryProbe, SimEngine, seed_like_cost
+from .fakes import FakeClock, FakeLoad, FakeMemoryProbe, SimEngine, gpu_like_batch_cost, seed_like_cost
 from .runtime import Governor
 from .types import CRITICAL, NORMAL, WARN, Level
 
@@ -76,12 +79,26 @@ def _critical(t: float, rng: random.Random) -> World:
     return World()
 
 
+def _council(t: float, rng: random.Random) -> World:
+    if t < 30:
+        return World()
+    if t < 120:
+        return World(streams=4)
+    if t < 240:
+        return World(streams=2 + int(t / 0.25) % 2)  # 2, 3, 2, 3 ... tick by tick
+    return World(streams=8)
+
+
 SCENARIOS: dict[str, tuple[Scenario, float]] = {
     "quiet": (_quiet, 120.0),
     "busy": (_busy, 720.0),
     "flapping": (_flapping, 480.0),
     "critical": (_critical, 240.0),
+    "council": (_council, 330.0),
 }
+# Scenarios on a GPU-like machine, where a batched cycle's cost barely grows with its depth
+# (the others batch CPU-like: SimEngine's default).
+GPU_BATCHES = {"council"}
 
 
 def generate(name: str, seconds: float | None = None, seed: int = 0, cfg: GovernorConfig | None = None) -> list[str]:
@@ -104,7 +121,8 @@ def generate(name: str, seconds: float | None = None, seed: int = 0, cfg: Govern
         load.active, load.cpu_load = world.streams, world.cpu_load
 
     engine = SimEngine(gov, seed_like_cost(serial_s=0.1), load_fn=lambda: world.cpu_load,
-                       streams_fn=lambda: world.streams)  # fmt: skip
+                       streams_fn=lambda: world.streams,
+                       batch_cost_fn=gpu_like_batch_cost(0.1) if name in GPU_BATCHES else None)  # fmt: skip
     step = cfg.tick_s
     while clock.t < seconds:
         sync()

@@ -10,6 +10,8 @@ from typing import Literal, Union
 
 from msgspec import Struct
 
+from .heights import bucket_label
+
 Level = Literal["normal", "warn", "critical"]
 NORMAL: Level = "normal"
 WARN: Level = "warn"
@@ -39,8 +41,9 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
     ``accepted`` is the length of the accepted draft prefix (0..drafted); a serial step is
     depth=0, drafted=0, accepted=0, emitted=1. ``accepted_by_position`` may be given
     instead (True/False per drafted position); only its leading run of True counts.
-    ``batch`` > 1 marks a batched step of several streams: its cost is not a per-stream
-    cycle cost, so the cost model does not learn from it.
+    ``batch`` > 1 marks a batched cycle of that many rows (every row drafting ``depth``):
+    the cost model learns its cost per row in that height's bucket, and each row's accepted
+    prefix (``row_accepted``) in the one acceptance table.
     """
 
     depth: int
@@ -54,19 +57,31 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
     # block: no head forward, a verify as wide as the block). Lookup cycles are kept apart,
     # so their cost and acceptance never stand in for a head depth's.
     source: str = "head"
+    # A batched cycle's accepted prefix per row; None when unknown (a serial batch, or rows
+    # that drafted unequal counts, so the concatenated mask cannot be split).
+    row_accepted: tuple[int, ...] | None = None
 
     @classmethod
     def from_step(cls, step, batch: int = 1) -> "CycleTelemetry":
         """From the engine's DecodeStep (duck-typed: depth, drafted, accepted, tokens,
-        cycle_s), so the governor needs no import of the daemon."""
+        cycle_s, accepted_mask), so the governor needs no import of the daemon. A batched
+        step's mask is the rows' masks concatenated (SHAPE.md): split into rows when every
+        row drafted the batch's depth."""
+        depth = int(getattr(step, "depth", 0))
+        drafted = int(getattr(step, "drafted", 0))
+        mask = list(getattr(step, "accepted_mask", None) or ())
+        rows = None
+        if batch > 1 and depth > 0 and drafted == batch * depth and len(mask) == drafted:
+            rows = tuple(_leading_true(mask[r * depth:(r + 1) * depth]) for r in range(batch))
         return cls(
-            depth=int(getattr(step, "depth", 0)),
+            depth=depth,
             cycle_s=float(step.cycle_s),
-            drafted=int(getattr(step, "drafted", 0)),
+            drafted=drafted,
             accepted=int(getattr(step, "accepted", 0)),
             emitted=len(getattr(step, "tokens", ())) or 1,
             batch=batch,
             source=str(getattr(step, "draft_source", "head")),
+            row_accepted=rows,
         )
 
     def accepted_prefix(self) -> int:
@@ -78,6 +93,15 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
                 break
             n += 1
         return min(n, self.drafted)
+
+
+def _leading_true(flags) -> int:
+    n = 0
+    for ok in flags:
+        if not ok:
+            break
+        n += 1
+    return n
 
 
 class DepthEstimate(Struct, frozen=True, kw_only=True):
@@ -142,9 +166,33 @@ class Observation(Struct, frozen=True, kw_only=True):
     # Prompt-lookup cycles (engine/lookup.py), apart from the head's estimates; None when
     # none has run.
     lookup: LookupEstimate | None = None
+    # Batched cycles, per bucket of batch height (index b - 1 for bucket b >= 1 of
+    # governor/heights.py): estimates by depth (cost per row), and each bucket's decode clock.
+    batch_estimates: tuple[tuple[DepthEstimate, ...], ...] = ()
+    batch_decode_s: tuple[float, ...] = ()
 
 
 # ---------------------------------------------------------------- state
+
+
+class HeightState(Struct, frozen=True, kw_only=True):
+    """The depth chosen for one bucket of batch heights, and its probe; times of the probe
+    are on that bucket's decode clock, ``last_change_at`` on the injected clock."""
+
+    # None: not chosen yet (no measurement at this height): the batch runs at the solo depth.
+    depth: int | None = None
+    last_change_at: float | None = None
+    probe_depth: int | None = None
+    probe_return: int | None = None
+    probe_started_s: float | None = None
+    probe_samples_at: tuple[int, int] | None = None
+    last_probe_s: float | None = None
+    probe_count: int = 0
+    # The bucket's decode clock at the last tick: the bucket decides only when it moved.
+    seen_s: float | None = None
+    # The depth of the last probe when it ran none of that depth's cycles (the engine did
+    # not draft it), else None: until then the next probe waits for the probe interval.
+    unmeasured: int | None = None
 
 Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
 
@@ -196,6 +244,9 @@ class State(Struct, frozen=True, kw_only=True):
     # when it last lowered it.
     prompt_cache_limit: int | None = None
     prompt_cache_shed_at: float | None = None
+    # The depth per bucket of batch heights (index b - 1 for bucket b >= 1); ``depth`` is
+    # the solo one (height 1).
+    heights: tuple[HeightState, ...] = ()
 
 
 # ---------------------------------------------------------------- actions out
@@ -228,12 +279,22 @@ class LimitPromptCache(Struct, frozen=True, tag=True):
     max_bytes: int | None
 
 
-Action = Union[SetDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache, LimitPromptCache]
+class SetHeightDepth(Struct, frozen=True, tag=True):
+    """Draft ``depth`` in batched cycles whose height falls in bucket ``bucket`` (>= 1,
+    governor/heights.py); height 1 is SetDepth's."""
+
+    bucket: int
+    depth: int
+
+
+Action = Union[SetDepth, SetHeightDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache, LimitPromptCache]
 
 
 def action_name(a: Action) -> str:
     if isinstance(a, SetDepth):
         return f"SetDepth({a.depth})"
+    if isinstance(a, SetHeightDepth):
+        return f"SetHeightDepth({bucket_label(a.bucket)}: {a.depth})"
     if isinstance(a, ShedAdmissions):
         return f"ShedAdmissions({'on' if a.on else 'off'})"
     if isinstance(a, LimitPromptCache):

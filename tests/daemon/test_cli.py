@@ -25,7 +25,12 @@ FULL = dict(
                                    "head_bytes": 850_000_000, "target": "resident"},
               "override": "auto", "pin_depth": None, "shedding": False, "pressure": "warn",
               "available_bytes": 3_200_000_000, "state": {"depth": 2}, "cost_model": {},
-              "last_actions": ["SetDepth(2)"], "last_reasons": []},
+              "last_actions": ["SetDepth(2)"], "last_reasons": [],
+              "depth_by_height": [{"heights": "1", "chosen": 2, "depth": 2},
+                                  {"heights": "2", "chosen": None, "depth": 3, "probing": False},
+                                  {"heights": "3-4", "chosen": 3, "depth": 3, "probing": False},
+                                  {"heights": "5-8", "chosen": 0, "depth": 0, "probing": True},
+                                  {"heights": "9+", "chosen": None, "depth": 0, "probing": False}]},
     seats={"planner": {"active": 1, "queued": 0, "tokens": 9000, "tokens_per_s": 30.5},
            "critic": {"active": 0, "queued": 2, "tokens": 3345}},
 )
@@ -47,6 +52,7 @@ def test_status_table_has_every_fact():
     assert r["uptime"] == "1h 02m 05s"
     assert r["MTP head"] == "resident, 850.0 MB"
     assert r["depth"] == "2"
+    assert r["depth by batch height"] == "1: 2, 2: 3 (not measured), 3-4: 3, 5-8: 0, 9+: 0 (not measured)"
     assert r["decoding"] == "compiled; exact greedy requests decode serially (verify rounds unlike serial here)"
     assert r["in flight"] == "1 active, 2 queued; clients: 2 heard from within the heartbeat timeout"
     assert r["throughput"].startswith("41.3 tok/s") and "12345 tokens total" in r["throughput"]

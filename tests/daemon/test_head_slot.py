@@ -12,6 +12,8 @@ import pytest
 
 import daemon
 from daemon.engine.loading import load_model
+from daemon.engine.types import DecodeStep
+from daemon.governance import Governance
 from daemon.head_slot import HeadSlot
 
 
@@ -101,3 +103,38 @@ def test_governance_holds_the_slot_not_the_worker():
             imported.update(a.name for a in node.names)
     assert not {n for n in imported if "worker" in n.lower() or "server" in n.lower()}, imported
     assert "head_slot" in imported
+
+
+def test_depth_for_follows_the_governors_table_per_batch_height(lm, random_model_path):
+    """A real slot under a real Governance: batched cycles reported through after_step give
+    their height's bucket a depth of its own, which depth_for returns and status shows;
+    other heights follow the solo depth; a pin sets every height; no head, depth 0."""
+    slot = HeadSlot(lm, depth=1)
+    slot.load_at_startup(keep=True)
+    gov = Governance(slot, {}, random_model_path)
+    assert [slot.depth_for(n) for n in (1, 2, 4, 9)] == [slot.current_depth()] * 4  # nothing measured
+
+    def tick() -> None:
+        gov.next_tick = 0.0  # a tick at this safe point, whatever the wall clock says
+        gov.safe_point()
+
+    for _ in range(12):
+        k = slot.depth_for(4)
+        step = DecodeStep(tokens=[7] * (4 * (k + 1)), depth=k, drafted=4 * k, accepted=4 * k,
+                          accepted_mask=[True] * (4 * k), cycle_s=0.02)
+        gov.after_step(step, batch=4)
+        tick()
+    table = {r["heights"]: r for r in gov.snapshot()["depth_by_height"]}
+    assert table["3-4"]["chosen"] is not None and slot.depth_for(3) == table["3-4"]["depth"] == slot.depth_for(4)
+    # Height 2 has no measurement: it borrows the nearest measured height's depth.
+    assert table["2"]["chosen"] is None and slot.depth_for(2) == table["2"]["depth"] == slot.depth_for(4)
+    assert slot.depth_for(1) == slot.current_depth()
+    heights = gov.snapshot()["cost_model"]["heights"]
+    assert next(h for h in heights if h["heights"] == "3-4")["cycles"] == 12
+
+    ok, _ = gov.override("pin_depth", 3)
+    assert ok and [slot.depth_for(n) for n in (1, 2, 3, 4, 8, 9, 32)] == [3] * 7
+    assert [r["depth"] for r in gov.snapshot()["depth_by_height"]] == [3] * 5
+    ok, _ = gov.override("evict_head", None)
+    assert ok and not slot.resident and slot.depth_for(4) == 0
+    gov.close()

@@ -42,6 +42,21 @@ def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon
         assert c.governor("auto").ok
 
 
+def test_depth_by_batch_height_is_in_status_and_a_pin_sets_every_height(bundled_daemon):
+    with Client(bundled_daemon.endpoint, seat="heights", timeout_s=60) as c:
+        table = c.status().detail["governor"]["depth_by_height"]
+        assert [r["heights"] for r in table] == ["1", "2", "3-4", "5-8", "9+"]
+        assert c.governor("pin_depth", 2).ok
+        gov = c.status().detail["governor"]
+        assert [r["depth"] for r in gov["depth_by_height"]] == [2] * 5
+        assert [h["heights"] for h in gov["cost_model"]["heights"]] == ["2", "3-4", "5-8", "9+"]
+        env = {"COUNCILD_ENDPOINT": bundled_daemon.endpoint, "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-m", "daemon.cli", "status"], cwd=REPO, env=env, capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+        assert "depth by batch height" in out.stdout and "3-4: 2" in out.stdout, out.stdout + out.stderr
+        assert c.governor("auto").ok
+
+
 def test_prompt_lookup_drafts_through_the_daemon_and_stays_exact(bundled_daemon):
     from daemon.measure.fidelity import load_quoting_prompts
 

@@ -1,6 +1,7 @@
 """The replay evaluation (bench/governor_eval.py) drives the real Governor: on a machine
-where speculation pays alone (a verify-cheap profile), auto speculates with one stream and
-batches at depth 0 under council load, and a fixed depth k > 0 time-slices the council."""
+where speculation pays alone (a verify-cheap profile), auto speculates with one stream; in a
+batch every arm drafts for all rows, and auto picks the depth per batch height from the
+batched cycles' cost, whichever way the table points."""
 
 from __future__ import annotations
 
@@ -13,27 +14,48 @@ import governor_eval as ev  # noqa: E402
 
 from governor.config import GovernorConfig  # noqa: E402
 
-CHEAP_VERIFY = ev.Profile("cheap verify", 0.02, [1.0, 1.2, 1.4, 1.6, 1.8], {1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0}, "gpu", "test")
 ACCEPT = {"code": [4, 3, 1, 4, 2, 0, 4, 3] * 10, "prose": [0, 1, 0, 0, 2, 0, 1, 0] * 10}
+# Batched cycle of 4 rows by depth, in steps: GPU-like (extra positions nearly free) and
+# CPU-like (every position costs a forward's worth).
+GPU_B4 = {4: [2.75, 3.0, 3.1, 3.2, 3.3]}
+CPU_B4 = {4: [1.5, 3.4, 4.7, 5.9, 7.0]}
 
 
-def _run(arm: str):
+def _profile(batch):
+    return ev.Profile("test", 0.02, [1.0, 1.2, 1.4, 1.6, 1.8], batch, "gpu", "test")
+
+
+def _run(batch, arm: str):
     regimes = [ev.Regime("quiet", [ev.Phase("quiet", 30.0)]),
-               ev.Regime("council 4", [ev.Phase("council 4", 30.0, streams=4)])]  # fmt: skip
-    return ev.simulate(CHEAP_VERIFY, arm, regimes, ACCEPT, noise=[1.0], cfg=GovernorConfig(), seed=0)
+               ev.Regime("council 4", [ev.Phase("council 4", 60.0, streams=4)])]  # fmt: skip
+    return ev.simulate(_profile(batch), arm, regimes, ACCEPT, noise=[1.0], cfg=GovernorConfig(), seed=0)
 
 
-def test_auto_speculates_alone_and_batches_under_council_load():
-    auto, d0, d2 = _run("auto"), _run("d0"), _run("d2")
+def rate(r, ph):
+    return r.tokens[ph] / r.busy_s[ph]
+
+
+def test_auto_speculates_alone_and_in_a_batch_where_the_batch_cost_allows():
+    auto, d0, d3 = _run(GPU_B4, "auto"), _run(GPU_B4, "d0"), _run(GPU_B4, "d3")
     assert any(isinstance(k, int) and k > 0 for k in auto.cycles_by_depth)  # speculated alone
-    assert auto.cycles_by_depth.get("batch", 0) > 0  # and batched the council
-    rate = lambda r, ph: r.tokens[ph] / r.busy_s[ph]  # noqa: E731
-    # Alone, speculation pays on this profile: auto beats serial; under load, batching beats
-    # a fixed depth that time-slices the streams, and auto batches.
     assert rate(auto, "quiet") > 1.2 * rate(d0, "quiet")
-    assert rate(d0, "council 4") > 1.5 * rate(d2, "council 4")
+    # In the batch, speculation pays on this table; auto drafts there too, and fixed d3
+    # drafts for every row (no time-slicing any more).
+    assert rate(d3, "council 4") > 1.5 * rate(d0, "council 4")
+    # Depths 3 and 4 are within the 10% margin of each other on this table (4 is best by
+    # 8%): most batched cycles run at one of them, and auto is within the margin of the best
+    # fixed depth, learning included.
+    assert sum(v for k, v in auto.cycles_by_depth.items() if k in ("b4:3", "b4:4")) > \
+        0.75 * sum(v for k, v in auto.cycles_by_depth.items() if str(k).startswith("b4:"))
+    best = max(rate(_run(GPU_B4, f"d{k}"), "council 4") for k in range(5))
+    assert rate(auto, "council 4") >= best / 1.1 - 0.02 * best
+
+
+def test_auto_batches_serially_where_the_batch_cost_makes_speculation_lose():
+    auto, d0 = _run(CPU_B4, "auto"), _run(CPU_B4, "d0")
+    batched = {k: v for k, v in auto.cycles_by_depth.items() if str(k).startswith("b4:")}
+    assert batched["b4:0"] > 0.9 * sum(batched.values())
     assert rate(auto, "council 4") >= 0.97 * rate(d0, "council 4")
-    assert "batch" not in d2.cycles_by_depth
 
 
 def test_acceptance_is_replayed_in_order_and_capped_at_the_depth():

@@ -14,6 +14,7 @@ from governor.types import (
     LoadHead,
     Observation,
     SetDepth,
+    SetHeightDepth,
     ShedAdmissions,
     State,
 )
@@ -360,7 +361,8 @@ def test_pin_depth_wins_until_released():
     h = Harness(state=State(depth=1, head_target=True))
     h.state = apply_override(h.state, "pin_depth", 3)
     acts, reasons = h.tick(scores=[20.0, 10.0, 9.0, 8.0, 7.0])
-    assert acts == [SetDepth(3)] and "pinned" in reasons[0]["sentence"]
+    # The pin holds at every batch height too (SetHeightDepth per bucket 2, 3-4, 5-8, 9+).
+    assert acts == [SetDepth(3)] + [SetHeightDepth(b, 3) for b in range(1, 5)] and "pinned" in reasons[0]["sentence"]
     h.run(60.0, active_streams=3)
     assert h.state.depth == 3
     h.state = apply_override(h.state, "auto")
@@ -374,7 +376,7 @@ def test_pin_depth_loads_head_when_out():
     acts, _ = h.tick(pressure="warn")
     assert acts == [LoadHead()]
     acts, _ = h.tick()
-    assert acts == [SetDepth(2)]
+    assert acts == [SetDepth(2)] + [SetHeightDepth(b, 2) for b in range(1, 5)]
 
 
 def test_force_evict_wins_until_released():

@@ -106,4 +106,23 @@ def test_main_errors(capsys, tmp_path):
     assert main(["--synthetic", "nope"]) == 2
     assert main(["--synthetic", "quiet", "--config", '{"no_such_knob": 1}']) == 2
     assert main([str(tmp_path / "missing.jsonl")]) == 1
-    assert set(SCENARIOS) == {"quiet", "busy", "flapping", "critical"}
+    assert set(SCENARIOS) == {"quiet", "busy", "flapping", "critical", "council"}
+
+
+def test_council_finds_a_depth_per_batch_height_and_keeps_it_while_the_height_alternates():
+    live = replay(trace("council"), all_ticks=True)
+    at = lambda t: next(r for r in live if r["t"] >= t)  # noqa: E731
+    # Alone, before any batch: no height has a depth of its own.
+    assert at(20.0)["heights"] == [None, None, None, None]
+    # A batch of 4 on a GPU-like machine speculates (its bucket, 3-4, chose >= 2).
+    assert at(110.0)["heights"][1] >= 2
+    # Heights alternating 2, 3 every tick: each bucket keeps its own depth; the changes are
+    # probes of a neighbour (each returning unless it is 10% better), not a flip-flop.
+    window = [r for r in live if 125.0 <= r["t"] < 240.0]
+    verdicts = [d for r in window for d in r["decisions"]
+                if d["decision"] in ("height_adopt", "height_depth", "height_probe_end")]
+    for label in ("2", "3-4"):
+        kept = {d["depth_to"] for d in verdicts if d["heights"] == label}
+        assert len(kept) == 1 and min(kept) >= 1, (label, kept)
+    # Then 8 rows: bucket 5-8 starts from its neighbour's depth and keeps speculating.
+    assert live[-1]["heights"][2] >= 2

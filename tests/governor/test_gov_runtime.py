@@ -19,7 +19,7 @@ from governor.fakes import (
 )
 from governor.replay import replay
 from governor.runtime import Governor
-from governor.types import ClearCache, CycleTelemetry, EvictHead, LoadHead, SetDepth, ShedAdmissions, action_name
+from governor.types import ClearCache, CycleTelemetry, EvictHead, LoadHead, SetDepth, SetHeightDepth, ShedAdmissions, action_name
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -104,7 +104,9 @@ def test_depth_follows_cost_as_load_rises_at_constant_acceptance():
 
 def test_override_decides_at_once_and_releases():
     gov, clock, *_ = make()
-    assert gov.override("pin_depth", 3) == [SetDepth(3)]
+    # The pin holds at every batch height too.
+    assert gov.override("pin_depth", 3) == [SetDepth(3)] + [SetHeightDepth(b, 3) for b in range(1, 5)]
+    assert all(gov.depth_for(n) == 3 for n in (1, 2, 3, 4, 8, 16))
     assert gov.snapshot()["override"] == "pin_depth" and gov.snapshot()["pin_depth"] == 3
     clock.advance(1.0)
     acts = gov.override("evict_head")

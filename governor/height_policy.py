@@ -1,0 +1,241 @@
+"""The depth per bucket of batch heights: stage 5 of ``policy.decide``, pure as the rest.
+
+A batched cycle drafts one depth for all its rows and verifies rows x (depth + 1) positions
+in one forward. What that costs depends on the height: on the H200 (27B shape) extra verify
+positions are nearly free inside a batch of 4-8, so a batch speculates deeper than a solo
+stream would; on this CPU the forward is compute-bound and every position costs, so a batch
+should not speculate at all. Nothing here assumes either: each bucket (governor/heights.py)
+learns cost(B, k) per row and picks
+
+    argmax_k  E(k) / cost_per_row(B, k)      (the batch's tokens per second)
+
+with the solo depth's rules: depth 0 the floor, a move only for a ``depth_margin`` better
+score, one step at a time (or straight to a stale depth that looks best), a measured
+neighbour re-probed every ``probe_interval_s`` of that bucket's decoding. Stricter than the
+solo rules in one way: every move is the verdict of a paired probe (the two depths
+alternating tick by tick, so both are measured over the same seconds), never a comparison
+of medians taken at different moments. Each bucket decides only on ticks in which
+it decoded (its clock moved): a bucket the council is not using now keeps its depth, so a
+height that alternates (2, 3, 2, 3) finds each bucket where it left it, and no probe runs
+in a bucket that is not running. A never-measured neighbour is probed at once: the prior
+for another depth in a batch is the solo cost ratio, which is wrong both ways on real
+machines (too high on a GPU, too low on this CPU), so it must not stand in for a look.
+
+Until a bucket has its first measurement its depth is None: batches there run at the
+nearest measured bucket's depth, else the solo depth (``heights.depth_at``), and the first
+decision adopts the depth they ran at.
+
+Forced: an operator pin sets every height; critical pressure or a forced eviction sets 0;
+no usable head holds the table (a batch without a head runs serially anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec.structs import replace
+
+from .config import GovernorConfig
+from .heights import N_BUCKETS, bucket_label
+from .types import CRITICAL, NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
+
+
+def settled_depth(h: HeightState) -> int | None:
+    """The bucket's depth outside a probe (during one: the depth it returns to)."""
+    return h.probe_return if h.probe_depth is not None else h.depth
+
+
+def _score(ests: tuple[DepthEstimate, ...], k: int) -> float | None:
+    return ests[k].score if 0 <= k < len(ests) else None
+
+
+def _fmt(x: float | None) -> str:
+    return "?" if x is None else f"{x:.1f}"
+
+
+class _Bucket:
+    """One bucket's inputs for this tick, and how it speaks to the decision log."""
+
+    def __init__(self, b: int, obs: Observation, out: Any, now: float):
+        self.b, self.obs, self.out, self.now = b, obs, out, now
+        self.label = bucket_label(b)
+        self.ests = obs.batch_estimates[b - 1] if b - 1 < len(obs.batch_estimates) else ()
+        self.clock = obs.batch_decode_s[b - 1] if b - 1 < len(obs.batch_decode_s) else 0.0
+
+    def samples(self, k: int) -> int:
+        return self.ests[k].samples if 0 <= k < len(self.ests) else 0
+
+    def emit(self, h: HeightState, k: int | None, decision: str, sentence: str, **inputs: Any) -> HeightState:
+        """Log one decision about this bucket; with ``k`` not None, set its depth to k."""
+        frm = h.depth
+        action = SetHeightDepth(self.b, k) if k is not None and k != frm else None
+        self.out.emit(action, decision, f"batch heights {self.label}: {sentence}", heights=self.label,
+                      bucket_decode_s=round(self.clock, 3), depth_from=frm, depth_to=k if k is not None else frm,
+                      scores=[None if e.score is None else round(e.score, 3) for e in self.ests],
+                      samples=[e.samples for e in self.ests], **inputs)  # fmt: skip
+        if action is None:
+            return h
+        return replace(h, depth=k, last_change_at=self.now)
+
+
+def _forced(s: State, obs: Observation, cfg: GovernorConfig) -> tuple[int | None, str] | None:
+    """(depth, why) every bucket must take; (None, why): hold the table; None: decide."""
+    usable = bool(s.head_target) and obs.head_resident
+    if s.override == "pin_depth" and s.pin_depth is not None:
+        k = min(s.pin_depth, cfg.max_depth)
+        if k == 0 or usable:
+            return k, f"operator pinned depth {k} (every height)"
+    if not usable:
+        return None, "head not resident"
+    if s.override == "force_evict":
+        return 0, "operator override: force_evict"
+    if obs.pressure == CRITICAL:
+        return 0, "critical memory pressure"
+    return None
+
+
+_NO_PROBE = dict(probe_depth=None, probe_return=None, probe_started_s=None, probe_samples_at=None)
+
+
+def decide_heights(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: Any) -> State:
+    hs = list(s.heights) + [HeightState() for _ in range(N_BUCKETS - 1 - len(s.heights))]
+    forced = _forced(s, obs, cfg)
+    for b in range(1, N_BUCKETS):
+        bk = _Bucket(b, obs, out, now)
+        h = hs[b - 1]
+        if forced is not None:
+            k, why = forced
+            h = replace(h, **_NO_PROBE)
+            if k is not None and k != h.depth:
+                h = bk.emit(h, k, "height_depth", why)
+        else:
+            ran = h.seen_s is None or bk.clock > h.seen_s
+            if ran and bk.ests:
+                h = _decide_bucket(h, bk, obs, cfg)
+        hs[b - 1] = replace(h, seen_s=bk.clock)
+    return replace(s, heights=tuple(hs))
+
+
+def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
+    ests = bk.ests
+    if h.depth is None:
+        measured = [e for e in ests if e.samples > 0 and not e.stale and e.depth <= cfg.max_depth]
+        if not measured:
+            return h
+        k = max(measured, key=lambda e: (e.samples, -e.depth)).depth
+        h = replace(h, last_probe_s=bk.clock)
+        return bk.emit(h, k, "height_adopt", f"first measurement at depth {k}: this height's depth is its own now")
+    cur = h.depth
+    if h.probe_depth is not None:
+        return _probe_step(h, bk, obs, cfg)
+    if h.last_change_at is not None and bk.now - h.last_change_at < cfg.depth_dwell_s:
+        return h
+    cs = _score(ests, cur)
+    if cs is None or cur >= len(ests) or ests[cur].stale:
+        return h
+    valid = [(x, k) for k, x in enumerate(e.score for e in ests) if x is not None and k <= cfg.max_depth]
+    best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
+    if best != cur and best_score >= cs * (1 + cfg.depth_margin):
+        step = cur + (1 if best > cur else -1)
+        if step > cur and obs.pressure != NORMAL:
+            return h  # under warn, no deeper drafts (more memory); lower is still fine
+        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        if ests[best].stale and best != step and _may_probe(h, bk, best, cfg):
+            return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}")
+        if (_score(ests, step) or 0.0) > cs and _may_probe(h, bk, step, cfg):
+            # A move is a paired probe's verdict, never a comparison of medians taken at
+            # other moments: on a contended CPU a bucket's cost swings 40% within seconds
+            # (the replay: a batch of 2 stepped to a depth 30% worse on one such swing).
+            return _probe(h, bk, step, f"{why}: probe depth {step} against {cur} (paired) before moving")
+    return _maybe_probe(h, bk, obs, cfg)
+
+
+def _may_probe(h: HeightState, bk: _Bucket, n: int, cfg: GovernorConfig) -> bool:
+    """After a probe that ran none of its depth's cycles (an engine that does not draft in
+    this batch), the next only once probe_interval_s of this bucket's decoding passed: else
+    such an engine is asked tick after tick."""
+    return h.unmeasured is None or bk.clock - (h.last_probe_s or 0.0) >= cfg.probe_interval_s
+
+
+def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str) -> HeightState:
+    h = replace(h, probe_depth=n, probe_return=h.depth, probe_started_s=bk.clock, last_probe_s=bk.clock,
+                probe_samples_at=(bk.samples(n), bk.samples(h.depth or 0)), probe_count=h.probe_count + 1)  # fmt: skip
+    return bk.emit(h, n, "height_probe", sentence)
+
+
+def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
+    """A neighbour this bucket never measured is probed at once (depth 0 always; another
+    unless the bucket's own line, two measured depths (cost_model._batch_anchor), prices it
+    more than the margin worse); a measured one when its estimate is stale and probe_interval_s of this bucket's
+    decoding passed since the last."""
+    if obs.pressure != NORMAL:
+        return h
+    cur = h.depth or 0
+    sides = (cur + 1, cur - 1) if h.probe_count % 2 == 0 else (cur - 1, cur + 1)
+    sides = tuple(n for n in sides if 0 <= n <= cfg.max_depth and n < len(bk.ests))
+    measured = sum(1 for e in bk.ests if e.samples >= cfg.trust_samples)
+    cs = _score(bk.ests, cur)
+    # Never measured: the lower side first, and depth 0 always (the floor, no head forward:
+    # the reference every bucket needs, and the cheapest look).
+    for n in sorted(sides):
+        sn = _score(bk.ests, n)
+        priced_worse = (n > 0 and measured >= 2 and sn is not None and cs is not None
+                        and sn * (1 + cfg.depth_margin) < cs)  # fmt: skip
+        if bk.ests[n].samples == 0 and not priced_worse and _may_probe(h, bk, n, cfg):
+            return _probe(h, bk, n, f"depth {n} was never measured at this height: probe it against {cur}")
+    last = h.last_probe_s if h.last_probe_s is not None else bk.clock
+    if bk.clock - last < cfg.probe_interval_s:
+        return h if h.last_probe_s is not None else replace(h, last_probe_s=bk.clock)
+    for n in sides:
+        if bk.ests[n].stale:
+            return _probe(h, bk, n, f"depth {n}'s estimate is stale: measure it for {cfg.probe_s}s of decoding")
+    return replace(h, last_probe_s=bk.clock)
+
+
+def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, back: int) -> bool:
+    """As the solo probe's rule, on this bucket's clock: probe_s passed and both depths have
+    cost_window new cycles, or probe_max_factor x probe_s at most; or, at any time, a clear
+    verdict (both with trust_samples new cycles, 2x the margin apart). A batched cycle is
+    several steps long (0.1 s on the H200 at 4-8 rows), so a window of 32 a side is seconds
+    of a worse depth; neighbouring depths in a batch differ by 10-40% there, which the early
+    verdict settles in 8 cycles a side."""
+    ran = bk.clock - (h.probe_started_s if h.probe_started_s is not None else bk.clock)
+    if ran >= cfg.probe_s * cfg.probe_max_factor:
+        return True
+    at = h.probe_samples_at or (0, 0)
+
+    def new(k: int, start: int) -> int:
+        n = bk.samples(k)
+        return n - start if n >= start else n
+
+    n_p, n_b = new(probed, at[0]), new(back, at[1])
+    if ran >= cfg.probe_s and n_p >= cfg.cost_window and n_b >= cfg.cost_window:
+        return True
+    sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
+    clear = 1 + 2 * cfg.depth_margin
+    return (n_p >= cfg.trust_samples and n_b >= cfg.trust_samples and sp is not None and sb is not None
+            and (sp >= sb * clear or sb >= sp * clear))  # fmt: skip
+
+
+def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
+    probed = h.probe_depth if h.probe_depth is not None else 0
+    back = h.probe_return if h.probe_return is not None else 0
+    if not _probe_done(h, bk, cfg, probed, back):
+        # Paired: alternate tick by tick, so both depths are measured over the same seconds.
+        return bk.emit(h, back if h.depth == probed else probed, "height_probe_step", "paired probe")
+    at = h.probe_samples_at or (0, 0)
+    h = replace(h, **_NO_PROBE)
+    sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
+    deeper_under_warn = probed > back and obs.pressure != NORMAL
+    # Only a measurement can win: a probe whose depth never ran (an engine that did not
+    # draft it: a batch path without speculation) leaves a prior in its place, and a prior
+    # is a reason to look, never to move.
+    got = bk.samples(probed) - at[0] if bk.samples(probed) >= at[0] else bk.samples(probed)
+    h = replace(h, unmeasured=probed if got == 0 else None)
+    if got < cfg.trust_samples:
+        return bk.emit(h, back, "height_probe_end", f"probed depth {probed} got {got} cycles (< {cfg.trust_samples}): "
+                                                    f"not measured, back to {back}")  # fmt: skip
+    if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
+        return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay")
+    return bk.emit(h, back, "height_probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} "
+                                                f"({_fmt(sb)})")  # fmt: skip
