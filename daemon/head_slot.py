@@ -68,6 +68,11 @@ class HeadSlot:
         """Read by speculative generators at the start of every cycle."""
         return self.depth if self.head is not None else 0
 
+    def depth_for(self, batch_height: int) -> int:
+        """The depth a continuous batch of ``batch_height`` rows drafts at (read every
+        batched cycle). Here the single-stream depth; the governor's cost(B, k) refines it."""
+        return self.current_depth()
+
     @property
     def loading(self) -> bool:
         return self._loader is not None and self._loader.is_alive()

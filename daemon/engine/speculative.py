@@ -286,6 +286,7 @@ def speculative_decode(
     loop_guard: LoopGuardConfig | None = None,
     context: list[int] | None = None,
     pipeline: bool | None = None,
+    handoff: Callable[[], bool] | None = None,
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
@@ -306,6 +307,11 @@ def speculative_decode(
     ``pipeline``: build each head-drafted cycle's successor while the device runs it (see
     the module docstring); False builds every cycle after the previous one is decided;
     None: ``resolve_pipeline`` (on a GPU only). All commit the same tokens.
+    ``handoff``: asked at every cycle boundary (no cycle built ahead); when it says True
+    the generator ends, returning its state for the continuous batch (batch_spec.py):
+    (cache holding every position before ``primary``, primary, the head history). Work
+    issued ahead is undone first (a serial step's cache slots); a first draft issued ahead
+    only fed committed pairs to the head, which stay.
     """
     if not prompt:
         raise ValueError("speculative_decode needs at least one prompt token")
@@ -464,6 +470,11 @@ def speculative_decode(
         cycle_s_mean = cycle_s if cycle_s_mean is None else cycle_s_mean + FULL_RATE_ALPHA * (cycle_s - cycle_s_mean)
 
     while True:
+        if handoff is not None and pending is None and handoff():
+            if ahead is not None:
+                ahead[3].restore()
+            mx.eval([c.state for c in cache] + hist.state())
+            return cache, int(primary.reshape(-1)[0].item()), hist
         t0 = time.perf_counter()
         n_cycles += 1
         if n_cycles % 256 == 0:
