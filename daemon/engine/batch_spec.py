@@ -359,7 +359,7 @@ class SpecBatchDecoder:
                 r.pending_t.append(ids)
                 r.n_pending += a + 1
             steps[r.row_id] = DecodeStep(tokens=committed, depth=ki, drafted=ki, accepted=a,
-                                         accepted_mask=[True] * a + [False] * (ki - a))
+                                         accepted_mask=[True] * a + [False] * (ki - a), logprobs=lp_entries)
             self.stats.drafted += ki
             self.stats.accepted += a
             self.stats.tokens += a + 1
