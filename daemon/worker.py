@@ -510,11 +510,12 @@ class EngineWorker(threading.Thread):
                 history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
                 self.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
                                depth=self._row_depth(job))
+                job.batched = True
                 self._hand_solo_to_batch()
             else:
                 self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
+                job.batched = True
                 mode = "off"
-            job.batched = True
             job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), mode)
             return
         if mode != "off" and (self.slot.resident or "lookup" in drafting):
@@ -758,6 +759,8 @@ class EngineWorker(threading.Thread):
         if job.generator is not None:
             job.generator.close()
             job.generator = None
+        if job.batched and self.batch is not None and job.key in self.batch:
+            self.batch.remove(job.key)  # a row whose start failed after it joined: never left behind
         prefilled = job.prefill.pos if job.prefill is not None else None
         job.prefill = None  # its cache goes with it
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
@@ -770,7 +773,7 @@ class EngineWorker(threading.Thread):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
                      prompt_tokens=terminal.usage.prompt_tokens, cached_tokens=terminal.usage.cached_tokens,
-                     prefilled_tokens=prefilled,
+                     prefilled_tokens=prefilled, batched=job.batched,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {

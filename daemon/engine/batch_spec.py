@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
+from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
 from .exactness import verify_matches_serial
 from .forward import capture_hidden
 from .model import LoadedModel
@@ -131,6 +131,10 @@ class SpecBatchDecoder:
 
     def __contains__(self, row_id: Hashable) -> bool:
         return any(r.row_id == row_id for r in self._rows)
+
+    def handle(self, row_id: Hashable) -> RowHandle:
+        """The worker's ``generator`` for a batched job: ``close()`` removes the row."""
+        return RowHandle(self, row_id)
 
     @property
     def row_ids(self) -> list:
