@@ -28,8 +28,9 @@ ArraysCache.merge, RaggedKVCache.merge) and dropping back to one extracts the su
 
 Exactness: a greedy row's tokens are the verify's argmaxes, so an exact row is serial's
 tokens wherever the batched verify's logits are bit-identical to one-token steps:
-``batch_matches_serial`` (batched forwards) and ``verify_matches_serial`` (a verify vs
-serial steps) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
+``batch_matches_serial`` (batched forwards), ``verify_matches_serial`` (a verify vs serial
+steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, keeping
+ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
 decode alone). There is no near-tie guard here. Not done in the batch (solo speculation
 has them): prompt lookup, the draft stopper, the loop guard, building the next cycle ahead.
 """
@@ -44,10 +45,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
-from .exactness import verify_matches_serial
+from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .forward import capture_hidden
 from .model import LoadedModel
-from .ragged_cache import RaggedKVCache
+from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
 from .speculative import (FLUSH_PENDING, HeadHistory, draft_token, greedy_accepted, prefill_with_hidden,
@@ -96,14 +97,6 @@ def _extract_layer(c, i: int):
     return out
 
 
-def _keep_kv(c, keep: list[int], written: int) -> None:
-    """Each row keeps its first keep[i] of the ``written`` slots of the last forward."""
-    if isinstance(c, RaggedKVCache):
-        c.punch(keep, written)
-    else:  # one row, its own KVCache
-        c.trim(written - keep[0])
-
-
 class SpecBatchDecoder:
     """Drive from one thread, at cycle boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. ``head`` returns the resident MTP head (or None); ``depth_for(B)`` the batch's
@@ -116,7 +109,8 @@ class SpecBatchDecoder:
         self.depth_for = depth_for
         self.max_rows = max_rows
         if exact_ok is None:
-            exact_ok = batch_matches_serial(lm, max_rows) and verify_matches_serial(lm, "capture")
+            exact_ok = (batch_matches_serial(lm, max_rows) and verify_matches_serial(lm, "capture")
+                        and ragged_verify_matches_serial(lm))
         self.exact_ok = exact_ok
         self.prefill_chunk = prefill_chunk
         self.stats = SpecBatchStats()
@@ -270,7 +264,7 @@ class SpecBatchDecoder:
         out = head(mx.concatenate(hs), mx.concatenate(ts), self._hcache)
         if T > min(n):
             for c in self._hcache:
-                _keep_kv(c, n, T)
+                keep_kv(c, n, T)
         last = mx.array([max(ni - 1, 0) for ni in n], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)  # [B, 1, H]
 
@@ -284,9 +278,13 @@ class SpecBatchDecoder:
                 g = head(g, drafts[-1][:, None], self._hcache)
             logits = head.logits(g)[:, -1, :]  # [B, V]
             plain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            own = [i for i, r in enumerate(rows) if not r.plain and j < ks[i]]  # their own sampler/processors
+            if not own:
+                drafts.append(plain)
+                continue
             cols = []
             for i, r in enumerate(rows):
-                if r.plain or j >= ks[i]:
+                if i not in own:
                     cols.append(plain[i : i + 1])
                     continue
                 before = [d[i : i + 1] for d in drafts]
@@ -324,38 +322,46 @@ class SpecBatchDecoder:
         plain_lp = _logprobs(logits) if any(r.plain for r in rows) else None
         plain_picks = mx.argmax(plain_lp, axis=-1) if plain_lp is not None else None  # [B, T]
 
-        # 3. acceptance, down to one int array the host reads.
-        lps, host = [], []
+        # 3. acceptance, down to one int array the host reads: every row's verify inputs
+        # and (plain rows) argmaxes as two [B, T] blocks, then per other row its picks and coins.
+        lps, host = {}, [tokens.reshape(-1)]
+        if plain_picks is not None:
+            host.append(plain_picks.reshape(-1))
         for i, r in enumerate(rows):
+            if r.plain:
+                continue
             ki = ks[i]
             d_i = tokens[i, 1 : ki + 1]
-            if r.plain:
-                lp = plain_lp[i, : ki + 1]
-                picks, coins = plain_picks[i, : ki + 1], mx.zeros((ki,), dtype=mx.int32)
+            lp = lps[i] = _logprobs(r.sampler.process(logits[i, : ki + 1], d_i))
+            if r.sampler.greedy:
+                picks, coins = mx.argmax(lp, axis=-1), mx.zeros((ki,), dtype=mx.int32)
+            elif ki == 0:
+                picks, coins = r.sampler(lp).reshape(-1), mx.zeros((0,), dtype=mx.int32)
             else:
-                lp = _logprobs(r.sampler.process(logits[i, : ki + 1], d_i))
-                if r.sampler.greedy:
-                    picks, coins = mx.argmax(lp, axis=-1), mx.zeros((ki,), dtype=mx.int32)
-                elif ki == 0:
-                    picks, coins = r.sampler(lp).reshape(-1), mx.zeros((0,), dtype=mx.int32)
-                else:
-                    picks, coins = rejection_sample(r.sampler, lp, d_i, logq[i][:ki])
-            lps.append(lp)
-            host += [picks.reshape(-1), d_i, coins.reshape(-1)]
+                picks, coins = rejection_sample(r.sampler, lp, d_i, logq[i][:ki])
+            host += [picks.reshape(-1), coins.reshape(-1)]
         vals = mx.concatenate([x.astype(mx.int32) for x in host]).tolist()
 
-        steps, keep, pos = {}, [], 0
+        steps, keep = {}, []
+        inputs = [vals[i * T : (i + 1) * T] for i in range(B)]
+        argmaxes = [vals[(B + i) * T : (B + i + 1) * T] for i in range(B)] if plain_picks is not None else None
+        pos = (2 if plain_picks is not None else 1) * B * T
         for i, r in enumerate(rows):
             ki = ks[i]
-            picks, d_l, coins = vals[pos : pos + ki + 1], vals[pos + ki + 1 : pos + 2 * ki + 1], vals[pos + 2 * ki + 1 : pos + 3 * ki + 1]
-            pos += 3 * ki + 1
+            d_l = inputs[i][1 : ki + 1]
+            if r.plain:
+                picks, coins = argmaxes[i][: ki + 1], []
+            else:
+                picks, coins = vals[pos : pos + ki + 1], vals[pos + ki + 1 : pos + 2 * ki + 1]
+                pos += 2 * ki + 1
             a = greedy_accepted(picks, d_l) if r.sampler.greedy else sampled_accepted(coins)
             committed = d_l[:a] + [picks[a]]
             keep.append(a + 1)
             ids = mx.array(committed, dtype=mx.uint32)
             lp_entries = None
             if r.sampler.wants_logprobs:
-                lp_entries = logprob_entries(r.sampler.logprob_arrays(lps[i][: a + 1], ids))
+                lp = lps[i] if i in lps else plain_lp[i, : ki + 1]
+                lp_entries = logprob_entries(r.sampler.logprob_arrays(lp[: a + 1], ids))
             r.sampler.commit(ids)
             r.primary = committed[-1]
             if head is not None:
@@ -369,7 +375,7 @@ class SpecBatchDecoder:
             self.stats.tokens += a + 1
 
         # 4. every row keeps its own prefix of the verify; the head drops its speculative slots.
-        self._commit(rec, keep, T)
+        keep_ragged(self._cache, rec, keep, T)
         if spec_slots:
             for c in self._hcache:
                 c.trim(spec_slots)
@@ -383,18 +389,3 @@ class SpecBatchDecoder:
         for s in steps.values():
             s.cycle_s = dt
         return steps
-
-    def _commit(self, rec: list, keep: list[int], T: int) -> None:
-        for c in self._cache:
-            if not isinstance(c, ArraysCache):
-                _keep_kv(c, keep, T)
-        if min(keep) == T:
-            return  # every row kept the whole verify: the capture already left that state
-        B = len(keep)
-        last = mx.array([k - 1 for k in keep], dtype=mx.int32)
-        for cap in rec:
-            states = mx.stack(cap.states, axis=1)  # [B, T, ...]
-            idx = last.reshape((B, 1) + (1,) * (states.ndim - 2))
-            cap.cache[1] = mx.take_along_axis(states, idx, axis=1)[:, 0]
-            window = (last[:, None] + 1 + mx.arange(cap.n_keep)[None, :])[:, :, None]  # [B, n_keep, 1]
-            cap.cache[0] = mx.take_along_axis(cap.conv_input, window, axis=1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 # Compact when holes are this share of the written slots: the mask and the attention read
 # every slot, holes included, so they cost what live keys cost.
@@ -143,3 +143,32 @@ class RaggedKVCache(BatchKVCache):
     def state(self):
         """The arrays to evaluate (no setter: rows move between caches by merge/extract)."""
         return [x for x in (self.keys, self.values, self.offset, self.left_padding, self.valid) if x is not None]
+
+
+def keep_kv(c, keep: list[int], written: int) -> None:
+    """Row i keeps its first keep[i] of the ``written`` slots of the last forward (one row
+    in its own KVCache: a trim)."""
+    if isinstance(c, RaggedKVCache):
+        c.punch(keep, written)
+    else:
+        c.trim(written - keep[0])
+
+
+def keep_ragged(cache: list, rec: list, keep: list[int], T: int) -> None:
+    """Ragged rollback after a verify of T positions through the capturing walk
+    (forward.capture_hidden): row i keeps its first keep[i] positions. Attention layers
+    punch holes; each GatedDeltaNet layer takes, per row, the recurrent state after its
+    last kept token and the conv window ending there (capture rollback's commit, per row)."""
+    for c in cache:
+        if not isinstance(c, ArraysCache):
+            keep_kv(c, keep, T)
+    if min(keep) == T:
+        return  # every row kept the whole verify: the capture already left that state
+    B = len(keep)
+    last = mx.array([k - 1 for k in keep], dtype=mx.int32)
+    for cap in rec:
+        states = mx.stack(cap.states, axis=1)  # [B, T, ...]
+        idx = last.reshape((B, 1) + (1,) * (states.ndim - 2))
+        cap.cache[1] = mx.take_along_axis(states, idx, axis=1)[:, 0]
+        window = (last[:, None] + 1 + mx.arange(cap.n_keep)[None, :])[:, :, None]  # [B, n_keep, 1]
+        cap.cache[0] = mx.take_along_axis(cap.conv_input, window, axis=1)

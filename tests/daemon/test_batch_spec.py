@@ -232,3 +232,16 @@ def test_exact_greedy_rows_refused_where_batched_verify_differs(tiny, head, prom
     assert bd.admits(Sampler(SamplingParams(temperature=0.7)), exact=True)
     with pytest.raises(ValueError):
         bd.add(0, Sampler(SamplingParams()), prompts[0], exact=True)
+
+
+def test_ragged_probe_passes_here_and_catches_a_wrong_rollback(tiny, monkeypatch):
+    """The start-up probe behind ``exact_ok``: true on CPU; where the ragged rollback is
+    wrong (rows keep every verify position), every row's later logits differ and it says so."""
+    from daemon.engine import exactness
+
+    tiny.__dict__.pop("_ragged_verify_matches_serial", None)
+    assert exactness.ragged_verify_matches_serial(tiny)
+    tiny.__dict__.pop("_ragged_verify_matches_serial", None)
+    monkeypatch.setattr(exactness, "keep_ragged", lambda cache, rec, keep, T: None)
+    assert not exactness.ragged_verify_matches_serial(tiny)
+    tiny.__dict__.pop("_ragged_verify_matches_serial", None)
