@@ -102,6 +102,11 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # "Pipeline"; the same tokens either way): "auto" does on CUDA, where it was measured
     # faster, and not on the CPU (measured slower) or Metal (not measured yet).
     build_ahead: Literal["auto"] | bool = "auto"
+    # Rows of the continuous batch speculate too (engine/batch_spec.py): every row drafts
+    # with the head, one verify forward scores all rows, each keeps its own accepted
+    # prefix. false: the batch decodes at depth 0 (engine/batch.py) and only a request
+    # running alone speculates.
+    in_batch: bool = True
 
 
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):

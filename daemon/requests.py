@@ -36,17 +36,18 @@ class SpecTally:
     penalised: int = 0
 
     def add(self, step: DecodeStep) -> None:
+        """``drafted`` / ``accepted`` and the by-position arrays count the head's drafts only
+        (PROTOCOL.md), so the arrays sum to them; prompt-lookup blocks are counted apart."""
         self.draft_stops += step.stopped_early
+        self.cycles += 1
+        self.guarded += step.guarded
         if step.draft_source == "lookup":
             self.lookup_cycles += 1
             self.lookup_drafted += step.drafted
             self.lookup_accepted += step.accepted
-        self.cycles += 1
+            return
         self.drafted += step.drafted
         self.accepted += step.accepted
-        self.guarded += step.guarded
-        if step.draft_source == "lookup":
-            return
         for i, ok in enumerate(step.accepted_mask):
             while len(self.drafted_by_position) <= i:
                 self.drafted_by_position.append(0)
@@ -63,6 +64,9 @@ class SpecTally:
             accepted_by_position=list(self.accepted_by_position),
             drafted_by_position=list(self.drafted_by_position),
             guarded=self.guarded,
+            lookup_cycles=self.lookup_cycles,
+            lookup_drafted=self.lookup_drafted,
+            lookup_accepted=self.lookup_accepted,
         )
 
 
@@ -115,6 +119,11 @@ class Job:
         self.exact = True
         self.batched = False
         self.parked_state = None
+        # A solo speculative decode (it may move into the batch: ``handoff`` asks its
+        # generator to hand its state over) and, for a batch row, its last cycle's depth.
+        self.solo_spec = False
+        self.handoff = False
+        self.row_depth = 0
         # While its prompt is being prefilled (engine/prefill.py): the ChunkedPrefill, and
         # the speculation mode its decode will use.
         self.prefill = None

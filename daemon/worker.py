@@ -216,13 +216,25 @@ class EngineWorker(threading.Thread):
             from .engine.prefix_cache import PrefixCache
 
             self.prefix_cache = PrefixCache(self.cfg.prefix_cache.max_bytes, self.cfg.scheduler.prefill_chunk)
+        # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
+        self.batch_speculates = False
         if self.cfg.scheduler.batching:
-            from .engine.batch import BatchDecoder
-
             t0 = time.perf_counter()
-            self.batch = BatchDecoder(self.lm, max_rows=self.cfg.scheduler.max_active)
+            spec = self.cfg.speculation
+            if spec.in_batch and spec.mode != "off" and self.slot.available and self.group is None:
+                from .engine.batch_spec import SpecBatchDecoder
+
+                slot = self.slot
+                self.batch = SpecBatchDecoder(self.lm, head=lambda: slot.head, depth_for=slot.depth_for,
+                                              max_rows=self.cfg.scheduler.max_active,
+                                              exact_ok=None if self.verify_exact else False)
+                self.batch_speculates = True
+            else:
+                from .engine.batch import BatchDecoder
+
+                self.batch = BatchDecoder(self.lm, max_rows=self.cfg.scheduler.max_active)
             log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok,
-                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+                     speculates=self.batch_speculates, probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         if self.cfg.governor_enabled:
             from .governance import Governance
 
@@ -445,9 +457,8 @@ class EngineWorker(threading.Thread):
 
         if job.generator is not None:  # back from parking: its state was kept
             if job.parked_state is not None:
-                cache, next_token = job.parked_state
-                job.parked_state = None
-                self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
+                state, job.parked_state = job.parked_state, None
+                self._rejoin_batch(job, state)
             return
         if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
             return
@@ -483,7 +494,8 @@ class EngineWorker(threading.Thread):
     def _begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled
         cache: speculation when it runs alone, a row in the continuous batch when others
-        run too, else its own serial generator."""
+        run too (speculating there where the batch does, engine/batch_spec.py), else its
+        own serial generator."""
         from .engine.serial import serial_decode
 
         pre, job.prefill = job.prefill, None
@@ -498,11 +510,18 @@ class EngineWorker(threading.Thread):
         # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
         can_draft = self.slot.resident and self.slot.current_depth() > 0 or "lookup" in drafting
         speculate = mode != "off" and can_draft and alone
-        if (not speculate and not latency_first and self.batch is not None
-                and self.cfg.debug_fail_after_tokens is None and self.batch.admits(sampler, job.exact)):
-            self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
-            job.batched = True
-            job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), "off")
+        if not speculate and self._batchable(job):
+            if self.batch_speculates:
+                history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
+                self.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
+                               depth=self._row_depth(job))
+                job.batched = True
+                self._hand_solo_to_batch()
+            else:
+                self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
+                job.batched = True
+                mode = "off"
+            job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), mode)
             return
         if mode != "off" and (self.slot.resident or "lookup" in drafting):
             from .engine.speculative import speculative_decode
@@ -513,18 +532,70 @@ class EngineWorker(threading.Thread):
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
             # near-tie guard cannot change a token: exact mode runs without it (issue 18).
+            job.handoff = False  # set to move this solo decode into the batch (_hand_solo_to_batch)
             gen = speculative_decode(self.lm, self.slot.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact",
                                      guard_margin=None if self.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
                                      context=job.prompt,
-                                     pipeline=self._build_ahead(), **drafting)
+                                     pipeline=self._build_ahead(), handoff=lambda: job.handoff, **drafting)
+            job.solo_spec = True
         else:
             mode = "off"
             gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
+
+    def _batchable(self, job: Job) -> bool:
+        """Whether the job may decode as a row of the continuous batch."""
+        return (job.priority != "interactive" and self.batch is not None and self.cfg.debug_fail_after_tokens is None
+                and self.batch.admits(job.sampler, job.exact))
+
+    def _row_depth(self, job: Job):
+        """A batched row's own depth ceiling (the batch's depth is ``HeadSlot.depth_for``)."""
+        if job.mode == "off":
+            return lambda: 0
+        request_depth = self._request_depth(job)
+        return None if request_depth == self.slot.current_depth else request_depth
+
+    def _rejoin_batch(self, job: Job, state: tuple) -> None:
+        """A parked batch row comes back with the state ``extract`` gave it."""
+        if self.batch_speculates:
+            cache, primary, history = state
+            self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
+                           depth=self._row_depth(job))
+        else:
+            cache, next_token = state
+            self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
+
+    def _hand_solo_to_batch(self) -> None:
+        """Others now decode in the speculating batch: move each running solo speculative
+        decode that may batch into it at its cycle boundary (its generator hands back its
+        cache, primary token and head history), so they all share one verify per cycle."""
+        for job in list(self.scheduler.active):
+            if not job.solo_spec or job.batched or job.generator is None:
+                continue
+            if not self._batchable(job) or len(self.batch) >= self.batch.max_rows:
+                continue
+            job.handoff = True
+            try:
+                step = next(job.generator)
+            except StopIteration as done:
+                job.solo_spec = False
+                cache, primary, history = done.value
+                self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
+                               depth=self._row_depth(job))
+                job.batched = True
+                job.generator = self.batch.handle(job.key)
+                log.info("batch.joined", request_id=job.request_id, seat=job.seat, rows=len(self.batch),
+                         completion_tokens=len(job.token_ids))
+                continue
+            except Exception as exc:
+                self._failed(job, exc)
+                continue
+            job.handoff = False  # a cycle built ahead was running: it stays solo this time
+            self._deliver(job, step)
 
     def _token_text(self, token_id: int) -> str:
         return self.lm.tokenizer.decode([token_id])
@@ -607,7 +678,8 @@ class EngineWorker(threading.Thread):
         self._deliver(job, step)
 
     def _step_batch(self) -> None:
-        """One forward for every batched row; each row's seat is charged its own token."""
+        """One cycle for every batched row (a verify of every row's drafts where the batch
+        speculates, else one token each); each row's seat is charged its own tokens."""
         from .engine.types import DecodeStep
 
         t0 = time.perf_counter()
@@ -618,12 +690,18 @@ class EngineWorker(threading.Thread):
                 self._failed(job, exc)
             return
         dt = time.perf_counter() - t0
-        if self.governance is not None and out:
-            self.governance.after_step(DecodeStep(tokens=list(out.values()), cycle_s=dt), batch=len(out))
-        for key, token in out.items():
+        steps = out if self.batch_speculates else {key: DecodeStep(tokens=[t], cycle_s=dt) for key, t in out.items()}
+        if self.governance is not None and steps:
+            rows = list(steps.values())
+            self.governance.after_step(DecodeStep(
+                tokens=[t for s in rows for t in s.tokens], depth=max(s.depth for s in rows),
+                drafted=sum(s.drafted for s in rows), accepted=sum(s.accepted for s in rows),
+                accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt), batch=len(rows))
+        for key, step in steps.items():
             job = self.jobs.get(key)
             if job is not None:
-                self._deliver(job, DecodeStep(tokens=[token], cycle_s=dt))
+                job.row_depth = step.depth
+                self._deliver(job, step)
 
     def _log_displaced(self) -> None:
         for parked, made_room_for, why, waited in self.scheduler.displaced:
@@ -638,7 +716,7 @@ class EngineWorker(threading.Thread):
         cache and decided next token, so it rejoins later without recomputing its prompt."""
         for job in self.scheduler.parked:
             if job.batched and job.parked_state is None and job.key in self.batch:
-                job.parked_state = self.batch.extract(job.key)
+                job.parked_state = self.batch.extract(job.key)  # (cache, next token) or (cache, primary, history)
 
     def _failed(self, job: Job, exc: BaseException) -> None:
         log.error("request.failed", request_id=job.request_id, seat=job.seat, error=repr(exc),
@@ -665,8 +743,9 @@ class EngineWorker(threading.Thread):
     def _tally(self, job: Job, step, kept: list[int]) -> None:
         """Latency and speculation counters for status readers (daemon/stats.py)."""
         t = self.tallies
-        t.drafted += step.drafted
-        t.accepted += step.accepted
+        if step.draft_source != "lookup":  # the head's drafts, as Done.speculation counts them
+            t.drafted += step.drafted
+            t.accepted += step.accepted
         if not kept:
             return
         now = time.monotonic()
@@ -685,6 +764,8 @@ class EngineWorker(threading.Thread):
         if job.generator is not None:
             job.generator.close()
             job.generator = None
+        if job.batched and self.batch is not None and job.key in self.batch:
+            self.batch.remove(job.key)  # a row whose start failed after it joined: never left behind
         prefilled = job.prefill.pos if job.prefill is not None else None
         job.prefill = None  # its cache goes with it
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
@@ -697,7 +778,7 @@ class EngineWorker(threading.Thread):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
                      prompt_tokens=terminal.usage.prompt_tokens, cached_tokens=terminal.usage.cached_tokens,
-                     prefilled_tokens=prefilled,
+                     prefilled_tokens=prefilled, batched=job.batched,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {
@@ -748,6 +829,7 @@ class EngineWorker(threading.Thread):
         active = [
             {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
             | ({"prefill": {"done": j.prefill.pos, "total": j.prefill.total}} if j.prefill is not None else {})
+            | ({"batched": True, "depth": j.row_depth} if j.batched else {})
             for j in self.scheduler.active
         ]
         seats: dict[str, dict] = {}

@@ -299,6 +299,10 @@ class SpecStats(Struct, kw_only=True):
     accepted_by_position: list[int] = []
     drafted_by_position: list[int] = []
     guarded: int = 0
+    # Prompt-lookup blocks, apart from the head's drafts above.
+    lookup_cycles: int = 0
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
 
 class Done(_DaemonMessage, tag="done"):

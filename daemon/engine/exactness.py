@@ -15,6 +15,11 @@ per-token states; snapshot: the plain forward and the prefix re-forward), compar
 position's logits and the caches after a full and after a partial accept. The worker uses
 it to decide what an exact temperature-0 request gets on this backend
 (``speculation.exact_on_inexact_backend``).
+
+``ragged_verify_matches_serial`` probes the batched form (batch_spec.py): rows of
+different lengths verified together, each keeping a different prefix (holes in the
+attention KV, per-row GatedDeltaNet gathers), then verified again through the holes; every
+row's logits must equal its own one-token steps. Exact rows batch-speculate only then.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ import random
 
 import mlx.core as mx
 
-from .forward import cache_arrays
+from mlx_lm.models.cache import ArraysCache
+
+from .forward import cache_arrays, capture_hidden
+from .ragged_cache import RaggedKVCache, keep_ragged
 from .rollback import make_rollback
 
 PROBE_T = 4  # verify length probed (depth 3); shorter ones use the same kernels here
@@ -90,3 +98,51 @@ def exact_guard(lm, strategy: str, configured: float) -> float | None:
     from .speculative import resolve_rollback
 
     return None if verify_matches_serial(lm, resolve_rollback(strategy)) else configured
+
+
+def ragged_verify_matches_serial(lm, seed: int = 0) -> bool:
+    """True when a batched verify with ragged acceptance gives every row serial's logits,
+    bit for bit: two verifies of three rows (prompt lengths 7, 33 and 1), the first keeping
+    1, 3 and 2 of its 3 positions. Cached on ``lm``."""
+    probed = lm.__dict__.setdefault("_ragged_verify_matches_serial", None)
+    if probed is not None:
+        return probed
+    rng = random.Random(seed)
+    V = lm.text_args.vocab_size
+    rows = [([rng.randrange(V) for _ in range(n)], [rng.randrange(V) for _ in range(5)]) for n in (7, 33, 1)]
+    keep = [1, 3, 2]
+
+    def prefilled(prompt: list[int]) -> list:
+        cache = lm.make_cache()
+        if len(prompt) > 1:
+            lm.hidden(mx.array([prompt[:-1]], dtype=mx.uint32), cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    # Serial: one-token steps over the last prompt token, the kept block, then two more.
+    want = []
+    for (prompt, block), kept in zip(rows, keep):
+        cache = prefilled(prompt)
+        seq = [prompt[-1]] + block[: kept - 1] + block[3:5]
+        want.append([lm.logits(lm.hidden(mx.array([[t]], dtype=mx.uint32), cache))[0, -1] for t in seq])
+    # Batched: verify [last, b1, b2] for every row, keep a ragged prefix, verify [b4, b5].
+    caches = [prefilled(p) for p, _ in rows]
+    merged = []
+    for layer in zip(*caches):
+        if isinstance(layer[0], ArraysCache):
+            m = ArraysCache.merge(list(layer))
+            m.left_padding = None
+        else:
+            m = RaggedKVCache.merge(list(layer))
+        merged.append(m)
+    first = mx.array([[p[-1]] + b[:2] for p, b in rows], dtype=mx.uint32)
+    rec: list = []
+    got1 = lm.logits(capture_hidden(lm, first, merged, rec))
+    keep_ragged(merged, rec, keep, 3)
+    got2 = lm.logits(capture_hidden(lm, mx.array([b[3:5] for _, b in rows], dtype=mx.uint32), merged, []))
+    ok = True
+    for i, kept in enumerate(keep):
+        got = [got1[i, j] for j in range(kept)] + [got2[i, 0], got2[i, 1]]
+        ok = ok and all(mx.array_equal(g, w).item() for g, w in zip(got, want[i]))
+    lm.__dict__["_ragged_verify_matches_serial"] = ok
+    return ok

@@ -196,6 +196,64 @@ class HeadHistory:
         return [x for c in (self.cache or []) for x in (c.keys, c.values) if x is not None]
 
 
+def draft_token(sampler: Sampler, head_logits: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
+    """One draft from the head's logits [1, V]: (draft token [1], its log q or None when
+    greedy, the head's top-1 probability). The request's processors see the drafts before
+    this one, as serial decode would."""
+    extra = mx.concatenate(before) if before else None
+    lp = _logprobs(sampler.process(head_logits, extra, len(before)))  # [1, V]
+    if sampler.greedy:
+        return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None, mx.exp(lp.max())
+    ql = sampler.log_distribution(lp)
+    d = mx.random.categorical(ql, key=sampler.next_key())
+    return d.reshape(-1).astype(mx.uint32), ql, mx.exp(ql.max())
+
+
+def rejection_sample(sampler: Sampler, lp: mx.array, d_all: mx.array, logq: list | None) -> tuple[mx.array, mx.array]:
+    """Rejection sampling (Leviathan et al. / Chen et al.), on the device: output ~ p exactly.
+    ``lp`` [k+1, V]: the verify's processed logprobs; ``d_all`` [k]: the drafts; ``logq``:
+    each draft's log q [1, V], or None for a deterministic proposal (a lookup block: q is a
+    point mass, so accept with probability p(x); the residual is p without x, renormalised).
+    Returns (picks [k+1]: the residual sample at every position, the bonus from p at k;
+    accept [k] bool: u < min(1, p/q)). Draws two keys from the sampler, in that order."""
+    k = d_all.size
+    logp = sampler.log_distribution(lp).astype(mx.float32)  # [k+1, V]
+    if logq is None:
+        vocab = mx.arange(logp.shape[-1])[None, :]
+        logq_a = mx.where(vocab == d_all[:, None], 0.0, -mx.inf).astype(mx.float32)  # [k, V]
+    else:
+        logq_a = mx.concatenate(logq, axis=0).astype(mx.float32)  # [k, V]
+    idx = d_all[:, None].astype(mx.int32)
+    p_d = mx.exp(mx.take_along_axis(logp[:k], idx, axis=-1))[:, 0]
+    q_d = mx.exp(mx.take_along_axis(logq_a, idx, axis=-1))[:, 0]
+    u = mx.random.uniform(shape=(k,), key=sampler.next_key())
+    accept = u * q_d < p_d  # u < min(1, p/q)
+    resid = mx.maximum(mx.exp(logp[:k]) - mx.exp(logq_a), 0.0)
+    has_mass = resid.sum(axis=-1, keepdims=True) > 0
+    log_resid = mx.where(has_mass, mx.log(resid), logp[:k])
+    fallback = mx.concatenate([log_resid, logp[k:]], axis=0)  # row k: bonus from p
+    return mx.random.categorical(fallback, key=sampler.next_key()), accept  # [k+1], [k]
+
+
+def greedy_accepted(picks: list[int], drafts: list[int], guards: list | None = None) -> int:
+    """Temperature 0: drafts accepted while each equals the base model's argmax at its
+    position, stopping at a guarded (near-tie) position."""
+    k = len(drafts)
+    guards = guards or [0] * (k + 1)
+    a = 0
+    while not guards[a] and a < k and picks[a] == drafts[a]:
+        a += 1
+    return a
+
+
+def sampled_accepted(coins: list) -> int:
+    """Temperature > 0: drafts accepted while their coins say so."""
+    a = 0
+    while a < len(coins) and coins[a]:
+        a += 1
+    return a
+
+
 def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history: HeadHistory, chunk: int = PREFILL_CHUNK) -> mx.array:
     """serial.prefill's chunks, op for op (so the caches match serial decode's), plus the
     head's priming: pair each chunk's base hiddens with the next prompt tokens and feed all
@@ -228,6 +286,7 @@ def speculative_decode(
     loop_guard: LoopGuardConfig | None = None,
     context: list[int] | None = None,
     pipeline: bool | None = None,
+    handoff: Callable[[], bool] | None = None,
 ) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per cycle, forever (the caller stops it).
 
@@ -248,6 +307,11 @@ def speculative_decode(
     ``pipeline``: build each head-drafted cycle's successor while the device runs it (see
     the module docstring); False builds every cycle after the previous one is decided;
     None: ``resolve_pipeline`` (on a GPU only). All commit the same tokens.
+    ``handoff``: asked at every cycle boundary (no cycle built ahead); when it says True
+    the generator ends, returning its state for the continuous batch (batch_spec.py):
+    (cache holding every position before ``primary``, primary, the head history). Work
+    issued ahead is undone first (a serial step's cache slots); a first draft issued ahead
+    only fed committed pairs to the head, which stay.
     """
     if not prompt:
         raise ValueError("speculative_decode needs at least one prompt token")
@@ -297,15 +361,7 @@ def speculative_decode(
         return (committed_slots, g) + draft_from(g, [])
 
     def draft_from(g: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
-        """(draft token [1], its log q or None when greedy, the head's top-1 probability).
-        The request's processors see the drafts before this one, as serial decode would."""
-        extra = mx.concatenate(before) if before else None
-        lp = _logprobs(sampler.process(head.logits(g)[:, -1, :], extra, len(before)))  # [1, V]
-        if greedy:
-            return mx.argmax(lp, axis=-1).reshape(-1).astype(mx.uint32), None, mx.exp(lp.max())
-        ql = sampler.log_distribution(lp)
-        d = mx.random.categorical(ql, key=sampler.next_key())
-        return d.reshape(-1).astype(mx.uint32), ql, mx.exp(ql.max())
+        return draft_token(sampler, head.logits(g)[:, -1, :], before)
 
     def plan_next(committed: list[int]) -> list[int]:
         if loops is not None:
@@ -354,25 +410,7 @@ def speculative_decode(
             if exact and guard_margin is not None:
                 host.append(near_tie(lp, logits, guard_margin))
         else:
-            # Rejection sampling (Leviathan et al. / Chen et al.): output ~ p exactly.
-            logp = sampler.log_distribution(lp).astype(mx.float32)  # [k+1, V]
-            if source == "lookup":
-                # A deterministic proposal: q is a point mass on the block's token, so
-                # accept with probability p(x); the residual is p without x, renormalised.
-                vocab = mx.arange(logp.shape[-1])[None, :]
-                logq_a = mx.where(vocab == d_all[:, None], 0.0, -mx.inf).astype(mx.float32)  # [k, V]
-            else:
-                logq_a = mx.concatenate(logq, axis=0).astype(mx.float32)  # [k, V]
-            idx = d_all[:, None].astype(mx.int32)
-            p_d = mx.exp(mx.take_along_axis(logp[:k], idx, axis=-1))[:, 0]
-            q_d = mx.exp(mx.take_along_axis(logq_a, idx, axis=-1))[:, 0]
-            u = mx.random.uniform(shape=(k,), key=sampler.next_key())
-            accept = u * q_d < p_d  # u < min(1, p/q)
-            resid = mx.maximum(mx.exp(logp[:k]) - mx.exp(logq_a), 0.0)
-            has_mass = resid.sum(axis=-1, keepdims=True) > 0
-            log_resid = mx.where(has_mass, mx.log(resid), logp[:k])
-            fallback = mx.concatenate([log_resid, logp[k:]], axis=0)  # row k: bonus from p
-            cyc.picks = mx.random.categorical(fallback, key=sampler.next_key())  # [k+1]
+            cyc.picks, accept = rejection_sample(sampler, lp, d_all, None if source == "lookup" else logq)
             host = [cyc.picks, d_all, accept]
         cyc.bonus = cyc.picks[k:].astype(mx.uint32)  # the token after a full accept
         cyc.host = mx.concatenate([x.reshape(-1).astype(mx.int32) for x in host])
@@ -385,15 +423,10 @@ def speculative_decode(
         k = cyc.k
         vals = cyc.host.tolist()
         picks, d_l, flags = vals[: k + 1], vals[k + 1 : 2 * k + 1], vals[2 * k + 1 :]
-        a = 0
         if greedy:
-            guards = flags or [0] * (k + 1)
-            while not guards[a] and a < k and picks[a] == d_l[a]:
-                a += 1
-            return a, bool(guards[a]), picks, d_l
-        while a < k and flags[a]:
-            a += 1
-        return a, False, picks, d_l
+            a = greedy_accepted(picks, d_l, flags)
+            return a, bool(flags and flags[a]), picks, d_l
+        return sampled_accepted(flags), False, picks, d_l
 
     def optimistic_next(cyc: _Cycle) -> tuple | None:
         """Build, without running it, the cycle that follows ``cyc`` if ``cyc`` accepts all
@@ -437,6 +470,11 @@ def speculative_decode(
         cycle_s_mean = cycle_s if cycle_s_mean is None else cycle_s_mean + FULL_RATE_ALPHA * (cycle_s - cycle_s_mean)
 
     while True:
+        if handoff is not None and pending is None and handoff():
+            if ahead is not None:
+                ahead[3].restore()
+            mx.eval([c.state for c in cache] + hist.state())
+            return cache, int(primary.reshape(-1)[0].item()), hist
         t0 = time.perf_counter()
         n_cycles += 1
         if n_cycles % 256 == 0:

@@ -22,7 +22,12 @@ sum_y p(y) p(. | context + y) for the second, computed with serial (M=1) steps. 
 >= 5, the rest pooled. p-value by the Wilson-Hilferty normal approximation of the
 chi-square tail (scipy is not a dependency); fails when p < alpha (default 0.001).
 
-CLI: ``councild gate fidelity [--model PATH] [--depths 1,2,3,4] [--tokens N] [--json OUT]``.
+Batched arms (fidelity_batch.py, ``--batched 2,4,8``): the same token identity for rows
+speculating together in the continuous batch, 2-8 rows of mixed prompts and depths joining
+and leaving mid-stream, every third with the processors.
+
+CLI: ``councild gate fidelity [--model PATH] [--depths 1,2,3,4] [--tokens N] [--batched 2,4,8]
+[--batched-only] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
 from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from ..engine.types import SamplingParams
+from .fidelity_batch import run_batched_arms
 
 PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
 # The processor configuration the gate checks: every processor on, strong enough to change
@@ -92,6 +98,7 @@ class ArmResult:
     lookup_cycles: int = 0
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    batch_rows: int = 0  # the batched arms' height (fidelity_batch.py); 0: one request alone
 
     @property
     def flips_per_1000(self) -> float:
@@ -482,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="fault injection: noise on the verify's logprobs, to prove the gate can fail")
     ap.add_argument("--pipeline", choices=("auto", "on", "off"), default="auto",
                     help="speculation builds each cycle ahead (on), not (off), or as the daemon does (auto: on a GPU)")
+    ap.add_argument("--batched", default="2,4,8",
+                    help="batch heights of the batched arms (rows speculating together in the continuous batch); "
+                         "'' skips them")
+    ap.add_argument("--batched-only", action="store_true",
+                    help="run only the batched arms (no solo arms, deviation or temperature>0 tests)")
     args = ap.parse_args(argv)
     pipeline = {"auto": None, "on": True, "off": False}[args.pipeline]
 
@@ -505,11 +517,25 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
     else:
         guard = float(args.guard)
-    report = run_fidelity_gate(
+    modes = tuple(args.modes.split(","))
+    report = FidelityReport(model=str(lm.path), rollback=resolve_rollback(args.rollback), guard_margin=guard,
+                            max_tokens=args.tokens)
+    if args.batched:
+        report.arms += run_batched_arms(
+            lm, head, prompts, ArmResult, _serial_tokens, PROCESSORS if args.processors else None,
+            heights=[int(b) for b in args.batched.split(",")], max_tokens=args.tokens, modes=modes,
+            depth=max(int(d) for d in args.depths.split(",")))
+    if args.batched_only:
+        print(format_report(report))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
+        return 0 if report.passed else 1
+    run_fidelity_gate(
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
-        modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=guard,
+        modes=modes, rollback=args.rollback, guard_margin=guard,
         logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
-        quoting=load_quoting_prompts(args.quoting), pipeline=pipeline,
+        quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, report=report,
     )
     if args.processors and "exact" in args.modes.split(","):
         run_fidelity_gate(

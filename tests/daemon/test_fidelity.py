@@ -7,7 +7,9 @@ import json
 import mlx.core as mx
 import pytest
 
-from daemon.measure.fidelity import chi2_sf, distribution_test, load_prompts, main, run_fidelity_gate
+from daemon.measure.fidelity import (ArmResult, FidelityReport, _serial_tokens, chi2_sf, distribution_test, load_prompts,
+                                     main, run_fidelity_gate)
+from daemon.measure.fidelity_batch import run_batched_arms
 from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.types import SamplingParams
@@ -62,7 +64,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps({"prompts": load_prompts()[:2]}))
     common = ["--model", str(random_model_path), "--prompts", str(prompts), "--draws", "0", "--drafting", "mtp"]
-    rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out)])
+    rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out), "--batched", ""])
     assert rc == 0
     data = json.loads(out.read_text())
     # exact and fast at depths 1 and 3, then exact again with the logit processors on
@@ -73,6 +75,36 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
     assert rc == 1
+
+
+def test_cli_batched_arms(random_model_path, tmp_path):
+    """The batched arms: rows speculating together in the continuous batch, 2 and 3 high,
+    mixed depths and processors, joining and leaving, each identical to serial alone."""
+    out = tmp_path / "batched.json"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"prompts": load_prompts()[:3]}))
+    rc = main(["--model", str(random_model_path), "--prompts", str(prompts), "--batched-only", "--batched", "2,3",
+               "--depths", "1,3", "--tokens", "10", "--json", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    arms = data["arms"]
+    assert [(a["mode"], a["batch_rows"]) for a in arms] == [("exact", 2), ("exact", 3), ("fast", 2), ("fast", 3)]
+    assert all(a["identical"] == a["prompts"] == 2 * a["batch_rows"] for a in arms) and data["passed"]
+    assert all(a["depth"] == 3 and a["processors"] for a in arms)
+
+
+def test_batched_arms_fail_on_a_divergence(lm, copy_head):
+    """The batched comparison can fail: against a reference that is not serial's tokens,
+    every row diverges, the exact arm records where, and the report fails."""
+    def shifted(lm_, prompt, n, params):
+        return [t + 1 for t in _serial_tokens(lm_, prompt, n, params)]
+
+    report = FidelityReport(model="random", rollback="capture", guard_margin=None, max_tokens=6)
+    report.arms += run_batched_arms(lm, copy_head, load_prompts()[:2], ArmResult, shifted, None, heights=(2,),
+                                    max_tokens=6, modes=("exact",), depth=2)
+    arm = report.arms[0]
+    assert arm.identical == 0 and arm.flips == arm.prompts == 4 and arm.first_divergence["token"] == 0
+    assert not report.passed
 
 
 @pytest.mark.parametrize("depth", [1, 2])

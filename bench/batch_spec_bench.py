@@ -1,0 +1,111 @@
+"""Speculation inside the continuous batch vs the batch at depth 0 (CPU, bundled model).
+
+    PYTHONPATH=. .venv/bin/python bench/batch_spec_bench.py --heights 2 4 --depths 1 2 --tokens 48 --rounds 3
+
+For each batch height B, arms run interleaved (A B C ... A B C ...) for --rounds rounds,
+each decoding the same B greedy rows (mixed prompts) for --tokens tokens per row, prefill
+outside the timed region:
+- batch d0: BatchDecoder (daemon/engine/batch.py), one batched forward per token (what a
+  busy council got before: every row at depth 0);
+- spec d0: SpecBatchDecoder at depth 0 (the new decoder's own overhead, no drafts);
+- spec dK: SpecBatchDecoder at depth K (rows draft with the MTP head, one verify per cycle).
+Aggregate tokens/s per arm, median and range over rounds, and the per-round ratio of each
+arm to "batch d0" (median and range). Every arm's tokens are checked equal to batch d0's
+(all greedy; on CPU batched rows are serial's). Prints markdown, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from daemon.engine.batch import BatchDecoder  # noqa: E402
+from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.loading import load_model  # noqa: E402
+from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.types import SamplingParams  # noqa: E402
+from daemon.paths import BUNDLED_MODEL  # noqa: E402
+
+TEXTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
+         "# sort a list\ndef quicksort(items):\n", "for i in range(10):\n    print(", "import json\n\nclass Encoder:",
+         "def load(path):\n    with open(path) as f:", "x = [1, 2, 3]\n"]
+
+
+def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[float, dict]:
+    """Returns (aggregate tokens/s, {row: tokens})."""
+    if arm == "batch d0":
+        bd = BatchDecoder(lm, max_rows=len(prompts))
+        for i, p in enumerate(prompts):
+            bd.add(i, Sampler(SamplingParams()), p, exact=True)
+    else:
+        k = int(arm.split("d")[-1])
+        bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts))
+        for i, p in enumerate(prompts):
+            bd.add(i, Sampler(SamplingParams()), p, exact=True)
+    got = {i: [] for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    while min(len(v) for v in got.values()) < tokens:
+        for r, out in bd.step().items():
+            got[r] += [out] if isinstance(out, int) else out.tokens
+    dt = time.perf_counter() - t0
+    produced = sum(len(v) for v in got.values())
+    return produced / dt, {r: v[:tokens] for r, v in got.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=str(BUNDLED_MODEL))
+    ap.add_argument("--heights", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=str(ROOT / "bench/results/batch_spec_cpu.json"))
+    args = ap.parse_args(argv)
+
+    lm = load_model(args.model)
+    head = load_mtp_head(lm)
+    arms = ["batch d0", "spec d0"] + [f"spec d{k}" for k in args.depths]
+    results = []
+    for B in args.heights:
+        prompts = [lm.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(B)]
+        rates = {a: [] for a in arms}
+        ref = None
+        for _ in range(args.rounds):
+            for a in arms:
+                rate, toks = run_arm(lm, head, a, prompts, args.tokens)
+                if ref is None:
+                    ref = toks
+                assert toks == ref, f"{a} at B={B} decoded other tokens than batch d0"
+                rates[a].append(rate)
+        for a in arms:
+            ratios = [x / y for x, y in zip(rates[a], rates["batch d0"])]
+            results.append({"height": B, "arm": a, "tokens_per_s": rates[a],
+                            "median_tokens_per_s": statistics.median(rates[a]),
+                            "ratio_vs_batch_d0": ratios, "median_ratio": statistics.median(ratios)})
+    print(f"batched speculation, {Path(args.model).name}, {platform.machine()}, CPU, "
+          f"{args.tokens} tokens/row, {args.rounds} rounds interleaved\n")
+    print("| rows | arm | tokens/s median (range) | vs batch d0: median (range) |")
+    print("|---|---|---|---|")
+    for r in results:
+        t, q = r["tokens_per_s"], r["ratio_vs_batch_d0"]
+        print(f"| {r['height']} | {r['arm']} | {r['median_tokens_per_s']:.1f} ({min(t):.1f}-{max(t):.1f}) | "
+              f"{r['median_ratio']:.2f}x ({min(q):.2f}-{max(q):.2f}) |")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": args.rounds,
+                                           "machine": platform.machine(), "results": results,
+                                           "command": "PYTHONPATH=. python bench/batch_spec_bench.py "
+                                           + " ".join(argv if argv is not None else sys.argv[1:])}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

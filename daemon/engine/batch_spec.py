@@ -1,0 +1,391 @@
+"""Speculation inside the continuous batch: every row drafts, one verify scores them all.
+
+Row state at a cycle boundary, per row, as speculative.py keeps it for one request:
+- the base cache holds positions 0..P-1; ``primary`` (the last committed token, or the
+  prompt's last) sits at P, not yet forwarded;
+- the head's KV holds committed slots; slot S is the pair (base hidden at S, real token
+  S+1); pairs not yet fed wait in the row's ``pending`` list, which (once the row has
+  decoded a cycle or was prefilled with a head) ends with (base hidden at P-1, primary).
+
+One cycle (``step``), at the batch's depth K = ``depth_for(B)``, row i drafting k_i <= K:
+1. draft: one head forward over every row's pending pairs (padded to the longest; the pads
+   become holes, ragged_cache.py), each row's first draft from its last real pair, then
+   K-1 batched single steps (speculative slots). A row drafts with its own sampler and
+   processors (``speculative.draft_token``); a row with k_i < K ignores the extra drafts.
+2. verify: ONE base forward over [primary_i, d_i1..d_iK] for every row ([B, K+1]),
+   through the capturing GatedDeltaNet walk (forward.capture_hidden).
+3. accept per row: greedy rows while the draft equals the argmax (``greedy_accepted``),
+   sampled rows by rejection sampling (``speculative.rejection_sample``); each row's
+   processors see its own committed history plus its drafts, as in serial decode.
+4. commit per row a_i + 1 tokens: attention KV keeps its first a_i + 1 verify slots (the
+   rest become holes, the row's offset drops by their number); GatedDeltaNet conv and
+   recurrent state are gathered at the row's last kept index; the head drops its K-1
+   speculative slots and queues the committed pairs.
+
+With one row the caches are that row's own plain ones (KVCache trims instead of holes), so
+a lone row runs the ops speculative_decode runs; two or more are merged (mlx-lm's
+ArraysCache.merge, RaggedKVCache.merge) and dropping back to one extracts the survivor.
+
+Exactness: a greedy row's tokens are the verify's argmaxes, so an exact row is serial's
+tokens wherever the batched verify's logits are bit-identical to one-token steps:
+``batch_matches_serial`` (batched forwards), ``verify_matches_serial`` (a verify vs serial
+steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, keeping
+ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
+decode alone). There is no near-tie guard here. Not done in the batch (solo speculation
+has them): prompt lookup, the draft stopper, the loop guard, building the next cycle ahead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
+from .exactness import ragged_verify_matches_serial, verify_matches_serial
+from .forward import capture_hidden
+from .model import LoadedModel
+from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
+from .sampling import Sampler, logprob_entries, logprobs as _logprobs
+from .serial import PREFILL_CHUNK
+from .speculative import (FLUSH_PENDING, HeadHistory, draft_token, greedy_accepted, prefill_with_hidden,
+                          rejection_sample, sampled_accepted)
+from .types import DecodeStep
+
+
+@dataclass
+class SpecRow:
+    row_id: Hashable
+    sampler: Sampler
+    exact: bool
+    primary: int
+    depth: Callable[[], int] | None  # the row's own ceiling (None: the batch's depth)
+    pending_h: list = field(default_factory=list)  # [1, n, H] base hiddens
+    pending_t: list = field(default_factory=list)  # [n] uint32 next tokens
+    n_pending: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Greedy without processors: decided by one batched argmax."""
+        return self.sampler.greedy and not self.sampler.processing
+
+
+@dataclass
+class SpecBatchStats:
+    cycles: int = 0
+    row_cycles: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def _merge_layer(c):
+    if isinstance(c, ArraysCache):
+        out = ArraysCache.merge([c])
+        out.left_padding = None  # an all-empty merge sets it; a zero state needs no mask
+        return out
+    return RaggedKVCache.merge([c])
+
+
+def _extract_layer(c, i: int):
+    out = c.extract(i)
+    if isinstance(out, ArraysCache):
+        out.cache = [mx.contiguous(a) if a is not None else None for a in out.cache]
+    return out
+
+
+class SpecBatchDecoder:
+    """Drive from one thread, at cycle boundaries: ``add`` / ``remove`` / ``extract`` /
+    ``step``. ``head`` returns the resident MTP head (or None); ``depth_for(B)`` the batch's
+    depth at height B (``HeadSlot.depth_for``)."""
+
+    def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
+                 exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK):
+        self.lm = lm
+        self.head_fn = head
+        self.depth_for = depth_for
+        self.max_rows = max_rows
+        if exact_ok is None:
+            exact_ok = (batch_matches_serial(lm, max_rows) and verify_matches_serial(lm, "capture")
+                        and ragged_verify_matches_serial(lm))
+        self.exact_ok = exact_ok
+        self.prefill_chunk = prefill_chunk
+        self.stats = SpecBatchStats()
+        self._rows: list[SpecRow] = []
+        self._cache: list | None = None  # base: one row's own, or merged per layer
+        self._hcache: list | None = None  # the head's, likewise
+        self._head = None  # the head whose history _hcache holds
+
+    # ------------------------------------------------------------------ introspection
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, row_id: Hashable) -> bool:
+        return any(r.row_id == row_id for r in self._rows)
+
+    def handle(self, row_id: Hashable) -> RowHandle:
+        """The worker's ``generator`` for a batched job: ``close()`` removes the row."""
+        return RowHandle(self, row_id)
+
+    @property
+    def row_ids(self) -> list:
+        return [r.row_id for r in self._rows]
+
+    def _index(self, row_id: Hashable) -> int:
+        for i, r in enumerate(self._rows):
+            if r.row_id == row_id:
+                return i
+        raise KeyError(row_id)
+
+    def _live_head(self):
+        head = self.head_fn()
+        if head is None or getattr(head, "unloaded", False):
+            head = None
+        if head is not self._head:  # evicted or replaced: its history means nothing now
+            self._head = head
+            self._hcache = None if head is None or not self._rows else self._fresh_head_cache(len(self._rows))
+            for r in self._rows:
+                r.pending_h, r.pending_t, r.n_pending = [], [], 0
+        return head
+
+    def _fresh_head_cache(self, n: int) -> list:
+        one = self._head.make_cache()
+        return one if n == 1 else [RaggedKVCache.merge([KVCache() for _ in range(n)]) for _ in one]
+
+    # ------------------------------------------------------------------ admission
+    def admits(self, sampler: Sampler, exact: bool) -> bool:
+        """Any row but an exact greedy one where the batched verify is not bit-identical."""
+        return not (exact and sampler.greedy) or self.exact_ok
+
+    def add(self, row_id: Hashable, sampler: Sampler, prompt: list[int], *, cache: list | None = None,
+            history: HeadHistory | None = None, exact: bool = False, depth: Callable[[], int] | None = None) -> None:
+        """Admit a row at a cycle boundary. ``cache`` holds everything before ``prompt``;
+        all of ``prompt`` but its last token is prefilled here (as speculative_decode's
+        prefill), the last is the row's primary. ``history``: the row's head history (its
+        KV and pending pairs, from a prefill or ``extract``)."""
+        if row_id in self:
+            raise ValueError(f"row {row_id!r} is already in the batch")
+        if not prompt:
+            raise ValueError("a stream needs at least one prompt token")
+        if not self.admits(sampler, exact):
+            raise ValueError("this backend's batched verify is not bit-identical to serial steps: a row that must "
+                             "be exact at temperature 0 decodes alone")
+        if len(self._rows) >= self.max_rows:
+            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        head = self._live_head()
+        cache = cache if cache is not None else self.lm.make_cache()
+        if history is None or history.head is not head:
+            history = HeadHistory(head)
+        primary = int(prefill_with_hidden(self.lm, prompt, cache, history, self.prefill_chunk).item())
+        row = SpecRow(row_id, sampler, exact, primary, depth)
+        if head is not None:
+            row.pending_h, row.pending_t, row.n_pending = list(history.h), list(history.t), history.n
+        hcache = history.cache
+        mx.eval([c.state for c in cache] + history.state())
+        if not self._rows:
+            self._cache, self._hcache = cache, hcache
+        else:
+            if len(self._rows) == 1:
+                self._cache = [_merge_layer(c) for c in self._cache]
+                self._hcache = [_merge_layer(c) for c in self._hcache] if self._hcache is not None else None
+            for bc, c in zip(self._cache, cache):
+                bc.extend(_merge_layer(c))
+            if self._hcache is not None:
+                for bc, c in zip(self._hcache, hcache):
+                    bc.extend(_merge_layer(c))
+            mx.eval([c.state for c in self._cache + (self._hcache or [])])
+        self._rows.append(row)
+
+    # ------------------------------------------------------------------ leaving
+    def remove(self, row_id: Hashable) -> None:
+        self._drop(self._index(row_id))
+
+    def extract(self, row_id: Hashable) -> tuple[list, int, HeadHistory]:
+        """Take a row out with its state: (plain cache holding everything before primary,
+        primary, its head history). Resume alone with ``speculative_decode(lm, head,
+        [primary], sampler, ..., cache=, history=)`` or rejoin with ``add``."""
+        i = self._index(row_id)
+        row = self._rows[i]
+        if len(self._rows) == 1:
+            cache, hcache = self._cache, self._hcache
+        else:
+            cache = [_extract_layer(c, i) for c in self._cache]
+            hcache = [_extract_layer(c, i) for c in self._hcache] if self._hcache is not None else None
+        hist = HeadHistory(self._head)
+        if self._head is not None:
+            hist.cache = hcache
+            hist.h, hist.t, hist.n = list(row.pending_h), list(row.pending_t), row.n_pending
+        mx.eval([c.state for c in cache] + hist.state())
+        self._drop(i)
+        return cache, row.primary, hist
+
+    def _drop(self, i: int) -> None:
+        del self._rows[i]
+        n = len(self._rows)
+        if n == 0:
+            self._cache = self._hcache = None
+            return
+        keep = [j for j in range(n + 1) if j != i]
+        if n == 1:  # back to one row's own caches, and its numerics
+            self._cache = [_extract_layer(c, keep[0]) for c in self._cache]
+            if self._hcache is not None:
+                self._hcache = [_extract_layer(c, keep[0]) for c in self._hcache]
+        else:
+            idx = mx.array(keep)
+            for c in self._cache + (self._hcache or []):
+                c.filter(idx)
+        mx.eval([c.state for c in self._cache + (self._hcache or [])])
+
+    # ------------------------------------------------------------------ decoding
+    def _row_depth(self, row: SpecRow, k: int) -> int:
+        if row.n_pending == 0:
+            return 0  # nothing to draft from yet: this cycle's verify makes the pair
+        cap = row.depth() if row.depth is not None else k
+        return max(0, min(k, int(cap)))
+
+    def _feed(self, head) -> mx.array:
+        """Every row's pending pairs through the head (committed slots), padded to the
+        longest; returns each row's head output at its last real pair, [B, 1, H]."""
+        rows = self._rows
+        n = [r.n_pending for r in rows]
+        T = max(n)
+        H = self.lm.text_args.hidden_size
+        dtype = next(r.pending_h[0].dtype for r in rows if r.pending_h)
+        hs, ts = [], []
+        for r, ni in zip(rows, n):
+            h = [x.astype(dtype) for x in r.pending_h] + ([mx.zeros((1, T - ni, H), dtype=dtype)] if ni < T else [])
+            t = list(r.pending_t) + ([mx.zeros((T - ni,), dtype=mx.uint32)] if ni < T else [])
+            hs.append(mx.concatenate(h, axis=1) if len(h) > 1 else h[0])
+            ts.append((mx.concatenate(t) if len(t) > 1 else t[0])[None])
+            r.pending_h, r.pending_t, r.n_pending = [], [], 0
+        out = head(mx.concatenate(hs), mx.concatenate(ts), self._hcache)
+        if T > min(n):
+            for c in self._hcache:
+                keep_kv(c, n, T)
+        last = mx.array([max(ni - 1, 0) for ni in n], dtype=mx.int32)
+        return mx.take_along_axis(out, last[:, None, None], axis=1)  # [B, 1, H]
+
+    def _drafts(self, head, K: int, ks: list[int]) -> tuple[list[mx.array], list[list]]:
+        """K rounds of drafts: per round one [B] token array; per row its log q's (sampled)."""
+        rows = self._rows
+        g = self._feed(head)
+        drafts, logq = [], [[] for _ in rows]
+        for j in range(K):
+            if j:
+                g = head(g, drafts[-1][:, None], self._hcache)
+            logits = head.logits(g)[:, -1, :]  # [B, V]
+            plain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            own = [i for i, r in enumerate(rows) if not r.plain and j < ks[i]]  # their own sampler/processors
+            if not own:
+                drafts.append(plain)
+                continue
+            cols = []
+            for i, r in enumerate(rows):
+                if i not in own:
+                    cols.append(plain[i : i + 1])
+                    continue
+                before = [d[i : i + 1] for d in drafts]
+                d, ql, _ = draft_token(r.sampler, logits[i : i + 1], before)
+                cols.append(d)
+                logq[i].append(ql)
+            drafts.append(mx.concatenate(cols))
+        return drafts, logq
+
+    def step(self) -> dict[Hashable, DecodeStep]:
+        """One cycle for every row; returns {row_id: DecodeStep} (tokens may run past EOS)."""
+        if not self._rows:
+            return {}
+        t0 = time.perf_counter()
+        rows, B = self._rows, len(self._rows)
+        head = self._live_head()
+        k = max(0, int(self.depth_for(B))) if head is not None else 0
+        ks = [self._row_depth(r, k) for r in rows]
+        K = max(ks)
+        if K:
+            drafts, logq = self._drafts(head, K, ks)
+            spec_slots = K - 1
+        else:
+            drafts, logq, spec_slots = [], [[] for _ in rows], 0
+            if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
+                self._feed(head)  # keep the head's history whole while nobody drafts
+        primary = mx.array([r.primary for r in rows], dtype=mx.uint32)
+        tokens = mx.stack([primary] + drafts, axis=1)  # [B, K+1]
+        T = K + 1
+
+        # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
+        rec: list = []
+        hid = capture_hidden(self.lm, tokens, self._cache, rec)
+        logits = self.lm.logits(hid)  # [B, T, V]
+        plain_lp = _logprobs(logits) if any(r.plain for r in rows) else None
+        plain_picks = mx.argmax(plain_lp, axis=-1) if plain_lp is not None else None  # [B, T]
+
+        # 3. acceptance, down to one int array the host reads: every row's verify inputs
+        # and (plain rows) argmaxes as two [B, T] blocks, then per other row its picks and coins.
+        lps, host = {}, [tokens.reshape(-1)]
+        if plain_picks is not None:
+            host.append(plain_picks.reshape(-1))
+        for i, r in enumerate(rows):
+            if r.plain:
+                continue
+            ki = ks[i]
+            d_i = tokens[i, 1 : ki + 1]
+            lp = lps[i] = _logprobs(r.sampler.process(logits[i, : ki + 1], d_i))
+            if r.sampler.greedy:
+                picks, coins = mx.argmax(lp, axis=-1), mx.zeros((ki,), dtype=mx.int32)
+            elif ki == 0:
+                picks, coins = r.sampler(lp).reshape(-1), mx.zeros((0,), dtype=mx.int32)
+            else:
+                picks, coins = rejection_sample(r.sampler, lp, d_i, logq[i][:ki])
+            host += [picks.reshape(-1), coins.reshape(-1)]
+        vals = mx.concatenate([x.astype(mx.int32) for x in host]).tolist()
+
+        steps, keep = {}, []
+        inputs = [vals[i * T : (i + 1) * T] for i in range(B)]
+        argmaxes = [vals[(B + i) * T : (B + i + 1) * T] for i in range(B)] if plain_picks is not None else None
+        pos = (2 if plain_picks is not None else 1) * B * T
+        for i, r in enumerate(rows):
+            ki = ks[i]
+            d_l = inputs[i][1 : ki + 1]
+            if r.plain:
+                picks, coins = argmaxes[i][: ki + 1], []
+            else:
+                picks, coins = vals[pos : pos + ki + 1], vals[pos + ki + 1 : pos + 2 * ki + 1]
+                pos += 2 * ki + 1
+            a = greedy_accepted(picks, d_l) if r.sampler.greedy else sampled_accepted(coins)
+            committed = d_l[:a] + [picks[a]]
+            keep.append(a + 1)
+            ids = mx.array(committed, dtype=mx.uint32)
+            lp_entries = None
+            if r.sampler.wants_logprobs:
+                lp = lps[i] if i in lps else plain_lp[i, : ki + 1]
+                lp_entries = logprob_entries(r.sampler.logprob_arrays(lp[: a + 1], ids))
+            r.sampler.commit(ids)
+            r.primary = committed[-1]
+            if head is not None:
+                r.pending_h.append(hid[i : i + 1, : a + 1])
+                r.pending_t.append(ids)
+                r.n_pending += a + 1
+            steps[r.row_id] = DecodeStep(tokens=committed, depth=ki, drafted=ki, accepted=a,
+                                         accepted_mask=[True] * a + [False] * (ki - a), logprobs=lp_entries)
+            self.stats.drafted += ki
+            self.stats.accepted += a
+            self.stats.tokens += a + 1
+
+        # 4. every row keeps its own prefix of the verify; the head drops its speculative slots.
+        keep_ragged(self._cache, rec, keep, T)
+        if spec_slots:
+            for c in self._hcache:
+                c.trim(spec_slots)
+        mx.async_eval([c.state for c in self._cache + (self._hcache or [])]
+                      + [h for r in rows for h in r.pending_h[-1:]])
+        self.stats.cycles += 1
+        self.stats.row_cycles += B
+        if self.stats.cycles % 256 == 0:
+            mx.clear_cache()
+        dt = time.perf_counter() - t0
+        for s in steps.values():
+            s.cycle_s = dt
+        return steps

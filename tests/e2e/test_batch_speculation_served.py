@@ -1,0 +1,65 @@
+"""Speculation inside the continuous batch, through a real daemon on the bundled model: a
+council's concurrent greedy exact requests decode as rows of one batch and still speculate,
+each producing the tokens of the same prompt decoded alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol.client import Client
+
+from e2e_harness import start_daemon
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
+           "# sort a list\ndef quicksort(items):\n"]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def council_daemon(tmp_path_factory):
+    assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model is part of the repository"
+    d = start_daemon(tmp_path_factory.mktemp("batchspec"), BUNDLED_MODEL)
+    yield d
+    assert d.stop() == 0
+
+
+def test_four_concurrent_exact_requests_batch_and_speculate(council_daemon):
+    d = council_daemon
+    with Client(d.endpoint, seat="council", timeout_s=120) as c:
+        alone = {p: c.complete(p, max_tokens=TOKENS, speculation="off").text for p in PROMPTS}
+        assert c.governor("pin_depth", 2).ok
+        streams = [c.generate(p, max_tokens=TOKENS, speculation="exact") for p in PROMPTS]
+        dones = [s.result() for s in streams]
+        assert c.governor("auto").ok
+    for p, done in zip(PROMPTS, dones):
+        assert done.text == alone[p], p
+        sp = done.speculation
+        assert sp is not None and sp.mode == "exact" and sp.drafted > 0 and sp.accepted > 0, sp
+        assert sp.drafted == sum(sp.drafted_by_position) and sp.accepted == sum(sp.accepted_by_position), sp
+    ids = {s.request_id for s in streams}
+    ended = {e["request_id"]: e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids}
+    assert len(ended) == 4
+    # They decoded as rows of the batch (a request that began alone moved in: batch.joined).
+    assert all(e["batched"] for e in ended.values()), ended
+    assert all(e["speculation"]["drafted"] > 0 for e in ended.values())
+    ready = [e for e in d.events() if e.get("event") == "batch.ready"]
+    assert ready and ready[0]["speculates"] and ready[0]["exact_rows_batch"]
+
+
+def test_a_running_solo_request_moves_into_the_batch_when_another_arrives(council_daemon):
+    d = council_daemon
+    long_prompt, other = PROMPTS[0], PROMPTS[1]
+    with Client(d.endpoint, seat="council", timeout_s=120) as c:
+        alone = c.complete(long_prompt, max_tokens=160, speculation="off").text
+        assert c.governor("pin_depth", 2).ok
+        first = c.generate(long_prompt, max_tokens=160, speculation="exact")
+        it = iter(first)
+        next(it)  # it is decoding, alone (solo speculation)
+        second = c.generate(other, max_tokens=TOKENS, speculation="exact")
+        done1, done2 = first.result(), second.result()
+        assert c.governor("auto").ok
+    assert done1.text == alone and done1.speculation.drafted > 0
+    assert done2.speculation.drafted > 0
+    joined = [e for e in d.events() if e.get("event") == "batch.joined" and e["request_id"] == first.request_id]
+    assert len(joined) == 1 and 0 < joined[0]["completion_tokens"] < 160, joined
