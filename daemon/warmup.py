@@ -39,12 +39,12 @@ from .engine.types import SamplingParams
 CYCLES = 2
 
 
-def resolve(level: str, on_gpu: bool, in_group: bool) -> str:
+def resolve(level: str, on_gpu: bool) -> str:
     """``auto`` is ``full`` on a GPU, ``light`` on the CPU (nothing compiles per shape there).
-    In a group it is ``full`` whatever the device: every rank must run the same forwards."""
+    In a group, rank 0 resolves it and the other ranks adopt its answer (lockstep.py)."""
     if level != "auto":
         return level
-    return "full" if on_gpu or in_group else "light"
+    return "full" if on_gpu else "light"
 
 
 def _tokens(lm, n: int, salt: int = 0) -> list[int]:

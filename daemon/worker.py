@@ -235,36 +235,47 @@ class EngineWorker(threading.Thread):
             self.governance = Governance(self.slot, self.cfg.governor, self.lm.path, prefix_cache=self.prefix_cache,
                                          holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
             self.tuned_profile = self.governance.tuned_profile
-        self._warm_up()
+        if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
+            self._warm_up()
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
 
-    def _warm_up(self) -> None:
-        """Run the shapes this daemon serves once before it is ready (daemon/warmup.py), after
-        the start-up probes; ``warmup`` in the config says how much."""
+    def warmup_mode(self) -> str:
+        """``warmup`` resolved on this machine: "full", "light" or "off"."""
         import mlx.core as mx
 
+        from .warmup import resolve
+
+        return resolve(self.cfg.warmup, mx.default_device() == mx.gpu)
+
+    def _warm_up(self, level: str | None = None) -> None:
+        """Run the shapes this daemon serves once before it is ready (daemon/warmup.py), after
+        the start-up probes; ``warmup`` in the config says how much (``level``: rank 0's
+        resolved mode, which the other ranks of a group adopt)."""
         from governor import load_config as load_governor_config
 
         from . import warmup
 
-        level = warmup.resolve(self.cfg.warmup, mx.default_device() == mx.gpu, self.group is not None)
+        level = level or self.warmup_mode()
         if level == "off":
             log.info("warmup.done", mode=level, seconds=0.0, stages={})
             return
-        spec = self.cfg.speculation
+        # Every rank of a group must run the same forwards: a rank's [governor] table is its
+        # own (not in the group's fingerprint), so a group warms the default depths; and no
+        # near-tie guard (its serial re-decisions depend on this rank's probe verdict).
+        max_depth = load_governor_config({} if self.group is not None else self.cfg.governor).max_depth
         t0 = time.perf_counter()
         stages = warmup.run(
             level, self.lm, chunk=self.cfg.scheduler.prefill_chunk,
             head=self.slot.head if self.slot.resident else None,
-            depths=list(range(1, load_governor_config(self.cfg.governor).max_depth + 1)),
+            depths=list(range(1, max_depth + 1)),
             batch=self.batch, max_rows=self.cfg.scheduler.max_active,
             emit=lambda event, **fields: log.info(event, **fields),
-            spec_options={"rollback": spec.rollback, "pipeline": self._build_ahead(),
-                          "guard_margin": None if self.verify_exact else spec.guard_margin})
+            spec_options={"rollback": self.cfg.speculation.rollback, "pipeline": self._build_ahead(),
+                          "guard_margin": None})
         seconds = round(time.perf_counter() - t0, 3)
         with self.snapshot_lock:
             self.snapshot.warmup = {"mode": level, "seconds": seconds, "stages": stages}
