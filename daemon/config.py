@@ -60,15 +60,16 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # daemons with different chunks can differ at a near-tie; one daemon's runs agree,
     # prefix-cache hits included (OPERATIONS.md, Chunked prefill).
     prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
-    # Tokens one engine iteration spends (SHAPE: a decode phase, then a prefill phase): the
-    # decode cycle's tokens first (every batched row's one step), then whole prefill chunks
-    # while they fit in what is left, short remainders (prefix-cache hits) first, then by
-    # arrival; at least one chunk runs when a prompt waits. So the others' inter-token gap
-    # holds at most max(what is left, one chunk) of prefill. Chunks are never split (their
-    # size is part of the prefill's numerics). Lower: decoding streams stall less while a
-    # long prompt is prefilled, and that prompt's first token comes later; higher: prefill
-    # throughput, longer gaps for the others.
-    step_token_budget: Annotated[int, Meta(ge=1, le=1 << 20)] = 256
+    # Tokens one engine iteration spends (a decode phase, then a prefill phase): the decode
+    # cycle's tokens first (every batched row's one step), then whole prefill chunks while
+    # they fit in what is left, short remainders (prefix-cache hits) first, then by arrival;
+    # at least one chunk runs when a prompt waits. So the others' inter-token gap holds at
+    # most max(what is left, one chunk) of prefill. Chunks are never split (their size is
+    # part of the prefill's numerics). 0: one chunk per iteration, the stall chunks had when
+    # they took turns with decode cycles. Higher: more prefill per iteration (a long
+    # prompt's first token sooner), longer gaps for the others (on a CPU, where prefill is
+    # compute-bound, about in proportion: bench/results/engine_step_cpu.md).
+    step_token_budget: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 

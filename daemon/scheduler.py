@@ -26,16 +26,17 @@ one cycle), which also makes every admit finish.
 A parked request keeps its generator (and so its cache) and resumes later without
 recomputing its prompt. The guarantee this gives is in docs/OPERATIONS.md (Fairness).
 
-One engine iteration (OPERATIONS.md, "The engine step") is a decode
-phase then a prefill phase, among the running requests of the best class running:
+One engine iteration (OPERATIONS.md, "The engine step") is a decode phase then a prefill
+phase, among the running requests of the best class running:
 - ``pick_decoder``: the decoding request advanced by one cycle (a batched row's cycle is
   the whole batch's), by the order above;
-- ``prefill_plan``: prefill chunks that fill what is left of ``step_token_budget``: short
-  remainders first (a prefix-cache hit's tail, a short prompt: they fit one chunk), then
-  each seat's oldest prompt before any seat's second (by weight), then earliest arrival. A
-  prompt keeps the chunks until it is done, so cold prompts finish first-come instead of
-  all together, and a long one costs the decoding streams at most the budget (or one
-  chunk) per cycle. At least one chunk runs whenever a prompt waits.
+- ``prefill_plan``: prefill chunks that fill what is left of ``step_token_budget`` (0: one
+  chunk per iteration): short remainders first (a prefix-cache hit's tail, a short prompt:
+  they fit one chunk), then each seat's oldest prompt before any seat's second (by
+  weight), then earliest arrival. A prompt keeps the chunks until it is done, so cold
+  prompts finish first-come instead of all together, and a long one costs the decoding
+  streams at most the budget (or one chunk) per cycle. At least one chunk runs whenever a
+  prompt waits.
 
 No mlx and no locks: the scheduler lives on the engine thread.
 """
@@ -291,7 +292,8 @@ class Scheduler:
     def prefill_plan(self, spent: int) -> list[tuple[object, int]]:
         """(prompt, chunks) to run in this iteration's prefill phase, in order, after a
         decode phase that forwarded ``spent`` tokens: whole chunks while they fit in
-        ``step_token_budget - spent``, one prompt at a time, and at least one chunk."""
+        ``step_token_budget - spent``, one prompt at a time, and at least one chunk (so a
+        budget of 0 is one chunk per iteration)."""
         left = self.cfg.step_token_budget - spent
         plan: list[tuple[object, int]] = []
         for job in self.prefill_order():

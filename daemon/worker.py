@@ -391,8 +391,13 @@ class EngineWorker(threading.Thread):
                     break  # failed, or done: the plan counted its tokens as they were
                 prefilled += self._prefill_chunk(pjob)
         if job is not None or plan:
-            self.step_use.record(spent, prefilled, self.scheduler.cfg.step_token_budget)
+            self.step_use.record(spent, prefilled, self._step_budget())
         return job is not None or bool(plan)
+
+    def _step_budget(self) -> int:
+        """The token budget in force (0 in the config means one prefill chunk)."""
+        cfg = self.scheduler.cfg
+        return cfg.step_token_budget or cfg.prefill_chunk
 
     # ------------------------------------------------------------------ commands
     def _drain_commands(self, block: bool) -> bool:
@@ -818,7 +823,7 @@ class EngineWorker(threading.Thread):
         for seat, w in self.scheduler.waiting_by_seat().items():
             seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0}).update(w)
         step = self.step_use.to_dict() | {
-            "budget": self.scheduler.cfg.step_token_budget,
+            "budget": self._step_budget(),
             "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
                                "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
         for seat, n in stats.totals.items():

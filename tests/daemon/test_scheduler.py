@@ -331,7 +331,7 @@ def iterate(s: Scheduler, rows: list[PromptJob]) -> tuple[object, list[tuple[Pro
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 600), st.sampled_from([1, 16, 32, 100, 256]), st.integers(1, 4), st.integers(200, 3000))
+@given(st.integers(0, 600), st.sampled_from([1, 16, 32, 100, 256]), st.integers(1, 4), st.integers(200, 3000))
 def test_a_decoding_row_waits_at_most_the_budget_per_step_while_a_long_prompt_prefills(budget, chunk, rows, long):
     """While one seat's long prompt is prefilled, every batched row advances every step (its
     gap is one step, never a turn per chunk), and the prompt tokens prefilled between two of
