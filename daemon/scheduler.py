@@ -33,7 +33,8 @@ phase, among the running requests of the best class running:
 - ``prefill_plan``: prefill chunks that fill what is left of ``step_token_budget`` (0: one
   chunk per iteration): short remainders first (a prefix-cache hit's tail, a short prompt:
   they fit one chunk), then each seat's oldest prompt before any seat's second (by
-  weight), then earliest arrival. A prompt keeps the chunks until it is done, so cold
+  weight), then earliest arrival (a prompt prefilled for ``starvation_bound_s`` already
+  stops yielding to short ones). A prompt keeps the chunks until it is done, so cold
   prompts finish first-come instead of all together, and a long one costs the decoding
   streams at most the budget (or one chunk) per cycle. At least one chunk runs whenever a
   prompt waits.
@@ -83,6 +84,9 @@ class Scheduler:
         self._waiting_since: dict[int, float] = {}
         self._run_rank: dict[int, int] = {}
         self._admitted_at: dict[int, int] = {}
+        # Per job: the clock when it was last admitted (a prompt prefilled past the
+        # starvation bound stops yielding to short ones: prefill_order).
+        self._admitted_clock: dict[int, float] = {}
         self._protected_until: dict[int, float] = {}
         self._admit_calls = 0
         self._call_of: dict[int, int] = {}
@@ -104,7 +108,7 @@ class Scheduler:
     def remove(self, job) -> bool:
         """Forget a job wherever it is (finished, cancelled, expired)."""
         for book in (self._last_run, self._waiting_since, self._run_rank, self._admitted_at,
-                     self._protected_until, self._call_of):
+                     self._protected_until, self._call_of, self._admitted_clock):
             book.pop(id(job), None)
         if job in self.active:
             self.active.remove(job)
@@ -229,6 +233,7 @@ class Scheduler:
                 self.queues[best.seat].remove(best)
             self._run_rank[id(best)] = self._rank(best)
             self._admitted_at[id(best)] = next(self._order)
+            self._admitted_clock[id(best)] = self.clock()
             self._call_of[id(best)] = self._admit_calls
             if why == "starvation":
                 self._protected_until[id(best)] = self.clock() + self.cfg.starvation_bound_s
@@ -281,10 +286,15 @@ class Scheduler:
         prompts.sort(key=lambda j: (j.enqueued_at, self._admitted_at.get(id(j), 0)))
         nth: dict[str, int] = {}  # per seat: how many of its prompts come before this one
 
+        now = self.clock()
+
         def key(j):
             short = prefill_left(j) <= j.prefill_chunk  # one chunk finishes it: in one go
+            # A long prompt running past the starvation bound no longer yields to short
+            # ones (a stream of them could otherwise hold it back for good).
+            overdue = now - self._admitted_clock.get(id(j), now) >= self.cfg.starvation_bound_s
             i = nth[j.seat] = nth.get(j.seat, -1) + 1
-            return (self.run_rank(j), not short, i / j.weight)
+            return (self.run_rank(j), not (short or overdue), i / j.weight)
 
         keyed = [(key(j), n, j) for n, j in enumerate(prompts)]  # n: arrival order, stable
         return [j for _, _, j in sorted(keyed, key=lambda x: (x[0], x[1]))]

@@ -401,6 +401,24 @@ def test_a_hit_is_prefilled_ahead_of_cold_prompts_of_its_class():
     assert bg_hit.prefill_left == 5
 
 
+def test_a_stream_of_hits_does_not_hold_a_long_prompt_back_past_the_bound():
+    """Short remainders go first, but a prompt that has been prefilled for the starvation
+    bound stops yielding to them: it then goes in arrival order, ahead of later hits."""
+    s, clock = make_step(budget=0)  # one chunk per iteration
+    cold = PromptJob("a", name="cold", prefill_left=3000, prefill_chunk=32)
+    s.submit(cold)
+    served_cold = []
+    for t in range(40):  # a new hit from another seat every second, each done in one chunk
+        clock.t = float(t)
+        s.submit(PromptJob(f"hit{t}", name=f"hit{t}", enqueued_at=clock.t, prefill_left=10, prefill_chunk=32))
+        _, plan, _ = iterate(s, [])
+        served_cold.append(plan[0][0] is cold)
+        for j in [j for j in s.active if j.prefill_left == 0]:
+            s.remove(j)
+    assert not any(served_cold[:30])  # the bound is 30 s: hits first until then
+    assert all(served_cold[30:])  # then the long prompt's chunks go first
+
+
 def test_each_seat_s_first_prompt_goes_before_any_seat_s_second():
     """Seat fairness among prompts: round by round, each seat's next prompt (a seat of weight
     2 has two in each round), and arrival order within a round."""
