@@ -21,6 +21,13 @@ The issue's sizes (2,000-token system prompt, 5 turns, 64 tokens out, 8,000-toke
 prompt) take many minutes per arm on a 2-core CPU at ~100-140 prefill tokens/s; the
 defaults here are scaled down (see --help) and the results say which were used.
 
+Versions (issue 29): ``--trees before=/path/to/old/checkout,after=.`` runs each arm on each
+tree's daemon (``python -m daemon.cli`` from that folder), interleaved round by round, and
+also reports the first round's TTFT (a fresh daemon's first requests: what warm-up is for)
+and its spread (first-come prefill serves the first arrival sooner). A tree given as
+``name=path|key = value`` adds that line to its ``[scheduler]`` table (for a new key an old
+tree would refuse). ``--workload-trees`` / ``--long-trees`` pick which trees run which part.
+
     .venv/bin/python bench/council_workload.py --json bench/results/council_workload_cpu.json \\
         --md bench/results/council_workload_cpu.md
 """
@@ -66,7 +73,7 @@ def text_of_tokens(tok, line: str, n: int, **fmt) -> str:
     return out
 
 
-def start(model: str, tmp: Path, name: str, config: str) -> tuple[subprocess.Popen, str]:
+def start(model: str, tmp: Path, name: str, config: str, repo: Path = REPO) -> tuple[subprocess.Popen, str]:
     runtime = tmp / name
     runtime.mkdir(mode=0o700)
     cfg = runtime / "councild.toml"
@@ -74,7 +81,7 @@ def start(model: str, tmp: Path, name: str, config: str) -> tuple[subprocess.Pop
     endpoint = f"ipc://{runtime / 'councild.sock'}"
     log_path = runtime / "daemon.log"
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", model, "--endpoint", endpoint,
-                             "--config", str(cfg), "--log-format", "json"], cwd=REPO,
+                             "--config", str(cfg), "--log-format", "json"], cwd=repo,
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime)))
     wait_until_answering(endpoint, proc, timeout_s=120, log_path=log_path)
@@ -126,6 +133,7 @@ def workload(endpoint: str, args, tok) -> dict:
     ttft = [r["ttft_s"] for r in records]
     later = [r["ttft_s"] for r in records if r["turn"] > 0]
     hits = [r["ttft_s"] for r in records if r["cached_tokens"] > 0]
+    first = [r["ttft_s"] for r in records if r["turn"] == 0]
     seats = {}
     for s in range(args.seats):
         mine = [r for r in records if r["seat"] == s]
@@ -134,6 +142,8 @@ def workload(endpoint: str, args, tok) -> dict:
     return {"wall_s": wall, "tokens": total, "tok_s": total / wall, "ttft_p50": pct(ttft, 0.5),
             "ttft_p95": pct(ttft, 0.95), "ttft_later_p50": pct(later, 0.5), "ttft_later_p95": pct(later, 0.95),
             "ttft_hit_p50": pct(hits, 0.5), "hits": len(hits),
+            "ttft_first_round_p50": pct(first, 0.5), "ttft_first_round_min": min(first),
+            "ttft_first_round_max": max(first),
             "cached_tokens": sum(r["cached_tokens"] for r in records),
             "prompt_tokens": sum(r["prompt_tokens"] for r in records), "seats": seats, "requests": records}
 
@@ -189,6 +199,16 @@ def long_prefill(endpoint: str, args, tok) -> dict:
             "during_max_gap_s": max(during) if during else None}
 
 
+def parse_trees(spec: str) -> dict[str, tuple[Path, str]]:
+    """``name=path[|scheduler line]`` pairs, comma-separated."""
+    out = {}
+    for item in spec.split(","):
+        name, _, rest = item.partition("=")
+        path, _, extra = rest.partition("|")
+        out[name.strip()] = ((REPO / path.strip()).resolve(), extra.strip())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(BUNDLED_MODEL))
@@ -204,87 +224,127 @@ def main() -> None:
     ap.add_argument("--long-chunks", default="32,128")
     ap.add_argument("--quiet-s", type=float, default=3.0)
     ap.add_argument("--skip-long", action="store_true")
+    ap.add_argument("--long-rounds", type=int, default=1, help="rounds of the long-prompt part, order alternating")
+    ap.add_argument("--arms", default="off,on", help="prefix cache arms of the workload")
+    ap.add_argument("--trees", default="this=.", help="name=path[|scheduler line],...: daemon versions to compare")
+    ap.add_argument("--workload-trees", help="names of --trees that run the workload (default: all)")
+    ap.add_argument("--long-trees", help="names of --trees that run the long-prompt part (default: all)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     args = ap.parse_args()
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(args.model) / "tokenizer.json"))
+    trees = parse_trees(args.trees)
+    work_trees = args.workload_trees.split(",") if args.workload_trees else list(trees)
+    long_trees = args.long_trees.split(",") if args.long_trees else list(trees)
+    arms = [(t, a) for t in work_trees for a in args.arms.split(",")]
     base = "heartbeat_interval_s = 1.0\nheartbeat_timeout_s = 60.0\n[scheduler]\nmax_active = 4\n"
-    runs: dict[str, list[dict]] = {"off": [], "on": []}
+
+    def config(tree: str, chunk: int, cache: bool) -> str:
+        extra = trees[tree][1]
+        return (base + (extra + "\n" if extra else "") + f"prefill_chunk = {chunk}\n[prefix_cache]\n"
+                f"enabled = {'true' if cache else 'false'}\n")
+
+    runs: dict[str, list[dict]] = {f"{t} cache {a}": [] for t, a in arms}
+    longs = []
     with tempfile.TemporaryDirectory(prefix="council-workload-") as tmp:
         tmp = Path(tmp)
         for r in range(args.rounds):
-            for arm in ("off", "on"):
-                cfg = base + f"prefill_chunk = {args.chunk}\n[prefix_cache]\nenabled = {'true' if arm == 'on' else 'false'}\n"
-                proc, endpoint = start(args.model, tmp, f"{arm}{r}", cfg)
+            for tree, arm in (arms if r % 2 == 0 else arms[::-1]):  # ABAB, then BABA
+                label = f"{tree} cache {arm}"
+                proc, endpoint = start(args.model, tmp, f"{tree}-{arm}{r}", config(tree, args.chunk, arm == "on"),
+                                       trees[tree][0])
                 try:
                     res = workload(endpoint, args, tok)
                 finally:
                     stop(proc)
-                runs[arm].append(res)
-                print(f"round {r} {arm}: {res['tok_s']:.2f} tok/s, TTFT p50 {res['ttft_p50']:.2f} s, "
-                      f"later p50 {res['ttft_later_p50']:.2f} s, hits {res['hits']}, cached {res['cached_tokens']}",
-                      flush=True)
-        longs = []
+                runs[label].append(res)
+                print(f"round {r} {label}: {res['tok_s']:.2f} tok/s, first round TTFT p50 "
+                      f"{res['ttft_first_round_p50']:.2f} s [{res['ttft_first_round_min']:.2f}-"
+                      f"{res['ttft_first_round_max']:.2f}], later p50 {res['ttft_later_p50']:.2f} s, hits {res['hits']}"
+                      f" (p50 {res['ttft_hit_p50'] or 0:.2f} s), cached {res['cached_tokens']}", flush=True)
         if not args.skip_long:
-            for chunk in [int(x) for x in args.long_chunks.split(",")]:
-                cfg = base + f"prefill_chunk = {chunk}\n[prefix_cache]\nenabled = false\n"
-                proc, endpoint = start(args.model, tmp, f"long{chunk}", cfg)
-                try:
-                    res = long_prefill(endpoint, args, tok)
-                finally:
-                    stop(proc)
-                res["chunk"] = chunk
-                longs.append(res)
-                print(f"long prompt, chunk {chunk}: prefill {res['prefill_s']:.1f} s, gap p95 quiet "
-                      f"{res['quiet_gap_p95_s']:.3f} s, during {res['during_gap_p95_s']:.3f} s", flush=True)
+            order = [(c, t) for c in [int(x) for x in args.long_chunks.split(",")] for t in long_trees]
+            for r in range(args.long_rounds):
+                for chunk, tree in (order if r % 2 == 0 else order[::-1]):  # ABAB, then BABA
+                    proc, endpoint = start(args.model, tmp, f"long-{tree}-{chunk}-{r}", config(tree, chunk, False),
+                                           trees[tree][0])
+                    try:
+                        res = long_prefill(endpoint, args, tok)
+                    finally:
+                        stop(proc)
+                    res["chunk"] = chunk
+                    res["tree"] = tree
+                    res["round"] = r
+                    longs.append(res)
+                    print(f"long prompt, {tree}, chunk {chunk}: prefill {res['prefill_s']:.1f} s, gap p95 quiet "
+                          f"{res['quiet_gap_p95_s']:.3f} s, during {res['during_gap_p95_s']:.3f} s", flush=True)
 
-    def med(arm: str, key: str) -> dict:
-        values = [x[key] for x in runs[arm] if x[key] is not None]
+    def med(label: str, key: str) -> dict:
+        values = [x[key] for x in runs[label] if x[key] is not None]
         return spread(values) if values else {}
 
-    summary = {arm: {k: med(arm, k) for k in ("tok_s", "ttft_p50", "ttft_p95", "ttft_later_p50", "ttft_later_p95",
-                                                "ttft_hit_p50", "cached_tokens", "prompt_tokens")}
-               for arm in runs}
-    ratio_tok = spread([on["tok_s"] / off["tok_s"] for off, on in zip(runs["off"], runs["on"])])
-    ratio_ttft = spread([on["ttft_later_p50"] / off["ttft_later_p50"] for off, on in zip(runs["off"], runs["on"])])
+    keys = ("tok_s", "ttft_p50", "ttft_p95", "ttft_later_p50", "ttft_later_p95", "ttft_hit_p50", "ttft_first_round_p50",
+            "ttft_first_round_min", "ttft_first_round_max", "cached_tokens", "prompt_tokens")
+    summary = {label: {k: med(label, k) for k in keys} for label in runs}
     result = {"args": vars(args), "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+              "trees": {k: [str(p), e] for k, (p, e) in trees.items()},
               "note": "2-core CPU shared with other engineers' jobs: noisy, loaded", "runs": runs,
-              "summary": summary, "on_over_off_tok_s": ratio_tok, "on_over_off_ttft_later_p50": ratio_ttft,
-              "long_prefill": longs}
+              "summary": summary, "long_prefill": longs}
+    for tree in work_trees:
+        off, on = runs.get(f"{tree} cache off"), runs.get(f"{tree} cache on")
+        if off and on:
+            result[f"{tree}: on_over_off_tok_s"] = spread([b["tok_s"] / a["tok_s"] for a, b in zip(off, on)])
+            result[f"{tree}: on_over_off_ttft_later_p50"] = spread(
+                [b["ttft_later_p50"] / a["ttft_later_p50"] for a, b in zip(off, on)])
     lines = [
         f"Council workload: {args.seats} seats, {args.turns} turns, system ~{args.system_tokens} tokens, "
         f"message ~{args.message_tokens}, {args.max_tokens} tokens out, prefill_chunk {args.chunk}, "
-        f"{args.rounds} rounds off/on interleaved (median [min-max]). Loaded 2-core CPU.",
+        f"{args.rounds} rounds, arms interleaved (median [min-max]). Loaded 2-core CPU.",
         "",
-        "| arm | tok/s | TTFT p50 s | TTFT p95 s | TTFT p50, turns 2+ | TTFT p50, hits | cached / prompt tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | tok/s | first round TTFT p50 s | first round TTFT min / max s | TTFT p50 s | TTFT p95 s | "
+        "TTFT p50, turns 2+ | TTFT p50, hits | cached / prompt tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(d: dict) -> str:
         return f"{d['median']:.2f} [{d['min']:.2f}-{d['max']:.2f}]" if d.get("n") else "-"
 
-    for arm in ("off", "on"):
-        s = summary[arm]
-        lines.append(f"| cache {arm} | {cell(s['tok_s'])} | {cell(s['ttft_p50'])} | {cell(s['ttft_p95'])} | "
+    for label in [k for k in runs if runs[k]]:  # (--rounds 0: the long-prompt part only)
+        s = summary[label]
+        lines.append(f"| {label} | {cell(s['tok_s'])} | {cell(s['ttft_first_round_p50'])} | "
+                     f"{cell(s['ttft_first_round_min'])} / {cell(s['ttft_first_round_max'])} | "
+                     f"{cell(s['ttft_p50'])} | {cell(s['ttft_p95'])} | "
                      f"{cell(s['ttft_later_p50'])} | {cell(s['ttft_hit_p50'])} | "
                      f"{s['cached_tokens']['median']:.0f} / {s['prompt_tokens']['median']:.0f} |")
-    lines += ["", f"on/off tok/s: {cell(ratio_tok)}; on/off TTFT p50 on turns 2+: {cell(ratio_ttft)}", "",
-              "| seat | share off | share on | longest wait off s | longest wait on s |", "|---|---|---|---|---|"]
-    for s in range(args.seats):
-        k = f"seat{s}"
-        lines.append(f"| {k} | {statistics.median(r['seats'][k]['share'] for r in runs['off']):.2f} | "
-                     f"{statistics.median(r['seats'][k]['share'] for r in runs['on']):.2f} | "
-                     f"{max(r['seats'][k]['longest_wait_s'] for r in runs['off']):.2f} | "
-                     f"{max(r['seats'][k]['longest_wait_s'] for r in runs['on']):.2f} |")
+    lines += ["", "| arm | seat | share | longest wait s |", "|---|---|---|---|"]
+    for label in [k for k in runs if runs[k]]:
+        for s in range(args.seats):
+            k = f"seat{s}"
+            lines.append(f"| {label} | {k} | {statistics.median(r['seats'][k]['share'] for r in runs[label]):.2f} | "
+                         f"{max(r['seats'][k]['longest_wait_s'] for r in runs[label]):.2f} |")
     if longs:
         lines += ["", f"Long prompt ({args.long_tokens} tokens) while 3 seats stream:", "",
-                  "| prefill_chunk | prefill s | gap p95 quiet s | gap p95 during s | ratio | max gap during s |",
-                  "|---|---|---|---|---|---|"]
+                  "| round | tree | prefill_chunk | prefill s | gap p95 quiet s | gap p95 during s | ratio | "
+                  "max gap during s |",
+                  "|---|---|---|---|---|---|---|---|"]
         for x in longs:
-            lines.append(f"| {x['chunk']} | {x['prefill_s']:.1f} | {x['quiet_gap_p95_s']:.3f} | "
-                         f"{x['during_gap_p95_s']:.3f} | {x['ratio']:.1f} | {x['during_max_gap_s']:.3f} |")
+            lines.append(f"| {x['round']} | {x['tree']} | {x['chunk']} | {x['prefill_s']:.1f} | {x['quiet_gap_p95_s']:.3f} | "
+                         f"{x['during_gap_p95_s'] or 0:.3f} | {x['ratio'] or 0:.1f} | {x['during_max_gap_s'] or 0:.3f} |")
+        by: dict[tuple, list[dict]] = {}
+        for x in longs:
+            by.setdefault((x["tree"], x["chunk"]), []).append(x)
+        lines += ["", "| tree | prefill_chunk | prefill s | gap p95 during s | ratio during / quiet |", "|---|---|---|---|---|"]
+        for (tree, chunk), xs in by.items():
+            ratios = [x["ratio"] for x in xs if x["ratio"]]
+            lines.append(f"| {tree} | {chunk} | {cell(spread([x['prefill_s'] for x in xs]))} | "
+                         f"{cell(spread([x['during_gap_p95_s'] for x in xs if x['during_gap_p95_s']]))} | "
+                         f"{cell(spread(ratios)) if ratios else '-'} |")
+        result["long_prefill_summary"] = {f"{t} chunk {c}": {
+            "prefill_s": spread([x["prefill_s"] for x in xs]),
+            "during_gap_p95_s": spread([x["during_gap_p95_s"] for x in xs if x["during_gap_p95_s"]])}
+            for (t, c), xs in by.items()}
     md = "\n".join(lines)
     print(md)
     write_results(result, md, args.json, args.md)

@@ -326,6 +326,13 @@ def format_status(reply) -> str:
     if prefilling:
         rows.append(("prefilling", ", ".join(f"{a['seat']}/{a['request_id']} {a['prefill']['done']}/"
                                              f"{a['prefill']['total']} tokens" for a in prefilling)))
+    step = d.get("step") or {}
+    if step.get("steps"):  # the engine step (OPERATIONS.md): budget and how the last one spent it
+        last = step.get("last") or {}
+        queue = step.get("prefill_queue") or []
+        rows.append(("step", f"budget {step.get('budget')} tokens; last: {last.get('decode_tokens', 0)} decode + "
+                             f"{last.get('prefill_tokens', 0)} prefill; prefill queue {len(queue)} "
+                             f"({sum(q.get('left', 0) for q in queue)} tokens left)"))
     pc = d.get("prefix_cache")
     if pc:
         rows.append(("prefix cache", f"{pc['entries']} snapshots, {_mb(pc['bytes'])} of {_mb(pc['max_bytes'])}, "

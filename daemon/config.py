@@ -60,6 +60,16 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # daemons with different chunks can differ at a near-tie; one daemon's runs agree,
     # prefix-cache hits included (OPERATIONS.md, Chunked prefill).
     prefill_chunk: Annotated[int, Meta(ge=1, le=1 << 16)] = 256
+    # Tokens one engine iteration spends (a decode phase, then a prefill phase): the decode
+    # cycle's tokens first (every batched row's one step), then whole prefill chunks while
+    # they fit in what is left, short remainders (prefix-cache hits) first, then by arrival;
+    # at least one chunk runs when a prompt waits. So the others' inter-token gap holds at
+    # most max(what is left, one chunk) of prefill. Chunks are never split (their size is
+    # part of the prefill's numerics). 0: one chunk per iteration, the stall chunks had when
+    # they took turns with decode cycles. Higher: more prefill per iteration (a long
+    # prompt's first token sooner), longer gaps for the others (on a CPU, where prefill is
+    # compute-bound, about in proportion: bench/results/engine_step_cpu.md).
+    step_token_budget: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 
@@ -170,6 +180,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # Before the daemon answers a Ping (ready), run the shapes it will serve: a prefill chunk
+    # and a short remainder, decode steps, every speculative depth, every batch height.
+    # The first council round after start-up then costs what the tenth does (on a GPU the
+    # first use of a shape compiles kernels: 15.8 s TTFT measured on the H200 without it).
+    # "auto": "full" on a GPU, "light" on the CPU (nothing is compiled per shape there; one
+    # pass of each path, which also pays the one-time allocations); "off": none.
+    warmup: Literal["auto", "full", "light", "off"] = "auto"
     # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
     # log-only shops); 0 turns them off.
     stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0

@@ -134,6 +134,16 @@ class Job:
         self.segment_ends: list[int] = []
         self.snapshot_at: set[int] = set()
 
+    # What the scheduler's prefill phase reads (scheduler.prefill_plan).
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to prefill; 0 once decoding (or before its prefill began)."""
+        return 0 if self.prefill is None else max(0, self.prefill.total - self.prefill.pos)
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.prefill.chunk if self.prefill is not None else 1
+
     # ------------------------------------------------------------------ output
     def start(self, generator, detokenizer, spec_mode: str, started_at: float | None = None) -> None:
         """``started_at``: when work on it began, if before this call (a batch row's

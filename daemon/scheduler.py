@@ -26,6 +26,19 @@ one cycle), which also makes every admit finish.
 A parked request keeps its generator (and so its cache) and resumes later without
 recomputing its prompt. The guarantee this gives is in docs/OPERATIONS.md (Fairness).
 
+One engine iteration (OPERATIONS.md, "The engine step") is a decode phase then a prefill
+phase, among the running requests of the best class running:
+- ``pick_decoder``: the decoding request advanced by one cycle (a batched row's cycle is
+  the whole batch's), by the order above;
+- ``prefill_plan``: prefill chunks that fill what is left of ``step_token_budget`` (0: one
+  chunk per iteration): short remainders first (a prefix-cache hit's tail, a short prompt:
+  they fit one chunk), then each seat's oldest prompt before any seat's second (by
+  weight), then earliest arrival (a prompt prefilled for ``starvation_bound_s`` already
+  stops yielding to short ones). A prompt keeps the chunks until it is done, so cold
+  prompts finish first-come instead of all together, and a long one costs the decoding
+  streams at most the budget (or one chunk) per cycle. At least one chunk runs whenever a
+  prompt waits.
+
 No mlx and no locks: the scheduler lives on the engine thread.
 """
 
@@ -47,6 +60,13 @@ class Schedulable(Protocol):
     priority: str
     enqueued_at: float
     weight: float
+    # Prompt tokens still to prefill (0: decoding), and the size of its prefill chunks.
+    prefill_left: int
+    prefill_chunk: int
+
+
+def prefill_left(job) -> int:
+    return getattr(job, "prefill_left", 0)
 
 
 class Scheduler:
@@ -64,6 +84,9 @@ class Scheduler:
         self._waiting_since: dict[int, float] = {}
         self._run_rank: dict[int, int] = {}
         self._admitted_at: dict[int, int] = {}
+        # Per job: the clock when it was last admitted (a prompt prefilled past the
+        # starvation bound stops yielding to short ones: prefill_order).
+        self._admitted_clock: dict[int, float] = {}
         self._protected_until: dict[int, float] = {}
         self._admit_calls = 0
         self._call_of: dict[int, int] = {}
@@ -85,7 +108,7 @@ class Scheduler:
     def remove(self, job) -> bool:
         """Forget a job wherever it is (finished, cancelled, expired)."""
         for book in (self._last_run, self._waiting_since, self._run_rank, self._admitted_at,
-                     self._protected_until, self._call_of):
+                     self._protected_until, self._call_of, self._admitted_clock):
             book.pop(id(job), None)
         if job in self.active:
             self.active.remove(job)
@@ -210,6 +233,7 @@ class Scheduler:
                 self.queues[best.seat].remove(best)
             self._run_rank[id(best)] = self._rank(best)
             self._admitted_at[id(best)] = next(self._order)
+            self._admitted_clock[id(best)] = self.clock()
             self._call_of[id(best)] = self._admit_calls
             if why == "starvation":
                 self._protected_until[id(best)] = self.clock() + self.cfg.starvation_bound_s
@@ -236,6 +260,87 @@ class Scheduler:
         )
         self._last_run[id(job)] = next(self._order)
         return job
+
+    # ------------------------------------------------------------------ the engine step
+    def _top_rank(self) -> int | None:
+        """The best class among running requests: only it advances this iteration (running
+        work of a lower class waits, as with ``pick``)."""
+        return min((self.run_rank(j) for j in self.active), default=None)
+
+    def pick_decoder(self):
+        """The decoding request (not prefilling) to advance by one cycle this iteration, of
+        the best class running; None when none decodes (or only lower classes do)."""
+        top = self._top_rank()
+        decoding = [j for j in self.active if prefill_left(j) == 0 and self.run_rank(j) == top]
+        if not decoding:
+            return None
+        job = min(decoding, key=lambda j: (self._seat_vtime(j.seat), self._last_run.get(id(j), -1)))
+        self._last_run[id(job)] = next(self._order)
+        return job
+
+    def prefill_order(self, every_class: bool = False) -> list:
+        """Running prompts of the best class running (``every_class``: all of them, class
+        by class, for status readers), in the order their chunks go."""
+        top = self._top_rank()
+        prompts = [j for j in self.active if prefill_left(j) > 0 and (every_class or self.run_rank(j) == top)]
+        prompts.sort(key=lambda j: (j.enqueued_at, self._admitted_at.get(id(j), 0)))
+        nth: dict[str, int] = {}  # per seat: how many of its prompts come before this one
+
+        now = self.clock()
+
+        def key(j):
+            short = prefill_left(j) <= j.prefill_chunk  # one chunk finishes it: in one go
+            # A long prompt running past the starvation bound no longer yields to short
+            # ones (a stream of them could otherwise hold it back for good).
+            overdue = now - self._admitted_clock.get(id(j), now) >= self.cfg.starvation_bound_s
+            i = nth[j.seat] = nth.get(j.seat, -1) + 1
+            return (self.run_rank(j), not (short or overdue), i / j.weight)
+
+        keyed = [(key(j), n, j) for n, j in enumerate(prompts)]  # n: arrival order, stable
+        return [j for _, _, j in sorted(keyed, key=lambda x: (x[0], x[1]))]
+
+    def prefill_plan(self, spent: int) -> list[tuple[object, int]]:
+        """(prompt, chunks) to run in this iteration's prefill phase, in order, after a
+        decode phase that forwarded ``spent`` tokens: whole chunks while they fit in
+        ``step_token_budget - spent``, one prompt at a time, and at least one chunk (so a
+        budget of 0 is one chunk per iteration)."""
+        left = self.cfg.step_token_budget - spent
+        plan: list[tuple[object, int]] = []
+        for job in self.prefill_order():
+            rest, n = prefill_left(job), 0
+            while rest > 0:
+                size = min(job.prefill_chunk, rest)
+                if size > left and (plan or n):
+                    break
+                left -= size
+                rest -= size
+                n += 1
+            if n:
+                plan.append((job, n))
+            if rest > 0:  # the budget is spent: later prompts wait for this one
+                break
+        for job, _ in plan:
+            self._last_run[id(job)] = next(self._order)
+        return plan
+
+    def waiting_by_seat(self) -> dict[str, dict]:
+        """Per seat with waiting or prefilling work: requests waiting for a slot, the longest
+        such wait (s), and prompts being prefilled with their tokens left."""
+        out: dict[str, dict] = {}
+
+        def seat(s: str) -> dict:
+            return out.setdefault(s, {"waiting": 0, "longest_wait_s": 0.0, "prefilling": 0, "prefill_left": 0})
+
+        for j in self.waiting():
+            d = seat(j.seat)
+            d["waiting"] += 1
+            d["longest_wait_s"] = max(d["longest_wait_s"], round(self.waited(j), 3))
+        for j in self.active:
+            if prefill_left(j) > 0:
+                d = seat(j.seat)
+                d["prefilling"] += 1
+                d["prefill_left"] += prefill_left(j)
+        return out
 
     def charge(self, job, tokens: int) -> None:
         """Account decoded tokens to the job's seat (its share of the model's time)."""

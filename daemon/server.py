@@ -631,6 +631,10 @@ class Server:
                 "seats": snap.seats,
                 "tokens_total": snap.tokens_total,
                 "prefill_tokens_total": snap.prefill_tokens_total,
+                # The engine step: budget, its use (decode and prefill tokens per iteration),
+                # and the prefill queue (OPERATIONS.md, "The engine step").
+                "step": snap.step,
+                "warmup": snap.warmup,
                 "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 # Heard from within heartbeat_timeout_s (a client that left counts until then:

@@ -60,3 +60,33 @@ class Tallies:
             "ttft_seconds": self.ttft.to_dict(),
             "inter_token_seconds": self.inter_token.to_dict(),
         }
+
+
+# Fractions of scheduler.step_token_budget one engine iteration used (it can pass 1: a
+# chunk always runs when a prompt waits, and a big batch may spend it all on decode).
+STEP_USE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+
+
+@dataclass
+class StepUse:
+    """Per engine iteration (worker._step): tokens its decode phase and its prefill phase
+    forwarded, against the token budget. Counters rise; ``last`` is the latest iteration."""
+
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    steps_with_prefill: int = 0
+    use: Histogram = field(default_factory=lambda: Histogram(STEP_USE_BUCKETS))
+    last: dict = field(default_factory=dict)
+
+    def record(self, decode: int, prefill: int, budget: int) -> None:
+        self.steps += 1
+        self.decode_tokens += decode
+        self.prefill_tokens += prefill
+        self.steps_with_prefill += prefill > 0
+        self.use.observe((decode + prefill) / budget)
+        self.last = {"decode_tokens": decode, "prefill_tokens": prefill, "budget": budget}
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "decode_tokens": self.decode_tokens, "prefill_tokens": self.prefill_tokens,
+                "steps_with_prefill": self.steps_with_prefill, "budget_use": self.use.to_dict(), "last": self.last}

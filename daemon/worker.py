@@ -26,7 +26,7 @@ from .logs import get_logger
 from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
-from .stats import Tallies
+from .stats import StepUse, Tallies
 
 if TYPE_CHECKING:
     from .head_slot import HeadSlot
@@ -103,6 +103,11 @@ class EngineSnapshot:
     shedding: tuple[bool, float] = (False, 0.0)
     memory: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
+    # The engine step (worker._step): StepUse.to_dict() with the budget, and the prefill
+    # queue: prompts being prefilled, in the order their chunks go, with tokens left.
+    step: dict = field(default_factory=dict)
+    # Start-up warm-up (daemon/warmup.py): per stage, its seconds; empty until it ran.
+    warmup: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
     # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.
@@ -158,6 +163,7 @@ class EngineWorker(threading.Thread):
         self._stopping = False
         self._published_at = 0.0
         self.tallies = Tallies()
+        self.step_use = StepUse()
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
@@ -241,11 +247,51 @@ class EngineWorker(threading.Thread):
             self.governance = Governance(self.slot, self.cfg.governor, self.lm.path, prefix_cache=self.prefix_cache,
                                          holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
             self.tuned_profile = self.governance.tuned_profile
+        if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
+            self._warm_up()
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def warmup_mode(self) -> str:
+        """``warmup`` resolved on this machine: "full", "light" or "off"."""
+        import mlx.core as mx
+
+        from .warmup import resolve
+
+        return resolve(self.cfg.warmup, mx.default_device() == mx.gpu)
+
+    def _warm_up(self, level: str | None = None) -> None:
+        """Run the shapes this daemon serves once before it is ready (daemon/warmup.py), after
+        the start-up probes; ``warmup`` in the config says how much (``level``: rank 0's
+        resolved mode, which the other ranks of a group adopt)."""
+        from governor import load_config as load_governor_config
+
+        from . import warmup
+
+        level = level or self.warmup_mode()
+        if level == "off":
+            log.info("warmup.done", mode=level, seconds=0.0, stages={})
+            return
+        # Every rank of a group must run the same forwards: a rank's [governor] table is its
+        # own (not in the group's fingerprint), so a group warms the default depths; and no
+        # near-tie guard (its serial re-decisions depend on this rank's probe verdict).
+        max_depth = load_governor_config({} if self.group is not None else self.cfg.governor).max_depth
+        t0 = time.perf_counter()
+        stages = warmup.run(
+            level, self.lm, chunk=self.cfg.scheduler.prefill_chunk,
+            head=self.slot.head if self.slot.resident else None,
+            depths=list(range(1, max_depth + 1)),
+            batch=self.batch, max_rows=self.cfg.scheduler.max_active,
+            emit=lambda event, **fields: log.info(event, **fields),
+            spec_options={"rollback": self.cfg.speculation.rollback, "pipeline": self._build_ahead(),
+                          "guard_margin": None})
+        seconds = round(time.perf_counter() - t0, 3)
+        with self.snapshot_lock:
+            self.snapshot.warmup = {"mode": level, "seconds": seconds, "stages": stages}
+        log.info("warmup.done", mode=level, seconds=seconds, stages=stages)
 
     def _prompt_limit(self) -> int | None:
         """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
@@ -330,10 +376,7 @@ class EngineWorker(threading.Thread):
                     self._start(job)
                 except Exception as exc:  # e.g. a batch row's prefill failing: that request only
                     self._failed(job, exc)
-            job = self.scheduler.pick()
-            if job is not None:
-                self._advance(job)
-            elif self._stopping:
+            if not self._step() and self._stopping:
                 return
             if self.governance is not None:
                 self.governance.update_load(len(self.scheduler.active),
@@ -344,6 +387,29 @@ class EngineWorker(threading.Thread):
                 # Liveness is this loop going round (it wakes every 0.1 s when idle), not a
                 # timer: a decode that hangs stops the watchdog pings.
                 self.hooks.on_step()
+
+    def _step(self) -> bool:
+        """One engine iteration: a decode phase (one cycle: the batch's one step for every
+        batched row, or one solo decoder's cycle), then a prefill phase (whole chunks filling
+        what is left of ``scheduler.step_token_budget``; scheduler.prefill_plan says which).
+        False when there was nothing to do."""
+        job = self.scheduler.pick_decoder()
+        spent = self._advance(job) if job is not None else 0
+        plan = self.scheduler.prefill_plan(spent)
+        prefilled = 0
+        for pjob, chunks in plan:
+            for _ in range(chunks):
+                if self.jobs.get(pjob.key) is not pjob or pjob.prefill is None:
+                    break  # failed, or done: the plan counted its tokens as they were
+                prefilled += self._prefill_chunk(pjob)
+        if job is not None or plan:
+            self.step_use.record(spent, prefilled, self._step_budget())
+        return job is not None or bool(plan)
+
+    def _step_budget(self) -> int:
+        """The token budget in force (0 in the config means one prefill chunk)."""
+        cfg = self.scheduler.cfg
+        return cfg.step_token_budget or cfg.prefill_chunk
 
     # ------------------------------------------------------------------ commands
     def _drain_commands(self, block: bool) -> bool:
@@ -600,9 +666,9 @@ class EngineWorker(threading.Thread):
     def _token_text(self, token_id: int) -> str:
         return self.lm.tokenizer.decode([token_id])
 
-    def _prefill_chunk(self, job: Job) -> None:
-        """One unit of a job's prefill; the loop checks commands, deadlines and the drain,
-        and feeds the watchdog, before the next."""
+    def _prefill_chunk(self, job: Job) -> int:
+        """One chunk of a job's prefill; the loop checks commands, deadlines and the drain,
+        and feeds the watchdog, after each iteration's chunks. Returns the tokens forwarded."""
         try:
             n = job.prefill.step()
             if job.prefill.pos in job.snapshot_at and self.prefix_cache is not None:
@@ -611,10 +677,12 @@ class EngineWorker(threading.Thread):
                 self._begin_decode(job)
         except Exception as exc:
             self._failed(job, exc)
-            return
-        self.scheduler.charge(job, 1)  # one cycle, as a decode step is: chunks take turns
+            return 0
+        # One cycle, as a decode step is: the seat's solo decoders are picked by this share.
+        self.scheduler.charge(job, 1)
         with self.snapshot_lock:
             self.snapshot.prefill_tokens_total += n
+        return n
 
     def _request_depth(self, job: Job):
         """The depth a request drafts at: the governor's, capped by the best depth `councild
@@ -661,21 +729,24 @@ class EngineWorker(threading.Thread):
     def depth_pinned(self) -> bool:
         return self.governance is not None and self.governance.gov.state.override == "pin_depth"
 
-    def _advance(self, job: Job) -> None:
-        if job.prefill is not None:
-            self._prefill_chunk(job)
-            return
+    def _advance(self, job: Job) -> int:
+        """One cycle of a decoding job; returns the tokens its forward held (the step's
+        budget use): a batch's rows, or a solo cycle's verified positions."""
+        if job.prefill is not None:  # a one-token prompt: nothing to prefill, decode next
+            return self._prefill_chunk(job)
         if job.batched:
+            rows = len(self.batch)
             self._step_batch()
-            return
+            return rows
         try:
             step = next(job.generator)
         except Exception as exc:
             self._failed(job, exc)
-            return
+            return 1
         if self.governance is not None:
             self.governance.after_step(step)
         self._deliver(job, step)
+        return 1 + step.drafted
 
     def _step_batch(self) -> None:
         """One cycle for every batched row (a verify of every row's drafts where the batch
@@ -836,6 +907,12 @@ class EngineWorker(threading.Thread):
         for job in self.jobs.values():
             s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
             s["active" if job in self.scheduler.active else "queued"] += 1
+        for seat, w in self.scheduler.waiting_by_seat().items():
+            seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0}).update(w)
+        step = self.step_use.to_dict() | {
+            "budget": self._step_budget(),
+            "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
+                               "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
         for seat, n in stats.totals.items():
             s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
             s["tokens"] = n
@@ -849,6 +926,7 @@ class EngineWorker(threading.Thread):
             self.snapshot.seats = seats
             self.snapshot.memory = memory
             self.snapshot.stats = self.tallies.to_dict()
+            self.snapshot.step = step
             if self.prefix_cache is not None:
                 self.snapshot.prefix_cache = self.prefix_cache.stats()
             if self.governance is not None:

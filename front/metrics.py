@@ -119,6 +119,41 @@ class DaemonCollector:
             c = CounterMetricFamily("councild_prefill_tokens", "prompt tokens computed (not taken from the prefix cache)")
             c.add_metric([], d["prefill_tokens_total"])
             yield c
+        yield from _engine_step(d.get("step") or {}, seats)
+
+
+def _engine_step(step: dict, seats: dict):
+    """The engine step (OPERATIONS.md, "The engine step"): the token budget and its use, the
+    prefill queue, and per seat what waits."""
+    if step:
+        for key, doc in (("steps", "engine iterations (a decode phase then a prefill phase)"),
+                         ("decode_tokens", "tokens the iterations' decode phases forwarded"),
+                         ("prefill_tokens", "prompt tokens the iterations' prefill phases forwarded"),
+                         ("steps_with_prefill", "engine iterations that ran prefill chunks")):
+            c = CounterMetricFamily(f"councild_step_{key}", doc)
+            c.add_metric([], step.get(key, 0))
+            yield c
+        g = GaugeMetricFamily("councild_step_token_budget", "tokens one engine iteration may spend (scheduler.step_token_budget)")
+        g.add_metric([], float(step.get("budget", 0)))
+        yield g
+        if "budget_use" in step:
+            yield _histogram("councild_step_budget_use_ratio", "an iteration's tokens over the budget", step["budget_use"])
+        queue = step.get("prefill_queue", [])
+        g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
+        g.add_metric([], float(len(queue)))
+        yield g
+        g = GaugeMetricFamily("councild_prefill_queue_tokens", "prompt tokens left to prefill")
+        g.add_metric([], float(sum(q.get("left", 0) for q in queue)))
+        yield g
+    for key, doc in (("waiting", "requests waiting for a slot, by seat"),
+                     ("longest_wait_s", "seconds the seat's longest-waiting request has waited for a slot"),
+                     ("prefilling", "requests being prefilled, by seat"),
+                     ("prefill_left", "prompt tokens left to prefill, by seat")):
+        g = GaugeMetricFamily(f"councild_seat_{key.removesuffix('_s')}{'_seconds' if key.endswith('_s') else ''}", doc,
+                              labels=["seat"])
+        for seat, s in seats.items():
+            g.add_metric([seat], float(s.get(key, 0)))
+        yield g
 
 
 class FrontMetrics:

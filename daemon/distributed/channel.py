@@ -94,6 +94,9 @@ class Hello(Struct, array_like=True):
     compiled: bool
     tuned_profile: dict | None
     fingerprint: str = ""
+    # The start-up warm-up's mode as rank 0 resolved it ("full", "light", "off"): every rank
+    # runs the same warm-up forwards (their collectives must line up), after this hello.
+    warmup: str = "off"
 
 
 class Report(Struct, array_like=True):

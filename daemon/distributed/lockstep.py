@@ -140,7 +140,8 @@ class LeaderWorker(_GroupMember, EngineWorker):
         self._attach_peer_probes()
         hello = Hello(verify_exact=self.verify_exact,
                       batch_exact=self.batch.exact_ok if self.batch is not None else None,
-                      compiled=self.lm.compiled_decode is not None, tuned_profile=self.tuned_profile)
+                      compiled=self.lm.compiled_decode is not None, tuned_profile=self.tuned_profile,
+                      warmup=self.warmup_mode())
         mine = fingerprint(self.cfg, self.lm)
         hello.fingerprint = mine
         reports = self._exchange(lambda: self.channel.send(hello))
@@ -148,6 +149,7 @@ class LeaderWorker(_GroupMember, EngineWorker):
             if r.fingerprint != mine:
                 _mismatch(0, mine, r.fingerprint, r.rank)
         self._collect(reports)
+        self._warm_up(hello.warmup)  # after the hello: every rank runs the same warm-up forwards
         self.watchdog.started()
         log.info("group.ready", rank=0, size=self.size, backend=self.backend,
                  ranks=[{"rank": k, "host": r.host, "pid": r.pid} for k, (_, r) in sorted(self.reports.items())])
@@ -259,6 +261,7 @@ class FollowerWorker(_GroupMember, EngineWorker):
         if not hello.compiled:
             self.lm.compiled_decode = None
         self.tuned_profile = hello.tuned_profile
+        self._warm_up(hello.warmup)  # rank 0's mode, as rank 0 does, after the hello
         self.watchdog.started()
         log.info("group.following", rank=self.rank, size=self.size, verify_exact=self.verify_exact)
         self._loop()

@@ -167,3 +167,13 @@ def test_status_table_shows_a_tensor_parallel_group_rank_by_rank():
     assert r["group"] == "2 ranks, ring backend, 812 exchanges"
     assert r["rank 1"] == "mac-1 pid 101: active 8000.0 MB, cache 0.0 MB, pressure warn, 2000.0 MB available"
     assert "group" not in rows(format_status(reply(**FULL)))
+
+
+def test_status_step_row():
+    detail = {**FULL, "step": {"budget": 256, "steps": 40, "last": {"decode_tokens": 3, "prefill_tokens": 128},
+                               "prefill_queue": [{"request_id": "r1", "seat": "critic", "left": 900, "cached_tokens": 0},
+                                                 {"request_id": "r2", "seat": "planner", "left": 17,
+                                                  "cached_tokens": 512}]}}
+    r = rows(format_status(reply(**detail)))
+    assert r["step"] == "budget 256 tokens; last: 3 decode + 128 prefill; prefill queue 2 (917 tokens left)"
+    assert "step" not in rows(format_status(reply(**FULL)))  # an older daemon, or no iteration yet

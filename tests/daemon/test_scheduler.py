@@ -290,3 +290,161 @@ def test_no_request_waits_past_the_bound_while_another_seat_is_over_its_share(op
             assert s.remove(job)
             finished.append(job)
     assert len(finished) == total and not s.has_work()
+
+
+# ---------------------------------------------------------------------- the engine step
+@dataclass(eq=False)
+class PromptJob:
+    """A request as the engine step sees it: prompt tokens left to prefill (0: decoding)."""
+
+    seat: str
+    priority: str = "normal"
+    weight: float = 1.0
+    enqueued_at: float = 0.0
+    name: str = ""
+    prefill_left: int = 0
+    prefill_chunk: int = 16
+
+
+def make_step(budget: int, max_active: int = 8):
+    clock = Clock()
+    cfg = SchedulerConfig(max_active=max_active, starvation_bound_s=30.0, step_token_budget=budget)
+    return Scheduler(cfg, clock=clock), clock
+
+
+def iterate(s: Scheduler, rows: list[PromptJob]) -> tuple[object, list[tuple[PromptJob, int]], int]:
+    """One engine iteration as worker._step runs it, on the pure scheduler. ``rows``: the
+    decoding jobs that form the continuous batch (one step advances them all). Returns the
+    decoder picked, the prefill plan, and the prompt tokens it forwarded."""
+    s.admit()
+    d = s.pick_decoder()
+    spent = (len(rows) if d in rows else 1) if d is not None else 0
+    plan = s.prefill_plan(spent)
+    tokens = 0
+    for job, chunks in plan:
+        for _ in range(chunks):
+            n = min(job.prefill_chunk, job.prefill_left)
+            job.prefill_left -= n
+            tokens += n
+            s.charge(job, 1)
+    return d, plan, tokens
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 600), st.sampled_from([1, 16, 32, 100, 256]), st.integers(1, 4), st.integers(200, 3000))
+def test_a_decoding_row_waits_at_most_the_budget_per_step_while_a_long_prompt_prefills(budget, chunk, rows, long):
+    """While one seat's long prompt is prefilled, every batched row advances every step (its
+    gap is one step, never a turn per chunk), and the prompt tokens prefilled between two of
+    its steps are at most max(budget - the step's decode tokens, one chunk). The prompt still
+    finishes: at least one chunk a step."""
+    s, _ = make_step(budget)
+    batch = [PromptJob(f"seat{i}", name=f"row{i}") for i in range(rows)]
+    for j in batch:
+        s.submit(j)
+    prompt = PromptJob("long", name="long", prefill_left=long, prefill_chunk=chunk)
+    s.submit(prompt)
+    steps = 0
+    while prompt.prefill_left > 0:
+        d, plan, tokens = iterate(s, batch)
+        steps += 1
+        assert d in batch  # the batch's step ran: every row advanced
+        assert plan and plan[0][0] is prompt
+        assert tokens <= max(budget - rows, chunk), (tokens, budget, rows, chunk)
+        assert steps <= long  # progress every step
+    # And no slower than the budget allows: whole chunks fill what the decode step leaves.
+    per_step = max(1, (budget - rows) // chunk) * chunk
+    assert steps <= -(-long // min(per_step, long)) + 1
+
+
+def test_cold_prompts_finish_first_come():
+    """The issue-29 case: four cold 1,119-token prompts from four seats, a moment apart. The
+    first to arrive finishes its prefill first, after about a quarter of the time all four
+    take (chunks taking turns made them all finish together, at the end)."""
+    s, clock = make_step(budget=256)
+    prompts = []
+    for i in range(4):
+        clock.t = float(i)
+        p = PromptJob(f"seat{i}", name=f"p{i}", enqueued_at=clock.t, prefill_left=1119, prefill_chunk=128)
+        prompts.append(p)
+        s.submit(p)
+    finished_at: dict[str, int] = {}
+    step = 0
+    while len(finished_at) < 4:
+        step += 1
+        iterate(s, [])
+        for p in prompts:
+            if p.prefill_left == 0 and p.name not in finished_at:
+                finished_at[p.name] = step
+                s.remove(p)  # (its decode is not what this test is about)
+    order = sorted(finished_at, key=finished_at.get)
+    assert order == ["p0", "p1", "p2", "p3"], finished_at
+    assert len(set(finished_at.values())) == 4  # one after another, not together
+    assert finished_at["p0"] <= finished_at["p3"] / 4 + 1, finished_at
+
+
+def test_a_hit_is_prefilled_ahead_of_cold_prompts_of_its_class():
+    """A request whose remainder fits one chunk (a prefix-cache hit's tail) goes first in the
+    prefill phase, ahead of a long cold prompt that arrived before it, and is done in one go;
+    a hit of a lower class does not jump a higher class's prompt."""
+    s, clock = make_step(budget=64)
+    cold = PromptJob("a", name="cold", prefill_left=3000, prefill_chunk=32)
+    s.submit(cold)
+    iterate(s, [])
+    clock.t = 1.0
+    hit = PromptJob("b", name="hit", enqueued_at=1.0, prefill_left=20, prefill_chunk=32)
+    bg_hit = PromptJob("c", "background", name="bg_hit", enqueued_at=1.0, prefill_left=5, prefill_chunk=32)
+    s.submit(hit)
+    s.submit(bg_hit)
+    _, plan, _ = iterate(s, [])
+    assert plan[0] == (hit, 1) and hit.prefill_left == 0
+    assert all(job is not bg_hit for job, _ in plan)  # a lower class waits while normal work runs
+    assert bg_hit.prefill_left == 5
+
+
+def test_a_stream_of_hits_does_not_hold_a_long_prompt_back_past_the_bound():
+    """Short remainders go first, but a prompt that has been prefilled for the starvation
+    bound stops yielding to them: it then goes in arrival order, ahead of later hits."""
+    s, clock = make_step(budget=0)  # one chunk per iteration
+    cold = PromptJob("a", name="cold", prefill_left=3000, prefill_chunk=32)
+    s.submit(cold)
+    served_cold = []
+    for t in range(40):  # a new hit from another seat every second, each done in one chunk
+        clock.t = float(t)
+        s.submit(PromptJob(f"hit{t}", name=f"hit{t}", enqueued_at=clock.t, prefill_left=10, prefill_chunk=32))
+        _, plan, _ = iterate(s, [])
+        served_cold.append(plan[0][0] is cold)
+        for j in [j for j in s.active if j.prefill_left == 0]:
+            s.remove(j)
+    assert not any(served_cold[:30])  # the bound is 30 s: hits first until then
+    assert all(served_cold[30:])  # then the long prompt's chunks go first
+
+
+def test_each_seat_s_first_prompt_goes_before_any_seat_s_second():
+    """Seat fairness among prompts: round by round, each seat's next prompt (a seat of weight
+    2 has two in each round), and arrival order within a round."""
+    for weight_a, expected in ((1.0, ["a1", "b1", "a2", "b2", "a3"]), (2.0, ["a1", "b1", "a2", "a3", "b2"])):
+        s, clock = make_step(budget=32)
+        jobs = [PromptJob(seat, name=name, weight=weight_a if seat == "a" else 1.0, enqueued_at=t,
+                          prefill_left=500, prefill_chunk=32)
+                for t, (seat, name) in enumerate([("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("b", "b2")])]
+        for j in jobs:
+            clock.t = j.enqueued_at
+            s.submit(j)
+        s.admit()
+        assert [j.name for j in s.prefill_order()] == expected
+
+
+def test_a_lower_class_prompt_waits_while_a_higher_class_decodes():
+    """As with pick: the best class running has the engine; the interactive decoder runs
+    every step and a normal prompt's chunks wait (it was admitted to a free slot)."""
+    s, _ = make_step(budget=512)
+    chat = PromptJob("chat", "interactive", name="chat")
+    prompt = PromptJob("b", name="prompt", prefill_left=100, prefill_chunk=16)
+    s.submit(chat)
+    s.submit(prompt)
+    for _ in range(5):
+        d, plan, _ = iterate(s, [])
+        assert d is chat and plan == []
+    s.remove(chat)
+    d, plan, _ = iterate(s, [])
+    assert d is None and plan == [(prompt, 7)]

@@ -114,3 +114,15 @@ def test_a_prompt_larger_than_an_exchange_slot_crosses_in_the_overflow_round(gro
         assert tokens == reference[LONG]
         time.sleep(0.3)  # status is republished every 0.1 s
         assert c.status().detail["group"]["overflow_exchanges"] > before
+
+
+def test_every_rank_warms_up_at_rank_0s_mode_after_the_hello(group, reference):
+    """The warm-up's forwards run on every rank (their collectives must line up): the ranks
+    log the same stages at rank 0's resolved mode, after the group formed."""
+    ranks = [[e for e in group.events(r) if e["event"].startswith(("warmup.", "group."))] for r in (0, 1)]
+    done = [next(e for e in evs if e["event"] == "warmup.done") for evs in ranks]
+    assert done[0]["mode"] == done[1]["mode"] == "light"  # auto on a CPU
+    assert set(done[0]["stages"]) == set(done[1]["stages"]) >= {"prefill", "decode", "speculate", "batch"}
+    names0, names1 = ([e["event"] for e in evs] for evs in ranks)
+    assert names0.index("warmup.done") < names0.index("group.ready")  # before serving
+    assert names1.index("warmup.done") < names1.index("group.following")

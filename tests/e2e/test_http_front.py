@@ -272,10 +272,17 @@ def test_metrics_move_after_a_request(stack, oai):
                                         status="200", outcome="length") + 1
     assert get(after, "councild_memory_active_bytes") > 0
     assert get(after, "councild_head_resident") == 1.0
+    # The engine step (issue 29): iterations ran, their decode phases forwarded the tokens.
+    assert get(after, "councild_step_steps_total") >= get(before, "councild_step_steps_total") + 6
+    assert get(after, "councild_step_decode_tokens_total") >= get(before, "councild_step_decode_tokens_total") + 6
+    assert get(after, "councild_step_prefill_tokens_total") > get(before, "councild_step_prefill_tokens_total")
+    assert get(after, "councild_step_token_budget") > 0
+    assert get(after, "councild_step_budget_use_ratio_count") == get(after, "councild_step_steps_total")
     names = {k[0] for k in after}
     for name in ("councild_queue_depth", "councild_speculation_depth", "councild_drafted_tokens_total",
                  "councild_accepted_tokens_total", "councild_memory_cache_bytes", "councild_memory_available_bytes",
-                 "councild_memory_pressure_level", "councild_in_flight_requests"):
+                 "councild_memory_pressure_level", "councild_in_flight_requests", "councild_prefill_queue_requests",
+                 "councild_prefill_queue_tokens", "councild_seat_waiting", "councild_seat_prefill_left"):
         assert name in names, name
 
 

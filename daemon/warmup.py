@@ -1,0 +1,145 @@
+"""Start-up warm-up: run the shapes the daemon will serve before it says it is ready.
+
+Why: the first use of a forward's shape pays one-time costs (on a GPU, MLX compiles kernels
+and plans matmuls per shape and dtype; ``mx.compile``d decode layers trace per input shape;
+everywhere, the first allocations of each size). Measured on the H200 without warm-up: the
+first council round after start-up had 15.8 s TTFT per seat against 0.07-0.35 s steady. So
+the engine thread runs each path once, after the start-up probes (exactness, batch) and
+before ``ready`` (the first Pong), logging one ``warmup.<stage>`` event per stage with its
+time, then ``warmup.done``.
+
+Stages (``full``; ``light`` runs the first shape of each):
+- ``prefill``: a chunked prefill of a whole ``scheduler.prefill_chunk`` chunk and of short
+  remainders (a prefix-cache hit's tail is one), with a head history when the head is
+  resident (the speculative prefill's extra work);
+- ``decode``: serial decode steps (the compiled decode path where it is kept);
+- ``speculate``: speculative cycles at every depth 1..``governor.max_depth`` (the verify's
+  widths and the head's drafts), when the head is resident;
+- ``batch``: a continuous-batch step at every height 2..``scheduler.max_active``.
+
+Every stage runs the same forwards in the same order on every rank of a tensor-parallel
+group (its collectives must line up), so nothing here depends on timing or on rank-0-only
+state (the governor's live depth, for one).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from .engine.prefill import ChunkedPrefill
+from .engine.sampling import Sampler
+from .engine.serial import serial_decode
+from .engine.speculative import HeadHistory, speculative_decode
+from .engine.types import SamplingParams
+
+# Decode cycles per shape: the first pays the one-time costs, the second shows they are paid.
+CYCLES = 2
+
+
+def resolve(level: str, on_gpu: bool) -> str:
+    """``auto`` is ``full`` on a GPU, ``light`` on the CPU (nothing compiles per shape there).
+    In a group, rank 0 resolves it and the other ranks adopt its answer (lockstep.py)."""
+    if level != "auto":
+        return level
+    return "full" if on_gpu else "light"
+
+
+def _tokens(lm, n: int, salt: int = 0) -> list[int]:
+    """n ordinary token ids (deterministic, inside the vocabulary, away from id 0)."""
+    span = max(2, min(lm.text_args.vocab_size, 4096) - 1)
+    return [1 + (salt * 7919 + 31 * i) % span for i in range(n)]
+
+
+def _greedy() -> Sampler:
+    return Sampler(SamplingParams(temperature=0.0, seed=0))
+
+
+def _take(gen, n: int) -> None:
+    try:
+        for _ in range(n):
+            next(gen)
+    finally:
+        gen.close()
+
+
+# ``light``'s one prefill: the path once, not a whole chunk (on this project's 2-core CPU a
+# 256-token chunk of the bundled model took 4 s of a 5.3 s light warm-up; nothing there
+# compiles per shape, so the whole chunk bought nothing a short one does not).
+LIGHT_PREFILL = 16
+
+
+def prefill_lengths(level: str, chunk: int) -> list[int]:
+    """Prompt lengths to prefill (each one token more than it forwards: the last is left
+    for decode): ``full``, one whole chunk and short remainders (a hit's tail) of a few
+    sizes; ``light``, one short prompt."""
+    if level == "light":
+        return [min(chunk, LIGHT_PREFILL) + 1]
+    return [s + 1 for s in sorted({chunk, max(1, chunk // 2 + 1), min(chunk, 17), 1}, reverse=True)]
+
+
+def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows: int,
+        emit: Callable[..., None], spec_options: dict | None = None) -> dict[str, float]:
+    """Run the stages of ``level`` ("full" or "light"); return each stage's seconds. ``head``:
+    the resident MTP head (None: no speculate stage); ``batch``: the BatchDecoder (None: no
+    batch stage); ``emit(event, **fields)`` logs; ``spec_options``: speculative_decode's keyword
+    arguments as the worker passes them (rollback, guard_margin, pipeline)."""
+    out: dict[str, float] = {}
+
+    def timed(name: str, fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        mx.synchronize()
+        out[name] = round(time.perf_counter() - t0, 3)
+        return out[name]
+
+    lengths = prefill_lengths(level, chunk)
+
+    def prefill() -> None:
+        for i, n in enumerate(lengths):
+            history = HeadHistory(head) if head is not None else None
+            p = ChunkedPrefill(lm, _tokens(lm, n, i), chunk, lm.make_cache(), history)
+            while not p.done:
+                p.step()
+
+    emit("warmup.prefill", mode=level, seconds=timed("prefill", prefill), tokens=[n - 1 for n in lengths],
+         chunk=chunk)
+
+    def decode() -> None:
+        _take(serial_decode(lm, _tokens(lm, 8, 1), _greedy()), CYCLES + 1)
+
+    emit("warmup.decode", mode=level, seconds=timed("decode", decode), steps=CYCLES + 1)
+
+    if head is not None and depths:
+        run_depths = depths if level == "full" else depths[:1]
+
+        def speculate() -> None:
+            for k in run_depths:
+                gen = speculative_decode(lm, head, _tokens(lm, 8, 2 + k), _greedy(), depth=k, exact=True,
+                                         **(spec_options or {}))
+                _take(gen, CYCLES + 1)
+
+        emit("warmup.speculate", mode=level, seconds=timed("speculate", speculate), depths=run_depths)
+
+    if batch is not None and max_rows >= 2:
+        heights = list(range(2, max_rows + 1)) if level == "full" else [2]
+
+        def batched() -> None:
+            rows = []
+            try:
+                for h in range(1, heights[-1] + 1):
+                    key = ("__warmup__", h)
+                    batch.add(key, _greedy(), _tokens(lm, 4 + h, 10 + h))
+                    rows.append(key)
+                    if h in heights:
+                        for _ in range(CYCLES):
+                            batch.step()
+            finally:
+                for key in rows:
+                    if key in batch:
+                        batch.remove(key)
+
+        emit("warmup.batch", mode=level, seconds=timed("batch", batched), heights=heights)
+    return out
