@@ -130,6 +130,8 @@ class RaggedKVCache(BatchKVCache):
 
     def extract(self, idx: int) -> KVCache:
         """Row ``idx``'s own KVCache: its live slots, contiguous."""
+        if self.keys is None:
+            return KVCache()  # nothing written yet (a head that never drafted)
         if self.valid is None:
             return super().extract(idx)
         slots = mx.array(self._rows_slots()[idx], dtype=mx.int32)

@@ -245,3 +245,20 @@ def test_ragged_probe_passes_here_and_catches_a_wrong_rollback(tiny, monkeypatch
     monkeypatch.setattr(exactness, "keep_ragged", lambda cache, rec, keep, T: None)
     assert not exactness.ragged_verify_matches_serial(tiny)
     tiny.__dict__.pop("_ragged_verify_matches_serial", None)
+
+
+def test_rows_at_depth_zero_leave_and_extract_with_an_unfed_head(tiny, head, prompts):
+    """Depth 0 throughout (the governor's call under load): the head's batch cache is never
+    written; rows still leave, are extracted and rejoin, decoding serial's tokens."""
+    refs = {i: serial(tiny, prompts[i])[0] for i in range(3)}
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 0)
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    first = {r: s.tokens for r, s in bd.step().items()}
+    cache, primary, hist = bd.extract(2)
+    bd.add(2, Sampler(SamplingParams()), [primary], cache=cache, history=hist, exact=True)
+    bd.remove(2)
+    bd.add(2, Sampler(SamplingParams()), prompts[2], exact=True)  # from its prompt again
+    got, steps = drive(bd, refs)
+    assert {r: (first[r] + got[r] if r < 2 else got[r])[:N] for r in got} == refs
+    assert all(s.drafted == 0 for r in steps for s in steps[r])
