@@ -604,7 +604,9 @@ class Timeline:
             helper.stop()
         ev["evicted"] = bool(ev["evicted"])
         self.note("wave_released")
-        back = self._wait_status(lambda d: d["head_resident"], 15)
+        # The governor reloads after restore_window_s of calm when it predicts a gain; a long
+        # run gives it longer to show that it does.
+        back = self._wait_status(lambda d: d["head_resident"], 45 if self.duration_s >= 900 else 15)
         ev["head_back_by"] = "governor" if back else None
         if not back:
             # The governor reloads only on a predicted gain (on a 2-core CPU the head may not
@@ -752,6 +754,12 @@ def analyse(load: Load, procs: Procs, timeline: Timeline, base: dict, final: dic
             violations.append(f"MLX active memory (less the prefix cache) is {delta / MiB:+.1f} MiB off its baseline")
 
     accepted = sum(d["accepted"] for d in daemon_side)
+    # A ZeroMQ client that gave up on a live daemon (10 s of silence: a starved box) is not a
+    # lost request (it got its one terminal, an error) but is worth seeing.
+    kill = next((e["t"] for e in timeline.events if e["what"] == "daemon_killed"), None)
+    back = next((e["t"] for e in timeline.events if e["what"] == "daemon_started"), None)
+    unavailable_live = sum(1 for r in recs if r["outcome"] == "unavailable" and kill is not None
+                           and not (r["t0"] - timeline.t0 <= back + 1 and r["t0"] - timeline.t0 + r["s"] >= kill - 1))
     prefix_hits = sum(e.get("cached_tokens", 0) > 0 for d in procs.daemons for e in read_events(d["log"])
                       if e["event"] == "request.done")
     return {
@@ -760,7 +768,7 @@ def analyse(load: Load, procs: Procs, timeline: Timeline, base: dict, final: dic
         "by_kind": dict(Counter(f"{r['via']}:{r['kind']}" for r in recs)),
         "outcomes": dict(outcomes.most_common()),
         "accepted": accepted,
-        "lost": lost, "duplicated": duplicated, "mixed": len(mixed), "greedy_checked": greedy_checked,
+        "lost": lost, "duplicated": duplicated, "unavailable_while_daemon_up": unavailable_live, "mixed": len(mixed), "greedy_checked": greedy_checked,
         "prefix_cache_hit_requests": prefix_hits,
         "daemon_side": daemon_side, "events_seen": dict(events_seen), "front_events": dict(front_events),
         "expected_events": sorted(expected | front_expected), "memory": mem,
@@ -845,7 +853,8 @@ def run(args) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg(),
                     "note": "a 2-core box shared with other engineers' tests and benchmarks: the soak checks "
                             "correctness, not speed"},
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+        "commit": args.commit or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                                text=True).stdout.strip(),
         "timeline": timeline.events if timeline else [], "summary": summary, "logs": str(tmp),
     }
     if not args.keep_logs and not summary["violations"]:
@@ -864,6 +873,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", help="model folder (default: the bundled model, which has an MTP head)")
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--keep-logs", action="store_true", help="keep the daemon and front logs even on success")
+    ap.add_argument("--commit", help="the commit this tree was exported from (a run from `git archive`, so that "
+                                     "edits to the working tree cannot reach the daemons it restarts)")
     return ap
 
 
