@@ -174,6 +174,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     drain_deadline_s: Seconds = 30.0
     # Per-client send queue: a consumer that stops reading is cut off here, not buffered.
     client_send_hwm: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+    # A client whose send queue is full is cut only when it stays full this long: its
+    # messages wait in the daemon meanwhile (bounded), so a client that reads but was paused
+    # on a starved machine (a GC, a swap-in, a busy core) is not cut. 0: cut at once.
+    slow_consumer_grace_s: Annotated[float, Meta(ge=0, le=600)] = 5.0
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Run decode steps and verifies through mx.compile'd layers (daemon/engine/compiled.py); it is

@@ -42,6 +42,14 @@ log = get_logger("councild.server")
 
 # Each progress step of a model load extends systemd's start timeout this far past now.
 LOAD_EXTEND_S = 120.0
+# A full queue is logged (client.backlog) once it has stayed full this long: a client that
+# reads, only slower than the engine writes, fills and empties its queue many times a second,
+# and that is not news.
+BACKLOG_LOG_AFTER_S = 1.0
+# During a slow consumer's grace (slow_consumer_grace_s) its messages wait in the daemon, at
+# most this many (or client_send_hwm, if larger) per connection: room for seconds of four
+# streams' chunks, and a bound on what a client that never reads again can cost (~1 MB).
+GRACE_BACKLOG_MIN = 4096
 
 
 class _Hooks:
@@ -86,6 +94,13 @@ class Server:
         # Rejections past the per-connection hold bound, answered by one summary Error later.
         self._discarded: dict[bytes, int] = {}
         self._held_cap = 16 * cfg.client_send_hwm
+        # A connection whose send queue is full, inside its grace: the messages it has not
+        # taken yet, in order (payload, request key or None, terminal, rejection), and since when.
+        self._backlog: dict[bytes, deque[tuple[bytes, tuple[str, str] | None, bool, bool]]] = {}
+        # (when the queue filled, when the client last took a message): the grace runs from the latter.
+        self._backlog_since: dict[bytes, tuple[float, float]] = {}
+        self._backlog_logged: set[bytes] = set()  # episodes long enough to be logged
+        self._backlog_cap = max(GRACE_BACKLOG_MIN, cfg.client_send_hwm)
         self._router: zmq.Socket | None = None
         self.draining_since: float | None = None
         self.stop_now = False
@@ -408,9 +423,9 @@ class Server:
             if terminal:
                 self.live.pop((seat, rid), None)
                 self._cut.discard((seat, rid))
-                self._send(router, identity, payload, terminal=True)
+                self._send(router, identity, payload, terminal=True, key=(seat, rid))
             elif (seat, rid) not in self._cut:
-                self._send(router, identity, payload)
+                self._send(router, identity, payload, key=(seat, rid))
             # else: a request already cut (slow consumer, client gone): its remaining chunks
             # are dropped on purpose, so a client that resumes reading sees no seq gap, just
             # the chunks it had, then the terminal Error.
@@ -422,18 +437,30 @@ class Server:
         self._send(router, identity, encode(msg), terminal=terminal, rejection=terminal)
 
     def _send(self, router: zmq.Socket, identity: bytes, payload: bytes, terminal: bool = False,
-              rejection: bool = False) -> None:
-        """Send without ever blocking. A full queue (EAGAIN: the client stopped reading)
+              rejection: bool = False, key: tuple[str, str] | None = None) -> None:
+        """Send without ever blocking. A full queue (EAGAIN: the client is not reading)
+        starts the client's grace: its messages wait in order (``_backlog``) for up to
+        ``slow_consumer_grace_s``, so a client that pauses on a starved machine and reads
+        again loses nothing. A queue still full past the grace (or a backlog past its cap)
         cuts the client's requests with slow_consumer rather than buffering without bound
-        or blocking every other client; a terminal message that cannot go out now is held
+        or blocking every other client; a terminal message that cannot go out then is held
         (``_held``) and retried, so no request loses its one terminal message. Replies that
         end no request (Pong, Welcome, StatusReply, GovernorReply, id-less Errors) are
-        dropped when they do not fit."""
+        dropped when they do not fit after a cut."""
+        if identity in self._backlog:  # inside the grace: behind what waits already
+            self._backlog[identity].append((payload, key, terminal, rejection))
+            self._flush_backlog(router, identity)
+            return
         try:
             if identity in self._held and not self._flush_held(router, identity):
                 raise zmq.Again()  # keep the order: held terminals first
             router.send_multipart([identity, payload], zmq.NOBLOCK)
         except zmq.Again:
+            if self.cfg.slow_consumer_grace_s > 0 and identity not in self._slow and identity not in self._held:
+                self._backlog[identity] = deque([(payload, key, terminal, rejection)])
+                now = time.monotonic()
+                self._backlog_since[identity] = (now, now)
+                return
             if terminal:
                 self._hold(identity, payload, rejection)
             self._drop_client(identity, "slow_consumer")
@@ -446,6 +473,57 @@ class Server:
         else:
             if identity in self._slow:
                 self._settle(identity)
+
+    def _flush_backlog(self, router: zmq.Socket, identity: bytes) -> None:
+        """Send what waits for a client inside its grace, in order. Emptied: the grace ends
+        (client.backlog_cleared). Nothing taken for slow_consumer_grace_s (a client that
+        takes some restarts the clock), or past the cap: the client is cut (_cut_backlog)."""
+        backlog = self._backlog[identity]
+        since, progress = self._backlog_since[identity]
+        sent = 0
+        while backlog:
+            try:
+                router.send_multipart([identity, backlog[0][0]], zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._forget_held(identity)  # the connection is gone: nothing can be delivered
+                self._drop_client(identity, "client_gone")
+                return
+            backlog.popleft()
+            sent += 1
+        now = time.monotonic()
+        if sent:
+            progress = now
+            self._backlog_since[identity] = (since, progress)
+        if not backlog:
+            del self._backlog[identity], self._backlog_since[identity]
+            if identity in self._backlog_logged:
+                self._backlog_logged.discard(identity)
+                log.info("client.backlog_cleared", seat=self.seats.get(identity, "default"), held_s=round(now - since, 3))
+            return
+        if identity not in self._backlog_logged and now - since >= BACKLOG_LOG_AFTER_S:
+            self._backlog_logged.add(identity)
+            log.info("client.backlog", seat=self.seats.get(identity, "default"), full_s=round(now - since, 3),
+                     waiting=len(backlog), grace_s=self.cfg.slow_consumer_grace_s, send_hwm=self.cfg.client_send_hwm)
+        if now - progress > self.cfg.slow_consumer_grace_s or len(backlog) > self._backlog_cap:
+            self._cut_backlog(identity, now - since)
+
+    def _cut_backlog(self, identity: bytes, held_s: float) -> None:
+        """The grace is over: cut the client as a slow consumer. Of what waited, requests
+        that have ended keep all their messages (their chunks then their terminal, held for
+        delivery); those still running lose their waiting chunks (their slow_consumer
+        Error follows what the client already has, with no seq gap); other replies go."""
+        backlog = self._backlog.pop(identity)
+        del self._backlog_since[identity]
+        self._backlog_logged.discard(identity)
+        ended = {key for _, key, terminal, _ in backlog if terminal and key is not None}
+        kept = [(payload, rejection) for payload, key, terminal, rejection in backlog if terminal or key in ended]
+        for payload, rejection in kept:
+            self._hold(identity, payload, rejection)
+        self._drop_client(identity, "slow_consumer", held_s=round(held_s, 3), waiting=len(backlog))
 
     def _hold(self, identity: bytes, payload: bytes, rejection: bool) -> None:
         """Keep a terminal for a client that is not reading. Terminals of accepted requests
@@ -463,6 +541,9 @@ class Server:
         held.append(payload)
 
     def _forget_held(self, identity: bytes) -> None:
+        self._backlog_logged.discard(identity)
+        self._backlog.pop(identity, None)
+        self._backlog_since.pop(identity, None)
         self._held.pop(identity, None)
         self._discarded.pop(identity, None)
         self._slow.discard(identity)
@@ -508,7 +589,7 @@ class Server:
             return  # a cut request's terminal is still on its way from the engine
         self._slow.discard(identity)
 
-    def _drop_client(self, identity: bytes, why: str) -> None:
+    def _drop_client(self, identity: bytes, why: str, **grace) -> None:
         """End every request of a connection with ``why`` (``slow_consumer`` or
         ``client_gone``: the terminal Error's code). Each request is cancelled once: the
         chunks still on their way from the engine would otherwise repeat the cancel (and the
@@ -517,7 +598,7 @@ class Server:
             self._slow.add(identity)
         keys = [k for k, ident in self.live.items() if ident == identity and k not in self._cut]
         if keys:
-            log.warning("client.dropped", reason=why, requests=[k[1] for k in keys], seat=keys[0][0])
+            log.warning("client.dropped", reason=why, requests=[k[1] for k in keys], seat=keys[0][0], **grace)
         for key in keys:
             self._cut.add(key)
             self.worker.commands.put(CancelJob(key, why))
@@ -537,6 +618,9 @@ class Server:
                     log.warning("client.terminal_lost", reason="client silent past the heartbeat timeout",
                                 undelivered=len(self._held.get(identity, ())))
                 self._forget_held(identity)
+        for identity in list(self._backlog):  # inside its grace: read again, or cut once it is over
+            if identity in self._backlog:
+                self._flush_backlog(self._router, identity)
         for identity in list(self._held):  # a slow consumer that reads again gets its terminals
             self._flush_held(self._router, identity)
         if self.reload_requested:

@@ -32,13 +32,14 @@ from protocol.client import AsyncClient, CouncilError, DaemonUnavailable
 
 from .anthropic_api import AnthropicAPI
 from .config import HttpConfig
+from .daemon_link import DaemonLink, DaemonUnreachable
 from .metrics import FrontMetrics
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
 
 SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
-# /health waits at most this long for the daemon's status, so a daemon that is down answers
-# the probe quickly instead of after the client's liveness timeout; /metrics waits longer (a
-# scrape has its own timeout, typically 10 s, and a loaded machine answers slowly).
+# /v1/models waits at most this long for the daemon's Welcome; /metrics waits longer for its
+# status (a scrape has its own timeout, typically 10 s, and a loaded machine answers slowly).
+# /health waits http.daemon_probe_timeout_s (front/daemon_link.py).
 STATUS_TIMEOUT_S = 3.0
 METRICS_STATUS_TIMEOUT_S = 8.0
 # Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
@@ -75,11 +76,15 @@ class HTTPError(Exception):
 
 def from_council(exc: CouncilError) -> HTTPError:
     if isinstance(exc, DaemonUnavailable):
-        return HTTPError(503, f"councild is not answering: {exc.message}", code="daemon_unavailable")
+        return HTTPError(503, f"councild is not answering: {exc.message}", code="daemon_unavailable", retry_after=2.0)
     status = HTTP_STATUS.get(exc.code, 500)
     code = "context_length_exceeded" if exc.code == "prompt_too_long" else exc.code
     retry = exc.retry_after_s if exc.retry_after_s is not None else (2.0 if status in (429, 503) else None)
     return HTTPError(status, exc.message, code=code, retry_after=retry)
+
+
+def from_unreachable(exc: DaemonUnreachable) -> HTTPError:
+    return HTTPError(503, exc.message, code="daemon_unavailable", retry_after=exc.retry_after)
 
 
 def sse(obj) -> str:
@@ -118,11 +123,9 @@ class Front:
         self.cfg = cfg
         self.endpoint = endpoint
         self.clients: dict[str, AsyncClient] = {}
-        self._status_client: AsyncClient | None = None
-        self._status: m.StatusReply | None = None
-        self._status_at = 0.0
-        self._status_error: str | None = None
-        self._status_lock = asyncio.Lock()
+        # Reachability and the last status (front/daemon_link.py): /health and every request read it.
+        self.link = DaemonLink(cfg, endpoint, cfg.default_seat)
+        self._background: set[asyncio.Task] = set()
         self.metrics = FrontMetrics(self)
         anthropic = AnthropicAPI(self, http_error=HTTPError, from_council=from_council, until_disconnect=until_disconnect,
                                  disconnected=_Disconnected)
@@ -140,6 +143,7 @@ class Front:
 
     @asynccontextmanager
     async def _lifespan(self, app):
+        self.link.start()
         yield
         await self.close()
 
@@ -155,27 +159,14 @@ class Front:
                                                  client_name="councild-http")
         return c
 
-    async def status(self, max_age: float | None = None, timeout: float = STATUS_TIMEOUT_S) -> m.StatusReply | None:
+    async def status(self, max_age: float | None = None, timeout: float | None = None) -> m.StatusReply | None:
         """The daemon's StatusReply, at most ``max_age`` (default status_ttl_s) old; None when
-        it does not answer within ``timeout`` (``_status_error`` says why)."""
-        max_age = self.cfg.status_ttl_s if max_age is None else max_age
-        async with self._status_lock:
-            if self._status is not None and time.monotonic() - self._status_at <= max_age:
-                return self._status
-            if self._status_client is None:
-                self._status_client = AsyncClient(self.endpoint, seat=self.cfg.default_seat,
-                                                  timeout_s=METRICS_STATUS_TIMEOUT_S, client_name="councild-http-status")
-            try:
-                self._status = await asyncio.wait_for(self._status_client.status(), timeout)
-                self._status_at = time.monotonic()
-                self._status_error = None
-            except (CouncilError, asyncio.TimeoutError) as exc:
-                self._status = None
-                self._status_error = getattr(exc, "message", None) or "no status reply in time"
-                client, self._status_client = self._status_client, None  # reconnect next time
-                with suppress(Exception):
-                    await client.close()
-            return self._status
+        it does not answer within ``timeout`` (the link's state says why)."""
+        return await self.link.status(max_age, timeout)
+
+    @property
+    def _status(self) -> m.StatusReply | None:
+        return self.link.last_status
 
     async def model_name(self, seat: str) -> str:
         if self.cfg.model_name:
@@ -184,7 +175,8 @@ class Front:
         return welcome.model
 
     async def close(self) -> None:
-        for c in list(self.clients.values()) + ([self._status_client] if self._status_client else []):
+        await self.link.close()
+        for c in list(self.clients.values()):
             with suppress(Exception):
                 await c.close()
         self.clients.clear()
@@ -235,17 +227,21 @@ class Front:
             except BadRequest as exc:
                 raise HTTPError(400, exc.message, exc.param, exc.code) from None
             client = self.client(seat)
-            welcome = await client.connect()
+            await self.link.admit()  # an unreachable daemon: 503 now, not after daemon_timeout_s
+            welcome = await self.link.guard(client.connect())
             if "max_tokens" not in body and "max_completion_tokens" not in body:
                 parsed.generate["max_tokens"] = min(parsed.generate["max_tokens"], welcome.limits.max_tokens)
             model = self.cfg.model_name or welcome.model
             stream = client.generate(**parsed.generate, stream=parsed.stream)
             try:
-                first = await until_disconnect(request, stream.next_message())  # Accepted, or the Error raises
+                first = await until_disconnect(request, self.link.guard(stream.next_message()))  # Accepted, or the Error raises
             except _Disconnected:
                 await stream.cancel()
                 self.metrics.request(route, seat, 499, "disconnected")
                 return Response(status_code=499)
+            except DaemonUnreachable:
+                self._cancel_later(stream)  # a daemon that was only slow must not run it unread
+                raise
             shape = ResponseShape(parsed, stream.request_id, model)
             if parsed.stream:
                 return StreamingResponse(self._sse(stream, shape, parsed, route, seat, received), media_type="text/event-stream",
@@ -261,6 +257,10 @@ class Front:
         except HTTPError as exc:
             self.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()
+        except DaemonUnreachable as exc:
+            err = from_unreachable(exc)
+            self.metrics.request(route, seat, err.status, err.code)
+            return err.response()
         except CouncilError as exc:
             err = from_council(exc)
             if exc.code == "overloaded":
@@ -269,6 +269,13 @@ class Front:
                     err = HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.metrics.request(route, seat, err.status, exc.code)
             return err.response()
+
+    def _cancel_later(self, stream) -> None:
+        """Send the stream's Cancel in the background: to a daemon that is gone, the send
+        could wait for the connection's timeout, and the 503 must not."""
+        task = asyncio.ensure_future(stream.aclose())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _sse(self, stream, shape: ResponseShape, parsed: Parsed, route: str, seat: str, received: float):
         ended = False
@@ -316,9 +323,12 @@ class Front:
     async def models(self, request: Request) -> Response:
         try:
             seat = self.seat_for(request)
+            await self.link.admit()
             name = await asyncio.wait_for(self.model_name(seat), STATUS_TIMEOUT_S)
         except HTTPError as exc:
             return exc.response()
+        except DaemonUnreachable as exc:
+            return from_unreachable(exc).response()
         except (CouncilError, asyncio.TimeoutError) as exc:
             return HTTPError(503, f"councild is not answering: {getattr(exc, 'message', exc)}",
                              code="daemon_unavailable", retry_after=2.0).response()
@@ -328,11 +338,14 @@ class Front:
                                                          "owned_by": "councild"}]})
 
     async def health(self, request: Request) -> Response:
-        st = await self.status()
+        # An unreachable daemon is the probe's verdict: say so now rather than wait out one
+        # more status read (the probe keeps trying every daemon_probe_interval_s).
+        st = None if self.link.unreachable else await self.status()
         if st is None:
-            # No answer: a daemon not (yet) started looks like one starting; both are
-            # "loading" here, with the reason.
-            return JSONResponse({"status": "loading", "reason": self._status_error}, status_code=503,
+            # No answer within daemon_probe_timeout_s: not loading (a loading daemon answers
+            # Status), not draining; killed, not started, or hung.
+            return JSONResponse({"status": "unreachable", "reason": self.link.reason,
+                                 "since_s": round(time.monotonic() - self.link.since, 2)}, status_code=503,
                                 headers={"Retry-After": "2"})
         if st.detail.get("state") == "loading":  # bound, still reading the model's weights
             progress = (st.detail.get("load_progress") or {}).get("percent")
@@ -340,9 +353,6 @@ class Front:
                                 headers={"Retry-After": "2"})
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
-        if st.detail.get("state") == "loading":  # the daemon answers while it reads the weights
-            return JSONResponse({"status": "loading", "model": st.model, "progress": st.detail.get("load_progress")},
-                                status_code=503, headers={"Retry-After": "2"})
         return JSONResponse({"status": "ready", "model": st.model, "active": st.active, "queued": st.queued,
                              "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
 

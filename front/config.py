@@ -34,6 +34,16 @@ class HttpConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     status_ttl_s: Annotated[float, Meta(ge=0, le=60)] = 0.5
     # The daemon connection's liveness timeout (protocol.AsyncClient timeout_s).
     daemon_timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 30.0
+    # The front asks the daemon for its status this often, and calls it unreachable when an
+    # answer takes longer than daemon_probe_timeout_s: requests then get 503 + Retry-After
+    # within a second or two instead of waiting out daemon_timeout_s. The timeout is above a
+    # loaded machine's status round trip (tenths of a second), below a person's patience.
+    daemon_probe_interval_s: Annotated[float, Meta(gt=0, le=60)] = 0.5
+    daemon_probe_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 1.5
+    # How long a request waits for an unreachable daemon to come back before its 503; 0
+    # answers at once. Operators who prefer holding requests across a daemon restart (a model
+    # load takes seconds to minutes) raise it.
+    unreachable_hold_s: Annotated[float, Meta(ge=0, le=3600)] = 0.0
     # max_tokens of a request that gives none (OpenAI's default is "as many as fit"); capped
     # by the daemon's own limit.
     default_max_tokens: Annotated[int, Meta(ge=1)] = 4096

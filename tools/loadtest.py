@@ -64,6 +64,9 @@ SEATS = ["planner", "critic", "scribe", "default"]
 DAEMON_CONFIG = """\
 heartbeat_interval_s = 0.5
 heartbeat_timeout_s = 10.0
+# --flood checks the cut and what is held after it: cut as soon as the queue is full, as
+# with no grace (tests/e2e/test_slow_consumer_grace.py tests the grace).
+slow_consumer_grace_s = 0.0
 max_prompt_tokens = 1024
 
 [scheduler]

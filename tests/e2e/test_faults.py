@@ -38,6 +38,9 @@ CONFIG = f"heartbeat_timeout_s = {HEARTBEAT_TIMEOUT_S}\nheartbeat_interval_s = 0
 # A small per-client send queue, so a consumer that stops reading is cut quickly; healthy
 # clients that read promptly never come near it.
 SEND_HWM = 32
+# Cut once the queue has stayed full this long (tests/e2e/test_slow_consumer_grace.py tests
+# the grace itself): short here, so the cut below comes soon after the queue fills.
+GRACE_S = 1.0
 
 # A client that starts a long request, says so on stdout, then stops reading and sleeps:
 # the test kills it (SIGKILL) or freezes it (SIGSTOP) there. argv[2] == "stream": a
@@ -83,7 +86,7 @@ def _wait_gone(d, rid: str, timeout_s: float) -> float:
 @pytest.fixture(scope="module")
 def faults_daemon(tmp_path_factory, e2e_model):
     tmp = tmp_path_factory.mktemp("faults")
-    d = start_daemon(tmp, e2e_model, config=CONFIG + f"client_send_hwm = {SEND_HWM}\n")
+    d = start_daemon(tmp, e2e_model, config=CONFIG + f"client_send_hwm = {SEND_HWM}\nslow_consumer_grace_s = {GRACE_S}\n")
     yield d
     assert d.stop() == 0, d.log_path.read_text()[-3000:]
 
@@ -162,7 +165,8 @@ def test_retried_generate_is_not_run_twice(faults_daemon):
 
 def test_slow_consumer_is_cut_at_the_hwm(faults_daemon):
     """A client that stops reading (but still sends Pings, so it is alive): its requests end
-    with slow_consumer when its send queue (client_send_hwm, small here) fills; the daemon
+    with slow_consumer when its send queue (client_send_hwm, small here) fills and stays full
+    past slow_consumer_grace_s (1 s here); the daemon
     neither blocks nor grows, and delivers the terminal once the client reads again."""
     d = faults_daemon
     proc = psutil.Process(d.proc.pid)

@@ -46,6 +46,9 @@ max_frame_bytes = {MAX_FRAME}
 max_tokens = {MAX_TOKENS}
 max_prompt_tokens = {MAX_PROMPT_TOKENS}
 heartbeat_timeout_s = 60.0
+# The floods below test the cut and what is held after it: cut as soon as the queue is full,
+# as with no grace (tests/e2e/test_slow_consumer_grace.py tests the grace).
+slow_consumer_grace_s = 0.0
 """
 # The daemon's ZeroMQ MAXMSGSIZE: above it the connection is dropped without a reply.
 HARD_LIMIT = MAX_FRAME + 1024
