@@ -40,17 +40,17 @@ TEXTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "impo
          "def load(path):\n    with open(path) as f:", "x = [1, 2, 3]\n"]
 
 
-def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[float, dict]:
+def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int, exact: bool = True) -> tuple[float, dict]:
     """Returns (aggregate tokens/s, {row: tokens})."""
     if arm == "batch d0":
         bd = BatchDecoder(lm, max_rows=len(prompts))
         for i, p in enumerate(prompts):
-            bd.add(i, Sampler(SamplingParams()), p, exact=True)
+            bd.add(i, Sampler(SamplingParams()), p, exact=exact)
     else:
         k = int(arm.split("d")[-1])
         bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts))
         for i, p in enumerate(prompts):
-            bd.add(i, Sampler(SamplingParams()), p, exact=True)
+            bd.add(i, Sampler(SamplingParams()), p, exact=exact)
     got = {i: [] for i in range(len(prompts))}
     t0 = time.perf_counter()
     while min(len(v) for v in got.values()) < tokens:
@@ -69,6 +69,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=str(ROOT / "bench/results/batch_spec_cpu.json"))
+    ap.add_argument("--fast", action="store_true",
+                    help="rows in the fast configuration (for backends whose batched kernels round unlike M=1, "
+                         "where exact rows do not batch): tokens that differ from batch d0 are counted, not refused")
     args = ap.parse_args(argv)
 
     lm = load_model(args.model)
@@ -79,20 +82,25 @@ def main(argv=None) -> int:
         prompts = [lm.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(B)]
         rates = {a: [] for a in arms}
         ref = None
+        differ = {a: 0 for a in arms}
         for _ in range(args.rounds):
             for a in arms:
-                rate, toks = run_arm(lm, head, a, prompts, args.tokens)
+                rate, toks = run_arm(lm, head, a, prompts, args.tokens, exact=not args.fast)
                 if ref is None:
                     ref = toks
-                assert toks == ref, f"{a} at B={B} decoded other tokens than batch d0"
+                if args.fast:  # flips allowed: count rows whose tokens differ from batch d0's
+                    differ[a] += sum(toks[r] != ref[r] for r in ref)
+                else:
+                    assert toks == ref, f"{a} at B={B} decoded other tokens than batch d0"
                 rates[a].append(rate)
         for a in arms:
             ratios = [x / y for x, y in zip(rates[a], rates["batch d0"])]
             results.append({"height": B, "arm": a, "tokens_per_s": rates[a],
                             "median_tokens_per_s": statistics.median(rates[a]),
-                            "ratio_vs_batch_d0": ratios, "median_ratio": statistics.median(ratios)})
+                            "ratio_vs_batch_d0": ratios, "median_ratio": statistics.median(ratios),
+                            "rows_differing_from_batch_d0": differ[a] if args.fast else 0})
     print(f"batched speculation, {Path(args.model).name}, {platform.machine()}, CPU, "
-          f"{args.tokens} tokens/row, {args.rounds} rounds interleaved\n")
+          f"{args.tokens} tokens/row, {args.rounds} rounds interleaved" + (", fast rows" if args.fast else "") + "\n")
     print("| rows | arm | tokens/s median (range) | vs batch d0: median (range) |")
     print("|---|---|---|---|")
     for r in results:

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from protocol import messages as m
 from protocol.client import CouncilError
 
+from .daemon_link import DaemonUnreachable
 from .schema import BadRequest
 
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -274,7 +275,8 @@ class AnthropicAPI:
         except BadRequest as exc:
             raise self.HTTPError(400, exc.message, exc.param) from None
         client = self.front.client(seat)
-        welcome = await client.connect()
+        await self.front.link.admit()  # an unreachable daemon: 503 now, not after daemon_timeout_s
+        welcome = await self.front.link.guard(client.connect())
         if counting:
             gen.update(max_tokens=1, count_only=True)
         return seat, client, welcome, gen, stream, body
@@ -282,10 +284,12 @@ class AnthropicAPI:
     async def count_tokens(self, request: Request) -> Response:
         try:
             _, client, _, gen, _, _ = await self._start(request, counting=True)
-            done = await client.generate(**gen, stream=False).result()
+            done = await self.front.link.guard(client.generate(**gen, stream=False).result())
             return JSONResponse({"input_tokens": done.usage.prompt_tokens})
         except self.HTTPError as exc:
             return self._error_response(exc)
+        except DaemonUnreachable as exc:
+            return self._unreachable(exc)
         except CouncilError as exc:
             return self._error_response(self.from_council(exc))
 
@@ -299,7 +303,12 @@ class AnthropicAPI:
             model = self.front.cfg.model_name or welcome.model
             stream = client.generate(**gen, stream=stream_it)
             try:
-                first = await self.until_disconnect(request, stream.next_message())
+                try:
+                    first = await self.until_disconnect(request, self.front.link.guard(stream.next_message()))
+                except DaemonUnreachable:
+                    with suppress(Exception):
+                        await stream.cancel()  # a daemon that was only slow must not run it unread
+                    raise
                 if not stream_it:
                     done = first if isinstance(first, m.Done) else await self.until_disconnect(request, stream.result())
             except self.Disconnected:
@@ -323,6 +332,13 @@ class AnthropicAPI:
             err = self.from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
             return self._error_response(err)
+        except DaemonUnreachable as exc:
+            self.front.metrics.request(route, seat, 503, "daemon_unavailable")
+            return self._unreachable(exc)
+
+    def _unreachable(self, exc: DaemonUnreachable) -> JSONResponse:
+        """503 in Anthropic's shape, with Retry-After, while the daemon does not answer."""
+        return self.error(503, exc.message, {"Retry-After": f"{exc.retry_after:g}"})
 
     async def _events(self, stream, msg_id: str, model: str, prompt_tokens: int, route: str, seat: str):
         ended = False

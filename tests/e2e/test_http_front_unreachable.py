@@ -87,6 +87,17 @@ def test_daemon_killed_mid_stream_then_restarted(tmp_path, e2e_model):
             assert refused_s < REFUSED_WITHIN_S, refused_s
             r = h.get(front.url + "/v1/models")
             assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
+            # Anthropic's Messages API: the same prompt 503, in Anthropic's error shape.
+            for path in ("/v1/messages", "/v1/messages/count_tokens"):
+                t0 = time.monotonic()
+                r = h.post(front.url + path, json={"model": "councild", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 503, (path, r.text)
+                assert r.json() == {"type": "error", "error": {"type": "overloaded_error",
+                                                               "message": r.json()["error"]["message"]}}
+                assert "unreachable" in r.json()["error"]["message"]
+                assert int(r.headers["Retry-After"]) >= 1
+                assert time.monotonic() - t0 < REFUSED_WITHIN_S
 
             # The daemon comes back (same endpoint): the front serves again by itself.
             d2 = start_daemon(tmp_path, e2e_model, config=DAEMON_CONFIG)
