@@ -53,8 +53,13 @@ def test_guarded_policy_speculates_exact_requests(tmp_path):
 
 
 def test_this_cpu_speculates_exact_requests(tmp_path):
-    """Without the knob the probe finds CPU verifies bit-identical, and says so."""
-    d = start_daemon(tmp_path, BUNDLED_MODEL)
+    """Without the knob the probe finds CPU verifies bit-identical, and says so. A restart on
+    the same stack and model reads both probes' verdicts back from the cache folder instead of
+    probing; the knob still forces the inexact policy over a cached bit-identical verdict."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    d = start_daemon(tmp_path / "first", BUNDLED_MODEL, env=cache)
     try:
         with Client(d.endpoint, seat="exact", timeout_s=60) as c:
             detail = c.status().detail
@@ -63,3 +68,18 @@ def test_this_cpu_speculates_exact_requests(tmp_path):
         assert d.stop() == 0
     (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
     assert probe["verify_bit_identical"] is True and probe["exact_requests"] == "speculate"
+    (batch,) = [e for e in d.events() if e["event"] == "batch.ready"]
+    assert probe["verdict"] == "probed" and batch["verdict"] == "probed"
+    assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
+
+    again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache, config="debug_inexact_verify = true\n")
+    try:
+        with Client(again.endpoint, seat="exact", timeout_s=60) as c:
+            assert c.status().detail["exact_decode"] == "serial"
+    finally:
+        assert again.stop() == 0
+    (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
+    (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
+    assert probe["verdict"] == "cached" and batch["verdict"] == "cached"
+    assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
+    assert batch["exact_rows_batch"] is True
