@@ -102,7 +102,7 @@ def paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4), pairs: int = 20, context
     machines: drift lands on both paths within a pair."""
     import time
 
-    from ..engine.forward import capture_hidden
+    from ..engine.capture import capture_hidden
     from ..engine.rollback import Snapshot
 
     cache = lm.make_cache()

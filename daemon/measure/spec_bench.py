@@ -34,7 +34,7 @@ import mlx.core as mx
 from .bench_io import spread, write_results
 from .fidelity import default_model_path, load_prompts
 from ..engine.model import LoadedModel
-from ..engine.forward import capture_hidden
+from ..engine.capture import capture_hidden
 from ..engine.rollback import STRATEGIES, Snapshot
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
