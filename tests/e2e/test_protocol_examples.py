@@ -21,8 +21,6 @@ from daemon import __version__
 from daemon.paths import BUNDLED_MODEL
 from protocol import messages as m
 
-from e2e_harness import start_daemon
-
 DOC = (Path(m.__file__).parent / "PROTOCOL.md").read_text()
 # Field names whose values are fixed by the protocol, the config defaults and the request,
 # not by the model's text or the clock. Anything else is checked by name and type only.
@@ -67,9 +65,10 @@ def shape_drift(doc, real, where: str = "") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def replies(tmp_path_factory):
-    """The doc's client frames sent in order, each followed by every reply it draws."""
-    d = start_daemon(tmp_path_factory.mktemp("proto-doc"), BUNDLED_MODEL)
+def replies(_bundled_daemon_session):
+    """The doc's client frames sent in order, each followed by every reply it draws (on the
+    session's shared daemon: bundled model, default configuration; tests/conftest.py)."""
+    d = _bundled_daemon_session
     try:
         sock = d.raw_socket(timeout_ms=60000)
         got: list[dict] = []
@@ -82,9 +81,8 @@ def replies(tmp_path_factory):
                 got.append(reply)
                 if reply["type"] in ("welcome", "pong", "error", "done", "status_reply"):
                     break
-        sock.close()
     finally:
-        assert d.stop() == 0, d.log_path.read_text()[-3000:]
+        sock.close()
     return got
 
 
