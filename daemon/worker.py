@@ -214,6 +214,9 @@ class EngineWorker(threading.Thread):
                 with self.snapshot_lock:
                     self.snapshot.head_error = self.slot.error
         self.verify_exact = True
+        from .probe_verdicts import verdicts_for
+
+        self.verdicts = verdicts_for(self.lm, self.group)
         if self.slot.available:
             self._probe_exactness()
         self.batch = None
@@ -225,21 +228,28 @@ class EngineWorker(threading.Thread):
         # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
         self.batch_speculates = False
         if self.cfg.scheduler.batching:
+            from .engine.batch import BatchDecoder, batch_matches_serial
+            from .engine.exactness import ragged_verify_matches_serial
+
             t0 = time.perf_counter()
             spec = self.cfg.speculation
+            rows = self.cfg.scheduler.max_active
+            # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
+            exact_ok, verdict = self.verdicts.get("batch", str(rows), lambda: batch_matches_serial(self.lm, rows))
             if spec.in_batch and spec.mode != "off" and self.slot.available and self.group is None:
                 from .engine.batch_spec import SpecBatchDecoder
 
+                if exact_ok and self.verify_exact:
+                    exact_ok, verdict = self.verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(self.lm))
+                else:
+                    exact_ok = False
                 slot = self.slot
                 self.batch = SpecBatchDecoder(self.lm, head=lambda: slot.head, depth_for=slot.depth_for,
-                                              max_rows=self.cfg.scheduler.max_active,
-                                              exact_ok=None if self.verify_exact else False)
+                                              max_rows=rows, exact_ok=exact_ok)
                 self.batch_speculates = True
             else:
-                from .engine.batch import BatchDecoder
-
-                self.batch = BatchDecoder(self.lm, max_rows=self.cfg.scheduler.max_active)
-            log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok,
+                self.batch = BatchDecoder(self.lm, max_rows=rows, exact_ok=exact_ok)
+            log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok, verdict=verdict,
                      speculates=self.batch_speculates, probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         if self.cfg.governor_enabled:
             from .governance import Governance
@@ -335,12 +345,13 @@ class EngineWorker(threading.Thread):
         spec = self.cfg.speculation
         rollback = resolve_rollback(spec.rollback)
         t0 = time.perf_counter()
-        self.verify_exact = verify_matches_serial(self.lm, rollback) and not self.cfg.debug_inexact_verify
+        bit_identical, verdict = self.verdicts.get("verify", rollback, lambda: verify_matches_serial(self.lm, rollback))
+        self.verify_exact = bit_identical and not self.cfg.debug_inexact_verify
         exact_decode = "speculate" if self.verify_exact else spec.exact_on_inexact_backend
         with self.snapshot_lock:
             self.snapshot.exact_decode = exact_decode
         log.info("speculation.exactness", verify_bit_identical=self.verify_exact, rollback=rollback,
-                 forced_inexact=self.cfg.debug_inexact_verify,
+                 forced_inexact=self.cfg.debug_inexact_verify, verdict=verdict,
                  exact_requests=exact_decode, near_tie_guard="off" if self.verify_exact else "on",
                  probe_ms=round((time.perf_counter() - t0) * 1000, 1),
                  reason=("a verify here computes what serial steps compute, bit for bit" if self.verify_exact else

@@ -37,7 +37,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from .forward import cache_arrays, capture_hidden, compiled_forward, gdn_capture_forward
+from .capture import capture_hidden
+from .forward import cache_arrays, compiled_forward, gdn_capture_forward
 
 SELF_CHECK_STEPS = 4
 VERIFY_T = 4  # the self-check's verify length (depth 3)

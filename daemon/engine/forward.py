@@ -5,8 +5,9 @@ op-for-op copies of mlx-lm's code live in one place:
 - ``gdn_capture_forward``: mlx-lm's GatedDeltaNet block, op for op, plus the recurrent state
   after every token and the conv input (whose sliding window gives the conv state after every
   position). A pure function, so ``compiled.py`` can trace it.
-- ``capture_hidden``: the backbone forward with that block in every linear layer (capture
-  rollback's verify), eager; it hands over to the compiled walk where one applies.
+- ``gdn_capture``: that block as a layer's linear attention, recording into ``rec``
+  (``capture.capture_hidden`` walks the backbone with it: it takes a loaded model, so it
+  lives above model.py, which imports this module through chunked_prefill.py).
 - ``compiled_forward``: the same walk through ``compiled.CompiledDecode``'s traced layers,
   plain or capturing.
 
@@ -18,17 +19,13 @@ mlx-lm's ops path), so a verify never promotes the residual stream to float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
-
-if TYPE_CHECKING:  # type only: the model module must not be a runtime dependency here
-    from .model import LoadedModel
-
 
 def backbone_layers(backbone: nn.Module) -> list:
     return getattr(backbone, "pipeline_layers", backbone.layers)
@@ -132,7 +129,7 @@ def record_capture(attn: nn.Module, cache: ArraysCache, conv_input: mx.array, st
     rec.append(_Capture(cache, conv_input, states, n_keep))
 
 
-def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache, rec: list) -> mx.array:
+def gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache, rec: list) -> mx.array:
     if mask is not None:
         raise ValueError("capture runs unpadded sequences only")
     conv_state, state = initial_states(attn, cache, inputs.shape[0], inputs.dtype)
@@ -141,30 +138,10 @@ def _gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCach
     return out
 
 
-def capture_hidden(lm: LoadedModel, tokens: mx.array, cache: list, rec: list) -> mx.array:
-    """``lm.hidden`` with capture: qwen3_5/qwen3_next backbone forward, op for op."""
-    compiled = lm.compiled_decode
-    if compiled is not None and compiled.applies(tokens, cache):
-        return compiled.capture_hidden(tokens, cache, rec)
-    bb = lm.backbone
-    h = bb.embed_tokens(tokens)
-    layers = backbone_layers(bb)
-    fa_mask = create_attention_mask(h, cache[bb.fa_idx]) if bb.fa_idx is not None else None
-    ssm_mask = create_ssm_mask(h, cache[bb.ssm_idx]) if bb.ssm_idx is not None else None
-    for layer, c in zip(layers, cache):
-        if layer.is_linear:
-            r = _gdn_capture(layer.linear_attn, layer.input_layernorm(h), ssm_mask, c, rec)
-            h = h + r
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        else:
-            h = layer(h, mask=fa_mask, cache=c)
-    return bb.norm(h)
-
-
 def compiled_forward(compiled, tokens: mx.array, cache: list, rec: list | None) -> mx.array:
     """The same walk with ``compiled``'s traced layers (a ``compiled.CompiledDecode`` that
     ``applies`` to this forward): linear layers whole, attention eager up to its compiled
-    tail. With ``rec``, the capturing variant, recorded as ``capture_hidden`` records."""
+    tail. With ``rec``, the capturing variant, recorded as ``capture.capture_hidden`` records."""
     h = compiled.backbone.embed_tokens(tokens)
     fa_mask = create_attention_mask(h, cache[compiled.fa_idx]) if compiled.fa_idx is not None else None
     for i, (layer, c) in enumerate(zip(compiled.layers, cache)):

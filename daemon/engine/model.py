@@ -16,6 +16,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import chunked_prefill
+
 # mlx-lm model types whose layers are GatedDeltaNet + gated attention and that carry an
 # MTP head in their checkpoints.
 HYBRID_MTP_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
@@ -71,8 +73,6 @@ class LoadedModel:
         """``hidden`` for a prompt chunk: the chunked recurrence where enabled and it applies
         (long enough, one unpadded sequence); decode steps and verifies never come here."""
         if self.chunked_prefill:
-            from . import chunked_prefill
-
             if chunked_prefill.applies(self, tokens, cache):
                 return chunked_prefill.prefill_hidden(self, tokens, cache)
         return self.hidden(tokens, cache)

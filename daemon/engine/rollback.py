@@ -35,7 +35,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .forward import _Capture, capture_hidden
+from .capture import capture_hidden
+from .forward import _Capture
 from .model import LoadedModel
 
 STRATEGIES = ("capture", "snapshot")

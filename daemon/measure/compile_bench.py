@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .bench_io import spread, write_results
+from .progress import Progress, Quiet
 from .fidelity import default_model_path, load_prompts
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
@@ -62,7 +63,8 @@ def _run(lm, head, prompts: list[list[int]], tokens: int, depth: int) -> tuple[f
     return len(prompts) * tokens / (time.perf_counter() - t0), outs
 
 
-def run_compile_ab(lm, head, prompts, depths=(1,), rounds: int = 5, tokens: int = 48, log=print) -> dict:
+def run_compile_ab(lm, head, prompts, depths=(1,), rounds: int = 5, tokens: int = 48, log=print,
+                   progress: Progress | None = None) -> dict:
     """``lm.compiled_decode`` must be set (the compiled arm); the eager arm unsets it."""
     compiled = lm.compiled_decode
     if compiled is None:
@@ -71,10 +73,14 @@ def run_compile_ab(lm, head, prompts, depths=(1,), rounds: int = 5, tokens: int 
     arms = [(f"{'serial' if k == 0 else f'd{k}'}/{p}", k, p) for k in ks for p in ("eager", "compiled")]
     raw: dict[str, list[float]] = {name: [] for name, _, _ in arms}
     mismatches: list[str] = []
+    progress = progress or Quiet()
+    progress.add((rounds + 1) * len(arms))
     for r in range(rounds + 1):  # round 0: warm-up (and the compiled arm's traces)
         order = arms if r % 2 == 0 else list(reversed(arms))
         outs: dict[str, list] = {}
         for name, k, path in order:
+            progress.step(f"round {r}/{rounds}{' (warm-up)' if r == 0 else ''}, arm {name}, "
+                          f"{len(prompts)} prompts x {tokens} tokens")
             with decode_path(lm, compiled if path == "compiled" else None):
                 tps, outs[name] = _run(lm, head, prompts, tokens, k)
             if r > 0:
@@ -102,7 +108,7 @@ def paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4), pairs: int = 20, context
     machines: drift lands on both paths within a pair."""
     import time
 
-    from ..engine.forward import capture_hidden
+    from ..engine.capture import capture_hidden
     from ..engine.rollback import Snapshot
 
     cache = lm.make_cache()
@@ -199,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
         except NoMTPHead as exc:
             print(f"councild bench compile: serial only ({exc})", file=sys.stderr)
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
+    progress = Progress("bench compile", 0)
     res = run_compile_ab(lm, head, prompts, depths, args.rounds, args.tokens,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                         log=lambda m: print(m, file=sys.stderr, flush=True), progress=progress)
     res["paired"] = paired_forward_times(lm, lm.compiled_decode, Ts=(1, 2, 3, 4, 5), pairs=args.pairs)
     res["model"] = str(path)
     res["machine"] = {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__}
     res["command"] = "councild bench compile " + " ".join(argv if argv is not None else sys.argv[1:])
     md = format_compile_ab(res, f"compiled vs eager decode: {path.name}, {res['machine']['device']}") \
         + "\n\n" + format_paired(res["paired"])
+    progress.finish(f"{len(res['arms'])} arms x {args.rounds} rounds")
     print(md)
     write_results(res, md, args.json, args.markdown)
     return 1 if res["token_mismatches"] else 0

@@ -36,6 +36,7 @@ from ..engine.serial import serial_decode
 from ..engine.speculative import speculative_decode
 from ..engine.types import SamplingParams
 from .bench_io import spread, write_results
+from .progress import Progress, Quiet
 from .fidelity import default_model_path, load_prompts, load_quoting_prompts
 
 # name -> (depth ceiling, options); None: serial_decode
@@ -87,15 +88,18 @@ def run_arm(lm, head, prompts, tokens: int, arm: tuple[int, dict] | None, exact:
 
 
 def run_bench(lm, head, sets: dict[str, list[list[int]]], rounds: int = 5, tokens: int = 64,
-              modes=("exact", "fast"), log=print) -> dict:
+              modes=("exact", "fast"), log=print, progress: Progress | None = None) -> dict:
     arms = [("serial", None, True)] + [
         (f"{name} {mode}", spec, mode == "exact") for name, spec in ARMS.items() if spec is not None for mode in modes
     ]
     cells = [(set_name, arm) for set_name in sets for arm in arms]
     raw: dict[tuple[str, str], list[dict]] = {(s, a[0]): [] for s, a in cells}
+    progress = progress or Quiet()
+    progress.add((rounds + 1) * len(cells))
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = cells if r % 2 == 0 else list(reversed(cells))
         for set_name, (name, spec, exact) in order:
+            progress.step(f"round {r}/{rounds}{' (warm-up)' if r == 0 else ''}, {set_name} prompts, arm {name}")
             res = run_arm(lm, head, sets[set_name], tokens, spec, exact)
             if r > 0:
                 raw[(set_name, name)].append(res)
@@ -179,13 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     enc = lambda texts: [lm.encode_prompt(p, None, None) for p in texts[: args.prompts]]  # noqa: E731
     sets = {"quoting": enc(load_quoting_prompts()), "plain": enc(load_prompts())}
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    res = run_bench(lm, head, sets, args.rounds, args.tokens, tuple(args.modes.split(",")), log=log)
+    progress = Progress("bench drafting", 0)
+    res = run_bench(lm, head, sets, args.rounds, args.tokens, tuple(args.modes.split(",")), log=log, progress=progress)
     res["model"] = str(path)
     res["decode_path"] = lm.decode_path
     res["machine"] = {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__}
     res["command"] = "councild bench drafting " + " ".join(argv if argv is not None else sys.argv[1:])
     title = f"drafting bench: {path.name}, {res['machine']['device']}"
     md = format_bench(res, title)
+    progress.finish(f"{len(res['sets'])} prompt sets x {args.rounds} rounds")
     print(md)
     write_results(res, md, args.json, args.markdown)
     return 0

@@ -49,9 +49,10 @@ from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
 from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from ..engine.types import SamplingParams
+from ..head_acceptance import PROMPTS_FILE, load_prompts  # the fixed suite, shared with the pull check
 from .fidelity_batch import run_batched_arms
+from .progress import Progress, Quiet
 
-PROMPTS_FILE = Path(__file__).with_name("fidelity_prompts.json")
 # The processor configuration the gate checks: every processor on, strong enough to change
 # the greedy output (penalised repeats, one token banned, one pushed up).
 PROCESSORS = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
@@ -68,11 +69,6 @@ DRAFTING = {
     "lookup": {"lookup": LookupConfig()},
     "adaptive": {"lookup": LookupConfig(), "draft_stop": DraftStopConfig()},
 }
-
-
-def load_prompts(path: str | Path | None = None) -> list[str]:
-    data = json.loads(Path(path or PROMPTS_FILE).read_text())
-    return list(data["prompts"] if isinstance(data, dict) else data)
 
 
 def load_quoting_prompts(path: str | Path | None = None) -> list[str]:
@@ -189,11 +185,12 @@ def run_fidelity_gate(
     drafting=("mtp",),
     quoting: list[str] | list[list[int]] = (),
     pipeline: bool | None = None,
+    progress: Progress | None = None,
 ) -> FidelityReport:
     """Serial vs speculative at temperature 0, for each drafting variant, mode and depth,
     both decoding with ``params`` (temperature 0 plus any logit processors). Arms that use
     prompt lookup also run the ``quoting`` prompts (where lookup fires). Arms are appended to
-    ``report``."""
+    ``report``; ``progress`` hears of every prompt each arm (and the serial reference) decodes."""
     if params.temperature != 0.0:
         raise ValueError("the token-identity gate runs at temperature 0")
     rollback = resolve_rollback(rollback)
@@ -201,15 +198,26 @@ def run_fidelity_gate(
         report = FidelityReport(model=str(lm.path), rollback=rollback, guard_margin=guard_margin, max_tokens=max_tokens)
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
     encoded_q = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in quoting]
-    refs = [_serial_tokens(lm, p, max_tokens, params) for p in encoded]
-    refs_q = [_serial_tokens(lm, p, max_tokens, params) for p in encoded_q]
+    progress = progress or Quiet()
     processors = params.processes_logits
-    for variant, mode, depth in itertools.product(drafting, modes, depths):
+    arms = list(itertools.product(drafting, modes, depths))
+    with_lookup = sum(1 for variant, _, _ in arms if "lookup" in DRAFTING[variant])
+    need_q = with_lookup > 0
+    progress.add(len(encoded) + (len(encoded_q) if need_q else 0)
+                 + len(arms) * len(encoded) + with_lookup * len(encoded_q))
+    tag = " +processors" if processors else ""
+    refs, refs_q = [], []
+    for group, out in ((encoded, refs), (encoded_q if need_q else [], refs_q)):
+        for i, p in enumerate(group):
+            progress.step(f"serial reference{tag}, prompt {i + 1}/{len(group)}")
+            out.append(_serial_tokens(lm, p, max_tokens, params))
+    for variant, mode, depth in arms:
         options = DRAFTING[variant]
         pairs = list(zip(encoded, refs)) + (list(zip(encoded_q, refs_q)) if "lookup" in options else [])
         arm = ArmResult(mode=mode, depth=depth, drafting=variant, processors=processors)
         t0 = time.perf_counter()
         for pi, (prompt, ref) in enumerate(pairs):
+            progress.step(f"arm {variant} {mode} depth {depth}{tag}, prompt {pi + 1}/{len(pairs)}")
             got: list[int] = []
             gen = speculative_decode(
                 lm, head, prompt, Sampler(params, prompt=prompt), depth, exact=(mode == "exact"),
@@ -531,24 +539,31 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(report.to_json(), indent=2))
         return 0 if report.passed else 1
-    run_fidelity_gate(
+    # One line per prompt decoded on stderr (the report stays on stdout). The token-identity
+    # arms count their own steps; the deviation and sampling phases are counted here.
+    progress = Progress("fidelity", 0)
+    report = run_fidelity_gate(
         lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
         modes=modes, rollback=args.rollback, guard_margin=guard,
         logit_jitter=args.logit_jitter, drafting=tuple(args.drafting.split(",")),
-        quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, report=report,
+        quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, report=report, progress=progress,
     )
     if args.processors and "exact" in args.modes.split(","):
         run_fidelity_gate(
             lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
             modes=("exact",), rollback=args.rollback, guard_margin=guard, logit_jitter=args.logit_jitter,
             params=SamplingParams(**PROCESSORS), report=report, drafting=tuple(args.drafting.split(",")),
-            quoting=load_quoting_prompts(args.quoting), pipeline=pipeline,
+            quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, progress=progress,
         )
     if args.deviation:
+        progress.step(f"verify-vs-serial logit deviation, {min(3, len(prompts))} prompts")
         report.deviation = batch_deviation(
             lm, [lm.encode_prompt(p, None, None) for p in prompts[:3]], [int(d) for d in args.depths.split(",")], args.tokens
         )
     if args.draws > 0:
+        variants = args.drafting.split(",")
+        progress.add(2 * (len(args.sample_depths.split(",")) + bool(args.processors)
+                          + ("lookup" in variants) + ("adaptive" in variants)))
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k)
         ctx = lm.encode_prompt(prompts[0], None, None)
         runs = [(params, d) for d in (int(x) for x in args.sample_depths.split(","))]
@@ -556,14 +571,15 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((replace(params, **PROCESSORS), runs[0][1]))
         for run_params, d in runs:
             for pos in (0, 1):
+                progress.step(f"sampling distribution depth {d}, position {pos}, {args.draws} draws")
                 report.distribution.append(distribution_test(
                     lm, head, ctx, run_params, d, draws=args.draws, alpha=args.alpha, rollback=args.rollback, position=pos,
                 ))
-        variants = args.drafting.split(",")
         if "lookup" in variants:
             # A context whose tail recurs, so the first cycles verify point-mass lookup blocks.
             lctx = lookup_context(lm, ctx, params)
             for pos in (0, 1):
+                progress.step(f"sampling distribution, lookup drafts, position {pos}, {args.draws} draws")
                 report.distribution.append(distribution_test(
                     lm, head, lctx, params, 1, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
                     position=pos, drafting="lookup",
@@ -571,10 +587,13 @@ def main(argv: list[str] | None = None) -> int:
         if "adaptive" in variants:
             # Head cycles under a ceiling of 3 that may stop early (and lookup where it fires).
             for pos in (0, 1):
+                progress.step(f"sampling distribution, adaptive drafts, position {pos}, {args.draws} draws")
                 report.distribution.append(distribution_test(
                     lm, head, ctx, params, 3, draws=args.draws, alpha=args.alpha, rollback=args.rollback,
                     position=pos, drafting="adaptive",
                 ))
+    progress.finish(f"{sum(a.prompts for a in report.arms)} speculative decodes, "
+                    f"{sum(a.flips for a in report.arms)} flips, {'PASS' if report.passed else 'FAIL'}")
     print(format_report(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ import time
 from ..engine.types import DEFAULT_GUARD
 from ..exits import EXIT_CONFIG
 from .bench_io import spread, write_results
+from .progress import Progress, Quiet
 
 DEFAULT_NOISE_FLOOR = 0.02
 
@@ -64,17 +65,22 @@ def verdict(serial: list[float], serial_b: list[float], arm: list[float], depth:
 
 
 def measure(lm, head, prompts, depths, rounds: int, tokens: int, exact: bool, rollback: str, log=print,
-            guard_margin: float | None = DEFAULT_GUARD) -> dict:
+            guard_margin: float | None = DEFAULT_GUARD, progress: Progress | None = None) -> dict:
     """Interleaved rounds of serial, serial_b and each depth; returns per-arm raw runs.
     ``guard_margin``: exact mode's near-tie guard (None: off, as the daemon runs it where a
-    verify is bit-identical to serial steps; exactness.exact_guard)."""
+    verify is bit-identical to serial steps; exactness.exact_guard). ``progress`` hears of
+    every arm of every round as it starts."""
     from daemon.measure.spec_bench import run_arm
 
+    progress = progress or Quiet()
     arms = [("serial", 0), ("serial_b", 0)] + [(f"d{k}", k) for k in depths]
+    progress.add((rounds + 1) * len(arms))
     raw: dict[str, list[dict]] = {name: [] for name, _ in arms}
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
         for name, k in order:
+            progress.step(f"round {r}/{rounds}{' (warm-up)' if r == 0 else ''}, arm {name}, "
+                          f"{len(prompts)} prompts x {tokens} tokens")
             res = run_arm(lm, head, prompts, tokens, k, rollback, exact, guard_margin)
             if r > 0:
                 raw[name].append(res)
@@ -188,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Exact mode as the daemon runs it: no near-tie guard where verify is bit-identical.
     guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None
-    raw = measure(lm, head, prompts, depths, args.rounds, args.tokens, mode == "exact", rollback, log, guard)
+    progress = Progress("perf gate", 0)
+    raw = measure(lm, head, prompts, depths, args.rounds, args.tokens, mode == "exact", rollback, log, guard, progress)
     arms = summarize(raw, depths)
     serial, serial_b = arms["serial"]["raw_tok_s"], arms["serial_b"]["raw_tok_s"]
     v = verdict(serial, serial_b, arms[f"d{depth}"]["raw_tok_s"] if depth > 0 else serial, depth, args.noise_floor)
@@ -201,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__},
         "command": "councild gate perf " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
+    progress.finish(f"{'PASS' if v['pass'] else 'FAIL'}, {v['label']}")
     md = format_markdown(res)
     print(md)
     write_results(res, md, args.json, args.markdown)

@@ -32,6 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .bench_io import spread, write_results
+from .progress import Progress, Quiet
 
 ARMS = ("token loop", "chunked")
 
@@ -93,18 +94,22 @@ def prefill_paths_identical(lm, prompt: list[int], head=None) -> bool:
     return all(mx.array_equal(x, y).item() for x, y in zip(cache_arrays(a), cache_arrays(b), strict=True))
 
 
-def run_prefill_ab(lm, lengths, rounds: int = 3, continuation: int = 32, log=print) -> dict:
+def run_prefill_ab(lm, lengths, rounds: int = 3, continuation: int = 32, log=print,
+                   progress: Progress | None = None) -> dict:
     saved = lm.chunked_prefill
     raw = {(L, a): [] for L in lengths for a in ARMS}
     agreement: dict = {}
     identical: dict = {}
     prompts = {L: make_prompt(lm, L) for L in lengths}
+    progress = progress or Quiet()
+    progress.add((rounds + 1) * len(lengths) * len(ARMS))
     try:
         for r in range(rounds + 1):  # round 0: warm-up (traces, allocator), plus agreement
             order = ARMS if r % 2 == 0 else tuple(reversed(ARMS))
             for L in lengths:
                 conts = {}
                 for arm in order:
+                    progress.step(f"round {r}/{rounds}{' (warm-up)' if r == 0 else ''}, {L}-token prompt, arm {arm}")
                     lm.chunked_prefill = arm == "chunked"
                     dt, logits, cache = prefill_and_first_token(lm, prompts[L])
                     if r == 0:
@@ -189,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     if not lm.supports_mtp:
         print(f"councild bench prefill: {lm.model_type!r} has no GatedDeltaNet layers to chunk", file=sys.stderr)
         return 1
+    progress = Progress("bench prefill", 0)
     res = run_prefill_ab(lm, lengths, args.rounds, args.continuation,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+                         log=lambda m: print(m, file=sys.stderr, flush=True), progress=progress)
     res["model"] = str(path)
     res["machine"] = {"platform": platform.platform(), "device": str(mx.default_device()), "mlx": mx.__version__}
     res["command"] = "councild bench prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     md = format_prefill_ab(res, f"prefill, token loop vs chunked: {path.name}, {res['machine']['device']}")
+    progress.finish(f"{len(lengths)} prompt lengths x {args.rounds} rounds")
     print(md)
     write_results(res, md, args.json, args.markdown)
     return 0

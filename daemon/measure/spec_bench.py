@@ -32,9 +32,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from .bench_io import spread, write_results
+from .progress import Progress, Quiet
 from .fidelity import default_model_path, load_prompts
 from ..engine.model import LoadedModel
-from ..engine.forward import capture_hidden
+from ..engine.capture import capture_hidden
 from ..engine.rollback import STRATEGIES, Snapshot
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
@@ -227,7 +228,8 @@ def cycle_split(res: dict, costs: dict) -> dict:
 
 
 def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strategies=STRATEGIES, exact=True, log=print,
-              guards: dict[str, float | None] | None = None, pipelines: dict[str, bool] | None = None) -> dict:
+              guards: dict[str, float | None] | None = None, pipelines: dict[str, bool] | None = None,
+              progress: Progress | None = None) -> dict:
     """``guards``: label -> exact mode's guard margin (None: no guard). One variant (the
     default: the configured guard) keeps the arm names "strategy/dk"; several give every
     speculative arm once per variant, "strategy/dk/label", interleaved like the rest.
@@ -242,9 +244,13 @@ def run_bench(lm, head, prompts, depths=(1, 2, 3, 4), rounds=5, tokens=48, strat
         for k in depths for s in strategies for g, m in guards.items() for pl, pv in pipelines.items()
     ]  # fmt: skip
     raw: dict[str, list[dict]] = {name: [] for name, *_ in arms}
+    progress = progress or Quiet()
+    progress.add((rounds + 1) * len(arms))
     for r in range(rounds + 1):  # round 0 is the warm-up
         order = arms if r % 2 == 0 else list(reversed(arms))
         for name, k, s, m, pv in order:
+            progress.step(f"round {r}/{rounds}{' (warm-up)' if r == 0 else ''}, arm {name}, "
+                          f"{len(prompts)} prompts x {tokens} tokens")
             res = run_arm(lm, head, prompts, tokens, k, s, exact, m, pipeline=pv)
             if r > 0:
                 raw[name].append(res)
@@ -449,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.before_engine and args.pipeline in ("ab", "abc"):
         pipelines["before"] = load_engine_module(args.before_engine).speculative_decode
     res = run_bench(lm, head, prompts, depths, args.rounds, args.tokens, strategies=strategies,
-                    exact=args.mode == "exact", log=log, guards=guards, pipelines=pipelines)
+                    exact=args.mode == "exact", log=log, guards=guards, pipelines=pipelines,
+                    progress=(progress := Progress("bench spec", 0)))
     res["forward_costs"] = forward_costs(lm, head, depths)
     res["cycle_split"] = cycle_split(res, res["forward_costs"])
     res["guard_probe"] = {s: ("off: verify bit-identical" if g is None else g) for s, g in probed.items()}
@@ -460,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     res["command"] = "councild bench spec " + " ".join(argv or sys.argv[1:])
     title = f"spec bench: {path.name}, head={args.head}, {res['machine']['device']}"
     md = format_bench(res, title)
+    progress.finish(f"{len(res['arms'])} arms x {args.rounds} rounds")
     print(md)
     write_results(res, md, args.json, args.markdown)
     return 0

@@ -33,29 +33,9 @@ import time
 from pathlib import Path
 
 from daemon.exits import EXIT_CONFIG
+from daemon.measure.progress import Progress
 from daemon.profile import (PROFILE_FORMAT, best_depth, check_profile, current_device, current_versions,
                             default_profile_path, model_hash)
-
-
-class Progress:
-    """A plain progress bar on stderr (carriage returns on a terminal, lines otherwise)."""
-
-    def __init__(self, total: int, stream=None, width: int = 30):
-        self.total, self.done, self.width = max(1, total), 0, width
-        self.stream = stream or sys.stderr
-        self.tty = getattr(self.stream, "isatty", lambda: False)()
-        self.t0 = time.perf_counter()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        frac = self.done / self.total
-        bar = "#" * round(frac * self.width) + "." * (self.width - round(frac * self.width))
-        line = f"tune [{bar}] {self.done}/{self.total} {label} ({time.perf_counter() - self.t0:.0f}s)"
-        if self.tty:
-            self.stream.write("\r" + line + ("\n" if self.done >= self.total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
 
 
 def generation_sampling(model_path: str | Path) -> dict | None:
@@ -238,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     # Greedy, and the sampling settings the model's generation_config declares (councils
     # mostly sample, and acceptance under rejection sampling is not greedy's).
     gen = generation_sampling(model) if args.sampling else None
-    progress = Progress(n_depths * (1 + len(prompts)) * (2 if gen else 1))
+    progress = Progress("tune", n_depths * (1 + len(prompts)) * (2 if gen else 1))
     measured = tune(lm, head, prompts, depths, args.tokens, exact, rollback, progress, guard_margin=guard)
     sampling = {"greedy": {"params": None, **measured}}
     if gen:
@@ -265,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = path.with_suffix(".json.partial")
     tmp.write_text(json.dumps(profile, indent=2))
     tmp.replace(path)
+    progress.finish(f"{len(sampling)} sampling setting(s) x {n_depths} depth(s), profile {path}")
     print(format_profile(profile))
     print(f"wrote {path}", file=sys.stderr)
     return 0

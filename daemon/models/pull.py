@@ -29,11 +29,9 @@ from typing import Callable
 
 from daemon.engine.head_layout import (INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files,
                                        head_tensor_shapes, is_mtp_key, read_header)
-from .refs import ALLOW_PATTERNS, ModelRef, parse_ref
+from daemon.head_acceptance import CHECK_PROMPTS, CHECK_TOKENS, MIN_ACCEPTANCE, acceptance_check
 
-MIN_ACCEPTANCE = 0.1  # well-paired heads measure 0.6-0.98 at depth 1; a foreign trunk ~0
-CHECK_PROMPTS = 4
-CHECK_TOKENS = 32
+from .refs import ALLOW_PATTERNS, ModelRef, parse_ref
 
 
 class PullError(Exception):
@@ -299,33 +297,6 @@ def quantize_like_base(tensors: dict, base_cfg: dict) -> tuple[dict, dict]:
             out[name[:-len("weight")] + "biases"] = q[2]
         declared[module] = params
     return out, declared
-
-
-def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
-                     tokens: int = CHECK_TOKENS) -> tuple[float, int, int]:
-    """Greedy depth-1 speculation with the base in ``folder`` and the head in ``head_dir``
-    over the first few fixed prompts. Returns (acceptance, accepted, drafted)."""
-    from daemon.measure.fidelity import load_prompts
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
-    from daemon.engine.types import SamplingParams
-
-    lm = load_model(folder, compile_decode=False)
-    head = load_mtp_head(lm, head_dir)
-    drafted = accepted = 0
-    for text in load_prompts()[:prompts]:
-        gen = speculative_decode(lm, head, lm.encode_prompt(text, None, None), Sampler(SamplingParams()), 1)
-        got = 0
-        for step in gen:
-            drafted += step.drafted
-            accepted += step.accepted
-            got += len(step.tokens)
-            if got >= tokens:
-                break
-        gen.close()
-    return (accepted / drafted if drafted else 0.0), accepted, drafted
 
 
 def _room_for_check(folder: Path) -> None:

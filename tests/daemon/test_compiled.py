@@ -126,7 +126,7 @@ def test_speculation_on_the_compiled_path_matches_eager_serial(lm, rollback):
 
 
 def test_capture_verify_uses_the_compiled_forward(lm, monkeypatch):
-    from daemon.engine.forward import capture_hidden
+    from daemon.engine.capture import capture_hidden
 
     calls = []
     real = type(lm.compiled_decode).capture_hidden

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import mlx.core as mx
 import pytest
@@ -71,7 +72,22 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     assert data["passed"] is True and len(data["arms"]) == 6
     assert [(a["mode"], a["processors"]) for a in data["arms"][4:]] == [("exact", True), ("exact", True)]
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
-    assert "| exact | off | 3 |" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "| exact | off | 3 |" in captured.out
+    # Progress: one stderr line per prompt decoded (serial references, then each arm), the
+    # deviation phase, a running count and an estimate of what is left, then a summary.
+    lines = [ln for ln in captured.err.splitlines() if ln.startswith("[fidelity")]
+    steps = [re.fullmatch(r"\[fidelity (\d+)/(\d+)\] (.+) \((.+) elapsed, (.+)\)", ln) for ln in lines[:-1]]
+    assert all(steps), lines
+    # 2 serial references + 4 arms x 2 prompts; the same with the processors (2 exact arms); deviation
+    assert [int(m[1]) for m in steps] == list(range(1, 2 + 8 + 2 + 4 + 1 + 1))
+    assert all(int(m[1]) <= int(m[2]) for m in steps) and int(steps[-1][2]) == 17
+    assert steps[0][5] == "estimate after the first step" and all(m[5].endswith(" left") for m in steps[1:])
+    whats = [m[3] for m in steps]
+    assert "arm mtp exact depth 3, prompt 2/2" in whats and "arm mtp exact depth 1 +processors, prompt 1/2" in whats
+    assert whats[-1].startswith("verify-vs-serial logit deviation")
+    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 12 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
+    assert "[fidelity" not in captured.out  # the report on stdout stays clean
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
     assert rc == 1

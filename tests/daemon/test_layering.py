@@ -1,7 +1,9 @@
 """The house rules inside daemon/, read from the source (every import, also those inside
 functions, which would otherwise hide a circle; imports under ``if TYPE_CHECKING:`` are
-annotations, not dependencies):
-- no import circle between daemon modules;
+annotations, not dependencies, except for the circle rule):
+- no import circle between daemon modules, not even one closed by an import inside a
+  function or under ``if TYPE_CHECKING:`` (either would hide the circle, not remove it);
+- the model tools (daemon/models/) do not reach up into the measurement wing;
 - the engine imports nothing of the daemon outside daemon/engine/;
 - no gate or benchmark code under daemon/engine/, and nothing the running daemon imports
   reaches the measurement wing (daemon/measure/) or the CLI."""
@@ -18,8 +20,8 @@ ROOT = pathlib.Path(daemon.__file__).parent
 SERVING_ROOTS = ("daemon.server", "daemon.worker")
 
 
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -32,13 +34,13 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
-    name = _module_name(path)
+def _imports(path: pathlib.Path, modules: set[str], type_only: bool = False, root: pathlib.Path = ROOT) -> set[str]:
+    name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -64,10 +66,11 @@ def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
     return {m for m in out if m in modules and m != name}
 
 
-def _graph() -> dict[str, set[str]]:
-    files = sorted(ROOT.rglob("*.py"))
-    modules = {_module_name(f) for f in files}
-    return {_module_name(f): _imports(f, modules) for f in files}
+def _graph(type_only: bool = False, root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports; ``type_only`` adds the annotation-only ones."""
+    files = sorted(root.rglob("*.py"))
+    modules = {_module_name(f, root) for f in files}
+    return {_module_name(f, root): _imports(f, modules, type_only, root) for f in files}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -115,6 +118,34 @@ def test_no_import_circle_inside_daemon():
 
 def test_a_planted_circle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_circle_hidden_inside_a_function_or_behind_type_checking():
+    """The graph with every import (module level, inside functions, type-only) has no circle:
+    an import moved into a function or under TYPE_CHECKING to dodge a circle still counts."""
+    cycle = _cycle(_graph(type_only=True))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_a_circle_hidden_by_local_and_type_only_imports_is_found(tmp_path):
+    """The shape this rule was written for (engine/model -> chunked_prefill -> forward ->
+    model): a function-local import one way, a type-only import back."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("def f():\n    from . import prefill\n    return prefill\n")
+    (pkg / "prefill.py").write_text("from .forward import walk\n")
+    (pkg / "forward.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                    "    from .model import f\ndef walk():\n    pass\n")
+    assert _cycle(_graph(root=pkg)) is None  # the lenient graph misses it
+    assert _cycle(_graph(type_only=True, root=pkg)) == ["pkg.forward", "pkg.model", "pkg.prefill", "pkg.forward"]
+
+
+def test_model_tools_do_not_reach_into_measurement():
+    for mod, deps in _graph(type_only=True).items():
+        if mod.startswith("daemon.models"):
+            up = {d for d in deps if d.startswith("daemon.measure")}
+            assert not up, f"{mod} imports {up}"
 
 
 def test_engine_imports_only_the_engine():

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import load_mtp_head
-from daemon.engine.forward import capture_hidden
+from daemon.engine.capture import capture_hidden
 from daemon.engine.rollback import STRATEGIES, attention_offset, make_rollback
 
 TOL = 1e-3
@@ -114,7 +114,7 @@ def test_capture_forward_is_lm_hidden_op_for_op(lm):
 
 def test_no_float32_leak_into_the_residual_stream(lm, random_model_path):
     """Every block returns the activation dtype (bf16) though the GDN state is float32."""
-    from daemon.engine.forward import _gdn_capture
+    from daemon.engine.forward import gdn_capture
 
     bb = lm.backbone
     cache = lm.make_cache()
@@ -126,7 +126,7 @@ def test_no_float32_leak_into_the_residual_stream(lm, random_model_path):
         assert y.dtype == x.dtype, f"{type(layer).__name__} promoted {x.dtype} -> {y.dtype}"
         if layer.is_linear:
             assert c[1].dtype == mx.float32  # the recurrent state itself stays float32
-            r = _gdn_capture(layer.linear_attn, layer.input_layernorm(x), None, ArraysCache(2), [])
+            r = gdn_capture(layer.linear_attn, layer.input_layernorm(x), None, ArraysCache(2), [])
             assert r.dtype == x.dtype
         x = y
     h = bb.norm(x)

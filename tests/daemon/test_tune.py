@@ -3,7 +3,6 @@ profile made with other versions, on another device, or for another model."""
 
 from __future__ import annotations
 
-import io
 import json
 
 import pytest
@@ -75,15 +74,6 @@ def test_show(tuned, capsys):
     assert tune.main(["--model", str(model), "--out", str(out), "--show"]) == 0
     text = capsys.readouterr()
     assert "conditional acceptance" in text.out and "loads for this model" in text.err
-
-
-def test_progress_bar_counts_to_total():
-    buf = io.StringIO()
-    bar = tune.Progress(4, stream=buf)
-    for i in range(4):
-        bar.step(f"unit {i}")
-    lines = buf.getvalue().splitlines()
-    assert len(lines) == 4 and lines[-1].startswith("tune [" + "#" * 30 + "] 4/4")
 
 
 def test_conditional_acceptance_stops_at_first_reject():

@@ -26,19 +26,11 @@ def _tokens(c: Client, prompt: str, **kw) -> tuple[list[int], object]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, list[int]]:
-    """Serial greedy tokens from the single-process daemon, the group's yardstick."""
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "e2e"))
-    from e2e_harness import start_daemon
-
-    d = start_daemon(tmp_path_factory.mktemp("single"), BUNDLED_MODEL)
-    try:
-        with Client(d.endpoint, seat="ref", timeout_s=60) as c:
-            return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS + [LONG]}
-    finally:
-        assert d.stop() == 0
+def reference(_bundled_daemon_session) -> dict[str, list[int]]:
+    """Serial greedy tokens from the single-process daemon (the session's shared one on the
+    bundled model, tests/conftest.py), the group's yardstick."""
+    with Client(_bundled_daemon_session.endpoint, seat="group-ref", timeout_s=60) as c:
+        return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS + [LONG]}
 
 
 @pytest.fixture(scope="module")

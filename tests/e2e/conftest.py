@@ -15,7 +15,7 @@ def e2e_model(tmp_path_factory) -> Path:
     return build_random_model(tmp_path_factory.mktemp("e2e-model") / "model", seed=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # shared by test_skeleton and test_hostile: one start, not one per module
 def daemon_proc(tmp_path_factory, e2e_model):
     tmp = tmp_path_factory.mktemp("daemon")
     d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\nmax_frame_bytes = 65536\n")

@@ -39,22 +39,15 @@ def test_exact_greedy_requests_decode_serially_there(inexact_daemon):
     assert probe["exact_requests"] == "serial" and "decode serially" in probe["reason"]
 
 
-def test_guarded_policy_speculates_exact_requests(tmp_path):
-    d = start_daemon(tmp_path, BUNDLED_MODEL,
-                     config='debug_inexact_verify = true\n[speculation]\nexact_on_inexact_backend = "guarded"\n')
-    try:
-        with Client(d.endpoint, seat="exact", timeout_s=60) as c:
-            assert c.status().detail["exact_decode"] == "guarded"
-            assert c.governor("pin_depth", 1).ok
-            exact = c.complete(PROMPT, max_tokens=32, speculation="exact")
-            assert exact.speculation is not None and exact.speculation.mode == "exact" and exact.speculation.drafted > 0
-    finally:
-        assert d.stop() == 0
-
-
-def test_this_cpu_speculates_exact_requests(tmp_path):
-    """Without the knob the probe finds CPU verifies bit-identical, and says so."""
-    d = start_daemon(tmp_path, BUNDLED_MODEL)
+def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_back(tmp_path):
+    """Without the knob the probe finds CPU verifies bit-identical, and says so. A restart on
+    the same stack and model reads both probes' verdicts back from the cache folder instead of
+    probing; the knob still forces the inexact policy over a cached bit-identical verdict, and
+    under the guarded policy exact requests speculate (with the near-tie guard)."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    d = start_daemon(tmp_path / "first", BUNDLED_MODEL, env=cache)
     try:
         with Client(d.endpoint, seat="exact", timeout_s=60) as c:
             detail = c.status().detail
@@ -63,3 +56,23 @@ def test_this_cpu_speculates_exact_requests(tmp_path):
         assert d.stop() == 0
     (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
     assert probe["verify_bit_identical"] is True and probe["exact_requests"] == "speculate"
+    (batch,) = [e for e in d.events() if e["event"] == "batch.ready"]
+    assert probe["verdict"] == "probed" and batch["verdict"] == "probed"
+    assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
+
+    again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
+                         config='debug_inexact_verify = true\n[speculation]\nexact_on_inexact_backend = "guarded"\n')
+    try:
+        with Client(again.endpoint, seat="exact", timeout_s=60) as c:
+            assert c.status().detail["exact_decode"] == "guarded"
+            assert c.governor("pin_depth", 1).ok
+            exact = c.complete(PROMPT, max_tokens=32, speculation="exact")
+            assert exact.speculation is not None and exact.speculation.mode == "exact" and exact.speculation.drafted > 0
+    finally:
+        assert again.stop() == 0
+    (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
+    (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
+    assert probe["verdict"] == "cached" and batch["verdict"] == "cached"
+    assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
+    assert probe["exact_requests"] == "guarded" and probe["near_tie_guard"] == "on"
+    assert batch["exact_rows_batch"] is True

@@ -13,17 +13,12 @@ import pytest
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
-from e2e_harness import REPO, start_daemon
+from e2e_harness import REPO
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
 
 
-@pytest.fixture(scope="module")
-def bundled_daemon(tmp_path_factory):
-    assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model is part of the repository"
-    d = start_daemon(tmp_path_factory.mktemp("bundled"), BUNDLED_MODEL)
-    yield d
-    assert d.stop() == 0
+# bundled_daemon: the session's shared daemon on the bundled model (tests/conftest.py).
 
 
 def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon):

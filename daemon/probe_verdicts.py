@@ -1,0 +1,113 @@
+"""The start-up exactness probes' verdicts, kept on disk so a restart need not probe again.
+
+Two probes run at every start (about 1.3 s together on the bundled model on CPU, longer
+on a big model): whether a speculative verify reproduces serial steps bit for bit
+(engine/exactness.py ``verify_matches_serial``) and whether batched logits equal one-token
+ones (engine/batch.py ``batch_matches_serial``). Their answer depends only on the code
+that computes the forwards, the libraries under it, the device, and the model, so it is
+stored under the daemon's cache folder keyed by all of those: the mlx, mlx-lm and
+councild versions, a hash of the engine's source (a development tree changes code without
+changing its version), the device, the model's parameter dtypes, decode and prefill paths,
+and the model's content hash (profile.model_hash). Any change to one of them is another
+file, so a stale verdict is never read.
+
+The cache is optional: an unusable cache folder, or a file that does not parse or does not
+carry the verdict asked for, is a miss, and the probe runs. A process group serving one
+model tensor-parallel never uses it: every rank must run the probe's collective forwards
+together, and one rank's hit with another's miss would leave the other waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from .logs import get_logger
+from .paths import cache_dir
+from .profile import current_device, current_versions, model_hash
+
+log = get_logger("councild.engine")
+
+VERDICTS_FORMAT = 1
+_ENGINE_DIR = Path(__file__).resolve().parent / "engine"
+
+
+def _engine_source_hash() -> str:
+    h = hashlib.sha256()
+    for f in sorted(_ENGINE_DIR.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def verdict_key(lm) -> dict:
+    """Everything a probe's verdict depends on, for this loaded model here."""
+    from mlx.utils import tree_flatten
+
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
+    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
+            "device": current_device(), "dtypes": dtypes, "decode_path": lm.decode_path,
+            "chunked_prefill": bool(lm.chunked_prefill), "model_hash": model_hash(lm.path)}
+
+
+class ProbeVerdicts:
+    """The verdicts file for one loaded model; ``folder`` None (or unusable) means no cache."""
+
+    def __init__(self, lm, folder: Path | None):
+        self.key = verdict_key(lm)
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        self.path = None if folder is None else Path(folder) / "probe-verdicts" / f"{digest}.json"
+
+    def get(self, probe: str, variant: str, run: Callable[[], bool]) -> tuple[bool, str]:
+        """The verdict of ``probe`` (e.g. "verify", "batch") for ``variant`` (a rollback
+        strategy, a batch height), and "cached" or "probed": read from the file when it
+        holds it, else ``run()`` and stored."""
+        stored = self._read()
+        value = stored.get(probe, {}).get(variant)
+        if isinstance(value, bool):
+            return value, "cached"
+        value = bool(run())
+        stored.setdefault(probe, {})[variant] = value
+        self._write(stored)
+        return value, "probed"
+
+    def _read(self) -> dict:
+        if self.path is None:
+            return {}
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):  # absent, unreadable or corrupt: a miss
+            return {}
+        if not isinstance(data, dict) or data.get("key") != self.key:
+            return {}
+        verdicts = data.get("verdicts")
+        if not isinstance(verdicts, dict) or not all(isinstance(v, dict) for v in verdicts.values()):
+            return {}
+        return verdicts
+
+    def _write(self, verdicts: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"key": self.key, "verdicts": verdicts}, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)  # readers see the old file or the new one, never half
+        except OSError as exc:
+            log.warning("cache.unavailable", path=str(self.path), error=f"{type(exc).__name__}: {exc}",
+                        message="the probe's verdict is not stored; the next start probes again")
+
+
+def verdicts_for(lm, group=None) -> ProbeVerdicts:
+    """The verdicts cache for ``lm`` under the daemon's cache folder; none for a process group."""
+    folder = None
+    if group is None:
+        try:
+            folder = cache_dir()
+        except OSError as exc:
+            log.warning("cache.unavailable", path=exc.filename, error=f"{type(exc).__name__}: {exc.strerror or exc}",
+                        message="the start-up probes' verdicts are not cached; they run at every start")
+    return ProbeVerdicts(lm, folder)

@@ -1,0 +1,79 @@
+"""The start-up probes' verdicts cache (daemon/probe_verdicts.py): a stored verdict is read
+back only for the same stack and model; a corrupt or foreign file is a miss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from daemon.engine.exactness import verify_matches_serial
+from daemon.engine.loading import load_model
+from daemon.probe_verdicts import ProbeVerdicts, verdicts_for
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    return load_model(random_model_path)
+
+
+def _never() -> bool:
+    raise AssertionError("a cached verdict must not probe again")
+
+
+def test_a_probed_verdict_is_read_back_by_the_next_start(lm, tmp_path):
+    first = ProbeVerdicts(lm, tmp_path)
+    assert first.get("verify", "capture", lambda: verify_matches_serial(lm, "capture")) == (True, "probed")
+    assert first.get("batch", "4", lambda: False) == (False, "probed")
+    again = ProbeVerdicts(lm, tmp_path)  # a new process would build the same key
+    assert again.path == first.path
+    assert again.get("verify", "capture", _never) == (True, "cached")
+    assert again.get("batch", "4", _never) == (False, "cached")
+    # Another variant of the same probe is its own verdict.
+    assert again.get("verify", "snapshot", lambda: True) == (True, "probed")
+
+
+@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"key": {}, "verdicts": {"verify": {"capture": true}}}',
+                                     "KEYED_BUT_NOT_BOOL"])
+def test_a_corrupt_or_foreign_file_is_a_miss(lm, tmp_path, content):
+    v = ProbeVerdicts(lm, tmp_path)
+    v.path.parent.mkdir(parents=True)
+    if content == "KEYED_BUT_NOT_BOOL":
+        content = json.dumps({"key": v.key, "verdicts": {"verify": {"capture": "yes"}}})
+    v.path.write_text(content)
+    calls = []
+    assert v.get("verify", "capture", lambda: calls.append(1) or False) == (False, "probed")
+    assert calls == [1]
+    assert ProbeVerdicts(lm, tmp_path).get("verify", "capture", _never) == (False, "cached")  # rewritten whole
+
+
+def test_the_key_holds_what_the_verdict_depends_on(lm, tmp_path):
+    v = ProbeVerdicts(lm, tmp_path)
+    assert set(v.key) >= {"versions", "engine_source", "device", "dtypes", "decode_path", "model_hash"}
+    assert set(v.key["versions"]) == {"mlx", "mlx_lm", "councild"}
+    # Another decode path (compiled or eager) is another file.
+    saved = lm.decode_path
+    try:
+        lm.decode_path = saved + " (another)"
+        assert ProbeVerdicts(lm, tmp_path).path != v.path
+    finally:
+        lm.decode_path = saved
+
+
+def test_no_folder_or_a_process_group_always_probes(lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
+    grouped = verdicts_for(lm, group=object())
+    assert grouped.path is None
+    assert grouped.get("verify", "capture", lambda: True) == (True, "probed")
+    assert grouped.get("verify", "capture", lambda: False) == (False, "probed")
+    alone = verdicts_for(lm)
+    assert alone.path is not None and alone.path.is_relative_to(tmp_path)
+
+
+def test_an_unusable_cache_folder_still_answers(lm, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(blocker))
+    v = verdicts_for(lm)
+    assert v.get("verify", "capture", lambda: True) == (True, "probed")
+    assert v.get("verify", "capture", lambda: True) == (True, "probed")  # nothing stored, nothing read
