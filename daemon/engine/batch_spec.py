@@ -45,8 +45,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
+from .capture import capture_hidden
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
-from .forward import capture_hidden
 from .model import LoadedModel
 from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs

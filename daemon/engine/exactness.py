@@ -30,7 +30,8 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache
 
-from .forward import cache_arrays, capture_hidden
+from .capture import capture_hidden
+from .forward import cache_arrays
 from .ragged_cache import RaggedKVCache, keep_ragged
 from .rollback import make_rollback
 
