@@ -335,7 +335,7 @@ class Server:
             server=f"councild {daemon.__version__}",
             model=Path(self.model_path).name,
             capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
-                          "chat_template_kwargs", "reasoning", "sampling_options", "logprobs"],
+                          "chat_template_kwargs", "reasoning", "sampling_options", "logprobs", "constraint"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
                             max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
@@ -359,9 +359,6 @@ class Server:
             return reject("invalid_request", "give exactly one of prompt, messages, prompt_tokens")
         if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
             return reject("invalid_request", "the prompt is empty")
-        if msg.option_constraint() is not None:
-            # Until constrained decoding lands, fail closed: never unconstrained output.
-            return reject("invalid_request", "constrained decoding is not supported by this daemon")
         if msg.max_tokens > self.cfg.max_tokens:
             return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
         if key in self.live:
