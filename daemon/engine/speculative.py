@@ -335,8 +335,6 @@ def speculative_decode(
         The stopper may end the chain early; it reads each draft's confidence (a sync)."""
         committed_slots, g, d, ql, conf = first
         drafts, logq = [d], [ql]
-        if con is not None:
-            con.advance([d.item()])
         prefix_conf, stopped_early = 1.0, False
         for i in range(1, k):
             if stopper is not None and i >= stopper.cfg.base:
@@ -345,11 +343,14 @@ def speculative_decode(
                     stopped_early = True
                     break
             g = head(g, drafts[-1][None], hist.cache)
+            if con is not None:
+                # The head's next step runs while the matcher takes the last draft and
+                # computes the mask the next draft is drawn under.
+                mx.async_eval(g)
+                con.advance([drafts[-1].item()])
             d, ql, conf = draft_from(g, drafts)
             drafts.append(d)
             logq.append(ql)
-            if con is not None:
-                con.advance([d.item()])
         return committed_slots, drafts, logq, stopped_early
 
     def build_verify(first_token: mx.array, drafts: list[mx.array], logq: list, source: str,
@@ -360,6 +361,11 @@ def speculative_decode(
         k = len(drafts)
         verify_in = mx.concatenate([first_token] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
+        if con is not None and source == "head":
+            # The verify forward runs while the matcher takes the last head draft (the
+            # others it took while drafting; a lookup block it took whole) for row k's mask.
+            mx.async_eval(hid)
+            con.advance([drafts[-1].item()])
         d_all = mx.concatenate(drafts)
         logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
         lp = _logprobs(logits)
