@@ -6,6 +6,10 @@ command the socket loop sends passes through here, in order, so a Cancel or a St
 overtakes the Generate it follows; only a Submit is worked on, and only a bounded amount
 (``prompt_bounds``): text longer than ``CHARS_PER_TOKEN`` characters per allowed token, or
 more chat messages than allowed tokens, is refused before it is tokenized.
+
+A request's constraint (a grammar: JSON schema, regex, Lark) is compiled here too, with its
+first token mask: a large or pathological grammar costs this thread, never the engine's, and
+one that cannot be enforced is refused (``invalid_request``) before the request is accepted.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 
 import msgspec
 
+from .engine.constraint import ConstraintError, compile_constraint
 from .logs import get_logger
 from .reasoning import reasoning_split_for
 from .requests import Job
@@ -86,6 +91,19 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
         return "prompt_too_long", f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"
     if msg.messages is not None:
         job.segment_ends = chat_segment_ends(lm, msg, job.prompt)
+    return compile_request_constraint(job, lm)
+
+
+def compile_request_constraint(job: Job, lm) -> tuple[str, str] | None:
+    """Set ``job.constraint`` from the request's; (code, message) when it cannot be
+    enforced (fail closed: such a request is refused, never decoded unconstrained)."""
+    spec = job.msg.option_constraint()
+    if spec is None:
+        return None
+    try:
+        job.constraint = compile_constraint(lm, spec.kind, spec.value)
+    except ConstraintError as exc:
+        return "invalid_request", f"unsupported constraint: {exc}"
     return None
 
 

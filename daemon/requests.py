@@ -89,6 +89,8 @@ class Job:
         self.prompt: list[int] = []
         # (code, message) when the intake thread refused the prompt (intake.py).
         self.rejection: tuple[str, str] | None = None
+        # The request's compiled constraint (engine/constraint.py), set by the intake thread.
+        self.constraint = None
         self.generator = None
         self.detok = None
         self.cancelled = False
@@ -154,10 +156,12 @@ class Job:
         self.started_at = started_at if started_at is not None else (self.started_at or time.monotonic())
         self.spec.mode = spec_mode
 
-    def absorb(self, step: DecodeStep, eos_ids: frozenset[int], token_text=None) -> list[int]:
+    def absorb(self, step: DecodeStep, eos_ids: frozenset[int], token_text=None, complete: bool = False) -> list[int]:
         """Take one decode cycle's tokens; return those that belong to the output (cut at
         eos or max_tokens), and set ``finished_reason`` when the request is complete.
-        ``token_text(id)`` names tokens in logprob entries (given when the request asked)."""
+        ``token_text(id)`` names tokens in logprob entries (given when the request asked).
+        ``complete``: the request's grammar ended after these tokens (only EOS could follow),
+        so it stops here without spending a forward on that EOS."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
         if step.depth or step.drafted:
@@ -172,6 +176,8 @@ class Job:
             if len(self.token_ids) + len(kept) >= self.msg.max_tokens:
                 self.finished_reason = "length"
                 break
+        if complete and len(kept) == len(step.tokens):  # the output is whole: a stop, not a cut
+            self.finished_reason = "stop"
         if token_text is not None and step.logprobs is not None:
             for tok, (lp, top) in zip(kept, step.logprobs):
                 self.logprobs.append(m.TokenLogprob(

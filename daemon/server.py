@@ -29,7 +29,6 @@ from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from .logs import get_logger, lines_dropped
 from .requests import Job
 from .stats import Tallies
-from .tool_grammar import needs_grammar
 from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
                      ReloadScheduler, Stop, Submit)
 
@@ -352,7 +351,7 @@ class Server:
             model=Path(self.model_path).name,
             capabilities=["stream", "cancel", "chat", "prompt_tokens", "stop", "deadline", "priority",
                           "chat_template_kwargs", "reasoning", "sampling_options", "logprobs", "tools",
-                          "count_only"],
+                          "count_only", "constraint"],
             limits=m.Limits(max_frame_bytes=c.max_frame_bytes, max_tokens=c.max_tokens,
                             max_prompt_tokens=self.worker.max_prompt_tokens, heartbeat_interval_s=c.heartbeat_interval_s,
                             heartbeat_timeout_s=c.heartbeat_timeout_s),
@@ -376,10 +375,6 @@ class Server:
             return reject("invalid_request", "give exactly one of prompt, messages, prompt_tokens")
         if msg.prompt == "" or msg.messages == [] or msg.prompt_tokens == []:
             return reject("invalid_request", "the prompt is empty")
-        if msg.option_constraint() is not None or needs_grammar(msg):
-            # Until constrained decoding lands, fail closed: never unconstrained output (tool_choice
-            # required / named is enforced by a grammar the intake thread derives, tool_grammar.py).
-            return reject("invalid_request", "constrained decoding is not supported by this daemon")
         if msg.max_tokens > self.cfg.max_tokens:
             return reject("invalid_request", f"max_tokens {msg.max_tokens} exceeds this daemon's limit of {self.cfg.max_tokens}")
         if key in self.live:

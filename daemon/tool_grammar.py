@@ -116,12 +116,6 @@ def check_lark(lark: str) -> None:
         raise ToolGrammarError(f"the tools' parameter schemas cannot be enforced: {error.splitlines()[0]}")
 
 
-def needs_grammar(msg: m.Generate) -> bool:
-    """Whether ``msg``'s tool_choice is enforced by a grammar (required, or a named tool)."""
-    choice = msg.option_tool_choice()
-    return choice == "required" or isinstance(choice, m.NamedToolChoice)
-
-
 def tool_constraint(msg: m.Generate, chat_template: str | None) -> m.Constraint | None:
     """The constraint that enforces ``msg``'s tool_choice, or None when it needs none
     (auto, none, no tools). Raises ToolGrammarError for a choice it cannot enforce."""

@@ -542,7 +542,8 @@ class EngineWorker(threading.Thread):
         p = job.msg
         job.sampler = Sampler(SamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt)
+            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt,
+            constraint=job.constraint)
         job.mode = p.speculation or self.cfg.speculation.mode
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
@@ -811,7 +812,12 @@ class EngineWorker(threading.Thread):
         if step.penalised and not job.spec.penalised:  # the first step under the loop guard
             log.info("request.loop_guard", request_id=job.request_id, seat=job.seat,
                      completion_tokens=len(job.token_ids))
-        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None)
+        constraint = job.sampler.constraint if job.sampler is not None else None
+        if constraint is not None and constraint.error is not None:  # a batched row's grammar failed
+            self._failed(job, constraint.error)
+            return
+        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None,
+                          complete=constraint is not None and constraint.complete)
         self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
         self._count_tokens(job.seat, len(kept))

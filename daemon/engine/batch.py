@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from .constraint import ConstraintError, ConstraintViolation
 from .model import LoadedModel
 from .sampling import Sampler, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK, prefill
@@ -211,7 +212,8 @@ class BatchDecoder:
             cache = cache if cache is not None else self.lm.make_cache()
             last = prefill(self.lm, prompt, cache, self.prefill_chunk)
             logits = self.lm.logits(self.lm.hidden(last[None], cache))[:, -1, :]
-            tok = sampler(_logprobs(logits)).reshape(-1).astype(mx.uint32)
+            # process(): the row's constraint (identity without one); penalties never batch.
+            tok = sampler(_logprobs(sampler.process(logits))).reshape(-1).astype(mx.uint32)
         elif cache is not None and next_token is not None:
             tok = mx.array([int(next_token)], dtype=mx.uint32)
         else:
@@ -292,6 +294,13 @@ class BatchDecoder:
             pre = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
 
         logits = self.lm.logits(self.lm.hidden(inputs[:, None], self._cache))[:, -1, :]
+        tokens = None
+        if any(r.sampler.constraint is not None for r in rows):
+            # A constrained row's mask follows the token it emits now: queue the forward, read
+            # the tokens while it runs, settle each matcher, then mask (constrain_rows).
+            mx.async_eval(logits)
+            tokens = inputs.tolist()
+            logits = constrain_rows(logits, [r.sampler.constraint for r in rows], tokens)
         lp = _logprobs(logits)
         if self.logit_jitter > 0.0 and B > 1:
             self._jitter_key, sub = mx.random.split(self._jitter_key)
@@ -314,7 +323,7 @@ class BatchDecoder:
             to_eval.append(flags)
             self.stats.guard_checks += len(guard_rows)
         mx.async_eval(to_eval)
-        tokens = inputs.tolist()
+        tokens = inputs.tolist() if tokens is None else tokens
         self.stats.steps += 1
         self.stats.row_steps += B
         if self.stats.steps % 256 == 0:
@@ -356,13 +365,36 @@ class BatchDecoder:
             logits = self.lm.logits(self.lm.hidden(inputs[i : i + 1][None], row_cache))[:, -1, :]
             # serial_decode's op sequence exactly: argmax of the logprobs, not the logits
             # (the bf16 subtraction can merge or split a near-tie).
-            tok = int(self._rows[i].sampler(_logprobs(logits)).item())
+            sampler = self._rows[i].sampler
+            tok = int(sampler(_logprobs(sampler.process(logits))).item())
             self.stats.guarded += 1
             self._rows[i].guarded += 1
             if tok != fixed[i]:
                 self.stats.guard_changed += 1
             fixed[i] = tok
         self._next = mx.array(fixed, dtype=mx.uint32)
+
+
+def constrain_rows(logits: mx.array, constraints: list, emitted: list[int]) -> mx.array:
+    """Batched logits [B, V] with each constrained row masked by its grammar, after that row's
+    matcher has taken the token it emits now (``emitted[i]``); unconstrained rows pass through
+    unchanged (a where() on True is the identity), so their numerics stay serial's.
+    The per-row contract a batched path keeps (engine/constraint.py): ``settle`` a row's
+    committed tokens, ``advance`` its drafts, then ``sampler.process(row_logits, drafts,
+    start)`` gives its masked rows."""
+    masks = []
+    for c, t in zip(constraints, emitted):
+        if c is not None and c.error is None:
+            try:
+                c.settle([t])
+                masks.append(c.rows(0, 1))
+                continue
+            except (ConstraintError, ConstraintViolation) as exc:
+                # That row alone fails (the worker reads ``error`` before delivering its
+                # token); its next token is decided unmasked but never delivered.
+                c.error = exc
+        masks.append(mx.ones((1, logits.shape[-1]), dtype=mx.bool_))
+    return mx.where(mx.concatenate(masks, axis=0), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
 
 class RowHandle:

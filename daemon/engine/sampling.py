@@ -10,7 +10,9 @@ Logit processors (``process``), applied to raw logits in this order, at every te
    (logit / r where positive, logit * r where negative; as in the CTRL paper and vLLM);
 2. presence and frequency penalties on output tokens (OpenAI's definition:
    logit - presence * [count > 0] - frequency * count);
-3. logit_bias added last, so a -100 ban is never undone by a penalty.
+3. logit_bias, so a -100 ban is never undone by a penalty;
+4. the request's constraint (constraint.py), last: -inf wherever its grammar forbids the
+   token, so nothing before it can bring a forbidden token back.
 Then the distribution: log-softmax, then (only when sampling) min_p, top-k, top-p, temperature.
 
 A processor depends on the output so far, so speculation must give each verify row, and each
@@ -18,6 +20,9 @@ draft, the history it would have under serial decode: committed tokens plus the 
 it. ``process(logits, extra, start)`` does that: row r sees the committed history plus
 ``extra[:start + r]``. The committed counts live on the device and are updated lazily
 (``commit``), so serial decode keeps issuing its next step before the current token is read.
+The constraint is host state (a matcher over token ids): row r's mask is the matcher's state
+after the committed tokens plus ``start + r`` drafts, so a path must ``advance`` the drafts
+into ``constraint`` (and ``settle`` what it commits) before it builds those rows.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import secrets
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .constraint import TokenConstraint
 from .types import SamplingParams
 
 
@@ -59,8 +65,11 @@ def near_tie(lp: mx.array, logits: mx.array, margin: float) -> mx.array:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, prompt: list[int] | None = None):
+    def __init__(self, params: SamplingParams, prompt: list[int] | None = None,
+                 constraint: TokenConstraint | None = None):
         self.params = params
+        # Constrained decoding: the grammar's mask, applied last in ``process``.
+        self.constraint = constraint
         self.greedy = params.temperature < GREEDY_BELOW
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         self._key = mx.random.key(seed)
@@ -108,9 +117,15 @@ class Sampler:
     def process(self, logits: mx.array, extra: mx.array | None = None, start: int = 0) -> mx.array:
         """The request's processors over logits [R, V]; row r sees the committed history plus
         ``extra[:start + r]`` (drafts not yet committed). Identity (the same array) when the
-        request has no processors, so such requests run exactly the ops they always ran."""
-        if not self.processing:
-            return logits
+        request has no processors and no constraint, so such requests run exactly the ops
+        they always ran."""
+        if self.processing:
+            logits = self._penalise(logits, extra, start)
+        if self.constraint is not None:
+            logits = self.constraint.apply(logits, start)
+        return logits
+
+    def _penalise(self, logits: mx.array, extra: mx.array | None, start: int) -> mx.array:
         p = self.params
         logits = logits.astype(mx.float32)
         rows, vocab = logits.shape[-2], logits.shape[-1]

@@ -39,6 +39,14 @@ Depth 0 (or no head, or nothing to pair with yet) is a serial step identical to
 serial_decode's; its pair is queued so the head's history stays whole and depth can rise
 again.
 
+Constrained decoding (constraint.py, through the Sampler): every head draft is drawn under
+the grammar's mask at its position (the host reads each draft and the matcher takes it), a
+prompt-lookup block is cut at its first forbidden token, and verify row i is masked with the
+matcher's state after the committed tokens and d1..di; the decision settles the matcher on
+what was committed (rejected drafts rolled back). Serial and verify see the same mask at
+every position, so exact stays token-identical to constrained serial decode and rejection
+sampling still samples the constrained base distribution.
+
 Other drafts and limits, per request (lookup.py, loop_guard.py):
 - prompt lookup: when the committed tail recurs in prompt + output, the next cycle verifies
   that earlier continuation instead of head drafts (at any depth, 0 included, and with no
@@ -323,6 +331,13 @@ def speculative_decode(
     hist = history if history is not None else HeadHistory(head)
     greedy = sampler.greedy
     pipeline = resolve_pipeline(pipeline)
+    # Constrained decoding (constraint.py): each draft is drawn under the grammar's mask at its
+    # position, so the host reads every draft before the next (one small sync per draft) and
+    # the matcher takes it; the verify rows reuse those masks. A cycle cannot be built ahead:
+    # its masks depend on the bonus token, read only when this cycle is decided.
+    con = sampler.constraint
+    if con is not None:
+        pipeline = False
     jitter_key = mx.random.key(0x5EED)
     whole = list(context) if context is not None else list(prompt)
     finder = PromptLookup(whole, lookup) if lookup is not None else None
@@ -384,6 +399,11 @@ def speculative_decode(
                     stopped_early = True
                     break
             g = head(g, drafts[-1][None], hist.cache)
+            if con is not None:
+                # The head's next step runs while the matcher takes the last draft and
+                # computes the mask the next draft is drawn under.
+                mx.async_eval(g)
+                con.advance([drafts[-1].item()])
             d, ql, conf = draft_from(g, drafts)
             drafts.append(d)
             logq.append(ql)
@@ -397,6 +417,11 @@ def speculative_decode(
         k = len(drafts)
         verify_in = mx.concatenate([first_token] + drafts)[None]  # [1, k+1]
         hid = rb.forward(verify_in)
+        if con is not None and source == "head":
+            # The verify forward runs while the matcher takes the last head draft (the
+            # others it took while drafting; a lookup block it took whole) for row k's mask.
+            mx.async_eval(hid)
+            con.advance([drafts[-1].item()])
         d_all = mx.concatenate(drafts)
         logits = sampler.process(lm.logits(hid)[0], d_all)  # [k+1, V]; row i sees d1..di
         lp = _logprobs(logits)
@@ -491,6 +516,8 @@ def speculative_decode(
             armed = loops is not None and loops.armed
             if armed:  # in a loop: serial steps under the penalty, nothing drafted
                 k, block = 0, []
+            if block and con is not None:  # the block up to its first token the grammar forbids
+                block = block[: con.advance_allowed(block)]
 
             if k == 0 and not block:
                 draft_ahead = None  # its pairs are in the head's history; d1 is not needed
@@ -499,6 +526,8 @@ def speculative_decode(
                 else:
                     nxt, h, lps = serial_step(primary, penalty=loops.penalty() if armed else None)
                 sampler.commit(nxt)
+                if con is not None:  # the next step's mask follows this token
+                    con.settle([nxt.item()])
                 if head_ok:  # without a head there is no history to keep (and nothing to grow)
                     hist.add(h, nxt)
                     if hist.n >= FLUSH_PENDING:
@@ -598,6 +627,8 @@ def speculative_decode(
 
         # 4. head history: drop speculative slots, queue the committed pairs.
         committed_ids = mx.array(committed, dtype=mx.uint32)
+        if con is not None:  # the matcher keeps the accepted drafts, rolls back the rest
+            con.settle(committed)
         sampler.commit(committed_ids)  # before the next first draft, which must see them
         head_ok = head is not None and not getattr(head, "unloaded", False)
         if head_ok:

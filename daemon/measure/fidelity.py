@@ -12,6 +12,11 @@ every draft and verify row the history serial decode would have. The gate runs t
 arms again with PROCESSORS on both sides (the same token-identity requirement), and the
 temperature > 0 test once more with them (``--no-processors`` skips both).
 
+Constrained decoding (engine/constraint.py) masks every draft and verify row with the
+grammar's state at its position; ``--constraints`` runs the exact and fast arms again under
+each named constraint (CONSTRAINTS), against constrained serial decode (the same
+token-identity requirement for exact).
+
 Temperature > 0: a statistical test that speculation samples from the base model's own
 distribution. At a fixed context, many independent draws (a fresh request per draw, its own
 seed) give the first output token (one cycle) and the second (which may come from a later
@@ -43,6 +48,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..engine.constraint import compile_constraint
 from ..engine.lookup import DraftStopConfig, LookupConfig
 from ..engine.model import LoadedModel
 from ..engine.sampling import Sampler
@@ -57,6 +63,18 @@ from .progress import Progress, Quiet
 # the greedy output (penalised repeats, one token banned, one pushed up).
 PROCESSORS = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
                   logit_bias={11: 4.0, 13: -100.0, 220: 2.0})
+
+# The constraints the gate's constrained arms decode under (one of each kind).
+CONSTRAINTS = {
+    "json_schema": json.dumps({"type": "object",
+                               "properties": {"name": {"type": "string", "maxLength": 12},
+                                              "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                              "color": {"enum": ["red", "green", "blue"]}},
+                               "required": ["name", "age", "color"], "additionalProperties": False}),
+    "json_object": "",
+    "regex": r"((def|class) [a-z_]+\(\)\n){1,3}",
+    "lark": 'start: line+\nline: "x = " NUM "\\n"\nNUM: /[0-9]{1,4}/',
+}
 
 # Prompts that quote their context (edit a given function, continue a listed table), where
 # prompt-lookup drafts fire; the gate's lookup arms run them beside the fixed prompts.
@@ -95,6 +113,7 @@ class ArmResult:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     batch_rows: int = 0  # the batched arms' height (fidelity_batch.py); 0: one request alone
+    constraint: str = ""  # the constraint kind both sides decoded under ("": none)
 
     @property
     def flips_per_1000(self) -> float:
@@ -165,8 +184,15 @@ class FidelityReport:
         return out
 
 
-def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams = SamplingParams()) -> list[int]:
-    gen = serial_decode(lm, prompt, Sampler(params, prompt=prompt))
+def _sampler(lm: LoadedModel, params: SamplingParams, prompt: list[int], constraint: str = "") -> Sampler:
+    """A request's sampler; under ``constraint`` (a CONSTRAINTS kind) a fresh matcher."""
+    c = compile_constraint(lm, constraint, CONSTRAINTS[constraint]) if constraint else None
+    return Sampler(params, prompt=prompt, constraint=c)
+
+
+def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams = SamplingParams(),
+                   constraint: str = "") -> list[int]:
+    gen = serial_decode(lm, prompt, _sampler(lm, params, prompt, constraint))
     return [t for s in itertools.islice(gen, n) for t in s.tokens]
 
 
@@ -186,9 +212,11 @@ def run_fidelity_gate(
     quoting: list[str] | list[list[int]] = (),
     pipeline: bool | None = None,
     progress: Progress | None = None,
+    constraint: str = "",
 ) -> FidelityReport:
     """Serial vs speculative at temperature 0, for each drafting variant, mode and depth,
-    both decoding with ``params`` (temperature 0 plus any logit processors). Arms that use
+    both decoding with ``params`` (temperature 0 plus any logit processors) and, when
+    ``constraint`` names one of CONSTRAINTS, under that constraint. Arms that use
     prompt lookup also run the ``quoting`` prompts (where lookup fires). Arms are appended to
     ``report``; ``progress`` hears of every prompt each arm (and the serial reference) decodes."""
     if params.temperature != 0.0:
@@ -210,17 +238,17 @@ def run_fidelity_gate(
     for group, out in ((encoded, refs), (encoded_q if need_q else [], refs_q)):
         for i, p in enumerate(group):
             progress.step(f"serial reference{tag}, prompt {i + 1}/{len(group)}")
-            out.append(_serial_tokens(lm, p, max_tokens, params))
+            out.append(_serial_tokens(lm, p, max_tokens, params, constraint))
     for variant, mode, depth in arms:
         options = DRAFTING[variant]
         pairs = list(zip(encoded, refs)) + (list(zip(encoded_q, refs_q)) if "lookup" in options else [])
-        arm = ArmResult(mode=mode, depth=depth, drafting=variant, processors=processors)
+        arm = ArmResult(mode=mode, depth=depth, drafting=variant, processors=processors, constraint=constraint)
         t0 = time.perf_counter()
         for pi, (prompt, ref) in enumerate(pairs):
             progress.step(f"arm {variant} {mode} depth {depth}{tag}, prompt {pi + 1}/{len(pairs)}")
             got: list[int] = []
             gen = speculative_decode(
-                lm, head, prompt, Sampler(params, prompt=prompt), depth, exact=(mode == "exact"),
+                lm, head, prompt, _sampler(lm, params, prompt, constraint), depth, exact=(mode == "exact"),
                 guard_margin=guard_margin, rollback=rollback, logit_jitter=logit_jitter, pipeline=pipeline, **options,
             )
             for step in gen:
@@ -426,20 +454,21 @@ def format_report(report: FidelityReport) -> str:
         f"{'off (verify bit-identical)' if report.guard_margin is None else f'{report.guard_margin:g}'}, "
         f"{report.max_tokens} tokens/prompt)",
         "",
-        "| drafting | mode | processors | depth | identical | tokens | flips/1000 | acceptance | guarded | lookup cycles (accepted/drafted) | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| drafting | mode | processors | constraint | depth | identical | tokens | flips/1000 | acceptance | guarded | lookup cycles (accepted/drafted) | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for a in report.arms:
         lk = f"{a.lookup_cycles} ({a.lookup_accepted}/{a.lookup_drafted})" if a.lookup_cycles else "-"
         lines.append(
-            f"| {a.drafting} | {a.mode} | {'on' if a.processors else 'off'} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | "
+            f"| {a.drafting} | {a.mode} | {'on' if a.processors else 'off'} | {a.constraint or '-'} | {a.depth} | {a.identical}/{a.prompts} | {a.tokens_compared} | "
             f"{a.flips_per_1000:.2f} | {a.acceptance:.3f} | {a.guarded} | {lk} | {a.seconds:.1f} |"
         )
     for a in report.arms:
         if a.first_divergence and a.mode == "exact":
             d = a.first_divergence
             lines.append(
-                f"FAIL exact {a.drafting}{' with processors' if a.processors else ''} depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
+                f"FAIL exact {a.drafting}{' with processors' if a.processors else ''}"
+                f"{f' under {a.constraint}' if a.constraint else ''} depth {a.depth}: prompt {d['prompt']} token {d['token']}: serial {d['serial']} "
                 f"!= speculative {d['speculative']} (after {d['context']})"
             )
     if report.deviation:
@@ -489,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--no-processors", dest="processors", action="store_false",
                     help="skip the arms with logit processors (penalties, logit_bias)")
+    ap.add_argument("--constraints", default="",
+                    help=f"also run the exact and fast arms under these constraints ({','.join(CONSTRAINTS)}), "
+                         "against constrained serial decode")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="decode eagerly (no compiled one-token forward), to tell the two paths apart")
     ap.add_argument("--no-deviation", dest="deviation", action="store_false",
@@ -554,6 +586,15 @@ def main(argv: list[str] | None = None) -> int:
             modes=("exact",), rollback=args.rollback, guard_margin=guard, logit_jitter=args.logit_jitter,
             params=SamplingParams(**PROCESSORS), report=report, drafting=tuple(args.drafting.split(",")),
             quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, progress=progress,
+        )
+    for kind in [k for k in args.constraints.split(",") if k]:
+        if kind not in CONSTRAINTS:
+            ap.error(f"unknown constraint {kind!r} (known: {', '.join(CONSTRAINTS)})")
+        run_fidelity_gate(
+            lm, head, prompts, depths=[int(d) for d in args.depths.split(",")], max_tokens=args.tokens,
+            modes=tuple(args.modes.split(",")), rollback=args.rollback, guard_margin=guard,
+            logit_jitter=args.logit_jitter, report=report, drafting=tuple(args.drafting.split(",")),
+            quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, constraint=kind,
         )
     if args.deviation:
         progress.step(f"verify-vs-serial logit deviation, {min(3, len(prompts))} prompts")

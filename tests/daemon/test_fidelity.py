@@ -193,3 +193,19 @@ def test_per_request_depth_samples_the_base_distribution(lm, copy_head):
         res = distribution_test(lm, copy_head, ctx, params, 3, draws=250, alpha=1e-3, seed=7 + pos, position=pos,
                                 drafting="adaptive")
         assert res.passed, res
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="bundled model not trained yet")
+def test_constrained_arms_pass_and_can_fail():
+    """Constrained exact speculation against constrained serial decode; with noisy verify
+    logits (no guard) the constrained arm fails: the gate can catch a divergence there too."""
+    blm = load_model(BUNDLED_MODEL)
+    head = load_mtp_head(blm)
+    for kind in ("json_schema", "regex"):
+        report = run_fidelity_gate(blm, head, load_prompts()[:2], depths=(1, 2), max_tokens=24, modes=("exact",),
+                                   drafting=("mtp", "lookup"), constraint=kind, guard_margin=None)
+        assert report.passed and all(a.constraint == kind for a in report.arms), [a.first_divergence for a in report.arms]
+        assert sum(a.drafted for a in report.arms) > 0
+    noisy = run_fidelity_gate(blm, head, load_prompts()[:2], depths=(2,), max_tokens=24, modes=("exact",),
+                              constraint="json_object", guard_margin=None, logit_jitter=3.0)
+    assert not noisy.passed and noisy.arms[0].first_divergence is not None

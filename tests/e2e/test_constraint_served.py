@@ -1,0 +1,175 @@
+"""Constrained decoding through a real daemon on the bundled model, over its ZeroMQ socket:
+every kind of constraint on every decode path (serial, exact speculation at depths 1 and 2,
+fast, batched rows), refusals, and max_tokens inside a grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from daemon.paths import BUNDLED_MODEL
+from protocol import encode, messages as m
+from protocol.client import Client
+from protocol.codec import decode_daemon
+
+from e2e_harness import start_daemon
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "age", "color"], "additionalProperties": False}
+REGEX = r"(def|class) [a-z_]+\(\)\n"
+LARK = 'start: line line?\nline: "x = " NUM "\\n"\nNUM: /[0-9]{1,4}/'
+CASES = {"json_schema": json.dumps(SCHEMA), "json_object": "", "regex": REGEX, "lark": LARK}
+PROMPT = "def fibonacci(n):\n"
+
+
+def check_prefix(kind: str, token_ids: list[int]) -> None:
+    """The tokens are ones a fresh matcher of the same grammar takes, one by one: the output
+    is a prefix of the grammar (what a request cut by max_tokens returns)."""
+    import llguidance
+
+    from daemon.engine.constraint import grammar_text
+
+    tok = llguidance.LLTokenizer(str(BUNDLED_MODEL / "tokenizer.json"), eos_token=[0, 2])
+    matcher = llguidance.LLMatcher(tok, grammar_text(kind, CASES[kind]), log_level=0)
+    for t in token_ids:
+        assert matcher.consume_token(t), (t, matcher.get_error())
+
+
+def tokens_of(before: list) -> list[int]:
+    return [t for msg in before if isinstance(msg, m.Tokens) for t in msg.token_ids]
+
+
+def check_done(kind: str, text: str, before: list, done, sampled: bool) -> None:
+    """Greedy requests end at the grammar's end; a sampled one may wander (a free JSON string)
+    until max_tokens, and then its output must still be a prefix of the grammar."""
+    assert isinstance(done, m.Done), done
+    if sampled and done.finish_reason == "length":
+        check_prefix(kind, tokens_of(before))
+        return
+    assert done.finish_reason == "stop", done
+    check(kind, text)
+    check_prefix(kind, tokens_of(before))
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json_schema":
+        obj = json.loads(text)
+        assert set(obj) == {"name", "age", "color"} and isinstance(obj["age"], int), obj
+        assert 0 <= obj["age"] <= 120 and obj["color"] in ("red", "green", "blue") and len(obj["name"]) <= 12
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    else:
+        assert re.fullmatch(r"(x = [0-9]{1,4}\n){1,2}", text), text
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("constrained"), BUNDLED_MODEL)
+    yield d
+    assert d.stop() == 0
+
+
+def request(rid: str, kind: str | None, prompt: str = PROMPT, **kw) -> m.Generate:
+    constraint = m.Constraint(kind=kind, value=CASES[kind]) if kind else None
+    return m.Generate(request_id=rid, prompt=prompt, max_tokens=kw.pop("max_tokens", 96), stream=True,
+                      constraint=constraint, **kw)
+
+
+def run_all(d, msgs: list[m.Generate]) -> dict[str, tuple[str, list, object]]:
+    """Send every request at once on one connection; per request id: (streamed text, the
+    messages before the terminal one, the terminal message)."""
+    sock = d.raw_socket(timeout_ms=120000)
+    try:
+        for msg in msgs:
+            sock.send(encode(msg))
+        out = {msg.request_id: ["", [], None] for msg in msgs}
+        while any(v[2] is None for v in out.values()):
+            reply = decode_daemon(sock.recv())
+            entry = out[reply.request_id]
+            if isinstance(reply, (m.Done, m.Error)):
+                entry[2] = reply
+            else:
+                entry[1].append(reply)
+                if isinstance(reply, m.Tokens):
+                    entry[0] += reply.text
+        return {k: tuple(v) for k, v in out.items()}
+    finally:
+        sock.close()
+
+
+def run_one(d, msg: m.Generate):
+    return run_all(d, [msg])[msg.request_id]
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_every_path_matches_the_constraint_and_exact_is_serial(daemon, kind):
+    with Client(daemon.endpoint, seat="gov", timeout_s=60) as c:
+        ref = {}
+        for temperature, seed in ((0.0, None), (0.8, 7)):
+            text, before, done = run_one(daemon, request(f"{kind}-off-{temperature}", kind, speculation="off",
+                                                         temperature=temperature, seed=seed))
+            check_done(kind, text, before, done, temperature > 0)
+            assert done.text == text
+            ref[temperature] = text
+            for depth in (1, 2):
+                assert c.governor("pin_depth", depth).ok
+                for mode in ("exact", "fast"):
+                    text, before, done = run_one(daemon, request(f"{kind}-{mode}{depth}-{temperature}", kind,
+                                                                 speculation=mode, temperature=temperature, seed=seed))
+                    check_done(kind, text, before, done, temperature > 0)
+                    if mode == "exact" and temperature == 0.0:
+                        assert text == ref[0.0], (depth, text)
+                    if temperature == 0.0:
+                        assert done.speculation is not None and done.speculation.drafted > 0
+        assert c.governor("auto").ok
+
+
+def test_four_concurrent_constrained_requests_batch(daemon):
+    """Four constrained requests at once (speculation off: they share the batched forward),
+    each of a different kind, one sampled: each matches its constraint, and the greedy ones
+    give what they give alone."""
+    kinds = list(CASES)
+    alone = {k: run_one(daemon, request(f"solo-{k}", k, speculation="off"))[0] for k in kinds}
+    msgs = [request(f"batch-{k}", k, speculation="off") for k in kinds]
+    msgs.append(request("batch-sampled", "json_schema", speculation="off", temperature=0.8, seed=3))
+    got = run_all(daemon, msgs)
+    for k in kinds:
+        text, _, done = got[f"batch-{k}"]
+        assert isinstance(done, m.Done) and done.finish_reason == "stop", done
+        assert text == alone[k]
+        check(k, text)
+    text, before, done = got["batch-sampled"]
+    check_done("json_schema", text, before, done, sampled=True)
+
+
+def test_unsupported_schema_is_refused_and_the_daemon_keeps_serving(daemon):
+    bad = m.Generate(request_id="bad-schema", prompt=PROMPT, max_tokens=32,
+                     constraint=m.Constraint(kind="json_schema",
+                                             value=json.dumps({"type": "object", "dependentSchemas": {"a": {}}})))
+    text, before, err = run_one(daemon, bad)
+    assert isinstance(err, m.Error) and err.code == "invalid_request", err
+    assert "dependentSchemas" in err.message
+    assert before == [] and text == ""  # no Accepted, no token: nothing unconstrained went out
+    bad_regex = m.Generate(request_id="bad-regex", prompt=PROMPT, constraint=m.Constraint(kind="regex", value="("))
+    _, _, err = run_one(daemon, bad_regex)
+    assert isinstance(err, m.Error) and err.code == "invalid_request" and "regex" in err.message
+    text, _, done = run_one(daemon, request("after-bad", "regex", speculation="exact"))
+    assert isinstance(done, m.Done) and done.finish_reason == "stop"
+    check("regex", text)
+
+
+def test_max_tokens_inside_the_grammar_ends_with_length_and_a_prefix(daemon):
+    whole, _, done = run_one(daemon, request("whole", "json_schema", speculation="off"))
+    assert done.finish_reason == "stop" and done.usage.completion_tokens > 6
+    for mode in ("off", "exact"):
+        text, before, done = run_one(daemon, request(f"cut-{mode}", "json_schema", speculation=mode, max_tokens=5))
+        assert done.finish_reason == "length" and done.usage.completion_tokens == 5
+        assert whole.startswith(text) and text != whole
+        check_prefix("json_schema", tokens_of(before))
