@@ -157,7 +157,12 @@ class SpecBatchDecoder:
 
     # ------------------------------------------------------------------ admission
     def admits(self, sampler: Sampler, exact: bool) -> bool:
-        """Any row but an exact greedy one where the batched verify is not bit-identical."""
+        """Any row but an exact greedy one where the batched verify is not bit-identical, and
+        but a constrained one: this decoder does not advance a grammar over each row's drafts
+        and verify positions yet, so such a row decodes alone (serial or speculative_decode,
+        which enforce it on every path) rather than ever run unconstrained."""
+        if getattr(sampler, "constraint", None) is not None:
+            return False
         return not (exact and sampler.greedy) or self.exact_ok
 
     def add(self, row_id: Hashable, sampler: Sampler, prompt: list[int], *, cache: list | None = None,
