@@ -767,7 +767,17 @@ class EngineWorker(threading.Thread):
         """Store a finished request's state (its prompt and what it generated) for the
         seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
         pc = self.prefix_cache
-        if pc is None or not (pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
+        if pc is None:
+            return
+        session = None if job.msg.session is m.UNSET else job.msg.session
+        if session == "drop":
+            n, freed = pc.forget_seat(job.seat)
+            log.info("prefix_cache.session_dropped", request_id=job.request_id, seat=job.seat, snapshots=n,
+                     freed_bytes=freed)
+            return
+        # Kept when a later request may use it (it is inexact unless splits are exact here),
+        # or when the client asked.
+        if not (session == "keep" or pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
             return
         try:
             cache, history = job.decode_cache, job.decode_history

@@ -113,6 +113,10 @@ class Generate(_Message, tag="generate"):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | UnsetType = UNSET
     # Constrained decoding (llguidance): UNSET or None means unconstrained.
     constraint: Constraint | None | UnsetType = UNSET
+    # The seat's session in the prefix cache: "keep" stores this request's continuation
+    # (prompt + answer) for the seat's next turn and pins it; "drop" forgets the seat's
+    # kept continuations (RAM and disk) when this request ends. UNSET: the daemon's rule.
+    session: Literal["keep", "drop"] | UnsetType = UNSET
 
     def option(self, name: str):
         """A sampling option's value, its default when it was not sent."""

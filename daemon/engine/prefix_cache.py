@@ -163,6 +163,7 @@ class PrefixCache:
         self.splits_exact = splits_exact
         self.entries: OrderedDict[tuple[int, str], Snapshot] = OrderedDict()  # LRU: oldest first
         self.pinned: dict[str, tuple[int, str]] = {}  # seat -> its latest continuation's key
+        self.seat_continuations: dict[str, set[tuple[int, str]]] = {}  # for a session "drop"
         self.nbytes = 0
         self.hits = 0
         self.disk_hits = 0
@@ -312,7 +313,9 @@ class PrefixCache:
         if snap is not None:
             self.continuations += 1
             if seat is not None:
-                self.pinned[seat] = (p, prefix_disk.token_digest(snap.tokens))
+                key = (p, prefix_disk.token_digest(snap.tokens))
+                self.pinned[seat] = key
+                self.seat_continuations.setdefault(seat, set()).add(key)
         return snap
 
     def _insert(self, key, snap: Snapshot, to_disk: bool) -> Snapshot | None:
@@ -370,11 +373,17 @@ class PrefixCache:
         self.evicted += 1
         return self._drop(key), key[0]
 
-    def forget_seat(self, seat: str) -> int:
-        """Drop a seat's pin and its pinned continuation from RAM (its file stays until the
-        disk budget or TTL takes it). Returns bytes freed."""
-        key = self.pinned.pop(seat, None)
-        return self._drop(key) if key in self.entries else 0
+    def forget_seat(self, seat: str) -> tuple[int, int]:
+        """A seat's session is over: drop its pin and the continuations it stored, from RAM
+        and disk (shared prefixes it stored stay: other seats start from them). Returns
+        (snapshots dropped, bytes freed from RAM)."""
+        self.pinned.pop(seat, None)
+        keys = self.seat_continuations.pop(seat, set())
+        freed = sum(self._drop(k) for k in keys if k in self.entries)
+        if self.disk is not None:
+            for k in keys:
+                self.disk.discard(k)
+        return len(keys), freed
 
     def clear(self) -> int:
         freed = self.nbytes

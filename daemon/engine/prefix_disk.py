@@ -247,6 +247,7 @@ class DiskTier:
         self.usable = True
         self._full_logged = False
         self._queue: queue.Queue = queue.Queue()
+        self._discarded: set[tuple[int, str]] = set()  # dropped while maybe still queued
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="councild-prefix-disk", daemon=True)
         self._writer.start()
@@ -321,13 +322,23 @@ class DiskTier:
         """Queue a write; False (skipped) when over the pending cap or the tier is unusable."""
         if not self.usable or pending.nbytes > self.max_bytes:
             return False
+        parsed = parse_name(pending.name)
         with self.lock:
             if self.pending_bytes + pending.nbytes > MAX_PENDING:
                 self.skipped += 1
                 return False
             self.pending_bytes += pending.nbytes
+            self._discarded.discard((parsed[0], parsed[1]))
         self._queue.put(pending)
         return True
+
+    def discard(self, key: tuple[int, str]) -> None:
+        """Delete a snapshot's file (and any write of it still queued)."""
+        with self.lock:
+            self._discarded.add(key)
+            e = self.index.get(key)
+        if e is not None:
+            self._forget(e, delete=True)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every queued write is done (tests, shutdown)."""
@@ -365,6 +376,8 @@ class DiskTier:
         size = len(MAGIC) + 8 + len(p.header) + p.nbytes + DIGEST
         with self.lock:
             old = self.index.get((n, digest))
+            if (n, digest) in self._discarded:
+                return
         if old is not None and (old.head or not head) and (old.exact or not exact):
             return  # already on disk, with at least as much
         try:
