@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,30 @@ def test_a_continuation_is_reused_past_the_prompt(tmp_path, mode, cold):
     else:  # a speculative cycle committed past max_tokens: the prompt's end serves instead
         assert done2.usage.cached_tokens == len(turn1) - 1
     assert ids2 == _run(cold.endpoint, "seat-a", turn2, speculation=mode)[0]
+
+
+def test_a_session_kept_then_dropped(tmp_path):
+    """Default config (exact reuse only): session "keep" still keeps the seat's continuation
+    (pinned, on disk); session "drop" forgets it, RAM and disk."""
+    turn1 = _turn1(6)
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config=BASE)
+    try:
+        with Client(d.endpoint, seat="seat-k", timeout_s=180) as c:
+            s = c.generate(prompt_tokens=turn1, max_tokens=16, speculation="off", session="keep")
+            s.result()
+            ids1 = list(s.token_ids)
+            deadline = time.monotonic() + 10  # status is republished at most every 100 ms
+            while c.status().detail["prefix_cache"].get("pinned_seats") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        kept = [e for e in d.events() if e["event"] == "prefix_cache.continuation"]
+        assert len(kept) == 1 and kept[0]["seat"] == "seat-k" and kept[0]["tokens"] > len(turn1)
+        with Client(d.endpoint, seat="seat-k", timeout_s=180) as c:
+            c.generate(prompt_tokens=turn1 + ids1 + NEW, max_tokens=4, speculation="off", session="drop").result()
+    finally:
+        assert d.stop() == 0
+    dropped = [e for e in d.events() if e["event"] == "prefix_cache.session_dropped"]
+    assert len(dropped) == 1 and dropped[0]["snapshots"] == 1
+    cont_tokens = kept[0]["tokens"]
+    assert not [p for p in _files(tmp_path) if p.name.startswith(f"{cont_tokens}-")]
+    assert [p for p in _files(tmp_path) if p.name.startswith("256-")]  # shared prefixes stay
