@@ -12,8 +12,8 @@ import queue
 import threading
 import time
 import traceback
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -249,11 +249,12 @@ class EngineWorker(threading.Thread):
         exact = splits_agree(self.lm, chunk)
         probe_ms = round((time.perf_counter() - t0) * 1000, 1)
         disk = None
-        if pc_cfg.disk:
+        # Not in a tensor-parallel group: every rank must take the same hits, and a disk
+        # (a write still queued on one rank, a file torn on another) cannot promise that.
+        if pc_cfg.disk and self.group is None:
             try:
                 root = Path(pc_cfg.disk_dir) if pc_cfg.disk_dir else cache_dir() / "prefix"
-                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk)
-                                                             | self._group_key())
+                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk))
                 disk = prefix_disk.DiskTier(root, fingerprint, pc_cfg.disk_max_bytes, log,
                                             ttl_s=pc_cfg.disk_ttl_s or None, min_free_bytes=pc_cfg.disk_min_free_bytes)
             except OSError as exc:  # an unusable folder: RAM only, never a failed start
@@ -268,10 +269,6 @@ class EngineWorker(threading.Thread):
         log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
                  probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
                  disk_files=None if disk is None else len(disk.index))
-
-    def _group_key(self) -> dict:
-        """A rank's snapshots hold its shard: ranks sharing a folder keep apart."""
-        return {} if self.group is None else {"rank": self.group.rank(), "size": self.group.size()}
 
     def _prompt_limit(self) -> int | None:
         """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and

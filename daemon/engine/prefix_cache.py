@@ -240,7 +240,7 @@ class PrefixCache:
         try:
             base = _from_states(self.make_cache(), data["base"])
             head = data["head"]  # per-layer states: made the head's caches at restore
-        except (ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a file that does not fit this model is a miss
             self.disk.log.warning("prefix_cache.disk_corrupt", tokens=e.tokens, error=f"layout: {exc}")
             self.disk._forget(e, delete=True)
             return None
@@ -339,7 +339,7 @@ class PrefixCache:
             head_states = _states(snap.head) if snap.head is not None else None
             pending = prefix_disk.prepare(self.disk.fingerprint, snap.tokens, _states(snap.base), head_states,
                                           snap.head_hidden, snap.exact, name)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a state it cannot lay out costs the file only
             self.disk.log.warning("prefix_cache.disk_write_failed", file=name, error=repr(exc))
             return
         self.disk.submit(pending)
