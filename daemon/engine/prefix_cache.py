@@ -20,7 +20,9 @@ by construction ("exact" snapshots). Two finer kinds of reuse are not that:
 Whether those splits change the numbers is a property of the backend's kernels:
 ``splits_agree`` checks it at start-up (a prompt prefilled in C-chunks vs split off the
 grid with a token-by-token tail, compared bit for bit). Where it agrees every snapshot is
-exact. Where it does not (this CPU: last-ulp differences), such a snapshot is "inexact":
+exact. Where it does not (this CPU: last-ulp differences when a resumed prefill runs a
+full-size chunk over other tokens than the cold run's; bench/inexact_reuse_probe.py found
+the common continuation shape bit-identical), such a snapshot is "inexact":
 a hit gives the state a cold run would have up to float rounding, so greedy tokens can
 differ from a cold run's at a near-tie. Requests in speculation mode "fast" (which
 already accept near-tie flips) use them; exact and serial requests use them only when the
