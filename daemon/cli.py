@@ -337,6 +337,10 @@ def format_status(reply) -> str:
     if pc:
         rows.append(("prefix cache", f"{pc['entries']} snapshots, {_mb(pc['bytes'])} of {_mb(pc['max_bytes'])}, "
                                      f"{pc['hits']} hits / {pc['misses']} misses, {pc['cached_tokens']} tokens reused"))
+        disk = pc.get("disk")
+        if disk:
+            rows.append(("prefix disk", f"{disk['files']} files, {_mb(disk['bytes'])} of {_mb(disk['max_bytes'])}, "
+                                        f"{disk['hits']} hits, {disk['corrupt']} corrupt, {disk['path']}"))
     mem = d.get("memory")
     if mem:
         rows.append(("memory", ", ".join(f"{k.removesuffix('_bytes')} {_mb(v)}" for k, v in mem.items())))

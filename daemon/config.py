@@ -125,6 +125,25 @@ class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     enabled: bool = True
     # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
     max_bytes: Annotated[int, Meta(ge=1, le=1 << 42)] = 1 << 30
+    # Where a backend's kernels make a split prefill differ from a chunked one in the last
+    # ulp (checked at start-up; this CPU does), snapshots at a prompt's exact end and a
+    # finished request's continuation (prompt + answer) are inexact: a hit can flip a
+    # greedy token at a near-tie. "fast" requests use them anyway; true lets exact and
+    # serial requests use them too (more reuse, weaker promise). Off: exact hits only.
+    inexact_reuse: bool = False
+    # The disk tier (engine/prefix_disk.py): every snapshot is also written to a file, so
+    # dropping it from RAM loses nothing and a restarted daemon finds it.
+    disk: bool = True
+    # Its folder; "" is "prefix" under the daemon's cache folder (COUNCILD_CACHE_DIR, else
+    # the per-user cache, daemon/paths.py).
+    disk_dir: str = ""
+    # Its own byte budget, least recently used files go first.
+    disk_max_bytes: Annotated[int, Meta(ge=1, le=1 << 46)] = 8 << 30
+    # A write that would leave less free on that filesystem is skipped (a full disk is a
+    # miss, never a crash, and the cache never fills the disk the logs live on).
+    disk_min_free_bytes: Annotated[int, Meta(ge=0)] = 1 << 30
+    # Files not used for this long are deleted when the daemon starts (0: never).
+    disk_ttl_s: Annotated[float, Meta(ge=0)] = 7 * 86400.0
 
 
 class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):

@@ -136,20 +136,33 @@ def template_tool(t) -> dict:
                                              "parameters": t.parameters or {"type": "object", "properties": {}}}}
 
 
+# Message boundaries looked for besides the first message's: the last ones (a seat's next
+# turn re-sends them; a template that rewrites turn k then loses only what follows it).
+# Each costs one render of the chat so far, on the intake thread.
+RECENT_SEGMENTS = 8
+
+
 def chat_segment_ends(lm, msg, prompt: list[int]) -> list[int]:
-    """Where the chat's first message (the shared system prompt) ends in the prompt's
-    tokens, when the chat template renders it as a prefix; the prefix cache keeps a
-    snapshot there so other seats start from it."""
-    try:
-        first = [{"role": msg.messages[0].role, "content": msg.messages[0].content}]
-        tok = lm.tokenizer
-        if getattr(tok, "chat_template", None):
-            ids = list(tok.apply_chat_template(first, add_generation_prompt=False, tokenize=True))
-        else:
-            ids = list(tok.encode(f"{first[0]['role']}: {first[0]['content']}\n"))
-    except Exception:  # noqa: BLE001 - no segment: the cache still keeps the prompt's end
-        return []
-    return [len(ids)] if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids else []
+    """Where message boundaries fall in the prompt's tokens: after the first message (the
+    shared system prompt, so other seats start from it) and after each of the last
+    RECENT_SEGMENTS, wherever the chat template renders the messages up to there as a
+    prefix of the whole prompt (templates that rewrite past turns, e.g. strip their
+    reasoning, do not for the turns they rewrite). The prefix cache keeps snapshots there."""
+    n = len(msg.messages)
+    ends = []
+    for k in sorted({1} | set(range(max(1, n - RECENT_SEGMENTS), n))):
+        try:
+            head = [{"role": x.role, "content": x.content} for x in msg.messages[:k]]
+            tok = lm.tokenizer
+            if getattr(tok, "chat_template", None):
+                ids = list(tok.apply_chat_template(head, add_generation_prompt=False, tokenize=True))
+            else:
+                ids = list(tok.encode("".join(f"{x['role']}: {x['content']}\n" for x in head)))
+        except Exception:  # noqa: BLE001 - no segment: the cache still keeps the prompt's end
+            continue
+        if 0 < len(ids) < len(prompt) and prompt[: len(ids)] == ids:
+            ends.append(len(ids))
+    return ends
 
 
 class Intake(threading.Thread):

@@ -135,6 +135,13 @@ class Job:
         self.cached_tokens = 0
         self.segment_ends: list[int] = []
         self.snapshot_at: set[int] = set()
+        # Whether the state it started from is a cold run's (an inexact hit taints what its
+        # prefill stores); every token its decoder committed, and the decoder's cache and
+        # head history, for the continuation kept when it finishes.
+        self.exact_chain = True
+        self.decoded: list[int] = []
+        self.decode_cache = None
+        self.decode_history = None
 
     # What the scheduler's prefill phase reads (scheduler.prefill_plan).
     @property

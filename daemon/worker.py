@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -192,6 +193,9 @@ class EngineWorker(threading.Thread):
             raise
         finally:
             self._out.close()
+            pc = getattr(self, "prefix_cache", None)
+            if pc is not None and pc.disk is not None:
+                pc.disk.close(timeout=10.0)  # snapshots still queued reach the disk
 
     def _load(self) -> None:
         from .engine.loading import load_model
@@ -222,9 +226,7 @@ class EngineWorker(threading.Thread):
         self.batch = None
         self.prefix_cache = None
         if self.cfg.prefix_cache.enabled:
-            from .engine.prefix_cache import PrefixCache
-
-            self.prefix_cache = PrefixCache(self.cfg.prefix_cache.max_bytes, self.cfg.scheduler.prefill_chunk)
+            self._open_prefix_cache(self.cfg.scheduler.prefill_chunk)
         # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
         self.batch_speculates = False
         if self.cfg.scheduler.batching:
@@ -302,6 +304,39 @@ class EngineWorker(threading.Thread):
         with self.snapshot_lock:
             self.snapshot.warmup = {"mode": level, "seconds": seconds, "stages": stages}
         log.info("warmup.done", mode=level, seconds=seconds, stages=stages)
+
+    def _open_prefix_cache(self, chunk: int) -> None:
+        """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
+        backend (checked now), and its disk tier under this model's and settings' key."""
+        from .engine import prefix_disk
+        from .engine.prefix_cache import PrefixCache, splits_agree
+        from .paths import cache_dir
+
+        pc_cfg = self.cfg.prefix_cache
+        t0 = time.perf_counter()
+        exact = splits_agree(self.lm, chunk)
+        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
+        disk = None
+        # Not in a tensor-parallel group: every rank must take the same hits, and a disk
+        # (a write still queued on one rank, a file torn on another) cannot promise that.
+        if pc_cfg.disk and self.group is None:
+            try:
+                root = Path(pc_cfg.disk_dir) if pc_cfg.disk_dir else cache_dir() / "prefix"
+                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk))
+                disk = prefix_disk.DiskTier(root, fingerprint, pc_cfg.disk_max_bytes, log,
+                                            ttl_s=pc_cfg.disk_ttl_s or None, min_free_bytes=pc_cfg.disk_min_free_bytes)
+            except OSError as exc:  # an unusable folder: RAM only, never a failed start
+                log.warning("prefix_cache.disk_unusable", path=str(pc_cfg.disk_dir), error=repr(exc))
+        old = getattr(self, "prefix_cache", None)
+        if old is not None and old.disk is not None:
+            old.disk.close()
+        self.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.lm.make_cache, disk=disk,
+                                        splits_exact=exact)
+        if self.governance is not None:
+            self.governance.prefix_cache = self.prefix_cache
+        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
+                 probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
+                 disk_files=None if disk is None else len(disk.index))
 
     def _prompt_limit(self) -> int | None:
         """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
@@ -554,12 +589,20 @@ class EngineWorker(threading.Thread):
         chunk = self.scheduler.cfg.prefill_chunk
         want_head = job.mode != "off" and self.slot.resident
         cache, history, start = None, None, 0
-        if self.prefix_cache is not None:
-            self.prefix_cache.set_chunk(chunk)
-            snap, start = self.prefix_cache.lookup(job.prompt, want_head)
+        pc = self.prefix_cache
+        if pc is not None:
+            if chunk != pc.chunk:  # SIGHUP changed it: exact snapshots are per chunk size
+                self._open_prefix_cache(chunk)
+                pc = self.prefix_cache
+            # Inexact snapshots (engine/prefix_cache.py) only for requests that accept
+            # near-tie flips, unless the operator allows them for all.
+            allow_inexact = self.cfg.prefix_cache.inexact_reuse or job.mode == "fast"
+            snap, start = pc.lookup(job.prompt, want_head, allow_inexact=allow_inexact)
+            job.exact_chain = snap is None or snap.exact
             if snap is not None:
-                cache, history = self.prefix_cache.restore(snap, job.prompt[start], self.slot.head if want_head else None)
-            job.snapshot_at = self.prefix_cache.boundaries(len(job.prompt), start, job.segment_ends)
+                cache, history = pc.restore(snap, job.prompt[start], self.slot.head if want_head else None)
+            job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
+                                            fine=pc.splits_exact or allow_inexact)
         if history is None and want_head:
             from .engine.speculative import HeadHistory
 
@@ -577,6 +620,7 @@ class EngineWorker(threading.Thread):
         from .engine.serial import serial_decode
 
         pre, job.prefill = job.prefill, None
+        job.decode_cache = pre.cache  # the decoder advances it in place: the continuation
         last = [pre.last_token]
         sampler, mode = job.sampler, job.mode
         # Interactive work is latency-bound: it decodes on its own (the scheduler's class
@@ -606,6 +650,7 @@ class EngineWorker(threading.Thread):
 
             spec = self.cfg.speculation
             history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
+            job.decode_history = history
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
@@ -684,7 +729,9 @@ class EngineWorker(threading.Thread):
         try:
             n = job.prefill.step()
             if job.prefill.pos in job.snapshot_at and self.prefix_cache is not None:
-                self.prefix_cache.store(job.prompt[: job.prefill.pos], job.prefill.cache, job.prefill.history)
+                pos = job.prefill.pos
+                self.prefix_cache.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
+                                        exact=self.prefix_cache.is_exact(pos, job.exact_chain), seat=job.seat)
             if job.prefill.done:
                 self._begin_decode(job)
         except Exception as exc:
@@ -816,6 +863,7 @@ class EngineWorker(threading.Thread):
         if constraint is not None and constraint.error is not None:  # a batched row's grammar failed
             self._failed(job, constraint.error)
             return
+        job.decoded.extend(step.tokens)  # what the decoder's cache now holds (prefix_cache)
         kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None,
                           complete=constraint is not None and constraint.complete)
         self._tally(job, step, kept)
@@ -849,11 +897,14 @@ class EngineWorker(threading.Thread):
             if self.jobs.pop(job.key, None) is None:
                 return  # already finished: never a second terminal message
             self.scheduler.remove(job)
+        if isinstance(terminal, m.Done):
+            self._keep_continuation(job)
         if job.generator is not None:
             job.generator.close()
             job.generator = None
         if job.batched and self.batch is not None and job.key in self.batch:
             self.batch.remove(job.key)  # a row whose start failed after it joined: never left behind
+        job.decode_cache = job.decode_history = None
         prefilled = job.prefill.pos if job.prefill is not None else None
         job.prefill = None  # its cache goes with it
         if isinstance(terminal, m.Done) and job.msg.stream and terminal.finish_reason != "cancelled":
@@ -882,6 +933,38 @@ class EngineWorker(threading.Thread):
         self._send(job.identity, terminal, key=job.key, terminal=True)
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
+
+    def _keep_continuation(self, job: Job) -> None:
+        """Store a finished request's state (its prompt and what it generated) for the
+        seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        session = None if job.msg.session is m.UNSET else job.msg.session
+        if session == "drop":
+            n, freed = pc.forget_seat(job.seat)
+            log.info("prefix_cache.session_dropped", request_id=job.request_id, seat=job.seat, snapshots=n,
+                     freed_bytes=freed)
+            return
+        # Kept when a later request may use it (it is inexact unless splits are exact here),
+        # or when the client asked.
+        if not (session == "keep" or pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
+            return
+        try:
+            cache, history = job.decode_cache, job.decode_history
+            if job.batched:
+                if self.batch is None or job.key not in self.batch:
+                    return
+                cache, _ = self.batch.extract(job.key)
+                history = None
+            if cache is None:
+                return
+            snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat)
+            if snap is not None:
+                log.info("prefix_cache.continuation", request_id=job.request_id, seat=job.seat,
+                         tokens=len(snap.tokens), head=snap.head is not None, exact=snap.exact, bytes=snap.nbytes)
+        except Exception as exc:  # noqa: BLE001 - a lost snapshot is a later miss, never a failed request
+            log.warning("prefix_cache.continuation_failed", request_id=job.request_id, error=repr(exc))
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:

@@ -20,7 +20,13 @@ PRESSURE_LEVEL = {"normal": 0, "warn": 1, "critical": 2}
 # The prefix cache's cumulative numbers (the rest of its stats are gauges: entries, bytes).
 PREFIX_CACHE_COUNTERS = {"hits": "lookups that found a stored prefix", "misses": "lookups that found none",
                          "cached_tokens": "prompt tokens taken from the cache instead of computed",
-                         "evicted": "snapshots evicted (LRU or memory pressure)"}
+                         "evicted": "snapshots evicted (LRU or memory pressure)",
+                         "ram_hits": "lookups served from RAM", "disk_hits": "lookups served from the disk tier",
+                         "continuations": "finished requests' states kept for the seat's next turn"}
+PREFIX_DISK_COUNTERS = {"hits": "snapshot files read back at a hit", "corrupt": "files that did not check out (misses)",
+                        "writes": "snapshot files written", "write_failures": "snapshot writes that failed",
+                        "skipped": "snapshot writes skipped (disk full or too much pending)",
+                        "evicted": "snapshot files deleted by the disk budget"}
 
 
 def _histogram(name: str, doc: str, h: dict) -> HistogramMetricFamily:
@@ -106,6 +112,17 @@ class DaemonCollector:
             yield gauge("councild_shedding", "1 while the governor refuses new work", bool(gov.get("shedding")))
         cache = d.get("prefix_cache")
         if isinstance(cache, dict) and cache:  # the prefix cache, when the daemon has one
+            disk = cache.get("disk")
+            if isinstance(disk, dict):  # its disk tier
+                for key, value in disk.items():
+                    if not isinstance(value, (int, float)) or isinstance(value, bool):
+                        continue
+                    if key in PREFIX_DISK_COUNTERS:
+                        c = CounterMetricFamily(f"councild_prefix_cache_disk_{key}", PREFIX_DISK_COUNTERS[key])
+                        c.add_metric([], value)
+                        yield c
+                    else:
+                        yield gauge(f"councild_prefix_cache_disk_{key}", f"prefix cache disk tier: {key}", value)
             for key, value in cache.items():
                 if not isinstance(value, (int, float)) or isinstance(value, bool):
                     continue

@@ -160,6 +160,10 @@ class Generate(_Message, tag="generate"):
     parallel_tool_calls: bool | UnsetType = UNSET
     # Tokenize only: Accepted (with prompt_tokens) then Done with no output; nothing decoded.
     count_only: bool | UnsetType = UNSET
+    # The seat's session in the prefix cache: "keep" stores this request's continuation
+    # (prompt + answer) for the seat's next turn and pins it; "drop" forgets the seat's
+    # kept continuations (RAM and disk) when this request ends. UNSET: the daemon's rule.
+    session: Literal["keep", "drop"] | UnsetType = UNSET
 
     def option(self, name: str):
         """A sampling option's value, its default when it was not sent."""

@@ -1,4 +1,4 @@
-"""Prefix cache for hybrid models: state snapshots at chunk-aligned boundaries.
+"""Prefix cache for hybrid models: state snapshots at chosen boundaries, in RAM and on disk.
 
 A council re-sends its shared context every turn. Attention KV could be trimmed back to any
 shared prefix, but a GatedDeltaNet layer's conv and recurrent state cannot: it is the state
@@ -7,41 +7,56 @@ caches and llama.cpp does with its checkpoints for recurrent/hybrid models, we k
 snapshots of the model's state at chosen boundaries, keyed by the token prefix they hold,
 and a new request continues from the longest snapshot its prompt starts with.
 
-Where this differs from those anchors, and why:
-- Boundaries are multiples of the prefill chunk, taken while prefilling. A request that hits
-  at P then prefills [P, P+C), [P+C, P+2C), ... : exactly the chunks a cold run of the same
-  prompt forwards after P, from a state bit-identical to the cold run's at P. So a hit gives
-  a cold run's tokens on every backend, by construction, not by luck of the kernels (on
-  this CPU, resuming at an unaligned split, e.g. after 50 of a 256-token first chunk, does
-  change the state in the last ulp). The cost: a continuation re-prefills up to C-1 tokens
-  of the previous prompt plus the previous output (mlx-lm resumes after the output; its
-  output was decoded one token at a time, which a cold prefill does not reproduce bit for
-  bit on every backend).
-- The MTP head's committed history is part of the snapshot: the head's KV (one slot per
-  prompt position but the last) and the base hidden at the last position, which pairs with
-  whatever token the next request has there. A hit therefore primes the head exactly as a
-  cold prefill does, and acceptance after a hit is a cold run's (mlx-lm has no MTP head;
-  MTPLX's session bank keeps one session's head state, not shared prefixes).
-- Which boundaries: the last aligned boundary of every prompt (a seat's next turn, whose
-  prompt starts with this one, continues from it) and, for chat requests, the last aligned
-  boundary inside the first message (the shared system prompt, so other seats start from
-  it). Not every chunk: each snapshot holds a full KV copy, so n boundaries of one prompt
-  cost O(n^2) bytes.
-- LRU under a byte budget, and the governor can shed entries oldest first under memory
-  pressure (``evict_oldest``) before it touches the MTP head.
+Exact and inexact snapshots. A request that hits at P then prefills [P, P+C), [P+C, P+2C),
+... : where P is a multiple of the prefill chunk C and the snapshot's own state came from
+such a chain, those are exactly the chunks a cold run forwards after P, from a state
+bit-identical to the cold run's at P, so a hit gives a cold run's tokens on every backend
+by construction ("exact" snapshots). Two finer kinds of reuse are not that:
+- the prompt's exact end (not rounded down to a chunk): a later prompt resumes there,
+  where its cold run would be mid-chunk;
+- a request's continuation, stored when it finishes: the prompt plus the tokens it
+  generated (decoded one at a time), which a seat's next turn starts with. Without it
+  every turn re-prefills up to C-1 tokens of its prompt plus its whole previous answer.
+Whether those splits change the numbers is a property of the backend's kernels:
+``splits_agree`` checks it at start-up (a prompt prefilled in C-chunks vs split off the
+grid with a token-by-token tail, compared bit for bit). Where it agrees every snapshot is
+exact. Where it does not (this CPU: last-ulp differences when a resumed prefill runs a
+full-size chunk over other tokens than the cold run's; bench/inexact_reuse_probe.py found
+the common continuation shape bit-identical), such a snapshot is "inexact":
+a hit gives the state a cold run would have up to float rounding, so greedy tokens can
+differ from a cold run's at a near-tie. Requests in speculation mode "fast" (which
+already accept near-tie flips) use them; exact and serial requests use them only when the
+operator sets ``prefix_cache.inexact_reuse`` (config.py).
 
-No locks: it lives on the engine thread.
+The MTP head's committed history is part of the snapshot: the head's KV (one slot per
+position but the last) and the base hidden at the last position, which pairs with whatever
+token the next request has there. A hit primes the head exactly as a cold prefill does.
+
+Tiers. RAM holds snapshots under a byte budget, LRU, except that each seat's latest
+continuation is evicted only after every unpinned snapshot (a seat keeps its place while
+others come and go). Every snapshot is also handed to the disk tier (prefix_disk.py) as it
+is stored, so dropping it from RAM (the budget, or the governor under memory pressure,
+``evict_oldest``) loses nothing the disk holds, and a restarted daemon finds it there. A
+lookup looks at both tiers' lengths and reads a file only at a hit.
+
+No locks here: it lives on the engine thread (the disk tier locks its own index).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
+
+from . import prefix_disk
+from .speculative import HeadHistory
 
 
 def clone_cache(cache: list) -> list:
@@ -64,13 +79,54 @@ def _nbytes(cache: list) -> int:
     return sum(a.nbytes for a in _arrays(cache))
 
 
-def chain_keys(tokens: list[int], chunk: int, upto: int) -> list[int]:
-    """keys[k-1] identifies tokens[:k*chunk], for every k*chunk <= upto."""
-    keys, h = [], 0
-    for k in range(1, upto // chunk + 1):
-        h = hash((h, tuple(tokens[(k - 1) * chunk : k * chunk])))
-        keys.append(h)
-    return keys
+def _states(cache: list) -> list:
+    """Per layer, the cache's state as it is (the disk tier stores the tree)."""
+    return [c.state for c in cache]
+
+
+def _from_states(fresh: list, states: list) -> list:
+    """Fresh caches given stored states (the setters take what the getters gave)."""
+    if len(fresh) != len(states):
+        raise ValueError(f"snapshot has {len(states)} layers, the model {len(fresh)}")
+    for c, s in zip(fresh, states):
+        c.state = s
+    return fresh
+
+
+def cache_offset(cache: list) -> int | None:
+    """Tokens held, read from an attention layer (None: no layer says)."""
+    for c in cache:
+        off = getattr(c, "offset", None)
+        if isinstance(off, int) and getattr(c, "keys", None) is not None:
+            return off
+    return None
+
+
+def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
+    """Does resuming off the chunk grid (and stepping token by token, as decode does)
+    leave the same state, bit for bit, as prefilling in ``chunk``-sized pieces? Where it
+    does, snapshots at any position are exact."""
+    rng = random.Random(seed)
+    n = 2 * chunk + 9
+    ids = mx.array([rng.randrange(1, 1000) for _ in range(n)], dtype=mx.uint32)
+
+    def run(cuts: list[int], stepwise_from: int) -> list:
+        cache, pos = lm.make_cache(), 0
+        for end in cuts + [stepwise_from]:
+            while pos < end:
+                m = min(chunk, end - pos)
+                lm.prefill_hidden(ids[None, pos : pos + m], cache)
+                mx.eval(_arrays(cache))
+                pos += m
+        while pos < n:
+            lm.hidden(ids[None, pos : pos + 1], cache)
+            mx.eval(_arrays(cache))
+            pos += 1
+        return _arrays(cache)
+
+    ref = run([], n)
+    other = run([chunk // 2 + 3], n - 5)
+    return len(ref) == len(other) and all(mx.array_equal(a, b).item() for a, b in zip(ref, other))
 
 
 @dataclass
@@ -80,50 +136,122 @@ class Snapshot:
     head: list | None  # the head's KV caches, or None when taken without a head history
     head_hidden: mx.array | None  # base hidden at the last position, [1, 1, H]
     nbytes: int
+    exact: bool = True
+    seat: str | None = None
     created_at: float = field(default_factory=time.monotonic)
     hits: int = 0
 
 
+def _digests(prompt: list[int], lengths: list[int]) -> dict[int, str]:
+    """token_digest(prompt[:n]) for each n in ``lengths``, in one pass."""
+    raw = np.asarray(prompt, dtype=np.uint32).tobytes()
+    out, h, at = {}, hashlib.blake2b(digest_size=16), 0
+    for n in sorted(lengths):
+        h.update(raw[at * 4 : n * 4])
+        at = n
+        out[n] = h.copy().hexdigest()
+    return out
+
+
 class PrefixCache:
-    def __init__(self, max_bytes: int, chunk: int):
+    def __init__(self, max_bytes: int, chunk: int, make_cache=None, disk: prefix_disk.DiskTier | None = None,
+                 splits_exact: bool = False):
         self.max_bytes = max_bytes
         # The governor's cap under memory pressure (None: none); the budget is the lower.
         self.limit: int | None = None
         self.chunk = chunk
-        self.entries: OrderedDict[tuple[int, int], Snapshot] = OrderedDict()  # LRU: oldest first
+        self.make_cache = make_cache  # builds an empty model cache (a disk hit fills one)
+        self.disk = disk
+        self.splits_exact = splits_exact
+        self.entries: OrderedDict[tuple[int, str], Snapshot] = OrderedDict()  # LRU: oldest first
+        self.pinned: dict[str, tuple[int, str]] = {}  # seat -> its latest continuation's key
+        self.seat_continuations: dict[str, set[tuple[int, str]]] = {}  # for a session "drop"
         self.nbytes = 0
         self.hits = 0
+        self.disk_hits = 0
         self.misses = 0
         self.cached_tokens = 0
         self.evicted = 0
+        self.continuations = 0
+
+    def is_exact(self, p: int, from_exact: bool = True) -> bool:
+        """Would a snapshot at ``p``, taken by a prefill that started from an exact state,
+        give a cold run's state?"""
+        return self.splits_exact or (from_exact and p % self.chunk == 0)
 
     # ------------------------------------------------------------------ lookup
-    def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = ()) -> set[int]:
+    def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:
         """Positions (tokens in the cache) at which a prefill of this prompt, from ``start``,
-        takes a snapshot: the last aligned boundary of the prompt, and of each segment end."""
+        takes a snapshot: the last aligned boundary of the prompt and of each segment end
+        (chat messages); with ``fine``, the prompt's exact end too."""
         last = prompt_len - 1  # the last prompt token is never prefilled
         c = self.chunk
         out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
+        if fine:
+            out.add(last)
         return {p for p in out if p > start and p > 0}
 
-    def lookup(self, prompt: list[int], want_head: bool) -> tuple[Snapshot | None, int]:
+    def lookup(self, prompt: list[int], want_head: bool, allow_inexact: bool = False) -> tuple[Snapshot | None, int]:
         """The longest snapshot ``prompt`` starts with (leaving at least its last token to
-        forward) that also carries a head history when ``want_head``; and its length."""
-        c = self.chunk
-        keys = chain_keys(prompt, c, len(prompt) - 1)
-        for k in range(len(keys), 0, -1):
-            snap = self.entries.get((k * c, keys[k - 1]))
-            if snap is None or (want_head and snap.head is None):
+        forward) that also carries a head history when ``want_head`` and is exact unless
+        ``allow_inexact``, from RAM or else from disk; and its length."""
+        limit = len(prompt) - 1
+        lengths = {k[0] for k in self.entries if k[0] <= limit}
+        if self.disk is not None:
+            lengths |= {n for n in self.disk.lengths() if 0 < n <= limit}
+        digests = _digests(prompt, list(lengths))
+        for n in sorted(lengths, reverse=True):
+            key = (n, digests[n])
+            snap = self.entries.get(key)
+            if snap is not None and self._usable(snap.head is not None, snap.exact, want_head, allow_inexact):
+                if list(snap.tokens) != prompt[:n]:
+                    continue  # a hash collision: never trust a key alone
+                self.entries.move_to_end(key)
+                return self._hit(snap, n)
+            if self.disk is None:
                 continue
-            if list(snap.tokens) != prompt[: k * c]:
-                continue  # a hash collision: never trust a key alone
-            self.entries.move_to_end((k * c, keys[k - 1]))
-            snap.hits += 1
-            self.hits += 1
-            self.cached_tokens += k * c
-            return snap, k * c
+            e = self.disk.find(*key)
+            if e is None or not self._usable(e.head, e.exact, want_head, allow_inexact):
+                continue
+            t0 = time.perf_counter()
+            snap = self._load(e, prompt[:n])
+            if snap is not None:
+                self.disk_hits += 1
+                self.disk.log.info("prefix_cache.disk_hit", tokens=n, bytes=snap.nbytes, head=snap.head is not None,
+                                   exact=snap.exact, ms=round((time.perf_counter() - t0) * 1000, 2))
+                return self._hit(snap, n)
         self.misses += 1
         return None, 0
+
+    @staticmethod
+    def _usable(has_head: bool, exact: bool, want_head: bool, allow_inexact: bool) -> bool:
+        return (has_head or not want_head) and (exact or allow_inexact)
+
+    def _hit(self, snap: Snapshot, n: int) -> tuple[Snapshot, int]:
+        snap.hits += 1
+        self.hits += 1
+        self.cached_tokens += n
+        return snap, n
+
+    def _load(self, e: prefix_disk.DiskEntry, tokens: list[int]) -> Snapshot | None:
+        """A disk entry read back into RAM (kept there, as the most recent); None when the
+        file did not check out (the disk tier logged and dropped it)."""
+        data = self.disk.load(e, tokens)
+        if data is None or self.make_cache is None:
+            return None
+        try:
+            base = _from_states(self.make_cache(), data["base"])
+            head = data["head"]  # per-layer states: made the head's caches at restore
+        except Exception as exc:  # noqa: BLE001 - a file that does not fit this model is a miss
+            self.disk.log.warning("prefix_cache.disk_corrupt", tokens=e.tokens, error=f"layout: {exc}")
+            self.disk._forget(e, delete=True)
+            return None
+        mx.eval(_arrays(base))
+        head_bytes = sum(a.nbytes for _, a in tree_flatten(head) if isinstance(a, mx.array)) if head is not None else 0
+        nbytes = _nbytes(base) + (head_bytes + data["head_hidden"].nbytes if head is not None else 0)
+        snap = Snapshot(tuple(tokens), base, head, data["head_hidden"], nbytes, exact=data["exact"])
+        self._insert((len(tokens), e.digest), snap, to_disk=False)
+        return snap
 
     def restore(self, snap: Snapshot, next_token: int, head) -> tuple[list, object]:
         """Fresh caches holding the snapshot's state, and a head history primed as a cold
@@ -131,50 +259,100 @@ class PrefixCache:
         cache = clone_cache(snap.base)
         history = None
         if head is not None and snap.head is not None:
-            from .speculative import HeadHistory
-
             history = HeadHistory(head)
+            if snap.head and not hasattr(snap.head[0], "state"):  # read from disk: per-layer states
+                snap.head = _from_states(head.make_cache(), snap.head)
             history.cache = clone_cache(snap.head)
             history.add(snap.head_hidden, mx.array([next_token], dtype=mx.uint32))
         return cache, history
 
     # ------------------------------------------------------------------ storing
-    def store(self, tokens: list[int], cache: list, history) -> Snapshot | None:
-        """Keep a copy of the state after ``tokens`` (a chunk multiple), with the head's
-        history when there is one (exactly one pair pending: the last position's hidden)."""
+    def store(self, tokens: list[int], cache: list, history, exact: bool = True, seat: str | None = None) -> Snapshot | None:
+        """Keep a copy of the state after ``tokens``, with the head's history when there is
+        one (exactly one pair pending: the last position's hidden). ``exact``: the state is
+        a cold run's (the caller knows how it was reached); refused (None) when claimed
+        off the chunk grid on a backend where splits change the numbers."""
         p = len(tokens)
-        if p == 0 or p % self.chunk:
+        if p == 0 or (exact and not self.is_exact(p)):
             return None
-        key = (p, chain_keys(tokens, self.chunk, p)[-1])
+        key = (p, prefix_disk.token_digest(tokens))
         old = self.entries.get(key)
-        if old is not None and (old.head is not None or history is None):
+        if old is not None and (old.head is not None or history is None) and (old.exact or not exact):
             self.entries.move_to_end(key)
             return old  # already held (with at least as much)
         head = hidden = None
-        if history is not None and history.n == 1:
+        if history is not None and history.n == 1 and history.cache is not None:
             head = clone_cache(history.cache)
             hidden = mx.array(history.h[-1][:, -1:, :])
             mx.eval(hidden)
         base = clone_cache(cache)
         nbytes = _nbytes(base) + (_nbytes(head) + hidden.nbytes if head is not None else 0)
-        if nbytes > self.budget:
-            return None
+        snap = Snapshot(tuple(tokens), base, head, hidden, nbytes, exact=exact, seat=seat)
         if old is not None:
             self._drop(key)
-        snap = Snapshot(tuple(tokens), base, head, hidden, nbytes)
+        return self._insert(key, snap, to_disk=True)
+
+    def store_final(self, known: list[int], cache: list, history, seat: str | None = None) -> Snapshot | None:
+        """A finished request's continuation: ``cache`` holds a prefix of ``known`` (the
+        prompt plus every token its decoder committed); keep it, with the head's history
+        when that is at the same position. Pinned as the seat's latest."""
+        p = cache_offset(cache)
+        if p is None or not 0 < p <= len(known):
+            return None
+        hist = None
+        if history is not None and history.cache is not None:
+            if history.n >= 1 and history.offset + history.n == p:
+                history.feed(keep_last=True)  # the request is over: its history is ours
+                hist = history
+            elif history.n == 0 and history.offset == p and getattr(history, "last_fed", None) is not None:
+                # Everything was fed (a first draft was issued ahead): take the last slot back
+                # out and keep its hidden pending, as a prefill leaves it.
+                history.trim(1)
+                h, t = history.last_fed
+                history.h, history.t, history.n = [h], [t], 1
+                hist = history
+        snap = self.store(list(known[:p]), cache, hist, exact=self.splits_exact, seat=seat)
+        if snap is not None:
+            self.continuations += 1
+            if seat is not None:
+                key = (p, prefix_disk.token_digest(snap.tokens))
+                self.pinned[seat] = key
+                self.seat_continuations.setdefault(seat, set()).add(key)
+        return snap
+
+    def _insert(self, key, snap: Snapshot, to_disk: bool) -> Snapshot | None:
+        if snap.nbytes > self.budget:
+            self._spill(key, snap, to_disk)
+            return None
         self.entries[key] = snap
-        self.nbytes += nbytes
+        self.nbytes += snap.nbytes
+        self._spill(key, snap, to_disk)
         while self.nbytes > self.budget:
             self.evict_oldest()
         return snap
+
+    def _spill(self, key, snap: Snapshot, to_disk: bool) -> None:
+        """Hand the snapshot to the disk tier (written off this thread). A failure here is
+        logged and costs only the file, never the request that stored it."""
+        if not to_disk or self.disk is None or not self.disk.usable:
+            return
+        name = prefix_disk.file_name(key[0], key[1], snap.head is not None, snap.exact)
+        try:
+            head_states = _states(snap.head) if snap.head is not None else None
+            pending = prefix_disk.prepare(self.disk.fingerprint, snap.tokens, _states(snap.base), head_states,
+                                          snap.head_hidden, snap.exact, name)
+        except Exception as exc:  # noqa: BLE001 - a state it cannot lay out costs the file only
+            self.disk.log.warning("prefix_cache.disk_write_failed", file=name, error=repr(exc))
+            return
+        self.disk.submit(pending)
 
     @property
     def budget(self) -> int:
         return self.max_bytes if self.limit is None else min(self.max_bytes, self.limit)
 
     def set_limit(self, limit: int | None) -> list[tuple[int, int]]:
-        """Apply the governor's cap: drop the oldest snapshots until under it. Returns
-        (bytes, tokens) of each one dropped, oldest first."""
+        """Apply the governor's cap: drop the oldest snapshots until under it (they stay on
+        disk). Returns (bytes, tokens) of each one dropped, oldest first."""
         self.limit = limit
         dropped = []
         while self.nbytes > self.budget and self.entries:
@@ -188,13 +366,26 @@ class PrefixCache:
         return snap.nbytes
 
     def evict_oldest(self) -> tuple[int, int]:
-        """Drop the least recently used snapshot: (bytes freed, its token count); (0, 0)
-        when empty."""
+        """Drop the least recently used snapshot, a seat's latest continuation only when
+        nothing else is left: (bytes freed, its token count); (0, 0) when empty."""
         if not self.entries:
             return 0, 0
-        key = next(iter(self.entries))
+        pinned = set(self.pinned.values())
+        key = next((k for k in self.entries if k not in pinned), next(iter(self.entries)))
         self.evicted += 1
         return self._drop(key), key[0]
+
+    def forget_seat(self, seat: str) -> tuple[int, int]:
+        """A seat's session is over: drop its pin and the continuations it stored, from RAM
+        and disk (shared prefixes it stored stay: other seats start from them). Returns
+        (snapshots dropped, bytes freed from RAM)."""
+        self.pinned.pop(seat, None)
+        keys = self.seat_continuations.pop(seat, set())
+        freed = sum(self._drop(k) for k in keys if k in self.entries)
+        if self.disk is not None:
+            for k in keys:
+                self.disk.discard(k)
+        return len(keys), freed
 
     def clear(self) -> int:
         freed = self.nbytes
@@ -203,12 +394,18 @@ class PrefixCache:
         return freed
 
     def set_chunk(self, chunk: int) -> None:
-        """Snapshots are aligned to the prefill chunk; another chunk size cannot use them."""
+        """Exact snapshots are aligned to the prefill chunk; another chunk size cannot use
+        them (nor the files written under the old one: the caller reopens the disk tier)."""
         if chunk != self.chunk:
             self.clear()
             self.chunk = chunk
 
     def stats(self) -> dict:
-        return {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes, "limit_bytes": self.limit,
-                "hits": self.hits, "misses": self.misses, "cached_tokens": self.cached_tokens,
-                "evicted": self.evicted}
+        out = {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes, "limit_bytes": self.limit,
+               "hits": self.hits, "ram_hits": self.hits - self.disk_hits, "disk_hits": self.disk_hits,
+               "misses": self.misses, "cached_tokens": self.cached_tokens, "evicted": self.evicted,
+               "continuations": self.continuations, "pinned_seats": len(self.pinned),
+               "splits_exact": self.splits_exact}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats()
+        return out

@@ -171,6 +171,9 @@ class HeadHistory:
         self.h: list[mx.array] = []  # [1, n, H] base hiddens
         self.t: list[mx.array] = []  # [n] next tokens
         self.n = 0
+        # The last pair fed, when feed() consumed every pending pair: a finished request's
+        # continuation (prefix_cache.store_final) takes it back out as the pending pair.
+        self.last_fed: tuple[mx.array, mx.array] | None = None
 
     def add(self, hidden: mx.array, tokens: mx.array) -> None:
         self.h.append(hidden)
@@ -193,6 +196,7 @@ class HeadHistory:
             h, t = h[:, :-1], t[:-1]
         else:
             self.h, self.t, self.n = [], [], 0
+            self.last_fed = (h[:, -1:], t[-1:])
         out = self.head(h, t[None], self.cache)
         return out[:, -1:, :]
 

@@ -292,6 +292,7 @@ class AsyncClient(ClientCore):
         request_id: str | None = None,
         stream: bool = True,
         chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        session: str | None = None,
         **options: Any,
     ) -> AsyncStream:
         """Validate now (InvalidRequest before anything is sent) and return the AsyncStream;
@@ -303,7 +304,7 @@ class AsyncClient(ClientCore):
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=self._welcome.limits if self._welcome else None,
             chat_template_kwargs=chat_template_kwargs,
-            options=options,
+            options=options, session=session,
         )
         return AsyncStream(self, msg, frame)
 

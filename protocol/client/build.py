@@ -74,6 +74,7 @@ def build_generate(
     limits: m.Limits | None,
     chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
     options: Mapping[str, Any] | None = None,
+    session: str | None = None,
 ) -> tuple[m.Generate, bytes]:
     """The Generate for ``generate``'s arguments and its encoded frame; raises InvalidRequest
     (TypeError for an unknown keyword) before anything is sent. ``limits`` (from the Welcome,
@@ -103,6 +104,7 @@ def build_generate(
         deadline_ms=deadline_ms,
         speculation=speculation,
         chat_template_kwargs=dict(chat_template_kwargs) if chat_template_kwargs is not None else msgspec.UNSET,
+        session=session if session is not None else msgspec.UNSET,
     )
     options = dict(options or {})
     extras = {k: options.pop(k) for k in REQUEST_EXTRAS if k in options}

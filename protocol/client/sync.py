@@ -234,6 +234,7 @@ class Client(ClientCore):
         request_id: str | None = None,
         stream: bool = True,
         chat_template_kwargs: Mapping[str, str | bool | int | float] | None = None,
+        session: str | None = None,
         **options: Any,
     ) -> Stream:
         """Send a Generate and return its Stream (nothing is read until you iterate).
@@ -246,7 +247,7 @@ class Client(ClientCore):
             prompt, messages, prompt_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             seed=seed, stop=stop, priority=priority, deadline_ms=deadline_ms, speculation=speculation,
             request_id=request_id, stream=stream, limits=welcome.limits, chat_template_kwargs=chat_template_kwargs,
-            options=options,
+            options=options, session=session,
         )
         s = Stream(self, msg)
         self._add_stream(s)

@@ -59,7 +59,10 @@ def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None,
         path.write_text(config)
         cmd += ["--config", str(path)]
     log_path = tmp / "daemon.log"
-    full_env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1", **(env or {}))
+    # Each test's daemons get their own cache folder (the prefix cache's disk tier lives
+    # there): no test sees another's snapshots, a restart in the same tmp sees its own.
+    env = {"COUNCILD_CACHE_DIR": str(tmp / "cache"), **(env or {})}
+    full_env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1", **env)
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
     d = DaemonProcess(endpoint, proc, log_path, runtime)
     if wait:

@@ -1,0 +1,151 @@
+"""The prefix cache's disk tier on real (random-weight) model caches: a snapshot written
+and read back continues exactly as the live cache; a damaged, foreign or mislabelled file
+is a miss and is deleted; the byte budget and the free-space floor hold; a discarded
+snapshot is gone from disk; a finished decoder's cache is kept as a continuation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from daemon.engine import prefix_disk
+from daemon.engine.prefill import ChunkedPrefill
+from daemon.engine.prefix_cache import PrefixCache
+from daemon.engine.sampling import Sampler
+from daemon.engine.serial import serial_decode
+from daemon.engine.types import SamplingParams
+from daemon.logs import get_logger
+
+LOG = get_logger("test.prefix_disk")
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    from daemon.engine.loading import load_model
+
+    return load_model(random_model_path, compile_decode=False)
+
+
+def _prefilled(lm, tokens: list[int], chunk: int = 16):
+    pre = ChunkedPrefill(lm, tokens + [1], chunk, lm.make_cache())
+    while not pre.done:
+        pre.step()
+    return pre.cache
+
+
+def _logits(lm, cache, token: int) -> mx.array:
+    return lm.logits(lm.hidden(mx.array([[token]], dtype=mx.uint32), cache))[0, -1]
+
+
+def _tier(root: Path, **kw) -> prefix_disk.DiskTier:
+    return prefix_disk.DiskTier(root, "fp", kw.pop("max_bytes", 1 << 30), LOG, **kw)
+
+
+def _cache(lm, root: Path, **kw) -> PrefixCache:
+    return PrefixCache(1 << 30, 16, make_cache=lm.make_cache, disk=_tier(root, **kw))
+
+
+def _prompt(seed: int, n: int = 70) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def test_a_file_read_back_continues_as_the_live_cache(lm, tmp_path):
+    prompt = _prompt(0)
+    pc = _cache(lm, tmp_path)
+    live = _prefilled(lm, prompt[:48])
+    assert pc.store(prompt[:48], live, None) is not None
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 1
+    ref = _logits(lm, live, prompt[48])
+    fresh = _cache(lm, tmp_path)  # a restarted daemon: nothing in RAM
+    snap, n = fresh.lookup(prompt, want_head=False)
+    assert n == 48 and fresh.disk_hits == 1
+    cache, _ = fresh.restore(snap, prompt[48], head=None)
+    assert mx.array_equal(_logits(lm, cache, prompt[48]), ref).item()
+    assert fresh.lookup(prompt, want_head=True) == (None, 0)  # no head history was stored
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "bitflip":
+        data[len(data) // 2] ^= 1
+    elif how == "truncated":
+        data = data[: len(data) // 3]
+    elif how == "empty":
+        data = bytearray()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["bitflip", "truncated", "empty", "foreign", "mislabelled"])
+def test_a_bad_file_is_a_miss_and_is_deleted(lm, tmp_path, how):
+    prompt = _prompt(1)
+    pc = _cache(lm, tmp_path)
+    pc.store(prompt[:32], _prefilled(lm, prompt[:32]), None)
+    pc.disk.flush()
+    (path,) = list((tmp_path / "fp").glob("*.snap"))
+    if how == "foreign":  # a whole, valid file of another configuration
+        other = tmp_path / "other"
+        pc2 = PrefixCache(1 << 30, 16, make_cache=lm.make_cache, disk=prefix_disk.DiskTier(tmp_path, "other", 1 << 30, LOG))
+        pc2.store(prompt[:32], _prefilled(lm, prompt[:32]), None)
+        pc2.disk.flush()
+        path.write_bytes(next(other.glob("*.snap")).read_bytes())
+    elif how == "mislabelled":  # a whole file of this configuration under another prefix's name
+        pc.store(_prompt(2)[:32], _prefilled(lm, _prompt(2)[:32]), None)
+        pc.disk.flush()
+        src = next(p for p in (tmp_path / "fp").glob("*.snap") if p != path)
+        path.write_bytes(src.read_bytes())
+    else:
+        _damage(path, how)
+    fresh = _cache(lm, tmp_path)
+    assert fresh.lookup(prompt, want_head=False) == (None, 0)
+    assert fresh.disk.stats()["corrupt"] == 1 and not path.exists()
+
+
+def test_the_disk_budget_and_the_free_space_floor(lm, tmp_path):
+    prompts = [_prompt(10 + i) for i in range(3)]
+    probe = _cache(lm, tmp_path / "probe")
+    probe.store(prompts[0][:32], _prefilled(lm, prompts[0][:32]), None)
+    probe.disk.flush()
+    one = probe.disk.stats()["bytes"]
+    pc = _cache(lm, tmp_path / "budget", max_bytes=int(2.5 * one))
+    for p in prompts:
+        pc.store(p[:32], _prefilled(lm, p[:32]), None)
+        pc.disk.flush()
+    st = pc.disk.stats()
+    assert st["files"] == 2 and st["bytes"] <= 2.5 * one and st["evicted"] == 1
+    pc.clear()
+    assert pc.lookup(prompts[0], want_head=False)[1] == 0  # the oldest file went
+    assert pc.lookup(prompts[2], want_head=False)[1] == 32
+    full = _cache(lm, tmp_path / "full", min_free_bytes=1 << 62)  # more than any disk has free
+    full.store(prompts[0][:32], _prefilled(lm, prompts[0][:32]), None)
+    full.disk.flush()
+    assert full.disk.stats()["files"] == 0 and full.disk.stats()["skipped"] == 1
+    assert full.lookup(prompts[0], want_head=False)[1] == 32  # RAM still serves
+
+
+def test_a_continuation_is_the_decoders_cache_and_drop_forgets_it(lm, tmp_path):
+    prompt = _prompt(20, 40)
+    cache = _prefilled(lm, prompt[:-1])
+    gen = serial_decode(lm, [prompt[-1]], Sampler(SamplingParams()), cache=cache)
+    out = [next(gen).tokens[0] for _ in range(6)]
+    gen.close()
+    pc = _cache(lm, tmp_path)
+    snap = pc.store_final(prompt + out, cache, None, seat="s1")
+    assert snap is not None and snap.tokens == tuple(prompt + out) and snap.exact == pc.splits_exact
+    nxt = prompt + out + [7, 8]
+    if not pc.splits_exact:  # inexact here: not for requests that do not allow it
+        assert pc.lookup(nxt, want_head=False) == (None, 0)
+    got, n = pc.lookup(nxt, want_head=False, allow_inexact=True)
+    assert n == len(prompt) + len(out)
+    # What it holds is what the decoder's cache held: the next token's logits agree.
+    restored, _ = pc.restore(got, nxt[n], head=None)
+    assert mx.array_equal(_logits(lm, restored, nxt[n]), _logits(lm, cache, nxt[n])).item()
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 1 and pc.pinned["s1"][0] == n
+    assert pc.forget_seat("s1") == (1, snap.nbytes)
+    assert pc.disk.stats()["files"] == 0 and not list((tmp_path / "fp").glob("*.snap"))
+    assert pc.lookup(nxt, want_head=False, allow_inexact=True) == (None, 0)
