@@ -60,7 +60,18 @@ def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None,
         cmd += ["--config", str(path)]
     log_path = tmp / "daemon.log"
     # Each test's daemons get their own cache folder (the prefix cache's disk tier lives
-    # there): no test sees another's snapshots, a restart in the same tmp sees its own.
+    # there): no test sees another's snapshots, a restart in the same tmp sees its own. The
+    # start-up probes' verdicts (keyed by versions, engine source, device and model) are
+    # shared through the user's cache, as every daemon of one install shares them: without
+    # that, every test's daemon would pay both probes again.
+    if "COUNCILD_CACHE_DIR" not in (env or {}):
+        own = tmp / "cache"
+        own.mkdir(exist_ok=True)
+        link = own / "probe-verdicts"
+        if not link.exists() and not link.is_symlink():
+            shared = _user_cache() / "probe-verdicts"
+            shared.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(shared, target_is_directory=True)
     env = {"COUNCILD_CACHE_DIR": str(tmp / "cache"), **(env or {})}
     full_env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime), PYTHONUNBUFFERED="1", **env)
     proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
@@ -68,6 +79,18 @@ def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None,
     if wait:
         wait_ready(d)
     return d
+
+
+def _user_cache() -> Path:
+    """The per-user cache folder a daemon without COUNCILD_CACHE_DIR would use."""
+    from daemon.paths import cache_dir
+
+    saved = os.environ.pop("COUNCILD_CACHE_DIR", None)
+    try:
+        return cache_dir()
+    finally:
+        if saved is not None:
+            os.environ["COUNCILD_CACHE_DIR"] = saved
 
 
 def wait_ready(d: DaemonProcess, timeout_s: float = 90.0) -> None:
