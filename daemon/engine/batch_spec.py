@@ -118,6 +118,7 @@ class SpecBatchDecoder:
         self._cache: list | None = None  # base: one row's own, or merged per layer
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
+        self.last_depth = 0
 
     # ------------------------------------------------------------------ introspection
     def __len__(self) -> int:
@@ -302,6 +303,7 @@ class SpecBatchDecoder:
         rows, B = self._rows, len(self._rows)
         head = self._live_head()
         k = max(0, int(self.depth_for(B))) if head is not None else 0
+        self.last_depth = k  # the batch's depth this cycle (rows may draft fewer)
         ks = [self._row_depth(r, k) for r in rows]
         K = max(ks)
         if K:
