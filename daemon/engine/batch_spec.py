@@ -318,8 +318,9 @@ class SpecBatchDecoder:
         T = K + 1
 
         # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
+        # (At depth 0 every row keeps its one position: the plain forward, BatchDecoder's.)
         rec: list = []
-        hid = capture_hidden(self.lm, tokens, self._cache, rec)
+        hid = capture_hidden(self.lm, tokens, self._cache, rec) if K else self.lm.hidden(tokens, self._cache)
         logits = self.lm.logits(hid)  # [B, T, V]
         plain_lp = _logprobs(logits) if any(r.plain for r in rows) else None
         plain_picks = mx.argmax(plain_lp, axis=-1) if plain_lp is not None else None  # [B, T]
