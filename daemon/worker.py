@@ -824,7 +824,7 @@ class EngineWorker(threading.Thread):
         if self.governance is not None and steps:
             rows = list(steps.values())
             self.governance.after_step(DecodeStep(
-                tokens=[t for s in rows for t in s.tokens], depth=max(s.depth for s in rows),
+                tokens=[t for s in rows for t in s.tokens], depth=getattr(self.batch, "last_depth", 0),
                 drafted=sum(s.drafted for s in rows), accepted=sum(s.accepted for s in rows),
                 accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt), batch=len(rows))
         for key, step in steps.items():

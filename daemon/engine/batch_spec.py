@@ -118,6 +118,7 @@ class SpecBatchDecoder:
         self._cache: list | None = None  # base: one row's own, or merged per layer
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
+        self.last_depth = 0
 
     # ------------------------------------------------------------------ introspection
     def __len__(self) -> int:
@@ -307,6 +308,7 @@ class SpecBatchDecoder:
         rows, B = self._rows, len(self._rows)
         head = self._live_head()
         k = max(0, int(self.depth_for(B))) if head is not None else 0
+        self.last_depth = k  # the batch's depth this cycle (rows may draft fewer)
         ks = [self._row_depth(r, k) for r in rows]
         K = max(ks)
         if K:
@@ -321,8 +323,9 @@ class SpecBatchDecoder:
         T = K + 1
 
         # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
+        # (At depth 0 every row keeps its one position: the plain forward, BatchDecoder's.)
         rec: list = []
-        hid = capture_hidden(self.lm, tokens, self._cache, rec)
+        hid = capture_hidden(self.lm, tokens, self._cache, rec) if K else self.lm.hidden(tokens, self._cache)
         logits = self.lm.logits(hid)  # [B, T, V]
         plain_lp = _logprobs(logits) if any(r.plain for r in rows) else None
         plain_picks = mx.argmax(plain_lp, axis=-1) if plain_lp is not None else None  # [B, T]
