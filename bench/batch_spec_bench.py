@@ -1,4 +1,4 @@
-"""Speculation inside the continuous batch vs the batch at depth 0 (CPU, bundled model).
+"""Speculation inside the continuous batch vs the batch at depth 0 (bundled model; any backend).
 
     PYTHONPATH=. .venv/bin/python bench/batch_spec_bench.py --heights 2 4 --depths 1 2 --tokens 48 --rounds 3
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
 
 from daemon.engine.batch import BatchDecoder  # noqa: E402
 from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
@@ -99,7 +101,7 @@ def main(argv=None) -> int:
                             "median_tokens_per_s": statistics.median(rates[a]),
                             "ratio_vs_batch_d0": ratios, "median_ratio": statistics.median(ratios),
                             "rows_differing_from_batch_d0": differ[a] if args.fast else 0})
-    print(f"batched speculation, {Path(args.model).name}, {platform.machine()}, CPU, "
+    print(f"batched speculation, {Path(args.model).name}, {platform.machine()}, {mx.default_device()}, "
           f"{args.tokens} tokens/row, {args.rounds} rounds interleaved" + (", fast rows" if args.fast else "") + "\n")
     print("| rows | arm | tokens/s median (range) | vs batch d0: median (range) |")
     print("|---|---|---|---|")

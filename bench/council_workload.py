@@ -301,7 +301,7 @@ def main() -> None:
     lines = [
         f"Council workload: {args.seats} seats, {args.turns} turns, system ~{args.system_tokens} tokens, "
         f"message ~{args.message_tokens}, {args.max_tokens} tokens out, prefill_chunk {args.chunk}, "
-        f"{args.rounds} rounds, arms interleaved (median [min-max]). Loaded 2-core CPU.",
+        f"{args.rounds} rounds, arms interleaved (median [min-max]). Machine: see the results README.",
         "",
         "| arm | tok/s | first round TTFT p50 s | first round TTFT min / max s | TTFT p50 s | TTFT p95 s | "
         "TTFT p50, turns 2+ | TTFT p50, hits | cached / prompt tokens |",

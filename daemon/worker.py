@@ -261,6 +261,9 @@ class EngineWorker(threading.Thread):
             self.tuned_profile = self.governance.tuned_profile
         if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
             self._warm_up()
+        # The first status answer already has every row (step, seats, memory): publish before
+        # ready rather than at the step loop's first turn, which a status read can beat.
+        self._publish()
         with self.snapshot_lock:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
@@ -314,7 +317,10 @@ class EngineWorker(threading.Thread):
 
         pc_cfg = self.cfg.prefix_cache
         t0 = time.perf_counter()
-        exact = splits_agree(self.lm, chunk)
+        # Not probed in a tensor-parallel group: this runs before the ranks' hello compares
+        # their settings, and a rank with another chunk would issue other forwards (other
+        # collectives); off-grid snapshots then count as inexact, the safe answer.
+        exact = splits_agree(self.lm, chunk) if self.group is None else False
         probe_ms = round((time.perf_counter() - t0) * 1000, 1)
         disk = None
         # Not in a tensor-parallel group: every rank must take the same hits, and a disk

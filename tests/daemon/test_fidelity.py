@@ -73,7 +73,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     assert [(a["mode"], a["processors"]) for a in data["arms"][4:]] == [("exact", True), ("exact", True)]
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
     captured = capsys.readouterr()
-    assert "| exact | off | 3 |" in captured.out
+    assert "| exact | off | - | 3 |" in captured.out  # drafting, mode, processors, constraint, depth
     # Progress: one stderr line per prompt decoded (serial references, then each arm), the
     # deviation phase, a running count and an estimate of what is left, then a summary.
     lines = [ln for ln in captured.err.splitlines() if ln.startswith("[fidelity")]

@@ -94,7 +94,8 @@ def test_a_hit_is_served_ahead_of_a_cold_long_prefill(step_daemon):
             queue = c.status().detail["step"]["prefill_queue"]
     finally:
         th.join(300)
-    assert done.usage.cached_tokens == 192 and done.usage.completion_tokens == 4
+    # At least the chunk-aligned snapshot (192); the prefix cache may hold the warm prompt's end too.
+    assert 192 <= done.usage.cached_tokens < 200 and done.usage.completion_tokens == 4
     assert "t" in first_cold and first_cold["t"] > hit_done_at
     assert [q["seat"] for q in queue] == ["cold"] and queue[0]["left"] > 0
     assert first_cold["done"].usage.cached_tokens == 0
