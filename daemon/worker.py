@@ -961,8 +961,10 @@ class EngineWorker(threading.Thread):
             if job.batched:
                 if self.batch is None or job.key not in self.batch:
                     return
-                cache, _ = self.batch.extract(job.key)
-                history = None
+                # BatchDecoder gives (cache, next token), the speculating batch (cache,
+                # primary, head history): either cache holds a prefix of what was decoded.
+                state = self.batch.extract(job.key)
+                cache, history = state[0], (state[2] if len(state) == 3 else None)
             if cache is None:
                 return
             snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat)
