@@ -308,9 +308,12 @@ class SpecBatchDecoder:
         rows, B = self._rows, len(self._rows)
         head = self._live_head()
         k = max(0, int(self.depth_for(B))) if head is not None else 0
-        self.last_depth = k  # the batch's depth this cycle (rows may draft fewer)
         ks = [self._row_depth(r, k) for r in rows]
         K = max(ks)
+        # The depth this cycle's forward verified (rows may cap below the batch's k): what the
+        # governor's cost(B, k) learns from. A batch of depth-0 rows ("off", capped) is a
+        # depth-0 cycle, whatever depth_for said, or its cost would be booked against k.
+        self.last_depth = K
         if K:
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1

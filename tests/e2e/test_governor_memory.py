@@ -268,7 +268,9 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
     dropped = [e for e in events if e["event"] == "prefix_cache.evicted"]
     assert sum(e["bytes"] for e in dropped) == prompt_cache_bytes and all(e["reason"] == "governor" for e in dropped)
     assert names.index("prefix_cache.evicted") < names.index("head.evicted")
-    assert [e["tokens"] for e in dropped] == [128] * len(dropped)  # one per prompt, oldest first
+    # Chunk-boundary snapshots and the seats' continuations (prompt + answer) alike: the bytes
+    # above add up to everything the cache held, each snapshot one event.
+    assert dropped and all(e["tokens"] > 0 for e in dropped)
     restored = [e for e in decisions if e.get("decision") == "restore_prompt_caches"]
     assert len(restored) == 1 and "LimitPromptCache(none)" in restored[0]["actions"]
     loads = [e for e in decisions if e.get("decision") == "load_head"]
