@@ -37,28 +37,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.council_workload import SYSTEM_LINE, pct, text_of_tokens  # noqa: E402  (one workload text)
 from bench.http_bench import free_port, wait_http  # noqa: E402
 from daemon.measure.bench_io import spread, write_results  # noqa: E402
 from protocol.readiness import wait_until_answering  # noqa: E402
 
-SYSTEM_LINE = "def council_rule_{i}(motion, votes):\n    return sum(votes) > len(votes) // 2  # rule {i}\n"
 USER_LINE = "seat {s} turn {t}: consider clause {i} of the motion.\n"
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def text_of_tokens(tok, line: str, n: int, **fmt) -> str:
-    """Text of about n tokens: lines appended until the tokenizer counts n."""
-    out, i = "", 0
-    while len(tok.encode(out).ids) < n:
-        out += line.format(i=i, **fmt)
-        i += 1
-    return out
 
 
 async def workload(client, model: str, extra: dict, args, tok, salt: str) -> dict:
