@@ -23,14 +23,14 @@ from protocol import PROTOCOL_VERSION, ProtocolError, decode_client, encode
 from protocol import messages as m
 from protocol.codec import peek_request_id
 
+from .commands import CancelAll, CancelJob, GovernorOverride, ReloadGovernor, ReloadScheduler, Stop, Submit
 from .config import Config
 from .endpoint import EndpointGuard, StartupError
 from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
 from .logs import get_logger, lines_dropped
 from .requests import Job
 from .stats import Tallies
-from .worker import (OUT_ENDPOINT, CancelAll, CancelJob, EngineWorker, GovernorOverride, ReloadGovernor,
-                     ReloadScheduler, Stop, Submit)
+from .worker import OUT_ENDPOINT, EngineWorker
 
 # What SIGHUP applies to a running daemon; any other key that changed needs a restart.
 LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s", "stats_interval_s"})

@@ -12,8 +12,6 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -21,13 +19,17 @@ import zmq
 from protocol import encode
 from protocol import messages as m
 
+from .commands import CommandHandling, Submit
 from .config import Config
-from .detokenize import CommittedText
+from .decode_paths import DecodePaths
 from .logs import get_logger
+from .prefix_cache_use import PrefixCacheUse
 from .requests import Job
 from .scheduler import Scheduler
 from .seat_stats import SeatStats
+from .startup import EngineStartup
 from .stats import StepUse, Tallies
+from .status_snapshot import EngineSnapshot, EngineStatus
 
 if TYPE_CHECKING:
     from .head_slot import HeadSlot
@@ -37,103 +39,13 @@ log = get_logger("councild.engine")
 OUT_ENDPOINT = "inproc://councild-engine-out"
 
 
-@dataclass
-class Submit:
-    job: Job
+class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, EngineStatus, threading.Thread):
+    """The engine thread. Its step loop and a request's per-cycle life (advance, deliver,
+    finish) are here; the other concerns are parts of this class kept in files of their
+    own: start-up (startup.py), commands (commands.py), starting a request and
+    choosing its decode path (decode_paths.py), the prefix cache's opening and
+    continuations (prefix_cache_use.py), the status snapshot (status_snapshot.py)."""
 
-
-@dataclass
-class CancelJob:
-    key: tuple[str, str]
-    reason: str = "cancelled"  # or "client_gone", "slow_consumer", "shutting_down"
-
-
-@dataclass
-class CancelAll:
-    code: str
-    message: str
-
-
-@dataclass
-class Stop:
-    pass
-
-
-@dataclass
-class ReloadGovernor:
-    table: dict
-
-
-@dataclass
-class ReloadScheduler:
-    cfg: Any  # SchedulerConfig: seats, weights, bounds; applies from the next admission
-
-
-@dataclass
-class GovernorOverride:
-    identity: bytes
-    action: str
-    depth: int | None
-
-
-@dataclass
-class EngineSnapshot:
-    """What the socket loop may read without touching the engine's state."""
-
-    ready: bool = False
-    model: str = ""
-    model_type: str = ""
-    head_resident: bool = False
-    head_bytes: int = 0
-    head_error: str | None = None
-    # What an exact temperature-0 request gets here: "speculate" (verify is bit-identical
-    # to serial), "serial" or "guarded" (it is not; speculation.exact_on_inexact_backend).
-    exact_decode: str = "speculate"
-    decode_path: str = ""
-    depth: int = 0
-    active: list[dict] = field(default_factory=list)
-    queued: dict[str, int] = field(default_factory=dict)
-    tokens_total: int = 0
-    prefill_tokens_total: int = 0
-    prefix_cache: dict = field(default_factory=dict)
-    recent_tokens_per_s: float = 0.0
-    steps_total: int = 0
-    last_step_at: float = 0.0
-    seats: dict[str, dict] = field(default_factory=dict)
-    governor: dict = field(default_factory=dict)
-    shedding: tuple[bool, float] = (False, 0.0)
-    memory: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
-    # The engine step (worker._step): StepUse.to_dict() with the budget, and the prefill
-    # queue: prompts being prefilled, in the order their chunks go, with tokens left.
-    step: dict = field(default_factory=dict)
-    # Start-up warm-up (daemon/warmup.py): per stage, its seconds; empty until it ran.
-    warmup: dict = field(default_factory=dict)
-    # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
-    load_progress: dict = field(default_factory=dict)
-    # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.
-    group: dict = field(default_factory=dict)
-
-
-class InjectedFault(RuntimeError):
-    """Raised by the debug_fail_after_tokens fault injection (config.py)."""
-
-
-def _fail_after(gen, limit: int):
-    """Pass decode steps through until ``limit`` tokens were committed, then raise from the
-    next cycle, as a model failing mid-decode would. Test-only (debug_fail_after_tokens)."""
-    n = 0
-    try:
-        for step in gen:
-            yield step
-            n += len(step.tokens)
-            if n >= limit:
-                raise InjectedFault(f"injected fault after {n} tokens (debug_fail_after_tokens = {limit})")
-    finally:
-        gen.close()
-
-
-class EngineWorker(threading.Thread):
     def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None):
         super().__init__(name="councild-engine", daemon=True)
         self.cfg = cfg
@@ -197,217 +109,6 @@ class EngineWorker(threading.Thread):
             if pc is not None and pc.disk is not None:
                 pc.disk.close(timeout=10.0)  # snapshots still queued reach the disk
 
-    def _load(self) -> None:
-        from .engine.loading import load_model
-        from .logs import route_library_logs
-
-        route_library_logs()
-        t0 = time.perf_counter()
-        self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress,
-                             group=self.group)
-        context = self._prompt_limit()
-        log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
-                 decode_path=self.lm.decode_path, seconds=round(time.perf_counter() - t0, 3),
-                 context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
-        from .head_slot import HeadSlot
-
-        self.slot = HeadSlot(self.lm, self.cfg.speculation.depth, on_change=self._head_changed)
-        if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
-            self.slot.load_at_startup(keep=self.cfg.speculation.load_head)
-            if self.slot.error is not None:
-                with self.snapshot_lock:
-                    self.snapshot.head_error = self.slot.error
-        self.verify_exact = True
-        from .probe_verdicts import verdicts_for
-
-        self.verdicts = verdicts_for(self.lm, self.group)
-        if self.slot.available:
-            self._probe_exactness()
-        self.batch = None
-        self.prefix_cache = None
-        if self.cfg.prefix_cache.enabled:
-            self._open_prefix_cache(self.cfg.scheduler.prefill_chunk)
-        # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
-        self.batch_speculates = False
-        if self.cfg.scheduler.batching:
-            from .engine.batch import BatchDecoder, batch_matches_serial
-            from .engine.exactness import ragged_verify_matches_serial
-
-            t0 = time.perf_counter()
-            spec = self.cfg.speculation
-            rows = self.cfg.scheduler.max_active
-            # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
-            exact_ok, verdict = self.verdicts.get("batch", str(rows), lambda: batch_matches_serial(self.lm, rows))
-            if spec.in_batch and spec.mode != "off" and self.slot.available and self.group is None:
-                from .engine.batch_spec import SpecBatchDecoder
-
-                if exact_ok and self.verify_exact:
-                    exact_ok, verdict = self.verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(self.lm))
-                else:
-                    exact_ok = False
-                slot = self.slot
-                self.batch = SpecBatchDecoder(self.lm, head=lambda: slot.head, depth_for=slot.depth_for,
-                                              max_rows=rows, exact_ok=exact_ok)
-                self.batch_speculates = True
-            else:
-                self.batch = BatchDecoder(self.lm, max_rows=rows, exact_ok=exact_ok)
-            log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok, verdict=verdict,
-                     speculates=self.batch_speculates, probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-        if self.cfg.governor_enabled:
-            from .governance import Governance
-
-            self.governance = Governance(self.slot, self.cfg.governor, self.lm.path, prefix_cache=self.prefix_cache,
-                                         holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
-            self.tuned_profile = self.governance.tuned_profile
-        if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
-            self._warm_up()
-        # The first status answer already has every row (step, seats, memory): publish before
-        # ready rather than at the step loop's first turn, which a status read can beat.
-        self._publish()
-        with self.snapshot_lock:
-            self.snapshot.model = self.lm.name
-            self.snapshot.model_type = self.lm.model_type
-            self.snapshot.decode_path = self.lm.decode_path
-            self.snapshot.ready = True
-
-    def warmup_mode(self) -> str:
-        """``warmup`` resolved on this machine: "full", "light" or "off"."""
-        import mlx.core as mx
-
-        from .warmup import resolve
-
-        return resolve(self.cfg.warmup, mx.default_device() == mx.gpu)
-
-    def _warm_up(self, level: str | None = None) -> None:
-        """Run the shapes this daemon serves once before it is ready (daemon/warmup.py), after
-        the start-up probes; ``warmup`` in the config says how much (``level``: rank 0's
-        resolved mode, which the other ranks of a group adopt)."""
-        from governor import load_config as load_governor_config
-
-        from . import warmup
-
-        level = level or self.warmup_mode()
-        if level == "off":
-            log.info("warmup.done", mode=level, seconds=0.0, stages={})
-            return
-        # Every rank of a group must run the same forwards: a rank's [governor] table is its
-        # own (not in the group's fingerprint), so a group warms the default depths; and no
-        # near-tie guard (its serial re-decisions depend on this rank's probe verdict).
-        max_depth = load_governor_config({} if self.group is not None else self.cfg.governor).max_depth
-        t0 = time.perf_counter()
-        stages = warmup.run(
-            level, self.lm, chunk=self.cfg.scheduler.prefill_chunk,
-            head=self.slot.head if self.slot.resident else None,
-            depths=list(range(1, max_depth + 1)),
-            batch=self.batch, max_rows=self.cfg.scheduler.max_active,
-            emit=lambda event, **fields: log.info(event, **fields),
-            spec_options={"rollback": self.cfg.speculation.rollback, "pipeline": self._build_ahead(),
-                          "guard_margin": None})
-        seconds = round(time.perf_counter() - t0, 3)
-        with self.snapshot_lock:
-            self.snapshot.warmup = {"mode": level, "seconds": seconds, "stages": stages}
-        log.info("warmup.done", mode=level, seconds=seconds, stages=stages)
-
-    def _open_prefix_cache(self, chunk: int) -> None:
-        """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
-        backend (checked now), and its disk tier under this model's and settings' key."""
-        from .engine import prefix_disk
-        from .engine.prefix_cache import PrefixCache, splits_agree
-        from .paths import cache_dir
-
-        pc_cfg = self.cfg.prefix_cache
-        t0 = time.perf_counter()
-        # Not probed in a tensor-parallel group: this runs before the ranks' hello compares
-        # their settings, and a rank with another chunk would issue other forwards (other
-        # collectives); off-grid snapshots then count as inexact, the safe answer.
-        exact = splits_agree(self.lm, chunk) if self.group is None else False
-        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
-        disk = None
-        # Not in a tensor-parallel group: every rank must take the same hits, and a disk
-        # (a write still queued on one rank, a file torn on another) cannot promise that.
-        if pc_cfg.disk and self.group is None:
-            try:
-                root = Path(pc_cfg.disk_dir) if pc_cfg.disk_dir else cache_dir() / "prefix"
-                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk))
-                disk = prefix_disk.DiskTier(root, fingerprint, pc_cfg.disk_max_bytes, log,
-                                            ttl_s=pc_cfg.disk_ttl_s or None, min_free_bytes=pc_cfg.disk_min_free_bytes)
-            except OSError as exc:  # an unusable folder: RAM only, never a failed start
-                log.warning("prefix_cache.disk_unusable", path=str(pc_cfg.disk_dir), error=repr(exc))
-        old = getattr(self, "prefix_cache", None)
-        if old is not None and old.disk is not None:
-            old.disk.close()
-        self.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.lm.make_cache, disk=disk,
-                                        splits_exact=exact)
-        if self.governance is not None:
-            self.governance.prefix_cache = self.prefix_cache
-        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
-                 probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
-                 disk_files=None if disk is None else len(disk.index))
-
-    def _prompt_limit(self) -> int | None:
-        """Set ``max_prompt_tokens`` from the model's context: the config may lower it, and
-        raises it past the context only with max_prompt_tokens_beyond_context. Returns the
-        context (None when the model's config does not say)."""
-        context = getattr(self.lm.text_args, "max_position_embeddings", None)
-        context = context if isinstance(context, int) and context > 0 else None
-        configured = self.cfg.max_prompt_tokens
-        if configured is None:
-            self.max_prompt_tokens = context or 32768
-        elif context is not None and configured > context and not self.cfg.max_prompt_tokens_beyond_context:
-            self.max_prompt_tokens = context
-            log.warning("config.clamped", key="max_prompt_tokens", configured=configured, used=context,
-                        reason=f"the model's context is {context} tokens; set "
-                               "max_prompt_tokens_beyond_context = true to allow longer prompts")
-        else:
-            self.max_prompt_tokens = configured
-        return context
-
-    def _load_progress(self, done: int, total: int, seconds: float) -> None:
-        """One log event per ~5% of the weights read; the status snapshot and the service
-        manager (EXTEND_TIMEOUT_USEC, through the hooks) hear of each."""
-        percent = int(100 * done / total) if total else 100
-        with self.snapshot_lock:
-            last = self.snapshot.load_progress.get("percent", -1)
-            self.snapshot.load_progress = {"percent": percent, "bytes_loaded": done, "bytes_total": total,
-                                           "seconds": round(seconds, 2)}
-        if percent == last:
-            return
-        log.info("model.load_progress", percent=percent, bytes_loaded=done, bytes_total=total,
-                 seconds=round(seconds, 2))
-        if self.hooks is not None and hasattr(self.hooks, "on_load_progress"):
-            self.hooks.on_load_progress(percent)
-
-    def _probe_exactness(self) -> None:
-        """Whether a verify reproduces serial decode bit for bit on this backend, and so
-        what exact temperature-0 requests get (engine/exactness.py)."""
-        from .engine.exactness import verify_matches_serial
-        from .engine.speculative import resolve_rollback
-
-        spec = self.cfg.speculation
-        rollback = resolve_rollback(spec.rollback)
-        t0 = time.perf_counter()
-        bit_identical, verdict = self.verdicts.get("verify", rollback, lambda: verify_matches_serial(self.lm, rollback))
-        self.verify_exact = bit_identical and not self.cfg.debug_inexact_verify
-        exact_decode = "speculate" if self.verify_exact else spec.exact_on_inexact_backend
-        with self.snapshot_lock:
-            self.snapshot.exact_decode = exact_decode
-        log.info("speculation.exactness", verify_bit_identical=self.verify_exact, rollback=rollback,
-                 forced_inexact=self.cfg.debug_inexact_verify, verdict=verdict,
-                 exact_requests=exact_decode, near_tie_guard="off" if self.verify_exact else "on",
-                 probe_ms=round((time.perf_counter() - t0) * 1000, 1),
-                 reason=("a verify here computes what serial steps compute, bit for bit" if self.verify_exact else
-                         "a verify here rounds differently from serial steps, so speculation cannot promise "
-                         "serial's tokens at temperature 0: exact requests "
-                         + ("decode serially" if exact_decode == "serial" else
-                            "speculate with the near-tie guard, which bounds flips but cannot exclude them")))
-
-    def _head_changed(self, resident: bool, nbytes: int) -> None:
-        # Written at once rather than at the next publish: a status read right after a
-        # head.loaded / head.evicted line shows it.
-        with self.snapshot_lock:
-            self.snapshot.head_resident = resident
-            if resident:
-                self.snapshot.head_bytes = nbytes
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked
@@ -463,96 +164,7 @@ class EngineWorker(threading.Thread):
         cfg = self.scheduler.cfg
         return cfg.step_token_budget or cfg.prefill_chunk
 
-    # ------------------------------------------------------------------ commands
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False when the thread must stop."""
-        timeout = 0.1 if block else 0.0
-        while True:
-            try:
-                cmd = self._ready.get(timeout=timeout) if timeout else self._ready.get_nowait()
-            except queue.Empty:
-                return True
-            timeout = 0.0
-            if not self._apply_command(cmd):
-                return False
-
-    def _apply_command(self, cmd) -> bool:
-        """Apply one command; False when the thread must stop."""
-        if isinstance(cmd, Submit):
-            self._submit(cmd.job)
-        elif isinstance(cmd, CancelJob):
-            self._cancel(cmd.key, cmd.reason)
-        elif isinstance(cmd, CancelAll):
-            self._fail_all(cmd.code, cmd.message)
-        elif isinstance(cmd, GovernorOverride):
-            self._override(cmd)
-        elif isinstance(cmd, ReloadGovernor):
-            if self.governance is not None:
-                self.governance.reconfigure(cmd.table)
-        elif isinstance(cmd, ReloadScheduler):
-            self.scheduler.cfg = cmd.cfg
-        elif isinstance(cmd, Stop):
-            self._stopping = True
-            if not self.scheduler.has_work():
-                return False
-        return True
-
-    def _submit(self, job: Job) -> None:
-        if job.rejection is not None:  # refused by the intake thread, before or after tokenizing
-            code, message = job.rejection
-            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message), registered=False)
-            return
-        msg = job.msg
-        if msg.count_only:  # tokenized by the intake thread; nothing to decode
-            self._send(job.identity, m.Accepted(request_id=job.request_id, queue_position=0,
-                                                prompt_tokens=len(job.prompt)), key=job.key)
-            self._finish(job, job.done(), registered=False)
-            return
-        self.jobs[job.key] = job
-        self.scheduler.submit(job)
-        if self.governance is not None:
-            self.governance.on_arrival()
-        self._send(job.identity, m.Accepted(request_id=job.request_id,
-                                            queue_position=self.scheduler.position(job),
-                                            prompt_tokens=len(job.prompt)), key=job.key)
-        log.info("request.accepted", request_id=job.request_id, seat=job.seat, priority=job.priority,
-                 prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
-
-    def _override(self, cmd: GovernorOverride) -> None:
-        if self.governance is None:
-            reply = m.GovernorReply(ok=False, message="the governor is disabled in this daemon's configuration")
-        else:
-            ok, message = self.governance.override(cmd.action, cmd.depth)
-            reply = m.GovernorReply(ok=ok, message=message, state=self.governance.snapshot())
-            log.info("governor.override", action=cmd.action, depth=cmd.depth, ok=ok, message=message)
-        # Publish before replying, so a status read right after the reply shows the change.
-        self._published_at = 0.0
-        self._publish()
-        self._send(cmd.identity, reply)
-
-    def _cancel(self, key: tuple[str, str], reason: str) -> None:
-        job = self.jobs.get(key)
-        if job is None:
-            return
-        if reason == "cancelled":
-            self._finish(job, job.done("cancelled"))
-        elif reason == "client_gone":
-            self._finish(job, m.Error(request_id=job.request_id, code="client_gone",
-                                      message="no heartbeat from the client within the timeout; work cancelled"))
-        elif reason == "slow_consumer":
-            # The client's queue is what filled up: the socket loop holds this terminal
-            # and delivers it if the client reads again before its heartbeat timeout.
-            self._finish(job, m.Error(request_id=job.request_id, code="slow_consumer",
-                                      message="the client stopped reading and its send queue at the daemon "
-                                              "filled up; the request was cut"))
-        else:
-            self._finish(job, m.Error(request_id=job.request_id, code="shutting_down",
-                                      message="the daemon is shutting down and the drain deadline passed"))
-
-    def _fail_all(self, code: str, message: str) -> None:
-        for job in list(self.jobs.values()):
-            self._finish(job, m.Error(request_id=job.request_id, code=code, message=message))
-
+    # ------------------------------------------------------------------ deadlines
     def _now(self) -> float:
         """The clock deadlines are read against (a group reads rank 0's, per iteration)."""
         return time.monotonic()
@@ -565,167 +177,7 @@ class EngineWorker(threading.Thread):
             self._finish(job, m.Error(request_id=job.request_id, code="deadline_exceeded",
                                       message=f"deadline of {job.msg.deadline_ms} ms passed {where}"))
 
-    # ------------------------------------------------------------------ decoding
-    def _start(self, job: Job) -> None:
-        """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
-        chunk per cycle by ``_advance``; its decode path is chosen when that ends."""
-        from .engine.prefill import ChunkedPrefill
-        from .engine.sampling import Sampler
-        from .engine.types import SamplingParams
-
-        if job.generator is not None:  # back from parking: its state was kept
-            if job.parked_state is not None:
-                state, job.parked_state = job.parked_state, None
-                self._rejoin_batch(job, state)
-            return
-        if job.prefill is not None:  # parked mid-prefill: it continues where it stopped
-            return
-        p = job.msg
-        job.sampler = Sampler(SamplingParams(
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-            **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt,
-            constraint=job.constraint)
-        job.mode = p.speculation or self.cfg.speculation.mode
-        # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
-        # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
-        job.exact = job.mode != "fast"
-        if (job.mode == "exact" and job.sampler.greedy and not self.verify_exact
-                and self.cfg.speculation.exact_on_inexact_backend == "serial"):
-            job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
-        chunk = self.scheduler.cfg.prefill_chunk
-        want_head = job.mode != "off" and self.slot.resident
-        cache, history, start = None, None, 0
-        pc = self.prefix_cache
-        if pc is not None:
-            if chunk != pc.chunk:  # SIGHUP changed it: exact snapshots are per chunk size
-                self._open_prefix_cache(chunk)
-                pc = self.prefix_cache
-            # Inexact snapshots (engine/prefix_cache.py) only for requests that accept
-            # near-tie flips, unless the operator allows them for all.
-            allow_inexact = self.cfg.prefix_cache.inexact_reuse or job.mode == "fast"
-            snap, start = pc.lookup(job.prompt, want_head, allow_inexact=allow_inexact)
-            job.exact_chain = snap is None or snap.exact
-            if snap is not None:
-                cache, history = pc.restore(snap, job.prompt[start], self.slot.head if want_head else None)
-            job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
-                                            fine=pc.splits_exact or allow_inexact)
-        if history is None and want_head:
-            from .engine.speculative import HeadHistory
-
-            history = HeadHistory(self.slot.head)  # primed during prefill, in case it speculates
-        job.cached_tokens = start
-        job.started_at = time.monotonic()
-        job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
-                                     history, start=start)
-
-    def _begin_decode(self, job: Job) -> None:
-        """The prefill is done: give the job its decode path, continuing from the prefilled
-        cache: speculation when it runs alone, a row in the continuous batch when others
-        run too (speculating there where the batch does, engine/batch_spec.py), else its
-        own serial generator."""
-        from .engine.serial import serial_decode
-
-        pre, job.prefill = job.prefill, None
-        job.decode_cache = pre.cache  # the decoder advances it in place: the continuation
-        last = [pre.last_token]
-        sampler, mode = job.sampler, job.mode
-        # Interactive work is latency-bound: it decodes on its own (the scheduler's class
-        # order gives it every forward first), speculating if it can, rather than sharing
-        # each forward with background rows.
-        latency_first = job.priority == "interactive"
-        alone = len(self.scheduler.active) <= 1 or latency_first
-        drafting = self._drafting_options()
-        # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
-        can_draft = self.slot.resident and self.slot.current_depth() > 0 or "lookup" in drafting
-        speculate = mode != "off" and can_draft and alone
-        if not speculate and self._batchable(job):
-            if self.batch_speculates:
-                history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
-                self.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
-                               depth=self._row_depth(job))
-                job.batched = True
-                self._hand_solo_to_batch()
-            else:
-                self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
-                job.batched = True
-                mode = "off"
-            job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), mode)
-            return
-        if mode != "off" and (self.slot.resident or "lookup" in drafting):
-            from .engine.speculative import speculative_decode
-
-            spec = self.cfg.speculation
-            history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
-            job.decode_history = history
-            # The cache holds the prompt but its last token (prefilled in chunks, or restored
-            # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
-            # Where the start-up probe proved verify bit-identical to serial steps, the
-            # near-tie guard cannot change a token: exact mode runs without it (issue 18).
-            job.handoff = False  # set to move this solo decode into the batch (_hand_solo_to_batch)
-            gen = speculative_decode(self.lm, self.slot.head, last, sampler, depth=self._request_depth(job),
-                                     exact=mode == "exact",
-                                     guard_margin=None if self.verify_exact else spec.guard_margin,
-                                     rollback=spec.rollback, cache=pre.cache, history=history,
-                                     context=job.prompt,
-                                     pipeline=self._build_ahead(), handoff=lambda: job.handoff, **drafting)
-            job.solo_spec = True
-        else:
-            mode = "off"
-            gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
-        if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
-            gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
-        job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
-
-    def _batchable(self, job: Job) -> bool:
-        """Whether the job may decode as a row of the continuous batch."""
-        return (job.priority != "interactive" and self.batch is not None and self.cfg.debug_fail_after_tokens is None
-                and self.batch.admits(job.sampler, job.exact))
-
-    def _row_depth(self, job: Job):
-        """A batched row's own depth ceiling (the batch's depth is ``HeadSlot.depth_for``)."""
-        if job.mode == "off":
-            return lambda: 0
-        request_depth = self._request_depth(job)
-        return None if request_depth == self.slot.current_depth else request_depth
-
-    def _rejoin_batch(self, job: Job, state: tuple) -> None:
-        """A parked batch row comes back with the state ``extract`` gave it."""
-        if self.batch_speculates:
-            cache, primary, history = state
-            self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
-                           depth=self._row_depth(job))
-        else:
-            cache, next_token = state
-            self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
-
-    def _hand_solo_to_batch(self) -> None:
-        """Others now decode in the speculating batch: move each running solo speculative
-        decode that may batch into it at its cycle boundary (its generator hands back its
-        cache, primary token and head history), so they all share one verify per cycle."""
-        for job in list(self.scheduler.active):
-            if not job.solo_spec or job.batched or job.generator is None:
-                continue
-            if not self._batchable(job) or len(self.batch) >= self.batch.max_rows:
-                continue
-            job.handoff = True
-            try:
-                step = next(job.generator)
-            except StopIteration as done:
-                job.solo_spec = False
-                cache, primary, history = done.value
-                self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
-                               depth=self._row_depth(job))
-                job.batched = True
-                job.generator = self.batch.handle(job.key)
-                log.info("batch.joined", request_id=job.request_id, seat=job.seat, rows=len(self.batch),
-                         completion_tokens=len(job.token_ids))
-                continue
-            except Exception as exc:
-                self._failed(job, exc)
-                continue
-            job.handoff = False  # a cycle built ahead was running: it stays solo this time
-            self._deliver(job, step)
-
+    # ------------------------------------------------------------------ decoding a cycle
     def _token_text(self, token_id: int) -> str:
         return self.lm.tokenizer.decode([token_id])
 
@@ -749,50 +201,6 @@ class EngineWorker(threading.Thread):
             self.snapshot.prefill_tokens_total += n
         return n
 
-    def _request_depth(self, job: Job):
-        """The depth a request drafts at: the governor's, capped by the best depth `councild
-        tune` measured at the request's sampling settings (when it measured them)."""
-        from .profile import best_depth, sampling_entry
-
-        p = job.msg
-        entry = sampling_entry(self.tuned_profile, p.temperature, p.top_p, p.top_k)
-        if entry is None:
-            job.depth_ceiling = None
-            return self.slot.current_depth
-        ceiling = job.depth_ceiling = best_depth(entry)
-        return lambda: min(self.slot.current_depth(), ceiling)
-
-    def _drafting_options(self) -> dict:
-        """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
-        from .engine.lookup import DraftStopConfig, LookupConfig
-        from .engine.model import HYBRID_MTP_TYPES
-
-        spec = self.cfg.speculation
-        out: dict = {}
-        if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
-            out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
-        # An operator's pinned depth is drafted in full; under the governor it is a ceiling.
-        pinned = self.depth_pinned()
-        if spec.draft_stop_threshold > 0 and not pinned:
-            out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
-        if spec.loop_guard:  # speculative_decode arms it for sampled requests only
-            from .engine.loop_guard import LoopGuardConfig
-
-            out["loop_guard"] = LoopGuardConfig()
-        return out
-
-    def _build_ahead(self) -> bool | None:
-        """speculative_decode's ``pipeline``. Never in a group: whether a cycle is built ahead
-        depends on this rank's wall-clock cycle time, so ranks could build (and run) their
-        forwards' collectives in different graphs and orders; lockstep needs every rank to
-        make the same choice, and only a fixed one is."""
-        if self.group is not None:
-            return False
-        spec = self.cfg.speculation
-        return None if spec.build_ahead == "auto" else spec.build_ahead
-
-    def depth_pinned(self) -> bool:
-        return self.governance is not None and self.governance.gov.state.override == "pin_depth"
 
     def _advance(self, job: Job) -> int:
         """One cycle of a decoding job; returns the tokens its forward held (the step's
@@ -940,40 +348,6 @@ class EngineWorker(threading.Thread):
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         self._published_at = 0.0  # status shows the finish at once
 
-    def _keep_continuation(self, job: Job) -> None:
-        """Store a finished request's state (its prompt and what it generated) for the
-        seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
-        pc = self.prefix_cache
-        if pc is None:
-            return
-        session = None if job.msg.session is m.UNSET else job.msg.session
-        if session == "drop":
-            n, freed = pc.forget_seat(job.seat)
-            log.info("prefix_cache.session_dropped", request_id=job.request_id, seat=job.seat, snapshots=n,
-                     freed_bytes=freed)
-            return
-        # Kept when a later request may use it (it is inexact unless splits are exact here),
-        # or when the client asked.
-        if not (session == "keep" or pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
-            return
-        try:
-            cache, history = job.decode_cache, job.decode_history
-            if job.batched:
-                if self.batch is None or job.key not in self.batch:
-                    return
-                # BatchDecoder gives (cache, next token), the speculating batch (cache,
-                # primary, head history): either cache holds a prefix of what was decoded.
-                state = self.batch.extract(job.key)
-                cache, history = state[0], (state[2] if len(state) == 3 else None)
-            if cache is None:
-                return
-            snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat)
-            if snap is not None:
-                log.info("prefix_cache.continuation", request_id=job.request_id, seat=job.seat,
-                         tokens=len(snap.tokens), head=snap.head is not None, exact=snap.exact, bytes=snap.nbytes)
-        except Exception as exc:  # noqa: BLE001 - a lost snapshot is a later miss, never a failed request
-            log.warning("prefix_cache.continuation_failed", request_id=job.request_id, error=repr(exc))
-
     # ------------------------------------------------------------------ plumbing
     def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:
         """Hand a message to the socket loop: [identity, payload, request key, terminal flag].
@@ -981,67 +355,3 @@ class EngineWorker(threading.Thread):
         it has cut; the flag marks the request's one terminal message."""
         k = b"" if key is None else f"{key[0]}\x00{key[1]}".encode()
         self._out.send_multipart([identity, encode(msg), k, b"T" if terminal else b""])
-
-    def _count_tokens(self, seat: str, n: int) -> None:
-        now = time.monotonic()
-        self._seat_stats.count(seat, n)
-        with self.snapshot_lock:
-            self.snapshot.tokens_total += n
-            self.snapshot.steps_total += 1
-            self.snapshot.last_step_at = now
-
-    def _publish(self) -> None:
-        """Refresh what status readers see, at most every 100 ms (not per token)."""
-        now = time.monotonic()
-        if now - self._published_at < 0.1:
-            return
-        self._published_at = now
-        import mlx.core as mx
-
-        memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
-                  "peak_bytes": mx.get_peak_memory()}
-        stats = self._seat_stats
-        busy = {job.seat for job in self.jobs.values()}
-        stats.mark_busy(busy)
-        stats.prune(busy)
-        total_rate, per_seat = stats.rates()
-        active = [
-            {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
-            | ({"prefill": {"done": j.prefill.pos, "total": j.prefill.total}} if j.prefill is not None else {})
-            | ({"batched": True, "depth": j.row_depth} if j.batched else {})
-            for j in self.scheduler.active
-        ]
-        seats: dict[str, dict] = {}
-        for job in self.jobs.values():
-            s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
-            s["active" if job in self.scheduler.active else "queued"] += 1
-        for seat, w in self.scheduler.waiting_by_seat().items():
-            seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0}).update(w)
-        step = self.step_use.to_dict() | {
-            "budget": self._step_budget(),
-            "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
-                               "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
-        for seat, n in stats.totals.items():
-            s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
-            s["tokens"] = n
-            # Over the same last-10-seconds window as the daemon's total.
-            s["tokens_per_s"] = per_seat.get(seat, 0.0)
-        with self.snapshot_lock:
-            self.snapshot.active = active
-            self.snapshot.depth = self.slot.current_depth()
-            self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
-            self.snapshot.recent_tokens_per_s = total_rate
-            self.snapshot.seats = seats
-            self.snapshot.memory = memory
-            self.snapshot.stats = self.tallies.to_dict()
-            self.snapshot.step = step
-            if self.prefix_cache is not None:
-                self.snapshot.prefix_cache = self.prefix_cache.stats()
-            if self.governance is not None:
-                self.snapshot.governor = self.governance.snapshot()
-                self.snapshot.shedding = self.governance.shed
-
-    def read_snapshot(self) -> EngineSnapshot:
-        with self.snapshot_lock:
-            snap = EngineSnapshot(**vars(self.snapshot))
-        return snap

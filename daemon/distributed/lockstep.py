@@ -23,12 +23,13 @@ import msgspec
 from protocol import encode
 from protocol.codec import decode_client
 
+from ..commands import CancelAll, CancelJob, ReloadGovernor, ReloadScheduler, Stop, Submit
 from ..config import SchedulerConfig
+from ..decode_paths import InjectedFault
 from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from ..logs import get_logger
 from ..requests import Job
-from ..worker import (CancelAll, CancelJob, EngineWorker, InjectedFault, ReloadGovernor, ReloadScheduler, Stop,
-                      Submit)
+from ..worker import EngineWorker
 from .channel import (CancelAllWire, CancelWire, Hello, JobWire, LockstepChannel, Report, SchedulerWire, Settings,
                       StopWire, Tick)
 from .group import PeerMemoryProbe, RankProbe, backend_name, describe

@@ -302,8 +302,8 @@ def test_no_pickle_on_the_wire():
 
 
 def test_no_client_field_reaches_a_path_or_a_shell():
-    """Audit, as a test: the modules that see client messages (server, worker, requests,
-    scheduler) import no process or file-tree module, never evaluate code, and touch the
+    """Audit, as a test: the modules that see client messages (server, the engine thread's
+    worker and its parts, requests, scheduler) import no process or file-tree module, never evaluate code, and touch the
     filesystem only at the reviewed places below, whose paths come from the configuration
     (the endpoint, the model folder), never from a client frame."""
     builtins_risky = {"open", "eval", "exec", "compile", "__import__", "Path", "PurePath"}
@@ -314,12 +314,16 @@ def test_no_client_field_reaches_a_path_or_a_shell():
     reviewed = {  # file -> calls reviewed by hand, every argument traced to config or a constant
         "daemon/server.py": {"Path", "mkdir", "with_name", "os.open", "os.chmod", "unlink"},
         # the prefix cache's disk folder: prefix_cache.disk_dir from the config, else the cache dir
-        "daemon/worker.py": {"Path"},
+        "daemon/prefix_cache_use.py": {"Path"},
     }
+    audited = ("daemon/server.py", "daemon/worker.py", "daemon/commands.py", "daemon/decode_paths.py",
+               "daemon/prefix_cache_use.py", "daemon/startup.py", "daemon/status_snapshot.py",
+               "daemon/requests.py", "daemon/scheduler.py")
+    assert all((REPO / rel).is_file() for rel in audited), "an audited module moved: audit its new home"
     found = []
     for path, tree in _modules("daemon"):
         rel = str(path.relative_to(REPO))
-        if rel not in ("daemon/server.py", "daemon/worker.py", "daemon/requests.py", "daemon/scheduler.py"):
+        if rel not in audited:
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -1,0 +1,96 @@
+"""The prefix cache as the engine thread uses it: opening it, and keeping a finished turn.
+
+``_open_prefix_cache`` makes the cache for the prefill chunk in force (at start, and again
+when SIGHUP changes the chunk): whether off-grid chunk splits are exact on this backend, and
+the disk tier under this model's and settings' key. ``_keep_continuation`` stores a finished
+request's prompt and output for the seat's next turn. Lookups and chunk snapshots happen as
+a request starts and prefills (decode_paths.py, worker.py).
+
+``PrefixCacheUse`` is a part of ``EngineWorker`` (worker.py) kept in its own file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from protocol import messages as m
+
+from .logs import get_logger
+from .requests import Job
+
+log = get_logger("councild.engine")
+
+
+class PrefixCacheUse:
+    """Opening the prefix cache and keeping continuations (a mixin of EngineWorker)."""
+
+    def _open_prefix_cache(self, chunk: int) -> None:
+        """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
+        backend (checked now), and its disk tier under this model's and settings' key."""
+        from .engine import prefix_disk
+        from .engine.prefix_cache import PrefixCache, splits_agree
+        from .paths import cache_dir
+
+        pc_cfg = self.cfg.prefix_cache
+        t0 = time.perf_counter()
+        # Not probed in a tensor-parallel group: this runs before the ranks' hello compares
+        # their settings, and a rank with another chunk would issue other forwards (other
+        # collectives); off-grid snapshots then count as inexact, the safe answer.
+        exact = splits_agree(self.lm, chunk) if self.group is None else False
+        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
+        disk = None
+        # Not in a tensor-parallel group: every rank must take the same hits, and a disk
+        # (a write still queued on one rank, a file torn on another) cannot promise that.
+        if pc_cfg.disk and self.group is None:
+            try:
+                root = Path(pc_cfg.disk_dir) if pc_cfg.disk_dir else cache_dir() / "prefix"
+                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk))
+                disk = prefix_disk.DiskTier(root, fingerprint, pc_cfg.disk_max_bytes, log,
+                                            ttl_s=pc_cfg.disk_ttl_s or None, min_free_bytes=pc_cfg.disk_min_free_bytes)
+            except OSError as exc:  # an unusable folder: RAM only, never a failed start
+                log.warning("prefix_cache.disk_unusable", path=str(pc_cfg.disk_dir), error=repr(exc))
+        old = getattr(self, "prefix_cache", None)
+        if old is not None and old.disk is not None:
+            old.disk.close()
+        self.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.lm.make_cache, disk=disk,
+                                        splits_exact=exact)
+        if self.governance is not None:
+            self.governance.prefix_cache = self.prefix_cache
+        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
+                 probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
+                 disk_files=None if disk is None else len(disk.index))
+
+    def _keep_continuation(self, job: Job) -> None:
+        """Store a finished request's state (its prompt and what it generated) for the
+        seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        session = None if job.msg.session is m.UNSET else job.msg.session
+        if session == "drop":
+            n, freed = pc.forget_seat(job.seat)
+            log.info("prefix_cache.session_dropped", request_id=job.request_id, seat=job.seat, snapshots=n,
+                     freed_bytes=freed)
+            return
+        # Kept when a later request may use it (it is inexact unless splits are exact here),
+        # or when the client asked.
+        if not (session == "keep" or pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
+            return
+        try:
+            cache, history = job.decode_cache, job.decode_history
+            if job.batched:
+                if self.batch is None or job.key not in self.batch:
+                    return
+                # BatchDecoder gives (cache, next token), the speculating batch (cache,
+                # primary, head history): either cache holds a prefix of what was decoded.
+                state = self.batch.extract(job.key)
+                cache, history = state[0], (state[2] if len(state) == 3 else None)
+            if cache is None:
+                return
+            snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat)
+            if snap is not None:
+                log.info("prefix_cache.continuation", request_id=job.request_id, seat=job.seat,
+                         tokens=len(snap.tokens), head=snap.head is not None, exact=snap.exact, bytes=snap.nbytes)
+        except Exception as exc:  # noqa: BLE001 - a lost snapshot is a later miss, never a failed request
+            log.warning("prefix_cache.continuation_failed", request_id=job.request_id, error=repr(exc))

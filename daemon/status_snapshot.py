@@ -1,0 +1,129 @@
+"""What status readers see of the engine: the snapshot and its publishing.
+
+The socket loop answers status requests from ``EngineSnapshot``, a copy the engine thread
+refreshes at most every 100 ms (``EngineStatus._publish``) and the socket loop reads under
+its lock (``read_snapshot``), so a status read never waits on, or touches, engine state.
+
+``EngineStatus`` is a part of ``EngineWorker`` (worker.py) kept in its own file; it reads
+the worker's scheduler, jobs, tallies, head slot, prefix cache and governance.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EngineSnapshot:
+    """What the socket loop may read without touching the engine's state."""
+
+    ready: bool = False
+    model: str = ""
+    model_type: str = ""
+    head_resident: bool = False
+    head_bytes: int = 0
+    head_error: str | None = None
+    # What an exact temperature-0 request gets here: "speculate" (verify is bit-identical
+    # to serial), "serial" or "guarded" (it is not; speculation.exact_on_inexact_backend).
+    exact_decode: str = "speculate"
+    decode_path: str = ""
+    depth: int = 0
+    active: list[dict] = field(default_factory=list)
+    queued: dict[str, int] = field(default_factory=dict)
+    tokens_total: int = 0
+    prefill_tokens_total: int = 0
+    prefix_cache: dict = field(default_factory=dict)
+    recent_tokens_per_s: float = 0.0
+    steps_total: int = 0
+    last_step_at: float = 0.0
+    seats: dict[str, dict] = field(default_factory=dict)
+    governor: dict = field(default_factory=dict)
+    shedding: tuple[bool, float] = (False, 0.0)
+    memory: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # Tallies.to_dict(): counters and latency histograms
+    # The engine step (worker._step): StepUse.to_dict() with the budget, and the prefill
+    # queue: prompts being prefilled, in the order their chunks go, with tokens left.
+    step: dict = field(default_factory=dict)
+    # Start-up warm-up (daemon/warmup.py): per stage, its seconds; empty until it ran.
+    warmup: dict = field(default_factory=dict)
+    # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
+    load_progress: dict = field(default_factory=dict)
+    # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.
+    group: dict = field(default_factory=dict)
+
+
+class EngineStatus:
+    """Publishing the snapshot (a mixin of EngineWorker)."""
+
+    def _count_tokens(self, seat: str, n: int) -> None:
+        now = time.monotonic()
+        self._seat_stats.count(seat, n)
+        with self.snapshot_lock:
+            self.snapshot.tokens_total += n
+            self.snapshot.steps_total += 1
+            self.snapshot.last_step_at = now
+
+    def _publish(self) -> None:
+        """Refresh what status readers see, at most every 100 ms (not per token)."""
+        now = time.monotonic()
+        if now - self._published_at < 0.1:
+            return
+        self._published_at = now
+        import mlx.core as mx
+
+        memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                  "peak_bytes": mx.get_peak_memory()}
+        stats = self._seat_stats
+        busy = {job.seat for job in self.jobs.values()}
+        stats.mark_busy(busy)
+        stats.prune(busy)
+        total_rate, per_seat = stats.rates()
+        active = [
+            {"request_id": j.request_id, "seat": j.seat, "priority": j.priority, "tokens": len(j.token_ids)}
+            | ({"prefill": {"done": j.prefill.pos, "total": j.prefill.total}} if j.prefill is not None else {})
+            | ({"batched": True, "depth": j.row_depth} if j.batched else {})
+            for j in self.scheduler.active
+        ]
+        seats: dict[str, dict] = {}
+        for job in self.jobs.values():
+            s = seats.setdefault(job.seat, {"active": 0, "queued": 0, "tokens": 0})
+            s["active" if job in self.scheduler.active else "queued"] += 1
+        for seat, w in self.scheduler.waiting_by_seat().items():
+            seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0}).update(w)
+        step = self.step_use.to_dict() | {
+            "budget": self._step_budget(),
+            "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
+                               "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
+        for seat, n in stats.totals.items():
+            s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
+            s["tokens"] = n
+            # Over the same last-10-seconds window as the daemon's total.
+            s["tokens_per_s"] = per_seat.get(seat, 0.0)
+        with self.snapshot_lock:
+            self.snapshot.active = active
+            self.snapshot.depth = self.slot.current_depth()
+            self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
+            self.snapshot.recent_tokens_per_s = total_rate
+            self.snapshot.seats = seats
+            self.snapshot.memory = memory
+            self.snapshot.stats = self.tallies.to_dict()
+            self.snapshot.step = step
+            if self.prefix_cache is not None:
+                self.snapshot.prefix_cache = self.prefix_cache.stats()
+            if self.governance is not None:
+                self.snapshot.governor = self.governance.snapshot()
+                self.snapshot.shedding = self.governance.shed
+
+    def read_snapshot(self) -> EngineSnapshot:
+        with self.snapshot_lock:
+            snap = EngineSnapshot(**vars(self.snapshot))
+        return snap
+
+    def _head_changed(self, resident: bool, nbytes: int) -> None:
+        # Written at once rather than at the next publish: a status read right after a
+        # head.loaded / head.evicted line shows it.
+        with self.snapshot_lock:
+            self.snapshot.head_resident = resident
+            if resident:
+                self.snapshot.head_bytes = nbytes
