@@ -302,10 +302,11 @@ def test_no_pickle_on_the_wire():
 
 
 def test_no_client_field_reaches_a_path_or_a_shell():
-    """Audit, as a test: the modules that see client messages (server, the engine thread's
-    worker and its parts, requests, scheduler) import no process or file-tree module, never evaluate code, and touch the
-    filesystem only at the reviewed places below, whose paths come from the configuration
-    (the endpoint, the model folder), never from a client frame."""
+    """Audit, as a test: the modules that see client messages (the socket loop's server and
+    its parts, the engine thread's worker and its parts, requests, scheduler) import no
+    process or file-tree module, never evaluate code, and touch the filesystem only at the
+    reviewed places below, whose paths come from the configuration (the endpoint, the model
+    folder), never from a client frame."""
     builtins_risky = {"open", "eval", "exec", "compile", "__import__", "Path", "PurePath"}
     os_risky = {"system", "popen", "open", "remove", "unlink", "rename", "replace", "mkdir", "makedirs", "rmdir",
                 "chmod", "chown", "symlink", "link", "truncate", "execv", "execve", "execvp", "spawnv", "startfile"}
@@ -315,10 +316,12 @@ def test_no_client_field_reaches_a_path_or_a_shell():
         "daemon/server.py": {"Path", "mkdir", "with_name", "os.open", "os.chmod", "unlink"},
         # the prefix cache's disk folder: prefix_cache.disk_dir from the config, else the cache dir
         "daemon/prefix_cache_use.py": {"Path"},
+        # the model's folder name, from the command line or the config
+        "daemon/status_reply.py": {"Path"},
     }
-    audited = ("daemon/server.py", "daemon/worker.py", "daemon/commands.py", "daemon/decode_paths.py",
-               "daemon/prefix_cache_use.py", "daemon/startup.py", "daemon/status_snapshot.py",
-               "daemon/requests.py", "daemon/scheduler.py")
+    audited = ("daemon/server.py", "daemon/client_delivery.py", "daemon/status_reply.py",
+               "daemon/worker.py", "daemon/commands.py", "daemon/decode_paths.py", "daemon/prefix_cache_use.py",
+               "daemon/startup.py", "daemon/status_snapshot.py", "daemon/requests.py", "daemon/scheduler.py")
     assert all((REPO / rel).is_file() for rel in audited), "an audited module moved: audit its new home"
     found = []
     for path, tree in _modules("daemon"):
