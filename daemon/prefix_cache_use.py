@@ -27,7 +27,8 @@ class PrefixCacheUse:
 
     def _open_prefix_cache(self, chunk: int) -> None:
         """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
-        backend (checked now), and its disk tier under this model's and settings' key."""
+        backend (probed, or read from an earlier start's verdict for this chunk,
+        probe_verdicts.py), and its disk tier under this model's and settings' key."""
         from .engine import prefix_disk
         from .engine.prefix_cache import PrefixCache, splits_agree
         from .paths import cache_dir
@@ -37,7 +38,10 @@ class PrefixCacheUse:
         # Not probed in a tensor-parallel group: this runs before the ranks' hello compares
         # their settings, and a rank with another chunk would issue other forwards (other
         # collectives); off-grid snapshots then count as inexact, the safe answer.
-        exact = splits_agree(self.lm, chunk) if self.group is None else False
+        if self.group is None:
+            exact, verdict = self.verdicts.get("splits", str(chunk), lambda: splits_agree(self.lm, chunk))
+        else:
+            exact, verdict = False, "skipped"
         probe_ms = round((time.perf_counter() - t0) * 1000, 1)
         disk = None
         # Not in a tensor-parallel group: every rank must take the same hits, and a disk
@@ -58,7 +62,7 @@ class PrefixCacheUse:
         if self.governance is not None:
             self.governance.prefix_cache = self.prefix_cache
         log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
-                 probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
+                 verdict=verdict, probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
                  disk_files=None if disk is None else len(disk.index))
 
     def _keep_continuation(self, job: Job) -> None:

@@ -1,15 +1,19 @@
 """The start-up exactness probes' verdicts, kept on disk so a restart need not probe again.
 
-Two probes run at every start (about 1.3 s together on the bundled model on CPU, longer
-on a big model): whether a speculative verify reproduces serial steps bit for bit
-(engine/exactness.py ``verify_matches_serial``) and whether batched logits equal one-token
-ones (engine/batch.py ``batch_matches_serial``). Their answer depends only on the code
-that computes the forwards, the libraries under it, the device, and the model, so it is
-stored under the daemon's cache folder keyed by all of those: the mlx, mlx-lm and
-councild versions, a hash of the engine's source (a development tree changes code without
-changing its version), the device, the model's parameter dtypes, decode and prefill paths,
-and the model's content hash (profile.model_hash). Any change to one of them is another
-file, so a stale verdict is never read.
+Probes run at every start: whether a speculative verify reproduces serial steps bit for
+bit (engine/exactness.py ``verify_matches_serial``, per rollback strategy), whether batched
+logits equal one-token ones (engine/batch.py ``batch_matches_serial``, per batch height)
+and a ragged batched verify serial ones (``ragged_verify_matches_serial``), and whether
+resuming a prefill off the chunk grid leaves a chunked prefill's state bit for bit
+(engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
+``splits_exact``). The first two took about 1.3 s together on the bundled model on CPU,
+longer on a big model. Their answer depends only on the code that computes the forwards,
+the libraries under it, the device, and the model, so it is stored under the daemon's
+cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
+engine's source (a development tree changes code without changing its version), the
+device, the model's parameter dtypes, decode and prefill paths, and the model's content
+hash (profile.model_hash). Any change to one of them is another file, so a stale verdict
+is never read.
 
 The cache is optional: an unusable cache folder, or a file that does not parse or does not
 carry the verdict asked for, is a miss, and the probe runs. A process group serving one

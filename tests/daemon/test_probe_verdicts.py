@@ -77,3 +77,23 @@ def test_an_unusable_cache_folder_still_answers(lm, tmp_path, monkeypatch):
     v = verdicts_for(lm)
     assert v.get("verify", "capture", lambda: True) == (True, "probed")
     assert v.get("verify", "capture", lambda: True) == (True, "probed")  # nothing stored, nothing read
+
+
+def test_the_split_probe_is_kept_per_chunk_and_per_key(lm, tmp_path):
+    """The prefix cache's chunk-split verdict (splits_agree) as _open_prefix_cache asks for
+    it: read back for the same chunk, probed for another chunk or another key."""
+    from daemon.engine.prefix_cache import splits_agree
+
+    first = ProbeVerdicts(lm, tmp_path)
+    probed = first.get("splits", "16", lambda: splits_agree(lm, 16))
+    assert probed[1] == "probed"
+    assert ProbeVerdicts(lm, tmp_path).get("splits", "16", _never) == (probed[0], "cached")
+    calls = []
+    assert ProbeVerdicts(lm, tmp_path).get("splits", "8", lambda: calls.append(8) or splits_agree(lm, 8))[1] == "probed"
+    assert calls == [8]
+    saved = lm.decode_path
+    try:
+        lm.decode_path = saved + " (another)"
+        assert ProbeVerdicts(lm, tmp_path).get("splits", "16", lambda: splits_agree(lm, 16))[1] == "probed"
+    finally:
+        lm.decode_path = saved

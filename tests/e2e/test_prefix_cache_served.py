@@ -104,3 +104,29 @@ def test_other_seats_share_a_chat_system_prompt(cached, cold):
     with Client(cached.endpoint, seat="obs", timeout_s=30) as c:
         pc = c.status().detail["prefix_cache"]
     assert pc["entries"] >= 2 and 0 < pc["bytes"] <= pc["max_bytes"] and pc["hits"] >= 3
+
+
+def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tmp_path):
+    """The chunk-split probe (splits_agree) is cached like the other start-up probes: a
+    restart on the same stack, model and chunk reads the verdict back (``verdict`` cached,
+    the same ``splits_exact``); another prefill chunk, or another decode path (part of the
+    verdicts' key), probes again."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # its own: no verdict from other tests
+
+    def ready_event(name: str, config: str) -> dict:
+        (tmp_path / name).mkdir()
+        d = start_daemon(tmp_path / name, BUNDLED_MODEL, env=cache, config="governor_enabled = false\n" + config)
+        assert d.stop() == 0
+        (ev,) = [e for e in d.events() if e["event"] == "prefix_cache.ready"]
+        return ev
+
+    first = ready_event("first", f"[scheduler]\nprefill_chunk = {CHUNK}\n")
+    again = ready_event("again", f"[scheduler]\nprefill_chunk = {CHUNK}\n")
+    other_chunk = ready_event("other-chunk", f"[scheduler]\nprefill_chunk = {CHUNK // 2}\n")
+    eager = ready_event("eager", f"compile_decode = false\n[scheduler]\nprefill_chunk = {CHUNK}\n")
+    assert first["verdict"] == "probed" and first["chunk"] == CHUNK
+    assert again["verdict"] == "cached" and again["splits_exact"] == first["splits_exact"]
+    assert other_chunk["verdict"] == "probed" and other_chunk["chunk"] == CHUNK // 2
+    assert eager["verdict"] == "probed"
+    stored = list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
+    assert len(stored) == 2  # one file per key (compiled, eager); chunks are variants inside one
