@@ -123,6 +123,22 @@ class ArmResult:
     def acceptance(self) -> float:
         return self.accepted / max(1, self.drafted)
 
+    def compare(self, serial: list[int], got: list[int], max_tokens: int, **where) -> None:
+        """Count one prompt's tokens against serial decode's: identical, or a flip at the
+        first token that differs (tokens compared up to it). The arm's first flip is kept
+        with ``where`` it happened (its prompt, a batched row) and the serial context."""
+        self.prompts += 1
+        diverge = next((i for i, (a, b) in enumerate(zip(serial, got)) if a != b), None)
+        if diverge is None:
+            self.identical += 1
+            self.tokens_compared += max_tokens
+            return
+        self.flips += 1
+        self.tokens_compared += diverge + 1
+        if self.first_divergence is None:
+            self.first_divergence = {**where, "token": diverge, "serial": serial[diverge],
+                                     "speculative": got[diverge], "context": serial[max(0, diverge - 8) : diverge]}
+
 
 @dataclass
 class DistributionResult:
@@ -264,23 +280,7 @@ def run_fidelity_gate(
                 if len(got) >= max_tokens:
                     break
             gen.close()
-            got = got[:max_tokens]
-            arm.prompts += 1
-            diverge = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
-            if diverge is None:
-                arm.identical += 1
-                arm.tokens_compared += max_tokens
-            else:
-                arm.flips += 1
-                arm.tokens_compared += diverge + 1
-                if arm.first_divergence is None:
-                    arm.first_divergence = {
-                        "prompt": pi,
-                        "token": diverge,
-                        "serial": ref[diverge],
-                        "speculative": got[diverge],
-                        "context": ref[max(0, diverge - 8) : diverge],
-                    }
+            arm.compare(ref, got[:max_tokens], max_tokens, prompt=pi)
         arm.seconds = time.perf_counter() - t0
         report.arms.append(arm)
     return report

@@ -9,9 +9,9 @@ every third row carries the gate's logit processors. Each row's tokens are compa
 the same prompt decoded alone by serial_decode under the same sampling parameters: an exact
 row must be identical (the gate fails otherwise); fast rows count flips.
 
-fidelity.py runs these arms and owns the report; it hands in its arm record (``new_arm``),
-its serial reference (``serial_tokens``) and its processor set, so this module does not
-import it back.
+fidelity.py runs these arms and owns the report; it hands in its arm record (``new_arm``,
+whose ``compare`` counts a row against serial), its serial reference (``serial_tokens``)
+and its processor set, so this module does not import it back.
 """
 
 from __future__ import annotations
@@ -101,18 +101,7 @@ def run_batched_arms(
                 next_row += 1
         for r in range(n_rows):
             pi, with_procs, _ = plan[r]
-            want, have = ref(pi, with_procs), got[r][:max_tokens]
-            arm.prompts += 1
-            diverge = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), None)
-            if diverge is None:
-                arm.identical += 1
-                arm.tokens_compared += max_tokens
-            else:
-                arm.flips += 1
-                arm.tokens_compared += diverge + 1
-                if arm.first_divergence is None:
-                    arm.first_divergence = {"prompt": pi, "row": r, "token": diverge, "serial": want[diverge],
-                                            "speculative": have[diverge], "context": want[max(0, diverge - 8) : diverge]}
+            arm.compare(ref(pi, with_procs), got[r][:max_tokens], max_tokens, prompt=pi, row=r)
         arm.seconds = time.perf_counter() - t0
         arms.append(arm)
     return arms

@@ -36,6 +36,22 @@ def test_chi2_tail_approximation():
     assert chi2_sf(30.144, 19) == pytest.approx(0.05, rel=0.05)
 
 
+def test_an_arm_counts_identical_prompts_and_keeps_its_first_flip():
+    """ArmResult.compare, which the solo and the batched arms both count with: tokens are
+    compared up to and including the first that differs, and the arm's first flip is kept
+    with where it happened and serial's context before it."""
+    arm = ArmResult(mode="exact", depth=2)
+    arm.compare([1, 2, 3, 4], [1, 2, 3, 4], 4, prompt=0)
+    assert (arm.prompts, arm.identical, arm.flips, arm.tokens_compared) == (1, 1, 0, 4)
+    assert arm.first_divergence is None
+    arm.compare([5, 6, 7, 8], [5, 6, 9, 8], 4, prompt=1, row=3)
+    assert (arm.prompts, arm.identical, arm.flips, arm.tokens_compared) == (2, 1, 1, 7)
+    assert arm.first_divergence == {"prompt": 1, "row": 3, "token": 2, "serial": 7, "speculative": 9,
+                                    "context": [5, 6]}
+    arm.compare([1, 1], [2, 2], 2, prompt=2)  # a later flip is counted, the first one kept
+    assert arm.flips == 2 and arm.tokens_compared == 8 and arm.first_divergence["prompt"] == 1
+
+
 def test_gate_passes_on_the_random_model(lm):
     head = load_mtp_head(lm)
     report = run_fidelity_gate(lm, head, load_prompts()[:4], depths=(1, 2, 3, 4), max_tokens=24)
