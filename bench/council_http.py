@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.council_workload import SYSTEM_LINE, pct, text_of_tokens  # noqa: E402  (one workload text)
-from bench.http_bench import free_port, wait_http  # noqa: E402
+from bench.http_servers import start_councild_http, start_mlx_lm_server, stop  # noqa: E402
 from daemon.measure.bench_io import spread, write_results  # noqa: E402
-from protocol.readiness import wait_until_answering  # noqa: E402
 
 USER_LINE = "seat {s} turn {t}: consider clause {i} of the motion.\n"
 
@@ -130,24 +128,6 @@ async def bench(args, arms: dict, endpoint: str, tok) -> dict:
     return samples
 
 
-def start_councild(args, tmp: Path, env: dict) -> tuple[list[subprocess.Popen], str, int]:
-    runtime = tmp / "run"
-    runtime.mkdir(mode=0o700)
-    endpoint = f"ipc://{runtime / 'councild.sock'}"
-    port = free_port()
-    cfg = tmp / "councild.toml"
-    cfg.write_text(f"[scheduler]\nmax_active = {max(4, args.seats)}\n[http]\nport = {port}\n" + args.config_extra)
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", args.model, "--endpoint",
-                               endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO,
-                              stdout=open(tmp / "daemon.log", "w"), stderr=subprocess.STDOUT, env=env)
-    wait_until_answering(endpoint, daemon, timeout_s=600, log_path=tmp / "daemon.log")
-    front = subprocess.Popen([sys.executable, "-m", "daemon.cli", "http", "--config", str(cfg), "--endpoint", endpoint,
-                              "--log-level", "warning"], cwd=REPO, stdout=open(tmp / "front.log", "w"),
-                             stderr=subprocess.STDOUT, env=env)
-    wait_http(f"http://127.0.0.1:{port}/health", front, timeout_s=300)
-    return [daemon, front], endpoint, port
-
-
 def report(args, samples: dict) -> tuple[dict, str]:
     out = {"benchmark": "council_http", "model": args.model, "seats": args.seats, "turns": args.turns,
            "system_tokens": args.system_tokens, "message_tokens": args.message_tokens, "max_tokens": args.max_tokens,
@@ -214,28 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         arms: dict = {}
         endpoint = ""
         if any(a != "mlx_lm.server" for a in wanted):
-            started, endpoint, port = start_councild(args, tmp, env)
+            started, endpoint, port = start_councild_http(args.model, tmp, env, max(4, args.seats), args.config_extra)
             procs += started
             for a in wanted:
                 if a != "mlx_lm.server":
                     arms[a] = (f"http://127.0.0.1:{port}/v1", "councild", {} if a == "default" else {"speculation": a})
         if "mlx_lm.server" in wanted:
-            mport = free_port()
-            mlx = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(mport),
-                                    "--log-level", "WARNING"], cwd=REPO, stdout=open(tmp / "mlx_server.log", "w"),
-                                   stderr=subprocess.STDOUT, env=env)
+            mlx, mport = start_mlx_lm_server(args.model, tmp, env)
             procs.append(mlx)
-            wait_http(f"http://127.0.0.1:{mport}/v1/models", mlx, timeout_s=300)
             arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1", args.model, {})
         samples = asyncio.run(bench(args, arms, endpoint, tok))
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop(procs)
     out, table = report(args, samples)
     print(table)
     write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)

@@ -22,9 +22,7 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,34 +33,12 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
+from bench.http_servers import start_councild_http, start_mlx_lm_server, stop  # noqa: E402
 from daemon.measure.bench_io import spread, write_results  # noqa: E402
 from protocol.client import AsyncClient  # noqa: E402
-from protocol.readiness import wait_until_answering  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
            "def parse(line):\n", "for i in range(10):\n", "def main():\n", "x = [", "while True:\n"]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:4]} exited {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 # ------------------------------------------------------------------ one request per arm
@@ -176,47 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.streams = [int(x) for x in args.streams.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="http-bench-"))
-    runtime = tmp / "run"
-    runtime.mkdir(mode=0o700)
-    endpoint = f"ipc://{runtime / 'councild.sock'}"
     procs = []
-    env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(runtime))
+    env = dict(os.environ, COUNCILD_RUNTIME_DIR=str(tmp / "run"))
     try:
-        cfg = tmp / "councild.toml"
-        port = free_port()
-        cfg.write_text(f"[scheduler]\nmax_active = 8\n[http]\nport = {port}\n")
-        log = open(tmp / "daemon.log", "w")
-        daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", args.model, "--endpoint",
-                                   endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO, stdout=log,
-                                  stderr=log, env=env)
-        procs.append(daemon)
-        wait_until_answering(endpoint, daemon, timeout_s=180)
-        front = subprocess.Popen([sys.executable, "-m", "daemon.cli", "http", "--config", str(cfg), "--endpoint", endpoint,
-                                  "--log-level", "warning"], cwd=REPO, stdout=open(tmp / "front.log", "w"),
-                                 stderr=subprocess.STDOUT, env=env)
-        procs.append(front)
-        wait_http(f"http://127.0.0.1:{port}/health", front)
+        procs, endpoint, port = start_councild_http(args.model, tmp, env, max_active=8, timeout_s=180)
+        daemon, front = procs
         arms = {"http": (f"http://127.0.0.1:{port}/v1/completions", "councild")}
-        if args.mlx_server:
-            mport = free_port()
-            mlx = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(mport),
-                                    "--log-level", "WARNING"], cwd=REPO, stdout=open(tmp / "mlx_server.log", "w"),
-                                   stderr=subprocess.STDOUT, env=env)
-            procs.append(mlx)
-            wait_http(f"http://127.0.0.1:{mport}/v1/models", mlx)
-            arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1/completions", args.model)
         pids = {"daemon": daemon.pid, "front": front.pid}
         if args.mlx_server:
+            mlx, mport = start_mlx_lm_server(args.model, tmp, env, timeout_s=120)
+            procs.append(mlx)
+            arms["mlx_lm.server"] = (f"http://127.0.0.1:{mport}/v1/completions", args.model)
             pids["mlx_lm.server"] = mlx.pid
         samples = asyncio.run(bench(args, endpoint, arms, pids))
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop(procs)
 
     out = {"benchmark": "http", "model": args.model, "tokens": args.tokens, "rounds": args.rounds,
            "streams": args.streams, "machine": platform.platform(), "cpus": os.cpu_count(),
