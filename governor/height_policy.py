@@ -36,8 +36,9 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
+from .depth_rules import clear_verdict, forced_depth, move_toward, new_samples, probed_depth_wins
 from .heights import N_BUCKETS, bucket_label
-from .types import CRITICAL, NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
+from .types import NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
 
 
 def settled_depth(h: HeightState) -> int | None:
@@ -78,28 +79,12 @@ class _Bucket:
         return replace(h, depth=k, last_change_at=self.now)
 
 
-def _forced(s: State, obs: Observation, cfg: GovernorConfig) -> tuple[int | None, str] | None:
-    """(depth, why) every bucket must take; (None, why): hold the table; None: decide."""
-    usable = bool(s.head_target) and obs.head_resident
-    if s.override == "pin_depth" and s.pin_depth is not None:
-        k = min(s.pin_depth, cfg.max_depth)
-        if k == 0 or usable:
-            return k, f"operator pinned depth {k} (every height)"
-    if not usable:
-        return None, "head not resident"
-    if s.override == "force_evict":
-        return 0, "operator override: force_evict"
-    if obs.pressure == CRITICAL:
-        return 0, "critical memory pressure"
-    return None
-
-
 _NO_PROBE = dict(probe_depth=None, probe_return=None, probe_started_s=None, probe_samples_at=None)
 
 
 def decide_heights(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: Any) -> State:
     hs = list(s.heights) + [HeightState() for _ in range(N_BUCKETS - 1 - len(s.heights))]
-    forced = _forced(s, obs, cfg)
+    forced = forced_depth(s, obs, cfg)  # (depth, why) every bucket takes; (None, why): hold the table
     for b in range(1, N_BUCKETS):
         bk = _Bucket(b, obs, out, now)
         h = hs[b - 1]
@@ -133,12 +118,9 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
     cs = _score(ests, cur)
     if cs is None or cur >= len(ests) or ests[cur].stale:
         return h
-    valid = [(x, k) for k, x in enumerate(e.score for e in ests) if x is not None and k <= cfg.max_depth]
-    best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
-    if best != cur and best_score >= cs * (1 + cfg.depth_margin):
-        step = cur + (1 if best > cur else -1)
-        if step > cur and obs.pressure != NORMAL:
-            return h  # under warn, no deeper drafts (more memory); lower is still fine
+    move = move_toward([e.score for e in ests], cur, cs, obs, cfg)  # none: _maybe_probe (waits under warn)
+    if move is not None:
+        best, best_score, step = move
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
         if ests[best].stale and best != step and _may_probe(h, bk, best, cfg):
             return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}")
@@ -203,18 +185,10 @@ def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, b
     if ran >= cfg.probe_s * cfg.probe_max_factor:
         return True
     at = h.probe_samples_at or (0, 0)
-
-    def new(k: int, start: int) -> int:
-        n = bk.samples(k)
-        return n - start if n >= start else n
-
-    n_p, n_b = new(probed, at[0]), new(back, at[1])
+    n_p, n_b = new_samples(bk.samples(probed), at[0]), new_samples(bk.samples(back), at[1])
     if ran >= cfg.probe_s and n_p >= cfg.cost_window and n_b >= cfg.cost_window:
         return True
-    sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
-    clear = 1 + 2 * cfg.depth_margin
-    return (n_p >= cfg.trust_samples and n_b >= cfg.trust_samples and sp is not None and sb is not None
-            and (sp >= sb * clear or sb >= sp * clear))  # fmt: skip
+    return clear_verdict(n_p, n_b, _score(bk.ests, probed), _score(bk.ests, back), cfg)
 
 
 def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
@@ -226,16 +200,15 @@ def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConf
     at = h.probe_samples_at or (0, 0)
     h = replace(h, **_NO_PROBE)
     sp, sb = _score(bk.ests, probed), _score(bk.ests, back)
-    deeper_under_warn = probed > back and obs.pressure != NORMAL
     # Only a measurement can win: a probe whose depth never ran (an engine that did not
     # draft it: a batch path without speculation) leaves a prior in its place, and a prior
     # is a reason to look, never to move.
-    got = bk.samples(probed) - at[0] if bk.samples(probed) >= at[0] else bk.samples(probed)
+    got = new_samples(bk.samples(probed), at[0])
     h = replace(h, unmeasured=probed if got == 0 else None)
     if got < cfg.trust_samples:
         return bk.emit(h, back, "height_probe_end", f"probed depth {probed} got {got} cycles (< {cfg.trust_samples}): "
                                                     f"not measured, back to {back}")  # fmt: skip
-    if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
+    if probed_depth_wins(probed, back, sp, sb, obs, cfg):
         return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay")
     return bk.emit(h, back, "height_probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} "
                                                 f"({_fmt(sb)})")  # fmt: skip

@@ -47,6 +47,7 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
+from .depth_rules import clear_verdict, forced_depth, move_toward, new_samples, probed_depth_wins
 from .height_policy import decide_heights, settled_depth
 from .types import (
     CRITICAL,
@@ -332,17 +333,9 @@ def _set_depth(s: State, out: _Out, now: float, k: int, decision: str, sentence:
 
 
 def _forced_depth(s: State, obs: Observation, cfg: GovernorConfig) -> tuple[int, str] | None:
-    usable = bool(s.head_target) and obs.head_resident
-    if s.override == "pin_depth" and s.pin_depth is not None:
-        k = min(s.pin_depth, cfg.max_depth)
-        if k == 0 or usable:
-            return k, f"operator pinned depth {k}"
-    if not usable:
-        return 0, "head not resident"
-    if s.override == "force_evict":
-        return 0, "operator override: force_evict"
-    if obs.pressure == CRITICAL:
-        return 0, "critical memory pressure"
+    forced = forced_depth(s, obs, cfg)
+    if forced is not None:
+        return (0 if forced[0] is None else forced[0]), forced[1]  # no usable head: serial
     if obs.active_streams >= cfg.batch_streams:
         return 0, f"{obs.active_streams} active streams: batch at depth 0"
     if s.depth > cfg.max_depth:
@@ -372,8 +365,7 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None, probe_samples_at=None,
                     probe_started_decode_s=None, head_trial=False)  # fmt: skip
         sp, sb = score(probed), score(back)
-        deeper_under_warn = probed > back and obs.pressure != NORMAL
-        if sp is not None and sb is not None and sp >= sb * (1 + cfg.depth_margin) and not deeper_under_warn:
+        if probed_depth_wins(probed, back, sp, sb, obs, cfg):
             s = replace(s, trial_failures=0) if trial else s
             return _end_probe(s, out, now, probed, f"{'trial: ' if trial else ''}probed depth {probed} scores "
                                                    f"{_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))  # fmt: skip
@@ -394,12 +386,9 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
     ests = obs.estimates
     if cs is None or cur >= len(ests) or ests[cur].stale:
         return s  # no fresh measurement of where we are (no traffic): nothing to judge by
-    valid = [(x, k) for k, x in enumerate(sc) if x is not None and k <= cfg.max_depth]
-    best_score, best = max(valid, key=lambda t: (t[0], -t[1]))  # ties go to the shallower depth
-    if best != cur and best_score >= cs * (1 + cfg.depth_margin):
-        step = cur + (1 if best > cur else -1)
-        if step > cur and obs.pressure != NORMAL:
-            return s  # under warn, no deeper drafts (more memory); lower is still fine
+    move = move_toward(sc, cur, cs, obs, cfg)  # none: _maybe_probe (waits under warn)
+    if move is not None:
+        best, best_score, step = move
         why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
         if ests[best].stale and best != step:
             # Measure the depth that looks best directly (paired with this one) rather than
@@ -445,18 +434,13 @@ def _probe_done(s: State, obs: Observation, cfg: GovernorConfig, probed: int, ba
     if s.probe_samples_at is None:
         return True
 
-    def new(k: int, at: int) -> int:
-        n = _samples(obs, k)
-        return n - at if n >= at else n
-
-    n_p, n_b = new(probed, s.probe_samples_at[0]), new(back, s.probe_samples_at[1])
+    n_p = new_samples(_samples(obs, probed), s.probe_samples_at[0])
+    n_b = new_samples(_samples(obs, back), s.probe_samples_at[1])
     if n_p >= cfg.cost_window and n_b >= cfg.cost_window:
         return True
     sc = _scores(obs)
     sp, sb = (sc[probed] if probed < len(sc) else None), (sc[back] if back < len(sc) else None)
-    clear = 1 + 2 * cfg.depth_margin
-    return (n_p >= cfg.trust_samples and n_b >= cfg.trust_samples and sp is not None and sb is not None
-            and (sp >= sb * clear or sb >= sp * clear))  # fmt: skip
+    return clear_verdict(n_p, n_b, sp, sb, cfg)
 
 
 def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
