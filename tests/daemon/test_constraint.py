@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 
 import pytest
 
@@ -28,14 +27,9 @@ from daemon.engine.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "color": {"enum": ["red", "green", "blue"]}},
-          "required": ["name", "age", "color"], "additionalProperties": False}
-REGEX = r"(def|class) [a-z_]+\(\)\n"
-LARK = 'start: line line?\nline: "x = " NUM "\\n"\nNUM: /[0-9]{1,4}/'
-CASES = [("json_schema", json.dumps(SCHEMA)), ("json_object", ""), ("regex", REGEX), ("lark", LARK)]
+from constraint_cases import CASES as CONSTRAINTS, check_output  # noqa: E402
+
+CASES = list(CONSTRAINTS.items())  # (kind, value)
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\ndef main():\n"]
 
 
@@ -55,21 +49,6 @@ def text_of(lm, tokens):
     """The output up to its first EOS, and whether there was one."""
     cut = next((i for i, t in enumerate(tokens) if t in lm.eos_token_ids), None)
     return lm.tokenizer.decode(tokens[:cut] if cut is not None else tokens), cut is not None
-
-
-def check_output(kind, text):
-    """The output is what the constraint asked for (the decode ended at the grammar's end)."""
-    if kind == "json_schema":
-        obj = json.loads(text)
-        assert set(obj) == {"name", "age", "color"}, obj
-        assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120
-        assert obj["color"] in ("red", "green", "blue") and len(obj["name"]) <= 12
-    elif kind == "json_object":
-        assert isinstance(json.loads(text), dict)
-    elif kind == "regex":
-        assert re.fullmatch(REGEX, text), text
-    else:
-        assert re.fullmatch(r"(x = [0-9]{1,4}\n){1,2}", text), text
 
 
 def decode(gen, n, constraint=None):

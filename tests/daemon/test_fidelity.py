@@ -5,16 +5,17 @@ from __future__ import annotations
 import json
 import re
 
-import mlx.core as mx
 import pytest
 
 from daemon.measure.fidelity import (ArmResult, FidelityReport, _serial_tokens, chi2_sf, distribution_test, load_prompts,
                                      main, run_fidelity_gate)
 from daemon.measure.fidelity_batch import run_batched_arms
 from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
+from daemon.engine.mtp_head import load_mtp_head
 from daemon.engine.types import SamplingParams
 from daemon.paths import BUNDLED_MODEL
+
+from model_helpers import make_copy_head
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +25,7 @@ def lm(random_model_path):
 
 @pytest.fixture(scope="module")
 def copy_head(lm, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("copyhead-fid")
-    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
-    return load_mtp_head(lm, folder=folder)
+    return make_copy_head(lm, tmp_path_factory.mktemp("copyhead-fid"))
 
 
 def test_chi2_tail_approximation():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import mlx.core as mx
 import pytest
 
 from daemon.engine.lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
@@ -56,11 +55,11 @@ def test_draft_stop_weighs_confidence_by_running_acceptance():
 # -- inside speculative_decode ----------------------------------------------------------------
 
 from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
+from model_helpers import make_copy_head  # noqa: E402
 
 QUOTING = "def f(a, b):\n    total = a + b\n    return total\n\ndef f(a, b):\n"
 
@@ -72,9 +71,7 @@ def lm(random_model_path):
 
 @pytest.fixture(scope="module")
 def copy_head(lm, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("copyhead-lookup")
-    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
-    return load_mtp_head(lm, folder=folder)
+    return make_copy_head(lm, tmp_path_factory.mktemp("copyhead-lookup"))
 
 
 def _serial(lm, prompt, n):

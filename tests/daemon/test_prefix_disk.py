@@ -12,12 +12,13 @@ import mlx.core as mx
 import pytest
 
 from daemon.engine import prefix_disk
-from daemon.engine.prefill import ChunkedPrefill
 from daemon.engine.prefix_cache import PrefixCache
 from daemon.engine.sampling import Sampler
 from daemon.engine.serial import serial_decode
 from daemon.engine.types import SamplingParams
 from daemon.logs import get_logger
+
+from model_helpers import next_logits, prefilled
 
 LOG = get_logger("test.prefix_disk")
 
@@ -27,17 +28,6 @@ def lm(random_model_path):
     from daemon.engine.loading import load_model
 
     return load_model(random_model_path, compile_decode=False)
-
-
-def _prefilled(lm, tokens: list[int], chunk: int = 16):
-    pre = ChunkedPrefill(lm, tokens + [1], chunk, lm.make_cache())
-    while not pre.done:
-        pre.step()
-    return pre.cache
-
-
-def _logits(lm, cache, token: int) -> mx.array:
-    return lm.logits(lm.hidden(mx.array([[token]], dtype=mx.uint32), cache))[0, -1]
 
 
 def _tier(root: Path, **kw) -> prefix_disk.DiskTier:
@@ -56,16 +46,16 @@ def _prompt(seed: int, n: int = 70) -> list[int]:
 def test_a_file_read_back_continues_as_the_live_cache(lm, tmp_path):
     prompt = _prompt(0)
     pc = _cache(lm, tmp_path)
-    live = _prefilled(lm, prompt[:48])
+    live = prefilled(lm, prompt[:48], 16)
     assert pc.store(prompt[:48], live, None) is not None
     pc.disk.flush()
     assert pc.disk.stats()["files"] == 1
-    ref = _logits(lm, live, prompt[48])
+    ref = next_logits(lm, live, prompt[48])
     fresh = _cache(lm, tmp_path)  # a restarted daemon: nothing in RAM
     snap, n = fresh.lookup(prompt, want_head=False)
     assert n == 48 and fresh.disk_hits == 1
     cache, _ = fresh.restore(snap, prompt[48], head=None)
-    assert mx.array_equal(_logits(lm, cache, prompt[48]), ref).item()
+    assert mx.array_equal(next_logits(lm, cache, prompt[48]), ref).item()
     assert fresh.lookup(prompt, want_head=True) == (None, 0)  # no head history was stored
 
 
@@ -84,17 +74,17 @@ def _damage(path: Path, how: str) -> None:
 def test_a_bad_file_is_a_miss_and_is_deleted(lm, tmp_path, how):
     prompt = _prompt(1)
     pc = _cache(lm, tmp_path)
-    pc.store(prompt[:32], _prefilled(lm, prompt[:32]), None)
+    pc.store(prompt[:32], prefilled(lm, prompt[:32], 16), None)
     pc.disk.flush()
     (path,) = list((tmp_path / "fp").glob("*.snap"))
     if how == "foreign":  # a whole, valid file of another configuration
         other = tmp_path / "other"
         pc2 = PrefixCache(1 << 30, 16, make_cache=lm.make_cache, disk=prefix_disk.DiskTier(tmp_path, "other", 1 << 30, LOG))
-        pc2.store(prompt[:32], _prefilled(lm, prompt[:32]), None)
+        pc2.store(prompt[:32], prefilled(lm, prompt[:32], 16), None)
         pc2.disk.flush()
         path.write_bytes(next(other.glob("*.snap")).read_bytes())
     elif how == "mislabelled":  # a whole file of this configuration under another prefix's name
-        pc.store(_prompt(2)[:32], _prefilled(lm, _prompt(2)[:32]), None)
+        pc.store(_prompt(2)[:32], prefilled(lm, _prompt(2)[:32], 16), None)
         pc.disk.flush()
         src = next(p for p in (tmp_path / "fp").glob("*.snap") if p != path)
         path.write_bytes(src.read_bytes())
@@ -108,12 +98,12 @@ def test_a_bad_file_is_a_miss_and_is_deleted(lm, tmp_path, how):
 def test_the_disk_budget_and_the_free_space_floor(lm, tmp_path):
     prompts = [_prompt(10 + i) for i in range(3)]
     probe = _cache(lm, tmp_path / "probe")
-    probe.store(prompts[0][:32], _prefilled(lm, prompts[0][:32]), None)
+    probe.store(prompts[0][:32], prefilled(lm, prompts[0][:32], 16), None)
     probe.disk.flush()
     one = probe.disk.stats()["bytes"]
     pc = _cache(lm, tmp_path / "budget", max_bytes=int(2.5 * one))
     for p in prompts:
-        pc.store(p[:32], _prefilled(lm, p[:32]), None)
+        pc.store(p[:32], prefilled(lm, p[:32], 16), None)
         pc.disk.flush()
     st = pc.disk.stats()
     assert st["files"] == 2 and st["bytes"] <= 2.5 * one and st["evicted"] == 1
@@ -121,7 +111,7 @@ def test_the_disk_budget_and_the_free_space_floor(lm, tmp_path):
     assert pc.lookup(prompts[0], want_head=False)[1] == 0  # the oldest file went
     assert pc.lookup(prompts[2], want_head=False)[1] == 32
     full = _cache(lm, tmp_path / "full", min_free_bytes=1 << 62)  # more than any disk has free
-    full.store(prompts[0][:32], _prefilled(lm, prompts[0][:32]), None)
+    full.store(prompts[0][:32], prefilled(lm, prompts[0][:32], 16), None)
     full.disk.flush()
     assert full.disk.stats()["files"] == 0 and full.disk.stats()["skipped"] == 1
     assert full.lookup(prompts[0], want_head=False)[1] == 32  # RAM still serves
@@ -129,7 +119,7 @@ def test_the_disk_budget_and_the_free_space_floor(lm, tmp_path):
 
 def test_a_continuation_is_the_decoders_cache_and_drop_forgets_it(lm, tmp_path):
     prompt = _prompt(20, 40)
-    cache = _prefilled(lm, prompt[:-1])
+    cache = prefilled(lm, prompt[:-1], 16)
     gen = serial_decode(lm, [prompt[-1]], Sampler(SamplingParams()), cache=cache)
     out = [next(gen).tokens[0] for _ in range(6)]
     gen.close()
@@ -143,7 +133,7 @@ def test_a_continuation_is_the_decoders_cache_and_drop_forgets_it(lm, tmp_path):
     assert n == len(prompt) + len(out)
     # What it holds is what the decoder's cache held: the next token's logits agree.
     restored, _ = pc.restore(got, nxt[n], head=None)
-    assert mx.array_equal(_logits(lm, restored, nxt[n]), _logits(lm, cache, nxt[n])).item()
+    assert mx.array_equal(next_logits(lm, restored, nxt[n]), next_logits(lm, cache, nxt[n])).item()
     pc.disk.flush()
     assert pc.disk.stats()["files"] == 1 and pc.pinned["s1"][0] == n
     assert pc.forget_seat("s1") == (1, snap.nbytes)

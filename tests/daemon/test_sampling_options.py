@@ -10,11 +10,12 @@ import pytest
 
 from daemon.measure.fidelity import PROCESSORS, run_fidelity_gate
 from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.sampling import Sampler
 from daemon.engine.serial import serial_decode
 from daemon.engine.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
+
+from model_helpers import make_copy_head
 
 PROMPT = "def load(path):\n    with open(path) as f:"
 
@@ -28,9 +29,7 @@ def lm(random_model_path):
 def copy_head(lm, tmp_path_factory):
     """A head that drafts what the base model would say, so drafts are accepted and the
     processors' per-row history (committed + earlier drafts) is exercised."""
-    folder = tmp_path_factory.mktemp("copyhead-opts")
-    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
-    return load_mtp_head(lm, folder=folder)
+    return make_copy_head(lm, tmp_path_factory.mktemp("copyhead-opts"))
 
 
 def serial_steps(lm, prompt, n, params):

@@ -16,6 +16,8 @@ from daemon.engine.serial import serial_decode
 from daemon.engine.speculative import HeadHistory, speculative_decode
 from daemon.engine.types import SamplingParams
 
+from model_helpers import make_copy_head
+
 PROMPTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x"]
 
 
@@ -31,9 +33,7 @@ def head(lm):
 
 @pytest.fixture(scope="module")
 def copy_head(lm, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("copyhead")
-    mx.save_safetensors(str(folder / "mtp.safetensors"), copy_head_tensors(lm.config["text_config"]), metadata={"format": "pt"})
-    return load_mtp_head(lm, folder=folder)
+    return make_copy_head(lm, tmp_path_factory.mktemp("copyhead"))
 
 
 def serial(lm, prompt, n, params=SamplingParams()):

@@ -5,7 +5,6 @@ fast, batched rows), refusals, and max_tokens inside a grammar."""
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 
@@ -14,16 +13,9 @@ from protocol import encode, messages as m
 from protocol.client import Client
 from protocol.codec import decode_daemon
 
+from constraint_cases import CASES, check_output
 from e2e_harness import start_daemon
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "color": {"enum": ["red", "green", "blue"]}},
-          "required": ["name", "age", "color"], "additionalProperties": False}
-REGEX = r"(def|class) [a-z_]+\(\)\n"
-LARK = 'start: line line?\nline: "x = " NUM "\\n"\nNUM: /[0-9]{1,4}/'
-CASES = {"json_schema": json.dumps(SCHEMA), "json_object": "", "regex": REGEX, "lark": LARK}
 PROMPT = "def fibonacci(n):\n"
 
 
@@ -52,21 +44,8 @@ def check_done(kind: str, text: str, before: list, done, sampled: bool) -> None:
         check_prefix(kind, tokens_of(before))
         return
     assert done.finish_reason == "stop", done
-    check(kind, text)
+    check_output(kind, text)
     check_prefix(kind, tokens_of(before))
-
-
-def check(kind: str, text: str) -> None:
-    if kind == "json_schema":
-        obj = json.loads(text)
-        assert set(obj) == {"name", "age", "color"} and isinstance(obj["age"], int), obj
-        assert 0 <= obj["age"] <= 120 and obj["color"] in ("red", "green", "blue") and len(obj["name"]) <= 12
-    elif kind == "json_object":
-        assert isinstance(json.loads(text), dict), text
-    elif kind == "regex":
-        assert re.fullmatch(REGEX, text), text
-    else:
-        assert re.fullmatch(r"(x = [0-9]{1,4}\n){1,2}", text), text
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +123,7 @@ def test_four_concurrent_constrained_requests_batch(daemon):
         text, _, done = got[f"batch-{k}"]
         assert isinstance(done, m.Done) and done.finish_reason == "stop", done
         assert text == alone[k]
-        check(k, text)
+        check_output(k, text)
     text, before, done = got["batch-sampled"]
     check_done("json_schema", text, before, done, sampled=True)
 
@@ -162,7 +141,7 @@ def test_unsupported_schema_is_refused_and_the_daemon_keeps_serving(daemon):
     assert isinstance(err, m.Error) and err.code == "invalid_request" and "regex" in err.message
     text, _, done = run_one(daemon, request("after-bad", "regex", speculation="exact"))
     assert isinstance(done, m.Done) and done.finish_reason == "stop"
-    check("regex", text)
+    check_output("regex", text)
 
 
 def test_max_tokens_inside_the_grammar_ends_with_length_and_a_prefix(daemon):
