@@ -4,8 +4,9 @@ read back (daemon/probe_verdicts.py), interleaved ABAB over rounds.
     .venv/bin/python bench/startup_bench.py --rounds 4 --json bench/results/startup_cpu.json
 
 Each start is `councild serve` on the bundled model (the test suite's daemon), timed from
-the process start to the first answered status; the daemon's own `speculation.exactness` and
-`batch.ready` events give the probes' share (`probe_ms`). Prints a markdown table; the JSON
+the process start to the first answered status; the daemon's own `speculation.exactness`,
+`batch.ready` and `prefix_cache.ready` (the chunk-split probe) events give the probes' share
+(`probe_ms`). Prints a markdown table; the JSON
 holds every sample and the load average at each.
 """
 
@@ -34,7 +35,8 @@ def one_start(work: Path, cache: Path) -> dict:
     d = start_daemon(work, BUNDLED_MODEL, env={"COUNCILD_CACHE_DIR": str(cache)})
     ready = time.perf_counter() - t0
     code = d.stop()
-    events = {e["event"]: e for e in d.events() if e["event"] in ("speculation.exactness", "batch.ready")}
+    events = {e["event"]: e for e in d.events()
+              if e["event"] in ("speculation.exactness", "batch.ready", "prefix_cache.ready")}
     return {"ready_s": ready, "exit": code, "loadavg": os.getloadavg()[0],
             **{f"{k}_probe_ms": e.get("probe_ms") for k, e in events.items()},
             **{f"{k}_verdict": e.get("verdict") for k, e in events.items()}}
@@ -64,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     res = {"rounds": args.rounds, "model": str(BUNDLED_MODEL), "platform": platform.platform(),
            "arms": {a: {"ready_s": spread([s["ready_s"] for s in v]), "samples": v} for a, v in arms.items()},
            "cached_over_probed": spread(ratio), "command": " ".join(["bench/startup_bench.py", *(argv or sys.argv[1:])])}
-    lines = ["| arm | start to ready, s: median (min-max) | exactness probe ms (median) | batch probe ms (median) |",
-             "|---|---|---|---|"]
+    lines = ["| arm | start to ready, s: median (min-max) | exactness probe ms (median) | batch probe ms (median) "
+             "| chunk-split probe ms (median) |", "|---|---|---|---|---|"]
     for a, v in arms.items():
         r = res["arms"][a]["ready_s"]
         ex = statistics.median(s.get("speculation.exactness_probe_ms") or 0 for s in v)
         ba = statistics.median(s.get("batch.ready_probe_ms") or 0 for s in v)
-        lines.append(f"| {a} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | {ex:.0f} | {ba:.0f} |")
+        sp = statistics.median(s.get("prefix_cache.ready_probe_ms") or 0 for s in v)
+        lines.append(f"| {a} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | {ex:.0f} | {ba:.0f} | {sp:.0f} |")
     c = res["cached_over_probed"]
     lines += ["", f"cached / probed, paired per round: {c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f}); "
               f"load average {min(s['loadavg'] for v in arms.values() for s in v):.1f}-"
