@@ -16,17 +16,18 @@ element in an order fixed by the input dimension alone: one warp per output colu
 lane a fixed share of K, then a fixed butterfly. MLX's own matmul on the H200 gives a row
 other bits at M = 2..16 than at M = 1 even at the bundled model's shapes (768x256, 512x256).
 
-``invariant_sdpa`` computes one query's attention with one warp (one SIMD group on Metal):
-the lanes split the head dimension, and the keys are visited one at a time in their cache
-order, skipping every key the mask hides (left padding, holes punched by a rejected verify,
-future positions). Each visit is a dot product summed by a fixed butterfly of shuffles
+``invariant_sdpa`` computes one query's attention in chunks of its visible keys, one warp
+(one SIMD group on Metal) per chunk: the lanes split the head dimension, and the chunk's keys
+are visited one at a time in their cache order, skipping every key the mask hides (left
+padding, holes punched by a rejected verify, future positions); the chunks are merged in
+order. Each visit is a dot product summed by a fixed butterfly of shuffles
 (commutative at every step, so every lane holds the same sum), then an online-softmax update
 in float32. A row's keys are thus reduced in the same order, with the same operations,
 whether the row is alone or one of 16, whether the forward holds 1 position or 8, wherever
-its keys sit in the batch's buffer. It is slower than MLX's fused attention for long
-contexts (no parallelism across keys), which is the price of the promise; it is used only
+its keys sit in the batch's buffer. It is slower than MLX's fused attention (no tensor
+cores, a key at a time within a chunk), which is the price of the promise; it is used only
 where a start-up probe (exactness.py) proves MLX's own path is not invariant and this one
-is, and ``engine.invariant_attention`` in status says so.
+is (``engine.kernels`` in the log and ``kernels`` in status say so).
 
 On the CPU there is no custom-kernel backend; there MLX's attention is already invariant
 (every class of the probes is one), so this path is never selected. ``reference_sdpa`` is
@@ -42,32 +43,70 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
-_CUDA_SOURCE = """
+# Keys are split into chunks of CHUNK *visible* keys (by their rank among the keys the query
+# may see, not by their slot), so a query's chunks are the same whether its row is alone,
+# padded, holed or one of many: one warp per (query, chunk) runs the online softmax over its
+# chunk's keys in cache order, and a second kernel merges the chunks' partials in chunk
+# order, skipping empty ones (a padded batch has more, all empty). Every step of that is the
+# same arithmetic for the same query, whatever shares its forward.
+CHUNK = 128
+
+_CUDA_PARTIAL = """
     constexpr int DPL = D / 32;
     const int lane = threadIdx.x;
-    const int row = blockIdx.y;                 // (b * Hq + h) * Tq + t
     const int Hq = q_shape[1], Tq = q_shape[2];
     const int Hk = k_shape[1], L = k_shape[2];
+    const int NC = (L + CH - 1) / CH;
+    const int qc = blockIdx.y;                  // query * NC + chunk
+    const int row = qc / NC, c = qc % NC;        // row = (b * Hq + h) * Tq + t
     const int t = row % Tq, bh = row / Tq, h = bh % Hq, b = bh / Hq;
     const int hk = h / (Hq / Hk);
     const T* qp = q + (size_t)row * D + lane * DPL;
     const T* kp = k + (size_t)(b * Hk + hk) * L * D + lane * DPL;
     const T* vp = v + (size_t)(b * Hk + hk) * L * D + lane * DPL;
     const bool* ok = valid + ((size_t)b * Tq + t) * L;
+    const int* rk = rank + ((size_t)b * Tq + t) * L;  // visible keys up to and including j
+    const int lo = c * CH;
+    int a0 = 0, a1 = L;                          // the first slot whose rank passes lo
+    while (a0 < a1) { const int mid = (a0 + a1) >> 1; if (rk[mid] > lo) a1 = mid; else a0 = mid + 1; }
     const float sc = scale[0];
     float qr[DPL], acc[DPL];
     for (int i = 0; i < DPL; ++i) { qr[i] = static_cast<float>(qp[i]) * sc; acc[i] = 0.0f; }
     float m = __int_as_float(0xff800000), l = 0.0f;  // -inf
-    for (int j = 0; j < L; ++j) {
+    for (int j = a0; j < L; ++j) {
         if (!ok[j]) continue;
+        if (rk[j] > lo + CH) break;
         float s = 0.0f;
         for (int i = 0; i < DPL; ++i) s += qr[i] * static_cast<float>(kp[(size_t)j * D + i]);
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
         const float mn = fmaxf(m, s);
-        const float c = expf(m - mn);
+        const float cr = expf(m - mn);
         const float p = expf(s - mn);
-        l = l * c + p;
-        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * c + p * static_cast<float>(vp[(size_t)j * D + i]);
+        l = l * cr + p;
+        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * cr + p * static_cast<float>(vp[(size_t)j * D + i]);
+        m = mn;
+    }
+    if (lane == 0) { part_m[qc] = m; part_l[qc] = l; }
+    float* ap = part_acc + (size_t)qc * D + lane * DPL;
+    for (int i = 0; i < DPL; ++i) ap[i] = acc[i];
+"""
+
+_CUDA_MERGE = """
+    constexpr int DPL = D / 32;
+    const int lane = threadIdx.x;
+    const int row = blockIdx.y;
+    const int NC = pl_shape[1];
+    float m = __int_as_float(0xff800000), l = 0.0f, acc[DPL];
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+    for (int c = 0; c < NC; ++c) {
+        const float lc = pl[(size_t)row * NC + c];
+        if (lc == 0.0f) continue;               // an empty chunk: no arithmetic at all
+        const float mc = pm[(size_t)row * NC + c];
+        const float mn = fmaxf(m, mc);
+        const float a = expf(m - mn), bb = expf(mc - mn);
+        l = l * a + lc * bb;
+        const float* ap = pa + ((size_t)row * NC + c) * D + lane * DPL;
+        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * a + ap[i] * bb;
         m = mn;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -75,35 +114,65 @@ _CUDA_SOURCE = """
     for (int i = 0; i < DPL; ++i) op[i] = static_cast<T>(acc[i] * inv);
 """
 
-# The same kernel for Metal (Apple GPUs run 32-wide SIMD groups). Written and reviewed
-# against the CUDA one; it has not run on Metal hardware from this project's machines, so
-# the start-up probe guards it like every other path.
-_METAL_SOURCE = """
+# The same kernels for Metal (Apple GPUs run 32-wide SIMD groups). Written and reviewed
+# against the CUDA ones; they have not run on Metal hardware from this project's machines,
+# so the start-up probe guards them like every other path.
+_METAL_PARTIAL = """
     constexpr int DPL = D / 32;
-    const uint lane = thread_position_in_threadgroup.x;
-    const int row = int(thread_position_in_grid.y);
+    const uint lane = thread_index_in_simdgroup;
     const int Hq = q_shape[1], Tq = q_shape[2];
     const int Hk = k_shape[1], L = k_shape[2];
+    const int NC = (L + CH - 1) / CH;
+    const int qc = int(thread_position_in_grid.y);
+    const int row = qc / NC, c = qc % NC;
     const int t = row % Tq, bh = row / Tq, h = bh % Hq, b = bh / Hq;
     const int hk = h / (Hq / Hk);
     const device T* qp = q + size_t(row) * D + lane * DPL;
     const device T* kp = k + size_t(b * Hk + hk) * L * D + lane * DPL;
     const device T* vp = v + size_t(b * Hk + hk) * L * D + lane * DPL;
     const device bool* ok = valid + (size_t(b) * Tq + t) * L;
+    const device int* rk = rank + (size_t(b) * Tq + t) * L;
+    const int lo = c * CH;
+    int a0 = 0, a1 = L;
+    while (a0 < a1) { const int mid = (a0 + a1) >> 1; if (rk[mid] > lo) a1 = mid; else a0 = mid + 1; }
     const float sc = scale[0];
     float qr[DPL], acc[DPL];
     for (int i = 0; i < DPL; ++i) { qr[i] = float(qp[i]) * sc; acc[i] = 0.0f; }
     float m = -INFINITY, l = 0.0f;
-    for (int j = 0; j < L; ++j) {
+    for (int j = a0; j < L; ++j) {
         if (!ok[j]) continue;
+        if (rk[j] > lo + CH) break;
         float s = 0.0f;
         for (int i = 0; i < DPL; ++i) s += qr[i] * float(kp[size_t(j) * D + i]);
         for (ushort off = 16; off > 0; off >>= 1) s += simd_shuffle_xor(s, off);
         const float mn = fmax(m, s);
-        const float c = metal::exp(m - mn);
+        const float cr = metal::exp(m - mn);
         const float p = metal::exp(s - mn);
-        l = l * c + p;
-        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * c + p * float(vp[size_t(j) * D + i]);
+        l = l * cr + p;
+        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * cr + p * float(vp[size_t(j) * D + i]);
+        m = mn;
+    }
+    if (lane == 0) { part_m[qc] = m; part_l[qc] = l; }
+    device float* ap = part_acc + size_t(qc) * D + lane * DPL;
+    for (int i = 0; i < DPL; ++i) ap[i] = acc[i];
+"""
+
+_METAL_MERGE = """
+    constexpr int DPL = D / 32;
+    const uint lane = thread_index_in_simdgroup;
+    const int row = int(thread_position_in_grid.y);
+    const int NC = pl_shape[1];
+    float m = -INFINITY, l = 0.0f, acc[DPL];
+    for (int i = 0; i < DPL; ++i) acc[i] = 0.0f;
+    for (int c = 0; c < NC; ++c) {
+        const float lc = pl[size_t(row) * NC + c];
+        if (lc == 0.0f) continue;
+        const float mc = pm[size_t(row) * NC + c];
+        const float mn = fmax(m, mc);
+        const float a = metal::exp(m - mn), bb = metal::exp(mc - mn);
+        l = l * a + lc * bb;
+        const device float* ap = pa + (size_t(row) * NC + c) * D + lane * DPL;
+        for (int i = 0; i < DPL; ++i) acc[i] = acc[i] * a + ap[i] * bb;
         m = mn;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -206,14 +275,16 @@ def backend() -> str | None:
     return _backend[0]
 
 
-def _get_kernel():
+def _get_kernels():
     global _kernel
     if _kernel is None:
-        names = dict(input_names=["q", "k", "v", "valid", "scale"], output_names=["out"])
+        part = dict(name="councild_invariant_sdpa_part", input_names=["q", "k", "v", "valid", "rank", "scale"],
+                    output_names=["part_m", "part_l", "part_acc"])
+        merge = dict(name="councild_invariant_sdpa_merge", input_names=["pm", "pl", "pa"], output_names=["out"])
         if backend() == "metal":
-            _kernel = mx.fast.metal_kernel(name="councild_invariant_sdpa", source=_METAL_SOURCE, **names)
+            _kernel = (mx.fast.metal_kernel(source=_METAL_PARTIAL, **part), mx.fast.metal_kernel(source=_METAL_MERGE, **merge))
         else:
-            _kernel = mx.fast.cuda_kernel(name="councild_invariant_sdpa", source=_CUDA_SOURCE, **names)
+            _kernel = (mx.fast.cuda_kernel(source=_CUDA_PARTIAL, **part), mx.fast.cuda_kernel(source=_CUDA_MERGE, **merge))
     return _kernel
 
 
@@ -278,7 +349,8 @@ def visible_keys(mask: Any, B: int, T: int, L: int) -> mx.array:
 
 def invariant_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
     """Attention of queries [B, Hq, T, D] over keys/values [B, Hk, L, D] (Hq a multiple of
-    Hk, D a multiple of 32), every query reduced in its keys' order by one warp."""
+    Hk, D a multiple of 32), every query reduced over its visible keys in fixed chunks and a
+    fixed order (see CHUNK)."""
     if backend() is None:
         return reference_sdpa(queries, keys, values, scale, mask)
     B, Hq, T, D = queries.shape
@@ -286,11 +358,22 @@ def invariant_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     if D % 32:
         raise ValueError(f"invariant attention needs a head dimension divisible by 32, got {D}")
     valid = visible_keys(mask, B, T, L)
+    rank = mx.cumsum(valid.astype(mx.int32), axis=-1)  # visible keys up to each slot
     scale_arr = mx.array([scale], dtype=mx.float32)
-    (out,) = _get_kernel()(
-        inputs=[queries, keys, values, valid, scale_arr],
+    NQ, NC = B * Hq * T, -(-L // CHUNK)
+    partial, merge = _get_kernels()
+    pm, pl, pa = partial(
+        inputs=[queries, keys, values, valid, rank, scale_arr],
+        template=[("T", queries.dtype), ("D", D), ("CH", CHUNK)],
+        grid=(32, NQ * NC, 1),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(NQ, NC), (NQ, NC), (NQ, NC, D)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
+    )
+    (out,) = merge(
+        inputs=[pm, pl, pa],
         template=[("T", queries.dtype), ("D", D)],
-        grid=(32, B * Hq * T, 1),
+        grid=(32, NQ, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[queries.shape],
         output_dtypes=[queries.dtype],
