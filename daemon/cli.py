@@ -277,7 +277,9 @@ def _decoding(d: dict) -> str:
     exact = {"speculate": "exact requests speculate (verify is bit-identical to serial here)",
              "serial": "exact greedy requests decode serially (verify rounds unlike serial here)",
              "guarded": "exact requests speculate with the near-tie guard (verify rounds unlike serial here)"}
-    return f"{d.get('decode_path') or '?'}; " + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}")
+    kernels = (d.get("kernels") or {}).get("name", "mlx")
+    return (f"{d.get('decode_path') or '?'}, {kernels} kernels; "
+            + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}"))
 
 
 def _clients(d: dict) -> str:

@@ -203,6 +203,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
+    # The kernels the model's forward runs through (daemon/kernel_choice.py). "auto": MLX's
+    # where the start-up probes prove a row's logits independent of the rows and positions
+    # beside it (CPU), else councild's invariant kernels (engine/invariant.py: fixed-order
+    # matmul and attention, CUDA and Metal) where the probes prove those, so exact rows batch
+    # and speculate; else MLX's, and exact rows decode alone. "mlx": never the invariant
+    # kernels (they are slower: the price of the promise). "invariant": always try them.
+    kernels: Literal["auto", "mlx", "invariant"] = "auto"
     # Before the daemon answers a Ping (ready), run the shapes it will serve: a prefill chunk
     # and a short remainder, decode steps, every speculative depth, every batch height.
     # The first council round after start-up then costs what the tenth does (on a GPU the
@@ -236,6 +243,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # steps (as MLX on CUDA does), so the CPU test suite can exercise
     # speculation.exact_on_inexact_backend through a real daemon.
     debug_inexact_verify: bool = False
+    # Test-only, OFF unless set: the invariant kernels scale every multi-row matmul's output
+    # by (1 + 2**-6), so their start-up probe must fail and refuse them (kernel_choice.py).
+    debug_perturb_invariant_batch: bool = False
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)

@@ -11,7 +11,8 @@ longer on a big model. Their answer depends only on the code that computes the f
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
 engine's source (a development tree changes code without changing its version), the
-device, the model's parameter dtypes, decode and prefill paths, and the model's content
+device, the model's parameter dtypes, decode and prefill paths, the kernels the forward
+runs through (MLX's or the invariant ones, engine/invariant.py), and the model's content
 hash (profile.model_hash). Any change to one of them is another file, so a stale verdict
 is never read.
 
@@ -54,7 +55,7 @@ def verdict_key(lm) -> dict:
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
     return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
             "device": current_device(), "dtypes": dtypes, "decode_path": lm.decode_path,
-            "chunked_prefill": bool(lm.chunked_prefill), "model_hash": model_hash(lm.path)}
+            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
 
 
 class ProbeVerdicts:

@@ -46,6 +46,7 @@ class EngineStartup:
         from .probe_verdicts import verdicts_for
 
         self.verdicts = verdicts_for(self.lm, self.group)
+        self._choose_kernels()
         if self.slot.available:
             self._probe_exactness()
         self.batch = None
@@ -165,6 +166,25 @@ class EngineStartup:
                  seconds=round(seconds, 2))
         if self.hooks is not None and hasattr(self.hooks, "on_load_progress"):
             self.hooks.on_load_progress(percent)
+
+    def _choose_kernels(self) -> None:
+        """MLX's kernels or the invariant ones (kernel_choice.py), before the exactness
+        probes, which then answer for the kernels chosen."""
+        from .engine import invariant
+        from .engine.speculative import resolve_rollback
+        from .kernel_choice import choose_kernels, log_choice
+
+        invariant.PERTURB_BATCHED = self.cfg.debug_perturb_invariant_batch
+        spec = self.cfg.speculation
+        ragged = self.cfg.scheduler.batching and spec.in_batch and spec.mode != "off" and self.slot.available
+        choice = choose_kernels(self.lm, self.cfg.kernels, rollback=resolve_rollback(spec.rollback),
+                                rows=self.cfg.scheduler.max_active, ragged=ragged,
+                                compile_decode=self.cfg.compile_decode, group=self.group)
+        self.verdicts = choice.verdicts
+        log_choice(choice, invariant.backend())
+        with self.snapshot_lock:
+            self.snapshot.kernels = choice.kernels
+            self.snapshot.kernels_reason = choice.reason
 
     def _probe_exactness(self) -> None:
         """Whether a verify reproduces serial decode bit for bit on this backend, and so

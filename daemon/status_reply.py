@@ -50,6 +50,7 @@ class StatusReplies:
                 "head_resident": snap.head_resident,
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,
+                "kernels": {"name": snap.kernels, "reason": snap.kernels_reason},
                 "decode_path": snap.decode_path,
                 "depth": snap.depth,
                 "in_flight": len(self.live),

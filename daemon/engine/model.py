@@ -39,6 +39,9 @@ class LoadedModel:
     # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
     # instead of token by token; load_model turns it on on CUDA (chunked_prefill.default_enabled).
     chunked_prefill: bool = False
+    # "mlx", or "invariant" once invariant.install swapped the forward's kernels (the daemon's
+    # kernel choice, kernel_choice.py); the probes' cached verdicts are keyed by it.
+    kernels: str = "mlx"
 
     @property
     def name(self) -> str:

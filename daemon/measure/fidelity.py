@@ -56,6 +56,7 @@ from ..engine.serial import serial_decode
 from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from ..engine.types import SamplingParams
 from ..head_acceptance import PROMPTS_FILE, load_prompts  # the fixed suite, shared with the pull check
+from ..kernel_choice import choose_kernels
 from .fidelity_batch import run_batched_arms
 from .progress import Progress, Quiet
 
@@ -532,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batched", default="2,4,8",
                     help="batch heights of the batched arms (rows speculating together in the continuous batch); "
                          "'' skips them")
+    ap.add_argument("--kernels", choices=("auto", "mlx", "invariant"), default="auto",
+                    help="the forward's kernels, chosen as the daemon chooses them (kernel_choice.py): "
+                         "auto keeps MLX's where the probes prove them invariant, else tries the invariant ones")
     ap.add_argument("--batched-only", action="store_true",
                     help="run only the batched arms (no solo arms, deviation or temperature>0 tests)")
     args = ap.parse_args(argv)
@@ -542,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path, compile_decode=args.compile)
+    choice = choose_kernels(lm, args.kernels, rollback=resolve_rollback(args.rollback),
+                            rows=max([1] + [int(b) for b in args.batched.split(",") if b]), ragged=bool(args.batched),
+                            compile_decode=args.compile)
+    print(f"kernels: {choice.kernels} ({choice.reason})", file=sys.stderr)
     print(f"decode path: {lm.decode_path}", file=sys.stderr)
     try:
         head = load_mtp_head(lm)

@@ -1,0 +1,159 @@
+"""Batched speculation at the 27B shape with oracle drafts (issue 25's B = 4 goal).
+
+    python3 bench/gpu_batch_spec.py [--shape 27b|tiny] [--dtype 4bit|bf16] [--heights 4]
+        [--depths 1 2] [--profile seed_0.83] [--tokens 32] [--rounds 3] [--out DIR]
+
+A random-weight qwen3_5 with the shape of Qwen3.5-27B, decisive weights (bench/gpu_bench.py
+``build_model``: the greedy next token of t is inv[t]), 4-bit by default. The MTP head is the
+real-shaped random head, so a draft costs what a real one does; its logits are biased to the
+oracle's token inv[previous token], replaced by a random token with probability 1 - a_i at
+draft position i (the acceptance profile). Arms interleaved per round, B greedy rows (fast
+rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch there):
+- batch d0: BatchDecoder, one batched forward per token;
+- spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle).
+Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
+markdown and written to DIR/gpu_batch_spec.json. Prefill is outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import mlx.core as mx  # noqa: E402
+
+from daemon.engine.batch import BatchDecoder  # noqa: E402
+from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.types import SamplingParams  # noqa: E402
+from gpu_bench import PROFILES, QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
+
+
+class BatchOracleHead:
+    """The real head's compute with the oracle's drafts, for every row of a batch: the draft
+    after token t is inv[t] (the decisive model's greedy next token), corrupted at draft
+    position i with probability 1 - acceptance[i]. A call with the head's own last output
+    continues a draft chain (position i + 1); any other call starts one (position 1)."""
+
+    def __init__(self, head, inv: mx.array, acceptance: list[float], vocab: int, seed: int = 0):
+        self.head, self.inv, self.acc, self.vocab = head, inv, acceptance, vocab
+        self.rng = random.Random(seed)
+        self._g = None
+        self._i = 0
+        self._last = None
+        self._ar = mx.arange(vocab)
+        self.unloaded = False
+
+    def make_cache(self):
+        return self.head.make_cache()
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes
+
+    def __call__(self, hidden, tokens, cache):
+        out = self.head(hidden, tokens, cache)
+        self._i = self._i + 1 if (self._g is not None and hidden is self._g) else 1
+        self._last = tokens[:, -1]
+        return out
+
+    def logits(self, g):
+        self._g = g
+        lg = self.head.logits(g)
+        a = self.acc[self._i - 1] if self._i - 1 < len(self.acc) else 0.0
+        want = self.inv[self._last.astype(mx.int32)]
+        B = want.shape[0]
+        miss = mx.array([self.rng.random() >= a for _ in range(B)])
+        other = (want + 1 + mx.array([self.rng.randrange(self.vocab - 1) for _ in range(B)])) % self.vocab
+        tok = mx.where(miss, other, want)
+        bias = (self._ar[None, None, :] == tok[:, None, None]).astype(lg.dtype) * 30000.0
+        return lg + bias
+
+
+def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """(aggregate tokens/s, tokens per row per step: 1 at depth 0, E(k) when drafts land)."""
+    if arm == "batch d0":
+        bd = BatchDecoder(lm, max_rows=len(prompts), exact_ok=False)
+    else:
+        k = int(arm.split("d")[-1])
+        bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts), exact_ok=False)
+    for i, p in enumerate(prompts):
+        bd.add(i, Sampler(SamplingParams()), p, exact=False)
+    got = {i: 0 for i in range(len(prompts))}
+    steps = 0
+    t0 = time.perf_counter()
+    while min(got.values()) < tokens:
+        for r, out in bd.step().items():
+            got[r] += 1 if isinstance(out, int) else len(out.tokens)
+        steps += 1
+    return sum(got.values()) / (time.perf_counter() - t0), sum(got.values()) / (steps * len(prompts))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=("27b", "tiny"), default="27b")
+    ap.add_argument("--dtype", choices=("4bit", "bf16"), default="4bit")
+    ap.add_argument("--heights", type=int, nargs="+", default=[4])
+    ap.add_argument("--depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--profile", default="seed_0.83", choices=sorted(PROFILES))
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="bench/out/gpu")
+    args = ap.parse_args(argv)
+    cfg = QWEN35_27B if args.shape == "27b" else TINY
+    lm, head, inv = build_model(cfg)
+    if args.dtype == "4bit":
+        quantize_4bit(lm, head)
+    log(f"built {lm.path.name} {args.dtype}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
+    oracle = BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"])
+    arms = ["batch d0"] + [f"spec d{k}" for k in args.depths]
+    rng = random.Random(7)
+    results = []
+    for B in args.heights:
+        prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(args.context)] for _ in range(B)]
+        for a in arms:  # one unmeasured pass: compiles every shape
+            run_arm(lm, oracle, a, prompts, 4)
+        rates = {a: [] for a in arms}
+        per_step = {a: [] for a in arms}
+        for r in range(args.rounds):
+            for a in arms:
+                rate, ps = run_arm(lm, oracle, a, prompts, args.tokens)
+                rates[a].append(rate)
+                per_step[a].append(ps)
+                log(f"B={B} round {r + 1}/{args.rounds} {a}: {rate:.1f} tok/s, {ps:.2f} tokens/row/step")
+        for a in arms:
+            q = [x / y for x, y in zip(rates[a], rates["batch d0"])]
+            results.append({"height": B, "arm": a, "tokens_per_s": rates[a], "ratio_vs_batch_d0": q,
+                            "tokens_per_row_step": statistics.median(per_step[a]),
+                            "median_tokens_per_s": statistics.median(rates[a]), "median_ratio": statistics.median(q)})
+    lines = [f"batched speculation, {lm.path.name} {args.dtype}, oracle drafts {args.profile} "
+             f"{PROFILES[args.profile]}, {args.tokens} tokens/row, context {args.context}, {args.rounds} rounds, "
+             f"{mx.default_device()}", "", "| rows | arm | tokens/s median (range) | vs batch d0: median (range) | tokens/row/step |",
+             "|---|---|---|---|---|"]
+    for r in results:
+        t, q = r["tokens_per_s"], r["ratio_vs_batch_d0"]
+        lines.append(f"| {r['height']} | {r['arm']} | {r['median_tokens_per_s']:.1f} ({min(t):.1f}-{max(t):.1f}) | "
+                     f"{r['median_ratio']:.2f}x ({min(q):.2f}-{max(q):.2f}) | {r['tokens_per_row_step']:.2f} |")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_batch_spec.json").write_text(json.dumps(
+        {"command": "python3 bench/gpu_batch_spec.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+         "shape": args.shape, "dtype": args.dtype, "profile": args.profile, "results": results}, indent=2))
+    (out / "gpu_batch_spec.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Which kernels the model's forward runs through: MLX's own, or the invariant ones.
+
+Exact mode needs a row's logits not to depend on the rows and positions beside it (a
+verify of T positions must give serial's bits; a batched row its own). The start-up probes
+(engine/exactness.py, engine/batch.py) test exactly that. On the CPU MLX's kernels pass
+them; on the H200 they do not (measured: bench/results/invariance_h200_*), and exact rows
+there had to decode alone and serially. engine/invariant.py's kernels (a fixed-order
+matmul and attention) pass them on the H200 for the bundled model; they cost speed.
+
+``choose_kernels`` decides once at start-up:
+- "mlx": MLX's kernels, whatever the probes say (today's fallbacks then apply).
+- "invariant": install the invariant kernels and keep them if the probes prove them
+  invariant; refuse them (back to MLX's) if not.
+- "auto": MLX's where the probes prove them invariant (no price to pay); else the invariant
+  kernels where the backend can run them and the probes prove them; else MLX's.
+Every probe answer is cached across starts (probe_verdicts.py, keyed by the kernels too).
+The decision and its reasons go to the log (``engine.kernels``) and to status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .engine import invariant
+from .engine.batch import batch_matches_serial
+from .engine.compiled import enable_compiled_decode
+from .engine.exactness import ragged_verify_matches_serial, verify_matches_serial
+from .logs import get_logger
+from .probe_verdicts import ProbeVerdicts, verdicts_for
+
+log = get_logger("councild.engine")
+
+# The deepest verify a decode forward may hold per row (speculation.depth's ceiling, 8) plus
+# its bonus position: with max_active rows, the largest forward the invariant path must cover.
+MAX_VERIFY_POSITIONS = 9
+
+
+@dataclass
+class KernelChoice:
+    kernels: str  # "mlx" or "invariant"
+    reason: str
+    verdicts: ProbeVerdicts
+    probes: dict = field(default_factory=dict)  # {"mlx": {...}, "invariant": {...}}: what each probe said
+
+
+def _probe(lm, verdicts: ProbeVerdicts, rollback: str, rows: int, ragged: bool) -> dict:
+    out = {"verify": verdicts.get("verify", rollback, lambda: verify_matches_serial(lm, rollback))[0],
+           "batch": verdicts.get("batch", str(rows), lambda: batch_matches_serial(lm, rows))[0]}
+    if ragged:
+        out["ragged_verify"] = verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(lm))[0]
+    return out
+
+
+def _forget_probes(lm) -> None:
+    """The probes cache their answers on the model object; a kernel swap makes them stale."""
+    for key in ("_verify_matches_serial", "_batch_matches_serial", "_ragged_verify_matches_serial"):
+        lm.__dict__.pop(key, None)
+
+
+def _swap(lm, to_invariant: bool, rows: int, compile_decode: bool) -> None:
+    if to_invariant:
+        invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)
+    else:
+        invariant.uninstall(lm.text_module)
+    # A perturbed run (the test hook) is another kernel set: its failing verdicts must not be
+    # read back by an unperturbed start.
+    lm.kernels = ("invariant-perturbed" if invariant.PERTURB_BATCHED else "invariant") if to_invariant else "mlx"
+    _forget_probes(lm)
+    # The compiled one-token forward traced the old layers: trace it again (it checks itself
+    # against the eager forward before it is used, as at load).
+    if compile_decode and lm.supports_mtp:
+        reason = enable_compiled_decode(lm)
+        lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
+
+
+def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, compile_decode: bool,
+                   group=None) -> KernelChoice:
+    """Decide and apply the model's kernels (see the module docstring). ``rollback``: the
+    verify strategy exact rows use; ``rows``: the batch's height; ``ragged``: whether the
+    batch speculates (its ragged verify must be invariant too)."""
+    verdicts = verdicts_for(lm, group)
+    if mode == "mlx":
+        return KernelChoice("mlx", "configured (kernels = \"mlx\")", verdicts)
+    probes: dict = {}
+    if mode == "auto":
+        if invariant.backend() is None:
+            return KernelChoice("mlx", "no custom-kernel backend here (CPU), where MLX's kernels are the "
+                                       "reference; the exactness probes decide what exact rows get", verdicts)
+        if group is not None:
+            return KernelChoice("mlx", "a tensor-parallel group keeps MLX's kernels (not probed across ranks)",
+                                verdicts)
+        probes["mlx"] = _probe(lm, verdicts, rollback, rows, ragged)
+        if all(probes["mlx"].values()):
+            return KernelChoice("mlx", "MLX's kernels are invariant here (every probe passed)", verdicts, probes)
+    _swap(lm, True, rows, compile_decode)
+    inv_verdicts = verdicts_for(lm, group)
+    probes["invariant"] = _probe(lm, inv_verdicts, rollback, rows, ragged)
+    if all(probes["invariant"].values()):
+        why = ("MLX's kernels failed " + ", ".join(k for k, v in probes["mlx"].items() if not v) + "; "
+               if "mlx" in probes else "configured; ")
+        return KernelChoice("invariant", why + "the invariant kernels passed every probe", inv_verdicts, probes)
+    _swap(lm, False, rows, compile_decode)
+    failed = ", ".join(k for k, v in probes["invariant"].items() if not v)
+    return KernelChoice("mlx", f"the invariant kernels failed {failed}: refused, MLX's kept", verdicts, probes)
+
+
+def log_choice(choice: KernelChoice, backend: str | None) -> None:
+    log.info("engine.kernels", kernels=choice.kernels, backend=backend or "cpu", reason=choice.reason,
+             probes=choice.probes)
