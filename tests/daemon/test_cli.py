@@ -20,6 +20,7 @@ FULL = dict(
     pid=4242, endpoint="ipc:///run/user/1000/councild/councild.sock", model_type="qwen3_5", draining=False,
     head_resident=True, head_bytes=850_000_000, depth=2, in_flight=3, clients=2, tokens_total=12345,
     recent_tokens_per_s=41.26, decode_path="compiled", exact_decode="serial",
+    kernels={"name": "mlx", "reason": "the invariant kernels failed batch: refused, MLX's kept"},
     memory={"active_bytes": 17_500_000_000, "cache_bytes": 250_000_000, "peak_bytes": 18_000_000_000},
     governor={"depth": 2, "head": {"head_available": True, "head_resident": True, "head_loading": False,
                                    "head_bytes": 850_000_000, "target": "resident"},
@@ -53,7 +54,7 @@ def test_status_table_has_every_fact():
     assert r["MTP head"] == "resident, 850.0 MB"
     assert r["depth"] == "2"
     assert r["depth by batch height"] == "1: 2, 2: 3 (not measured), 3-4: 3, 5-8: 0, 9+: 0 (not measured)"
-    assert r["decoding"] == "compiled; exact greedy requests decode serially (verify rounds unlike serial here)"
+    assert r["decoding"] == "compiled, mlx kernels; exact greedy requests decode serially (verify rounds unlike serial here)"
     assert r["in flight"] == "1 active, 2 queued; clients: 2 heard from within the heartbeat timeout"
     assert r["throughput"].startswith("41.3 tok/s") and "12345 tokens total" in r["throughput"]
     assert r["memory"] == "active 17500.0 MB, cache 250.0 MB, peak 18000.0 MB"
