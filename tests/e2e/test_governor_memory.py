@@ -178,6 +178,10 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             streamer = _Streamer(d.endpoint, max_tokens=STREAM_TOKENS)
             streamer.start()
             assert streamer.started_tokens.wait(30) and streamer.error is None, streamer.error
+            # What the pressure will find: read once the stream has prefilled, so its own
+            # chunk snapshots (and any continuation a finished request kept after answering)
+            # are counted (read before it, the two differed by one entry on a loaded box).
+            prompt_cache_bytes = c.status().detail["prefix_cache"]["bytes"]
 
             # 2. Real memory pressure from another process, in steps, until past critical.
             helper = Helper(["hold", "--step-mb", "128", "--max-mb", str(MAX_HOLD_MB), "--step-pause-s", "0.02",
