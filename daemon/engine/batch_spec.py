@@ -32,7 +32,8 @@ tokens wherever the batched verify's logits are bit-identical to one-token steps
 steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, keeping
 ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
 decode alone). There is no near-tie guard here. Not done in the batch (solo speculation
-has them): prompt lookup, the draft stopper, the loop guard, building the next cycle ahead.
+has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
+(a depth-0 cycle of plain rows is queued ahead, as BatchDecoder's step is: ``_step_ahead``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class SpecBatchStats:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    ahead_used: int = 0  # depth-0 cycles that ran issued ahead of the previous one's read
+    ahead_undone: int = 0  # cycles issued ahead and undone (a row joined or left, the depth rose)
 
 
 def _merge_layer(c):
@@ -103,8 +106,12 @@ class SpecBatchDecoder:
     depth at height B (``HeadSlot.depth_for``)."""
 
     def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
-                 exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK):
+                 exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK,
+                 pipeline: bool = True):
+        """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
+        cycle to its end first (the benchmark's "before" arm)."""
         self.lm = lm
+        self.pipeline = pipeline
         self.head_fn = head
         self.depth_for = depth_for
         self.max_rows = max_rows
@@ -118,7 +125,9 @@ class SpecBatchDecoder:
         self._cache: list | None = None  # base: one row's own, or merged per layer
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
+        self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
         self.last_depth = 0
+        self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
 
     # ------------------------------------------------------------------ introspection
     def __len__(self) -> int:
@@ -181,6 +190,7 @@ class SpecBatchDecoder:
                              "be exact at temperature 0 decodes alone")
         if len(self._rows) >= self.max_rows:
             raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        self._discard_ahead()
         head = self._live_head()
         cache = cache if cache is not None else self.lm.make_cache()
         if history is None or history.head is not head:
@@ -207,13 +217,16 @@ class SpecBatchDecoder:
 
     # ------------------------------------------------------------------ leaving
     def remove(self, row_id: Hashable) -> None:
-        self._drop(self._index(row_id))
+        i = self._index(row_id)
+        self._discard_ahead()
+        self._drop(i)
 
     def extract(self, row_id: Hashable) -> tuple[list, int, HeadHistory]:
         """Take a row out with its state: (plain cache holding everything before primary,
         primary, its head history). Resume alone with ``speculative_decode(lm, head,
         [primary], sampler, ..., cache=, history=)`` or rejoin with ``add``."""
         i = self._index(row_id)
+        self._discard_ahead()
         row = self._rows[i]
         if len(self._rows) == 1:
             cache, hcache = self._cache, self._hcache
@@ -314,6 +327,10 @@ class SpecBatchDecoder:
         # governor's cost(B, k) learns from. A batch of depth-0 rows ("off", capped) is a
         # depth-0 cycle, whatever depth_for said, or its cost would be booked against k.
         self.last_depth = K
+        self.last_positions = B * (K + 1)
+        if K == 0 and self._pipelines():
+            return self._step_ahead(head, k, t0)
+        self._discard_ahead()
         if K:
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1
@@ -321,8 +338,7 @@ class SpecBatchDecoder:
             drafts, logq, spec_slots = [], [[] for _ in rows], 0
             if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
                 self._feed(head)  # keep the head's history whole while nobody drafts
-        primary = mx.array([r.primary for r in rows], dtype=mx.uint32)
-        tokens = mx.stack([primary] + drafts, axis=1)  # [B, K+1]
+        tokens = mx.stack([self._primaries()] + drafts, axis=1)  # [B, K+1]
         T = K + 1
 
         # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
@@ -400,3 +416,87 @@ class SpecBatchDecoder:
         for s in steps.values():
             s.cycle_s = dt
         return steps
+
+    # ------------------------------------------------------------------ depth 0, issued ahead
+    # A depth-0 cycle of plain rows needs nothing from the host: its input is the last
+    # cycle's argmax, still on the device. So, as BatchDecoder does, the next cycle's forward
+    # is queued before this one's tokens are read, and the host's work (reading, committing,
+    # the caller delivering) overlaps the device's. The cycle queued ahead has written its
+    # position into the caches; until a later ``step`` adopts it, it is undone (one KV slot
+    # trimmed, the GatedDeltaNet states it replaced put back) before anything else touches
+    # the caches: a row joining or leaving, a cycle that drafts. Undoing restores the caches
+    # exactly, and an adopted cycle computed what the cycle would compute anyway, so tokens
+    # are the unpipelined decoder's, bit for bit.
+
+    def _pipelines(self) -> bool:
+        """Whether a depth-0 cycle may be issued ahead: every row plain (a sampled row's draw
+        would spend its key on a cycle that may be undone; processors and logprobs read the
+        host's history)."""
+        return self.pipeline and all(r.plain and not r.sampler.wants_logprobs for r in self._rows)
+
+    def _primaries(self) -> mx.array:
+        return mx.array([r.primary for r in self._rows], dtype=mx.uint32)
+
+    def _issue_d0(self, inputs: mx.array) -> _Ahead:
+        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and its argmaxes."""
+        saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
+        hid = self.lm.hidden(inputs[:, None], self._cache)
+        # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the subtraction)
+        picks = mx.argmax(_logprobs(self.lm.logits(hid)[:, -1, :]), axis=-1).astype(mx.uint32)
+        mx.async_eval([picks, hid] + [c.state for c in self._cache])
+        return _Ahead(hid, picks, saved)
+
+    def _discard_ahead(self) -> None:
+        """Undo the cycle issued ahead, if any: the caches as they were before it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self.stats.ahead_undone += 1
+        for c, saved in zip(self._cache, ahead.saved):
+            if saved is None:
+                c.trim(1)
+            else:
+                c.cache = saved
+
+    def _next_is_d0(self, k: int) -> bool:
+        """Whether the next cycle (every row then has a pair to draft from) is depth 0."""
+        return k == 0 or all(r.depth is not None and int(r.depth()) <= 0 for r in self._rows)
+
+    def _step_ahead(self, head, k: int, t0: float) -> dict[Hashable, DecodeStep]:
+        rows, B = self._rows, len(self._rows)
+        if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
+            self._feed(head)  # keep the head's history whole while nobody drafts
+        if self._ahead is not None:
+            cur = self._ahead
+            self.stats.ahead_used += 1
+        else:
+            cur = self._issue_d0(self._primaries())
+        # Queue the next cycle behind this one before reading it (the read waits for this one only).
+        self._ahead = self._issue_d0(cur.picks) if self._next_is_d0(k) else None
+        picks = cur.picks.tolist()
+        steps = {}
+        for i, (r, tok) in enumerate(zip(rows, picks)):
+            r.primary = tok
+            if head is not None:
+                r.pending_h.append(cur.hid[i : i + 1])
+                r.pending_t.append(cur.picks[i : i + 1])
+                r.n_pending += 1
+            steps[r.row_id] = DecodeStep(tokens=[tok], depth=0, drafted=0, accepted=0, accepted_mask=[])
+        self.stats.tokens += B
+        self.stats.cycles += 1
+        self.stats.row_cycles += B
+        if self.stats.cycles % 256 == 0:
+            mx.clear_cache()
+        dt = time.perf_counter() - t0
+        for s in steps.values():
+            s.cycle_s = dt
+        return steps
+
+
+@dataclass
+class _Ahead:
+    """A depth-0 cycle queued ahead: its hiddens and argmaxes (lazy), and the GatedDeltaNet
+    states its forward replaced, per layer (None for attention layers: one slot to trim)."""
+    hid: mx.array
+    picks: mx.array
+    saved: list

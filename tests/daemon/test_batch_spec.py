@@ -262,3 +262,47 @@ def test_rows_at_depth_zero_leave_and_extract_with_an_unfed_head(tiny, head, pro
     got, steps = drive(bd, refs)
     assert {r: (first[r] + got[r] if r < 2 else got[r])[:N] for r in got} == refs
     assert all(s.drafted == 0 for r in steps for s in steps[r])
+
+
+def test_depth_zero_cycles_issued_ahead_stay_serial_through_depth_changes_and_joins(tiny, head, prompts):
+    """Depth-0 cycles are queued ahead of the host's read; a cycle queued ahead is undone
+    when the depth rises, a row joins, leaves or is extracted. Through all of them every row
+    decodes serial's tokens, and both the queued cycles and the undoing really happened."""
+    refs = {i: serial(tiny, prompts[i], 2 * N)[0] for i in range(4)}
+    depth = {"k": 0}
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"])
+    for i in range(2):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    got = {i: [] for i in range(4)}
+    cycle = 0
+    while len(bd):
+        depth["k"] = 2 if cycle % 9 in (4, 5) else 0  # the governor raising and lowering the depth
+        for r, s in bd.step().items():
+            got[r] += s.tokens
+        cycle += 1
+        if cycle == 3:
+            bd.add(2, Sampler(SamplingParams()), prompts[2], exact=True)  # joins while a cycle is ahead
+        if cycle == 7:
+            cache, primary, hist = bd.extract(1)  # leaves with a cycle ahead, rejoins from its state
+            bd.add(1, Sampler(SamplingParams()), [primary], cache=cache, history=hist, exact=True)
+        if cycle == 11:
+            bd.add(3, Sampler(SamplingParams()), prompts[3], exact=True)
+        for r in [r for r in bd.row_ids if len(got[r]) >= 2 * N]:
+            bd.remove(r)
+    assert {i: got[i][: 2 * N] for i in range(4)} == refs
+    assert bd.stats.ahead_used > 10 and bd.stats.ahead_undone >= 3
+    assert bd.stats.drafted > 0  # the depth really rose in between
+
+
+def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
+    """``pipeline=False`` (the benchmark's before arm) reads every cycle before the next: same tokens."""
+    def run(pipeline):
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 0, pipeline=pipeline)
+        for i in range(3):
+            bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+        got, _ = drive(bd, {i: None for i in range(3)})
+        return got, bd.stats.ahead_used
+
+    (on, used), (off, unused) = run(True), run(False)
+    assert on == off and used > 0 and unused == 0
+
