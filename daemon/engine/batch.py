@@ -142,6 +142,7 @@ class BatchDecoder:
         self.guard_margin = guard_margin
         self.prefill_chunk = prefill_chunk
         self.stats = BatchStats()
+        self.last_positions = 0  # the last step's forward: one position per row (its step budget use)
         self._rows: list[_Row] = []
         # len(rows) == 1: the row's own plain cache; >= 2: mlx-lm batch caches, one per layer.
         self._cache: list | None = None
@@ -286,6 +287,7 @@ class BatchDecoder:
         self._settle()  # with a guard pending this waits for the last forward
         inputs = self._next  # may still be in flight: the next forward is queued behind it
         B = len(self._rows)
+        self.last_positions = B
         rows = self._rows
         guard_rows = [] if B == 1 else [i for i, r in enumerate(rows) if r.exact and r.sampler.greedy]
         pre = None

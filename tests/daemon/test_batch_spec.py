@@ -306,3 +306,25 @@ def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
     (on, used), (off, unused) = run(True), run(False)
     assert on == off and used > 0 and unused == 0
 
+
+
+def test_a_cycle_reports_the_positions_its_forward_held(tiny, head, prompts):
+    """The step budget's use (worker._advance): a speculating cycle at depth K forwards every
+    row's primary and K drafts, B x (K + 1) positions; at depth 0, and in BatchDecoder, B."""
+    from daemon.engine.batch import BatchDecoder
+
+    depth = {"k": 3}
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"])
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    bd.step()  # rows admitted from their prompts have a pair to draft from now
+    bd.step()
+    assert (bd.last_depth, bd.last_positions) == (3, 3 * 4)
+    depth["k"] = 0
+    bd.step()
+    assert (bd.last_depth, bd.last_positions) == (0, 3)
+    plain = BatchDecoder(tiny)
+    for i in range(2):
+        plain.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    plain.step()
+    assert plain.last_positions == 2
