@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
+from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
+from .batch_rows import RowBatch
 from .capture import capture_hidden
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .model import LoadedModel
@@ -85,43 +86,40 @@ class SpecBatchStats:
     ahead_undone: int = 0  # cycles issued ahead and undone (a row joined or left, the depth rose)
 
 
-def _merge_layer(c):
-    if isinstance(c, ArraysCache):
-        out = ArraysCache.merge([c])
-        out.left_padding = None  # an all-empty merge sets it; a zero state needs no mask
-        return out
-    return RaggedKVCache.merge([c])
-
-
-def _extract_layer(c, i: int):
-    out = c.extract(i)
-    if isinstance(out, ArraysCache):
-        out.cache = [mx.contiguous(a) if a is not None else None for a in out.cache]
-    return out
-
-
-class SpecBatchDecoder:
+class SpecBatchDecoder(RowBatch):
     """Drive from one thread, at cycle boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. ``head`` returns the resident MTP head (or None); ``depth_for(B)`` the batch's
-    depth at height B (``HeadSlot.depth_for``)."""
+    depth at height B (``HeadSlot.depth_for``). The rows and the joining and leaving of
+    their caches (base and head alike) are batch_rows.RowBatch's."""
+
+    refusal = ("this backend's batched verify is not bit-identical to serial steps (or the row is constrained): "
+               "such a row decodes alone")
+
+    @staticmethod
+    def merge_layer(c):
+        """Attention layers become RaggedKVCaches (rows keep different verify prefixes)."""
+        if isinstance(c, ArraysCache):
+            out = ArraysCache.merge([c])
+            out.left_padding = None  # an all-empty merge sets it; a zero state needs no mask
+            return out
+        return RaggedKVCache.merge([c])
 
     def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
                  exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK,
                  pipeline: bool = True):
         """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
         cycle to its end first (the benchmark's "before" arm)."""
+        super().__init__(max_rows)
         self.lm = lm
         self.pipeline = pipeline
         self.head_fn = head
         self.depth_for = depth_for
-        self.max_rows = max_rows
         if exact_ok is None:
             exact_ok = (batch_matches_serial(lm, max_rows) and verify_matches_serial(lm, "capture")
                         and ragged_verify_matches_serial(lm))
         self.exact_ok = exact_ok
         self.prefill_chunk = prefill_chunk
         self.stats = SpecBatchStats()
-        self._rows: list[SpecRow] = []
         self._cache: list | None = None  # base: one row's own, or merged per layer
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
@@ -129,27 +127,7 @@ class SpecBatchDecoder:
         self.last_depth = 0
         self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
 
-    # ------------------------------------------------------------------ introspection
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, row_id: Hashable) -> bool:
-        return any(r.row_id == row_id for r in self._rows)
-
-    def handle(self, row_id: Hashable) -> RowHandle:
-        """The worker's ``generator`` for a batched job: ``close()`` removes the row."""
-        return RowHandle(self, row_id)
-
-    @property
-    def row_ids(self) -> list:
-        return [r.row_id for r in self._rows]
-
-    def _index(self, row_id: Hashable) -> int:
-        for i, r in enumerate(self._rows):
-            if r.row_id == row_id:
-                return i
-        raise KeyError(row_id)
-
+    # ------------------------------------------------------------------ the head
     def _live_head(self):
         head = self.head_fn()
         if head is None or getattr(head, "unloaded", False):
@@ -181,15 +159,9 @@ class SpecBatchDecoder:
         all of ``prompt`` but its last token is prefilled here (as speculative_decode's
         prefill), the last is the row's primary. ``history``: the row's head history (its
         KV and pending pairs, from a prefill or ``extract``)."""
-        if row_id in self:
-            raise ValueError(f"row {row_id!r} is already in the batch")
+        self._check_join(row_id, sampler, exact)
         if not prompt:
             raise ValueError("a stream needs at least one prompt token")
-        if not self.admits(sampler, exact):
-            raise ValueError("this backend's batched verify is not bit-identical to serial steps: a row that must "
-                             "be exact at temperature 0 decodes alone")
-        if len(self._rows) >= self.max_rows:
-            raise ValueError(f"the batch is full ({self.max_rows} rows)")
         self._discard_ahead()
         head = self._live_head()
         cache = cache if cache is not None else self.lm.make_cache()
@@ -201,17 +173,11 @@ class SpecBatchDecoder:
             row.pending_h, row.pending_t, row.n_pending = list(history.h), list(history.t), history.n
         hcache = history.cache
         mx.eval([c.state for c in cache] + history.state())
-        if not self._rows:
-            self._cache, self._hcache = cache, hcache
-        else:
-            if len(self._rows) == 1:
-                self._cache = [_merge_layer(c) for c in self._cache]
-                self._hcache = [_merge_layer(c) for c in self._hcache] if self._hcache is not None else None
-            for bc, c in zip(self._cache, cache):
-                bc.extend(_merge_layer(c))
-            if self._hcache is not None:
-                for bc, c in zip(self._hcache, hcache):
-                    bc.extend(_merge_layer(c))
+        merged = bool(self._rows)
+        self._cache = self._joined(self._cache, cache)
+        # A batch without a head keeps none (a first row brings its own, None or not).
+        self._hcache = self._joined(self._hcache, hcache) if self._hcache is not None or not merged else None
+        if merged:
             mx.eval([c.state for c in self._cache + (self._hcache or [])])
         self._rows.append(row)
 
@@ -228,11 +194,8 @@ class SpecBatchDecoder:
         i = self._index(row_id)
         self._discard_ahead()
         row = self._rows[i]
-        if len(self._rows) == 1:
-            cache, hcache = self._cache, self._hcache
-        else:
-            cache = [_extract_layer(c, i) for c in self._cache]
-            hcache = [_extract_layer(c, i) for c in self._hcache] if self._hcache is not None else None
+        cache = self._taken_out(self._cache, i)
+        hcache = self._taken_out(self._hcache, i) if self._hcache is not None else None
         hist = HeadHistory(self._head)
         if self._head is not None:
             hist.cache = hcache
@@ -242,21 +205,11 @@ class SpecBatchDecoder:
         return cache, row.primary, hist
 
     def _drop(self, i: int) -> None:
-        del self._rows[i]
-        n = len(self._rows)
-        if n == 0:
-            self._cache = self._hcache = None
-            return
-        keep = [j for j in range(n + 1) if j != i]
-        if n == 1:  # back to one row's own caches, and its numerics
-            self._cache = [_extract_layer(c, keep[0]) for c in self._cache]
-            if self._hcache is not None:
-                self._hcache = [_extract_layer(c, keep[0]) for c in self._hcache]
-        else:
-            idx = mx.array(keep)
-            for c in self._cache + (self._hcache or []):
-                c.filter(idx)
-        mx.eval([c.state for c in self._cache + (self._hcache or [])])
+        keep = self._drop_row(i)
+        self._cache = self._kept(self._cache, keep)
+        self._hcache = self._kept(self._hcache, keep) if self._hcache is not None else None
+        if keep:
+            mx.eval([c.state for c in self._cache + (self._hcache or [])])
 
     # ------------------------------------------------------------------ decoding
     def _row_depth(self, row: SpecRow, k: int) -> int:
@@ -408,8 +361,11 @@ class SpecBatchDecoder:
                 c.trim(spec_slots)
         mx.async_eval([c.state for c in self._cache + (self._hcache or [])]
                       + [h for r in rows for h in r.pending_h[-1:]])
+        return self._end_cycle(steps, t0)
+
+    def _end_cycle(self, steps: dict[Hashable, DecodeStep], t0: float) -> dict[Hashable, DecodeStep]:
         self.stats.cycles += 1
-        self.stats.row_cycles += B
+        self.stats.row_cycles += len(steps)
         if self.stats.cycles % 256 == 0:
             mx.clear_cache()
         dt = time.perf_counter() - t0
@@ -483,14 +439,7 @@ class SpecBatchDecoder:
                 r.n_pending += 1
             steps[r.row_id] = DecodeStep(tokens=[tok], depth=0, drafted=0, accepted=0, accepted_mask=[])
         self.stats.tokens += B
-        self.stats.cycles += 1
-        self.stats.row_cycles += B
-        if self.stats.cycles % 256 == 0:
-            mx.clear_cache()
-        dt = time.perf_counter() - t0
-        for s in steps.values():
-            s.cycle_s = dt
-        return steps
+        return self._end_cycle(steps, t0)
 
 
 @dataclass
