@@ -31,7 +31,9 @@ tokens wherever the batched verify's logits are bit-identical to one-token steps
 ``batch_matches_serial`` (batched forwards), ``verify_matches_serial`` (a verify vs serial
 steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, keeping
 ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
-decode alone). There is no near-tie guard here. Not done in the batch (solo speculation
+decode alone). Constrained rows (constraint.py) draw each draft under their grammar's mask
+(the matcher takes every draft, a host read per draft), verify under the same masks and
+settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
 has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
 (a depth-0 cycle of plain rows is queued ahead, as BatchDecoder's step is: ``_step_ahead``).
 """
@@ -48,6 +50,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
 from .batch_rows import RowBatch
 from .capture import capture_hidden
+from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .model import LoadedModel
 from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
@@ -71,8 +74,15 @@ class SpecRow:
 
     @property
     def plain(self) -> bool:
-        """Greedy without processors: decided by one batched argmax."""
-        return self.sampler.greedy and not self.sampler.processing
+        """Greedy without processors or a grammar: decided by one batched argmax."""
+        return self.sampler.greedy and not self.sampler.processing and self.sampler.constraint is None
+
+    @property
+    def grammar(self):
+        """The row's constraint while it holds (None: none, or it failed: the worker then
+        fails the row before delivering anything this cycle decided)."""
+        con = self.sampler.constraint
+        return con if con is not None and con.error is None else None
 
 
 @dataclass
@@ -92,8 +102,8 @@ class SpecBatchDecoder(RowBatch):
     depth at height B (``HeadSlot.depth_for``). The rows and the joining and leaving of
     their caches (base and head alike) are batch_rows.RowBatch's."""
 
-    refusal = ("this backend's batched verify is not bit-identical to serial steps (or the row is constrained): "
-               "such a row decodes alone")
+    refusal = ("this backend's batched verify is not bit-identical to serial steps: a row that must be exact at "
+               "temperature 0 decodes alone")
 
     @staticmethod
     def merge_layer(c):
@@ -145,12 +155,8 @@ class SpecBatchDecoder(RowBatch):
 
     # ------------------------------------------------------------------ admission
     def admits(self, sampler: Sampler, exact: bool) -> bool:
-        """Any row but an exact greedy one where the batched verify is not bit-identical, and
-        but a constrained one: this decoder does not advance a grammar over each row's drafts
-        and verify positions yet, so such a row decodes alone (serial or speculative_decode,
-        which enforce it on every path) rather than ever run unconstrained."""
-        if getattr(sampler, "constraint", None) is not None:
-            return False
+        """Any row but an exact greedy one where the batched verify is not bit-identical.
+        Constrained rows batch too (``_drafts`` and ``step`` keep each row's grammar)."""
         return not (exact and sampler.greedy) or self.exact_ok
 
     def add(self, row_id: Hashable, sampler: Sampler, prompt: list[int], *, cache: list | None = None,
@@ -260,11 +266,43 @@ class SpecBatchDecoder(RowBatch):
                     cols.append(plain[i : i + 1])
                     continue
                 before = [d[i : i + 1] for d in drafts]
-                d, ql, _ = draft_token(r.sampler, logits[i : i + 1], before)
+                if j and r.grammar is not None:
+                    # The mask this draft is drawn under follows the last draft: the matcher
+                    # takes it first (a host read per draft, as in solo speculation).
+                    self._grammar_step(r, lambda: r.grammar.advance([before[-1].item()]))
+                if r.sampler.constraint is not None and r.grammar is None:  # failed: never delivered
+                    d, ql = plain[i : i + 1], mx.log(mx.softmax(logits[i : i + 1].astype(mx.float32), axis=-1))
+                else:
+                    d, ql, _ = draft_token(r.sampler, logits[i : i + 1], before)
                 cols.append(d)
                 logq[i].append(ql)
             drafts.append(mx.concatenate(cols))
+        # Each constrained row's matcher takes its last draft: the verify's row k_i is masked
+        # by the state after all k_i drafts (the masks drafts were drawn under are reused).
+        for i, r in enumerate(rows):
+            if ks[i] and r.grammar is not None:
+                self._grammar_step(r, lambda: r.grammar.advance([drafts[ks[i] - 1][i].item()]))
         return drafts, logq
+
+    @staticmethod
+    def _grammar_step(row: SpecRow, fn: Callable[[], object]) -> None:
+        """Run a matcher call; a failing grammar fails that row alone (its ``error`` is set,
+        which the worker reads before delivering the row's tokens)."""
+        try:
+            fn()
+        except (ConstraintError, ConstraintViolation) as exc:
+            row.sampler.constraint.error = exc
+
+    def _processed(self, row: SpecRow, logits: mx.array, drafts: mx.array) -> mx.array:
+        """The row's processors and grammar over its verify logits; a grammar that fails
+        here fails the row (unmasked logits, never delivered)."""
+        if row.sampler.constraint is not None and row.grammar is None:
+            return logits
+        try:
+            return row.sampler.process(logits, drafts)
+        except (ConstraintError, ConstraintViolation) as exc:
+            row.sampler.constraint.error = exc
+            return logits
 
     def step(self) -> dict[Hashable, DecodeStep]:
         """One cycle for every row; returns {row_id: DecodeStep} (tokens may run past EOS)."""
@@ -312,7 +350,7 @@ class SpecBatchDecoder(RowBatch):
                 continue
             ki = ks[i]
             d_i = tokens[i, 1 : ki + 1]
-            lp = lps[i] = _logprobs(r.sampler.process(logits[i, : ki + 1], d_i))
+            lp = lps[i] = _logprobs(self._processed(r, logits[i, : ki + 1], d_i))
             if r.sampler.greedy:
                 picks, coins = mx.argmax(lp, axis=-1), mx.zeros((ki,), dtype=mx.int32)
             elif ki == 0:
@@ -343,6 +381,8 @@ class SpecBatchDecoder(RowBatch):
                 lp = lps[i] if i in lps else plain_lp[i, : ki + 1]
                 lp_entries = logprob_entries(r.sampler.logprob_arrays(lp[: a + 1], ids))
             r.sampler.commit(ids)
+            if r.grammar is not None:  # drafts that differ from the committed tokens roll back
+                self._grammar_step(r, lambda: r.grammar.settle(committed))
             r.primary = committed[-1]
             if head is not None:
                 r.pending_h.append(hid[i : i + 1, : a + 1])
