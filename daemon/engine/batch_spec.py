@@ -35,7 +35,8 @@ decode alone). Constrained rows (constraint.py) draw each draft under their gram
 (the matcher takes every draft, a host read per draft), verify under the same masks and
 settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
 has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
-(a depth-0 cycle of plain rows is queued ahead, as BatchDecoder's step is: ``_step_ahead``).
+(a depth-0 cycle is queued ahead, as BatchDecoder's step is, unless a row has processors,
+a grammar or logprobs: ``_step_ahead``).
 """
 
 from __future__ import annotations
@@ -414,8 +415,8 @@ class SpecBatchDecoder(RowBatch):
         return steps
 
     # ------------------------------------------------------------------ depth 0, issued ahead
-    # A depth-0 cycle of plain rows needs nothing from the host: its input is the last
-    # cycle's argmax, still on the device. So, as BatchDecoder does, the next cycle's forward
+    # A depth-0 cycle of rows without processors, grammar or logprobs needs nothing from the
+    # host: its input is the last cycle's token, still on the device. So, as BatchDecoder does, the next cycle's forward
     # is queued before this one's tokens are read, and the host's work (reading, committing,
     # the caller delivering) overlaps the device's. The cycle queued ahead has written its
     # position into the caches; until a later ``step`` adopts it, it is undone (one KV slot
@@ -425,22 +426,31 @@ class SpecBatchDecoder(RowBatch):
     # are the unpipelined decoder's, bit for bit.
 
     def _pipelines(self) -> bool:
-        """Whether a depth-0 cycle may be issued ahead: every row plain (a sampled row's draw
-        would spend its key on a cycle that may be undone; processors and logprobs read the
-        host's history)."""
-        return self.pipeline and all(r.plain and not r.sampler.wants_logprobs for r in self._rows)
+        """Whether a depth-0 cycle may be issued ahead: no row with processors, a grammar or
+        logprobs (they read the host's history of the row). A sampled row draws from its
+        own key; undoing the cycle puts the key back."""
+        return self.pipeline and all(not (r.sampler.processing or r.sampler.constraint is not None
+                                          or r.sampler.wants_logprobs) for r in self._rows)
 
     def _primaries(self) -> mx.array:
         return mx.array([r.primary for r in self._rows], dtype=mx.uint32)
 
     def _issue_d0(self, inputs: mx.array) -> _Ahead:
-        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and its argmaxes."""
+        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and each row's next token."""
+        rows = self._rows
         saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
+        keys = [r.sampler._key for r in rows]  # before the draws: what undoing puts back
         hid = self.lm.hidden(inputs[:, None], self._cache)
-        # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the subtraction)
-        picks = mx.argmax(_logprobs(self.lm.logits(hid)[:, -1, :]), axis=-1).astype(mx.uint32)
+        logits = self.lm.logits(hid)  # [B, 1, V]
+        # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the
+        # subtraction); a sampled row draws from its own logprobs with its own key.
+        picks = mx.argmax(_logprobs(logits[:, -1, :]), axis=-1)
+        if not all(r.sampler.greedy for r in rows):
+            picks = mx.concatenate([picks[i : i + 1] if r.sampler.greedy else r.sampler(_logprobs(logits[i, :1])).reshape(-1)
+                                    for i, r in enumerate(rows)])
+        picks = picks.astype(mx.uint32)
         mx.async_eval([picks, hid] + [c.state for c in self._cache])
-        return _Ahead(hid, picks, saved)
+        return _Ahead(hid, picks, saved, keys)
 
     def _discard_ahead(self) -> None:
         """Undo the cycle issued ahead, if any: the caches as they were before it."""
@@ -448,6 +458,8 @@ class SpecBatchDecoder(RowBatch):
         if ahead is None:
             return
         self.stats.ahead_undone += 1
+        for r, key in zip(self._rows, ahead.keys):
+            r.sampler._key = key
         for c, saved in zip(self._cache, ahead.saved):
             if saved is None:
                 c.trim(1)
@@ -484,8 +496,10 @@ class SpecBatchDecoder(RowBatch):
 
 @dataclass
 class _Ahead:
-    """A depth-0 cycle queued ahead: its hiddens and argmaxes (lazy), and the GatedDeltaNet
-    states its forward replaced, per layer (None for attention layers: one slot to trim)."""
+    """A depth-0 cycle queued ahead: its hiddens and next tokens (lazy), the GatedDeltaNet
+    states its forward replaced, per layer (None for attention layers: one slot to trim),
+    and each row's sampler key before it drew."""
     hid: mx.array
     picks: mx.array
     saved: list
+    keys: list

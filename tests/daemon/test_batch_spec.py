@@ -295,16 +295,34 @@ def test_depth_zero_cycles_issued_ahead_stay_serial_through_depth_changes_and_jo
 
 
 def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
-    """``pipeline=False`` (the benchmark's before arm) reads every cycle before the next: same tokens."""
-    def run(pipeline):
-        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 0, pipeline=pipeline)
-        for i in range(3):
-            bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
-        got, _ = drive(bd, {i: None for i in range(3)})
-        return got, bd.stats.ahead_used
+    """``pipeline=False`` (the benchmark's before arm) reads every cycle before the next: the
+    same tokens, for greedy rows and for sampled rows with their seeds (a cycle issued ahead
+    draws from a row's key; undoing it, when the depth rises or a row is extracted and
+    rejoins, puts the key back), so a seed still reproduces a batched request."""
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5),
+              SamplingParams(temperature=1.0, seed=9)]
 
-    (on, used), (off, unused) = run(True), run(False)
-    assert on == off and used > 0 and unused == 0
+    def run(pipeline):
+        depth = {"k": 0}
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"], pipeline=pipeline)
+        samplers = {i: Sampler(p, prompt=prompts[i]) for i, p in enumerate(params)}
+        for i in samplers:
+            bd.add(i, samplers[i], prompts[i], exact=True)
+        cycles = {"n": 0}
+
+        def on_cycle(_):
+            cycles["n"] += 1
+            depth["k"] = 2 if cycles["n"] % 7 == 3 else 0
+            if cycles["n"] == 5 and 2 in bd:
+                cache, primary, hist = bd.extract(2)
+                bd.add(2, samplers[2], [primary], cache=cache, history=hist, exact=True)
+
+        got, _ = drive(bd, {i: None for i in range(len(params))}, on_cycle=on_cycle)
+        return got, bd.stats
+
+    (on, st_on), (off, st_off) = run(True), run(False)
+    assert on == off
+    assert st_on.ahead_used > 5 and st_on.ahead_undone >= 2 and st_off.ahead_used == 0
 
 
 
