@@ -117,9 +117,19 @@ def main(argv=None) -> int:
         t, q = r["tokens_per_s"], r["ratio_vs_batch_d0"]
         print(f"| {r['height']} | {r['arm']} | {r['median_tokens_per_s']:.1f} ({min(t):.1f}-{max(t):.1f}) | "
               f"{r['median_ratio']:.2f}x ({min(q):.2f}-{max(q):.2f}) |")
+    paired = []
+    if args.unpipelined:  # the pipelining's own gain: per round, spec d0 over spec d0 unpipelined
+        print("\n| rows | spec d0 vs spec d0 unpipelined: median (range) |\n|---|---|")
+        for B in args.heights:
+            on, off = ([r for r in results if r["height"] == B and r["arm"] == a][0]["tokens_per_s"]
+                       for a in ("spec d0", "spec d0 unpipelined"))
+            q = [x / y for x, y in zip(on, off)]
+            paired.append({"height": B, "ratios": q, "median": statistics.median(q)})
+            print(f"| {B} | {statistics.median(q):.2f}x ({min(q):.2f}-{max(q):.2f}) |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": args.rounds,
                                            "machine": platform.machine(), "results": results,
+                                           "pipelined_vs_unpipelined": paired,
                                            "command": "PYTHONPATH=. python bench/batch_spec_bench.py "
                                            + " ".join(argv if argv is not None else sys.argv[1:])}, indent=2))
     return 0
