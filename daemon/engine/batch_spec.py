@@ -35,8 +35,8 @@ decode alone). Constrained rows (constraint.py) draw each draft under their gram
 (the matcher takes every draft, a host read per draft), verify under the same masks and
 settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
 has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
-(a depth-0 cycle is queued ahead, as BatchDecoder's step is, unless a row has processors,
-a grammar or logprobs: ``_step_ahead``).
+(a depth-0 cycle is queued ahead, as BatchDecoder's step is, unless a row has a grammar:
+``_step_ahead``).
 """
 
 from __future__ import annotations
@@ -415,8 +415,8 @@ class SpecBatchDecoder(RowBatch):
         return steps
 
     # ------------------------------------------------------------------ depth 0, issued ahead
-    # A depth-0 cycle of rows without processors, grammar or logprobs needs nothing from the
-    # host: its input is the last cycle's token, still on the device. So, as BatchDecoder does, the next cycle's forward
+    # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
+    # last cycle's token, still on the device (processors count it there too). So, as BatchDecoder does, the next cycle's forward
     # is queued before this one's tokens are read, and the host's work (reading, committing,
     # the caller delivering) overlaps the device's. The cycle queued ahead has written its
     # position into the caches; until a later ``step`` adopts it, it is undone (one KV slot
@@ -426,11 +426,10 @@ class SpecBatchDecoder(RowBatch):
     # are the unpipelined decoder's, bit for bit.
 
     def _pipelines(self) -> bool:
-        """Whether a depth-0 cycle may be issued ahead: no row with processors, a grammar or
-        logprobs (they read the host's history of the row). A sampled row draws from its
-        own key; undoing the cycle puts the key back."""
-        return self.pipeline and all(not (r.sampler.processing or r.sampler.constraint is not None
-                                          or r.sampler.wants_logprobs) for r in self._rows)
+        """Whether a depth-0 cycle may be issued ahead: no row with a grammar (its mask
+        follows the token the host reads). A sampled row draws from its own key (undoing the
+        cycle puts it back); a row with processors counts its tokens on the device."""
+        return self.pipeline and all(r.sampler.constraint is None for r in self._rows)
 
     def _primaries(self) -> mx.array:
         return mx.array([r.primary for r in self._rows], dtype=mx.uint32)
@@ -439,18 +438,28 @@ class SpecBatchDecoder(RowBatch):
         """Queue one depth-0 forward over ``inputs`` [B] (lazy) and each row's next token."""
         rows = self._rows
         saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
-        keys = [r.sampler._key for r in rows]  # before the draws: what undoing puts back
+        # Before the draws: what undoing puts back. (Processors' counts need nothing: a cycle
+        # queued ahead commits nothing; its tokens are counted when a step adopts it.)
+        keys = [r.sampler._key for r in rows]
         hid = self.lm.hidden(inputs[:, None], self._cache)
         logits = self.lm.logits(hid)  # [B, 1, V]
         # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the
-        # subtraction); a sampled row draws from its own logprobs with its own key.
-        picks = mx.argmax(_logprobs(logits[:, -1, :]), axis=-1)
-        if not all(r.sampler.greedy for r in rows):
-            picks = mx.concatenate([picks[i : i + 1] if r.sampler.greedy else r.sampler(_logprobs(logits[i, :1])).reshape(-1)
-                                    for i, r in enumerate(rows)])
+        # subtraction); other rows through their own processors, drawing with their own key
+        # (the ops the unpipelined cycle runs for them).
+        plain_lp = _logprobs(logits[:, -1, :])
+        picks, lps = mx.argmax(plain_lp, axis=-1), [plain_lp[i : i + 1] for i in range(len(rows))]
+        if not all(r.plain for r in rows):
+            cols = []
+            for i, r in enumerate(rows):
+                if r.plain:
+                    cols.append(picks[i : i + 1])
+                    continue
+                lp = lps[i] = _logprobs(r.sampler.process(logits[i, :1]))
+                cols.append(mx.argmax(lp, axis=-1) if r.sampler.greedy else r.sampler(lp).reshape(-1))
+            picks = mx.concatenate(cols)
         picks = picks.astype(mx.uint32)
         mx.async_eval([picks, hid] + [c.state for c in self._cache])
-        return _Ahead(hid, picks, saved, keys)
+        return _Ahead(hid, picks, lps, saved, keys)
 
     def _discard_ahead(self) -> None:
         """Undo the cycle issued ahead, if any: the caches as they were before it."""
@@ -479,6 +488,8 @@ class SpecBatchDecoder(RowBatch):
             self.stats.ahead_used += 1
         else:
             cur = self._issue_d0(self._primaries())
+        for i, r in enumerate(rows):  # processors count this cycle's tokens (lazily) before the next reads them
+            r.sampler.commit(cur.picks[i : i + 1])
         # Queue the next cycle behind this one before reading it (the read waits for this one only).
         self._ahead = self._issue_d0(cur.picks) if self._next_is_d0(k) else None
         picks = cur.picks.tolist()
@@ -489,17 +500,22 @@ class SpecBatchDecoder(RowBatch):
                 r.pending_h.append(cur.hid[i : i + 1])
                 r.pending_t.append(cur.picks[i : i + 1])
                 r.n_pending += 1
-            steps[r.row_id] = DecodeStep(tokens=[tok], depth=0, drafted=0, accepted=0, accepted_mask=[])
+            lp_entries = None
+            if r.sampler.wants_logprobs:
+                lp_entries = logprob_entries(r.sampler.logprob_arrays(cur.lps[i], cur.picks[i : i + 1]))
+            steps[r.row_id] = DecodeStep(tokens=[tok], depth=0, drafted=0, accepted=0, accepted_mask=[],
+                                         logprobs=lp_entries)
         self.stats.tokens += B
         return self._end_cycle(steps, t0)
 
 
 @dataclass
 class _Ahead:
-    """A depth-0 cycle queued ahead: its hiddens and next tokens (lazy), the GatedDeltaNet
-    states its forward replaced, per layer (None for attention layers: one slot to trim),
-    and each row's sampler key before it drew."""
+    """A depth-0 cycle queued ahead: its hiddens, next tokens and each row's logprobs (lazy),
+    the GatedDeltaNet states its forward replaced, per layer (None for attention layers: one
+    slot to trim), and each row's sampler key before it drew."""
     hid: mx.array
     picks: mx.array
+    lps: list
     saved: list
     keys: list

@@ -120,9 +120,11 @@ def test_batched_rows_draft_and_accept_as_each_alone(tiny, head, prompts):
         assert sum(a for _, a in solo[i]) > 0
 
 
-def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts):
+@pytest.mark.parametrize("depth", [2, 0])
+def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts, depth):
     """logit_bias, penalties and logprobs rows batch beside plain rows at temperature 0:
-    tokens and logprob entries are serial's."""
+    tokens and logprob entries are serial's, drafting (depth 2) or with every cycle queued
+    ahead (depth 0: the processors count each token on the device before the next cycle)."""
     params = [
         SamplingParams(logit_bias={11: 4.0, 13: -100.0, 220: 2.0}),
         SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
@@ -130,7 +132,7 @@ def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts
         SamplingParams(),
     ]
     refs = {i: serial(tiny, prompts[i], params=p) for i, p in enumerate(params)}
-    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2)
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth)
     for i, p in enumerate(params):
         bd.add(i, Sampler(p, prompt=prompts[i]), prompts[i], exact=True)
     got, steps = drive(bd, refs)
@@ -141,7 +143,10 @@ def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts
     for (lp, top), (want_lp, want_top) in zip(lps, refs[2][1]):
         assert lp == pytest.approx(want_lp, abs=1e-6)
         assert [t for t, _ in top] == [t for t, _ in want_top]
-    assert sum(s.drafted for s in steps[0] + steps[1]) > 0  # processor rows really speculated
+    if depth:
+        assert sum(s.drafted for s in steps[0] + steps[1]) > 0  # processor rows really speculated
+    else:
+        assert bd.stats.ahead_used > N // 2  # their cycles really were queued ahead
 
 
 def test_sampled_rows_with_a_seed_run_finish_and_reproduce(tiny, head, prompts):
@@ -298,9 +303,11 @@ def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
     """``pipeline=False`` (the benchmark's before arm) reads every cycle before the next: the
     same tokens, for greedy rows and for sampled rows with their seeds (a cycle issued ahead
     draws from a row's key; undoing it, when the depth rises or a row is extracted and
-    rejoins, puts the key back), so a seed still reproduces a batched request."""
+    rejoins, puts the key back), so a seed still reproduces a batched request; a row with
+    processors and logprobs rides along."""
     params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5),
-              SamplingParams(temperature=1.0, seed=9)]
+              SamplingParams(temperature=1.0, seed=9),
+              SamplingParams(repetition_penalty=1.3, presence_penalty=0.8, logprobs=True, top_logprobs=2)]
 
     def run(pipeline):
         depth = {"k": 0}
