@@ -7,7 +7,10 @@ each decoding the same B greedy rows (mixed prompts) for --tokens tokens per row
 outside the timed region:
 - batch d0: BatchDecoder (daemon/engine/batch.py), one batched forward per token (what a
   busy council got before: every row at depth 0);
-- spec d0: SpecBatchDecoder at depth 0 (the new decoder's own overhead, no drafts);
+- spec d0: SpecBatchDecoder at depth 0 (the new decoder's own overhead, no drafts; its next
+  cycle is queued before the host reads this one, as batch d0's is);
+- spec d0 unpipelined (with --unpipelined): the same without that (every cycle read before
+  the next is built), the "before" arm of the pipelining;
 - spec dK: SpecBatchDecoder at depth K (rows draft with the MTP head, one verify per cycle).
 Aggregate tokens/s per arm, median and range over rounds, and the per-round ratio of each
 arm to "batch d0" (median and range). Every arm's tokens are checked equal to batch d0's
@@ -49,8 +52,9 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int, exact: bo
         for i, p in enumerate(prompts):
             bd.add(i, Sampler(SamplingParams()), p, exact=exact)
     else:
-        k = int(arm.split("d")[-1])
-        bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts))
+        k = int(arm.split(" ")[1][1:])
+        bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts),
+                              pipeline="unpipelined" not in arm)
         for i, p in enumerate(prompts):
             bd.add(i, Sampler(SamplingParams()), p, exact=exact)
     got = {i: [] for i in range(len(prompts))}
@@ -74,11 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--fast", action="store_true",
                     help="rows in the fast configuration (for backends whose batched kernels round unlike M=1, "
                          "where exact rows do not batch): tokens that differ from batch d0 are counted, not refused")
+    ap.add_argument("--unpipelined", action="store_true",
+                    help='add the arm "spec d0 unpipelined": the speculating batch at depth 0 without the cycle '
+                         "issued ahead (before/after of the pipelining, in the same run)")
     args = ap.parse_args(argv)
 
     lm = load_model(args.model)
     head = load_mtp_head(lm)
-    arms = ["batch d0", "spec d0"] + [f"spec d{k}" for k in args.depths]
+    arms = ["batch d0", "spec d0"] + (["spec d0 unpipelined"] if args.unpipelined else []) + [
+        f"spec d{k}" for k in args.depths]
     results = []
     for B in args.heights:
         prompts = [lm.tokenizer.encode(TEXTS[i % len(TEXTS)]) for i in range(B)]
@@ -109,9 +117,19 @@ def main(argv=None) -> int:
         t, q = r["tokens_per_s"], r["ratio_vs_batch_d0"]
         print(f"| {r['height']} | {r['arm']} | {r['median_tokens_per_s']:.1f} ({min(t):.1f}-{max(t):.1f}) | "
               f"{r['median_ratio']:.2f}x ({min(q):.2f}-{max(q):.2f}) |")
+    paired = []
+    if args.unpipelined:  # the pipelining's own gain: per round, spec d0 over spec d0 unpipelined
+        print("\n| rows | spec d0 vs spec d0 unpipelined: median (range) |\n|---|---|")
+        for B in args.heights:
+            on, off = ([r for r in results if r["height"] == B and r["arm"] == a][0]["tokens_per_s"]
+                       for a in ("spec d0", "spec d0 unpipelined"))
+            q = [x / y for x, y in zip(on, off)]
+            paired.append({"height": B, "ratios": q, "median": statistics.median(q)})
+            print(f"| {B} | {statistics.median(q):.2f}x ({min(q):.2f}-{max(q):.2f}) |")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"model": args.model, "tokens": args.tokens, "rounds": args.rounds,
                                            "machine": platform.machine(), "results": results,
+                                           "pipelined_vs_unpipelined": paired,
                                            "command": "PYTHONPATH=. python bench/batch_spec_bench.py "
                                            + " ".join(argv if argv is not None else sys.argv[1:])}, indent=2))
     return 0

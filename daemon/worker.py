@@ -204,13 +204,13 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
 
     def _advance(self, job: Job) -> int:
         """One cycle of a decoding job; returns the tokens its forward held (the step's
-        budget use): a batch's rows, or a solo cycle's verified positions."""
+        budget use): a batch's positions (its rows, times depth + 1 where it speculates), or
+        a solo cycle's verified positions."""
         if job.prefill is not None:  # a one-token prompt: nothing to prefill, decode next
             return self._prefill_chunk(job)
         if job.batched:
-            rows = len(self.batch)
             self._step_batch()
-            return rows
+            return self.batch.last_positions  # rows x (depth + 1) where the batch speculates
         try:
             step = next(job.generator)
         except Exception as exc:

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from .batch_rows import RowBatch
 from .constraint import ConstraintError, ConstraintViolation
 from .model import LoadedModel
 from .sampling import Sampler, logprobs as _logprobs, near_tie
@@ -122,9 +123,13 @@ class BatchStats:
     guard_changed: int = 0  # of those, where the M=1 token differed from the batched argmax
 
 
-class BatchDecoder:
+class BatchDecoder(RowBatch):
     """Drive from one thread, at step boundaries: ``add`` / ``remove`` / ``extract`` /
-    ``step``. Row ids are any hashable (the worker's job key)."""
+    ``step``. Row ids are any hashable (the worker's job key); the rows and their caches'
+    joining and leaving are batch_rows.RowBatch's."""
+
+    refusal = ("this backend's batched kernels are not bit-identical to M=1: a row that must be exact at "
+               "temperature 0 decodes alone")
 
     def __init__(self, lm: LoadedModel, guard_margin: float | None = None, exact_ok: bool | None = None,
                  max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK, logit_jitter: float = 0.0):
@@ -134,15 +139,15 @@ class BatchDecoder:
         ``logit_jitter`` is a test hook: uniform noise of that amplitude on the batched
         (B >= 2) logprobs, never on M=1 steps, standing in for batch-height-dependent
         kernels (on this CPU backend the batched logits are bit-identical to M=1)."""
+        super().__init__(max_rows)
         self.lm = lm
-        self.max_rows = max_rows
         self.exact_ok = batch_matches_serial(lm, max_rows) if exact_ok is None else exact_ok
         self.logit_jitter = logit_jitter
         self._jitter_key = mx.random.key(0x8A7C)
         self.guard_margin = guard_margin
         self.prefill_chunk = prefill_chunk
         self.stats = BatchStats()
-        self._rows: list[_Row] = []
+        self.last_positions = 0  # the last step's forward: one position per row (its step budget use)
         # len(rows) == 1: the row's own plain cache; >= 2: mlx-lm batch caches, one per layer.
         self._cache: list | None = None
         self._next: mx.array | None = None  # [B] uint32: decided, not emitted, not forwarded
@@ -150,29 +155,9 @@ class BatchDecoder:
         # the forward's inputs [B], GDN states before it, per layer (None for KV layers)).
         self._pending: tuple | None = None
 
-    # ------------------------------------------------------------------ introspection
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, row_id: Hashable) -> bool:
-        return any(r.row_id == row_id for r in self._rows)
-
-    def handle(self, row_id: Hashable) -> RowHandle:
-        return RowHandle(self, row_id)
-
-    @property
-    def row_ids(self) -> list:
-        return [r.row_id for r in self._rows]
-
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._cache) if self._cache else 0
-
-    def _index(self, row_id: Hashable) -> int:
-        for i, r in enumerate(self._rows):
-            if r.row_id == row_id:
-                return i
-        raise KeyError(row_id)
 
     # ------------------------------------------------------------------ admission
     def admits(self, sampler: Sampler, exact: bool) -> bool:
@@ -197,13 +182,7 @@ class BatchDecoder:
         the tokens before ``prompt``, as after a chunked prefill), or from a row state
         ``(cache, next_token)`` that ``extract`` returned. ``exact`` only matters at
         temperature 0."""
-        if row_id in self:
-            raise ValueError(f"row {row_id!r} is already in the batch")
-        if not self.admits(sampler, exact):
-            raise ValueError("this backend's batched kernels are not bit-identical to M=1: a row that must "
-                             "be exact at temperature 0 decodes alone")
-        if len(self._rows) >= self.max_rows:
-            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        self._check_join(row_id, sampler, exact)
         if prompt is not None:
             if next_token is not None:
                 raise ValueError("give a prompt or (cache, next_token), not both")
@@ -220,18 +199,12 @@ class BatchDecoder:
             raise ValueError("add needs a prompt, or both cache and next_token")
         mx.eval(tok, [c.state for c in cache])
         self._settle()
-        row = _Row(row_id, sampler, exact=exact)
-        if not self._rows:
-            self._cache = cache
-            self._next = tok
-        else:
-            if len(self._rows) == 1:
-                self._cache = [type(c).merge([c]) for c in self._cache]
-            for bc, c in zip(self._cache, cache):
-                bc.extend(type(c).merge([c]))
-            self._next = mx.concatenate([self._next, tok])
+        merged = bool(self._rows)
+        self._cache = self._joined(self._cache, cache)
+        self._next = mx.concatenate([self._next, tok]) if merged else tok
+        if merged:
             mx.eval(self._next, [c.state for c in self._cache])
-        self._rows.append(row)
+        self._rows.append(_Row(row_id, sampler, exact=exact))
 
     # ------------------------------------------------------------------ leaving
     def remove(self, row_id: Hashable) -> None:
@@ -246,36 +219,20 @@ class BatchDecoder:
         ``add(cache=, next_token=)``."""
         self._settle()
         i = self._index(row_id)
-        cache = self._cache if len(self._rows) == 1 else self._plain(i)
+        cache = self._taken_out(self._cache, i)
         nxt = int(self._next[i].item())
         mx.eval([c.state for c in cache])
         self._drop(i)
         return cache, nxt
 
     def _drop(self, i: int) -> None:
-        del self._rows[i]
-        n = len(self._rows)
-        if n == 0:
-            self._cache, self._next = None, None
+        keep = self._drop_row(i)
+        self._cache = self._kept(self._cache, keep)
+        if not keep:
+            self._next = None
             return
-        keep = [j for j in range(n + 1) if j != i]
-        if n == 1:
-            # Back to serial numerics: the survivor gets its plain cache.
-            self._cache = self._plain(keep[0])
-        else:
-            idx = mx.array(keep)
-            for c in self._cache:
-                c.filter(idx)
         self._next = self._next[mx.array(keep)]
         mx.eval(self._next, [c.state for c in self._cache])
-
-    def _plain(self, i: int) -> list:
-        """Row i's own per-request cache (KVCache / ArraysCache), copied out of the batch."""
-        cache = [c.extract(i) for c in self._cache]
-        for c in cache:
-            if isinstance(c, ArraysCache):
-                c.cache = [mx.contiguous(a) if a is not None else None for a in c.cache]
-        return cache
 
     # ------------------------------------------------------------------ decoding
     def step(self) -> dict:
@@ -286,6 +243,7 @@ class BatchDecoder:
         self._settle()  # with a guard pending this waits for the last forward
         inputs = self._next  # may still be in flight: the next forward is queued behind it
         B = len(self._rows)
+        self.last_positions = B
         rows = self._rows
         guard_rows = [] if B == 1 else [i for i, r in enumerate(rows) if r.exact and r.sampler.greedy]
         pre = None
@@ -396,22 +354,3 @@ def constrain_rows(logits: mx.array, constraints: list, emitted: list[int]) -> m
         masks.append(mx.ones((1, logits.shape[-1]), dtype=mx.bool_))
     return mx.where(mx.concatenate(masks, axis=0), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
-
-class RowHandle:
-    """What the worker can store as a batched job's ``generator``: ``close()`` (which
-    ``_finish`` already calls) removes the row from the batch; it is never iterated, since
-    ``BatchDecoder.step`` advances every row at once."""
-
-    def __init__(self, decoder: BatchDecoder, row_id: Hashable):
-        self.decoder = decoder
-        self.row_id = row_id
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        raise RuntimeError("a batched row is advanced by BatchDecoder.step(), not next()")
-
-    def close(self) -> None:
-        if self.row_id in self.decoder:
-            self.decoder.remove(self.row_id)

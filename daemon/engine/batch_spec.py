@@ -31,8 +31,12 @@ tokens wherever the batched verify's logits are bit-identical to one-token steps
 ``batch_matches_serial`` (batched forwards), ``verify_matches_serial`` (a verify vs serial
 steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, keeping
 ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
-decode alone). There is no near-tie guard here. Not done in the batch (solo speculation
-has them): prompt lookup, the draft stopper, the loop guard, building the next cycle ahead.
+decode alone). Constrained rows (constraint.py) draw each draft under their grammar's mask
+(the matcher takes every draft, a host read per draft), verify under the same masks and
+settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
+has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
+(a depth-0 cycle is queued ahead, as BatchDecoder's step is, unless a row has a grammar:
+``_step_ahead``).
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .batch import DEFAULT_MAX_ROWS, RowHandle, batch_matches_serial
+from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
+from .batch_rows import RowBatch
 from .capture import capture_hidden
+from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .model import LoadedModel
 from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
@@ -69,8 +75,15 @@ class SpecRow:
 
     @property
     def plain(self) -> bool:
-        """Greedy without processors: decided by one batched argmax."""
-        return self.sampler.greedy and not self.sampler.processing
+        """Greedy without processors or a grammar: decided by one batched argmax."""
+        return self.sampler.greedy and not self.sampler.processing and self.sampler.constraint is None
+
+    @property
+    def grammar(self):
+        """The row's constraint while it holds (None: none, or it failed: the worker then
+        fails the row before delivering anything this cycle decided)."""
+        con = self.sampler.constraint
+        return con if con is not None and con.error is None else None
 
 
 @dataclass
@@ -80,67 +93,52 @@ class SpecBatchStats:
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    ahead_used: int = 0  # depth-0 cycles that ran issued ahead of the previous one's read
+    ahead_undone: int = 0  # cycles issued ahead and undone (a row joined or left, the depth rose)
 
 
-def _merge_layer(c):
-    if isinstance(c, ArraysCache):
-        out = ArraysCache.merge([c])
-        out.left_padding = None  # an all-empty merge sets it; a zero state needs no mask
-        return out
-    return RaggedKVCache.merge([c])
-
-
-def _extract_layer(c, i: int):
-    out = c.extract(i)
-    if isinstance(out, ArraysCache):
-        out.cache = [mx.contiguous(a) if a is not None else None for a in out.cache]
-    return out
-
-
-class SpecBatchDecoder:
+class SpecBatchDecoder(RowBatch):
     """Drive from one thread, at cycle boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. ``head`` returns the resident MTP head (or None); ``depth_for(B)`` the batch's
-    depth at height B (``HeadSlot.depth_for``)."""
+    depth at height B (``HeadSlot.depth_for``). The rows and the joining and leaving of
+    their caches (base and head alike) are batch_rows.RowBatch's."""
+
+    refusal = ("this backend's batched verify is not bit-identical to serial steps: a row that must be exact at "
+               "temperature 0 decodes alone")
+
+    @staticmethod
+    def merge_layer(c):
+        """Attention layers become RaggedKVCaches (rows keep different verify prefixes)."""
+        if isinstance(c, ArraysCache):
+            out = ArraysCache.merge([c])
+            out.left_padding = None  # an all-empty merge sets it; a zero state needs no mask
+            return out
+        return RaggedKVCache.merge([c])
 
     def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
-                 exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK):
+                 exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK,
+                 pipeline: bool = True):
+        """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
+        cycle to its end first (the benchmark's "before" arm)."""
+        super().__init__(max_rows)
         self.lm = lm
+        self.pipeline = pipeline
         self.head_fn = head
         self.depth_for = depth_for
-        self.max_rows = max_rows
         if exact_ok is None:
             exact_ok = (batch_matches_serial(lm, max_rows) and verify_matches_serial(lm, "capture")
                         and ragged_verify_matches_serial(lm))
         self.exact_ok = exact_ok
         self.prefill_chunk = prefill_chunk
         self.stats = SpecBatchStats()
-        self._rows: list[SpecRow] = []
         self._cache: list | None = None  # base: one row's own, or merged per layer
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
+        self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
         self.last_depth = 0
+        self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
 
-    # ------------------------------------------------------------------ introspection
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, row_id: Hashable) -> bool:
-        return any(r.row_id == row_id for r in self._rows)
-
-    def handle(self, row_id: Hashable) -> RowHandle:
-        """The worker's ``generator`` for a batched job: ``close()`` removes the row."""
-        return RowHandle(self, row_id)
-
-    @property
-    def row_ids(self) -> list:
-        return [r.row_id for r in self._rows]
-
-    def _index(self, row_id: Hashable) -> int:
-        for i, r in enumerate(self._rows):
-            if r.row_id == row_id:
-                return i
-        raise KeyError(row_id)
-
+    # ------------------------------------------------------------------ the head
     def _live_head(self):
         head = self.head_fn()
         if head is None or getattr(head, "unloaded", False):
@@ -158,12 +156,8 @@ class SpecBatchDecoder:
 
     # ------------------------------------------------------------------ admission
     def admits(self, sampler: Sampler, exact: bool) -> bool:
-        """Any row but an exact greedy one where the batched verify is not bit-identical, and
-        but a constrained one: this decoder does not advance a grammar over each row's drafts
-        and verify positions yet, so such a row decodes alone (serial or speculative_decode,
-        which enforce it on every path) rather than ever run unconstrained."""
-        if getattr(sampler, "constraint", None) is not None:
-            return False
+        """Any row but an exact greedy one where the batched verify is not bit-identical.
+        Constrained rows batch too (``_drafts`` and ``step`` keep each row's grammar)."""
         return not (exact and sampler.greedy) or self.exact_ok
 
     def add(self, row_id: Hashable, sampler: Sampler, prompt: list[int], *, cache: list | None = None,
@@ -172,15 +166,10 @@ class SpecBatchDecoder:
         all of ``prompt`` but its last token is prefilled here (as speculative_decode's
         prefill), the last is the row's primary. ``history``: the row's head history (its
         KV and pending pairs, from a prefill or ``extract``)."""
-        if row_id in self:
-            raise ValueError(f"row {row_id!r} is already in the batch")
+        self._check_join(row_id, sampler, exact)
         if not prompt:
             raise ValueError("a stream needs at least one prompt token")
-        if not self.admits(sampler, exact):
-            raise ValueError("this backend's batched verify is not bit-identical to serial steps: a row that must "
-                             "be exact at temperature 0 decodes alone")
-        if len(self._rows) >= self.max_rows:
-            raise ValueError(f"the batch is full ({self.max_rows} rows)")
+        self._discard_ahead()
         head = self._live_head()
         cache = cache if cache is not None else self.lm.make_cache()
         if history is None or history.head is not head:
@@ -191,35 +180,29 @@ class SpecBatchDecoder:
             row.pending_h, row.pending_t, row.n_pending = list(history.h), list(history.t), history.n
         hcache = history.cache
         mx.eval([c.state for c in cache] + history.state())
-        if not self._rows:
-            self._cache, self._hcache = cache, hcache
-        else:
-            if len(self._rows) == 1:
-                self._cache = [_merge_layer(c) for c in self._cache]
-                self._hcache = [_merge_layer(c) for c in self._hcache] if self._hcache is not None else None
-            for bc, c in zip(self._cache, cache):
-                bc.extend(_merge_layer(c))
-            if self._hcache is not None:
-                for bc, c in zip(self._hcache, hcache):
-                    bc.extend(_merge_layer(c))
+        merged = bool(self._rows)
+        self._cache = self._joined(self._cache, cache)
+        # A batch without a head keeps none (a first row brings its own, None or not).
+        self._hcache = self._joined(self._hcache, hcache) if self._hcache is not None or not merged else None
+        if merged:
             mx.eval([c.state for c in self._cache + (self._hcache or [])])
         self._rows.append(row)
 
     # ------------------------------------------------------------------ leaving
     def remove(self, row_id: Hashable) -> None:
-        self._drop(self._index(row_id))
+        i = self._index(row_id)
+        self._discard_ahead()
+        self._drop(i)
 
     def extract(self, row_id: Hashable) -> tuple[list, int, HeadHistory]:
         """Take a row out with its state: (plain cache holding everything before primary,
         primary, its head history). Resume alone with ``speculative_decode(lm, head,
         [primary], sampler, ..., cache=, history=)`` or rejoin with ``add``."""
         i = self._index(row_id)
+        self._discard_ahead()
         row = self._rows[i]
-        if len(self._rows) == 1:
-            cache, hcache = self._cache, self._hcache
-        else:
-            cache = [_extract_layer(c, i) for c in self._cache]
-            hcache = [_extract_layer(c, i) for c in self._hcache] if self._hcache is not None else None
+        cache = self._taken_out(self._cache, i)
+        hcache = self._taken_out(self._hcache, i) if self._hcache is not None else None
         hist = HeadHistory(self._head)
         if self._head is not None:
             hist.cache = hcache
@@ -229,21 +212,11 @@ class SpecBatchDecoder:
         return cache, row.primary, hist
 
     def _drop(self, i: int) -> None:
-        del self._rows[i]
-        n = len(self._rows)
-        if n == 0:
-            self._cache = self._hcache = None
-            return
-        keep = [j for j in range(n + 1) if j != i]
-        if n == 1:  # back to one row's own caches, and its numerics
-            self._cache = [_extract_layer(c, keep[0]) for c in self._cache]
-            if self._hcache is not None:
-                self._hcache = [_extract_layer(c, keep[0]) for c in self._hcache]
-        else:
-            idx = mx.array(keep)
-            for c in self._cache + (self._hcache or []):
-                c.filter(idx)
-        mx.eval([c.state for c in self._cache + (self._hcache or [])])
+        keep = self._drop_row(i)
+        self._cache = self._kept(self._cache, keep)
+        self._hcache = self._kept(self._hcache, keep) if self._hcache is not None else None
+        if keep:
+            mx.eval([c.state for c in self._cache + (self._hcache or [])])
 
     # ------------------------------------------------------------------ decoding
     def _row_depth(self, row: SpecRow, k: int) -> int:
@@ -294,11 +267,43 @@ class SpecBatchDecoder:
                     cols.append(plain[i : i + 1])
                     continue
                 before = [d[i : i + 1] for d in drafts]
-                d, ql, _ = draft_token(r.sampler, logits[i : i + 1], before)
+                if j and r.grammar is not None:
+                    # The mask this draft is drawn under follows the last draft: the matcher
+                    # takes it first (a host read per draft, as in solo speculation).
+                    self._grammar_step(r, lambda: r.grammar.advance([before[-1].item()]))
+                if r.sampler.constraint is not None and r.grammar is None:  # failed: never delivered
+                    d, ql = plain[i : i + 1], mx.log(mx.softmax(logits[i : i + 1].astype(mx.float32), axis=-1))
+                else:
+                    d, ql, _ = draft_token(r.sampler, logits[i : i + 1], before)
                 cols.append(d)
                 logq[i].append(ql)
             drafts.append(mx.concatenate(cols))
+        # Each constrained row's matcher takes its last draft: the verify's row k_i is masked
+        # by the state after all k_i drafts (the masks drafts were drawn under are reused).
+        for i, r in enumerate(rows):
+            if ks[i] and r.grammar is not None:
+                self._grammar_step(r, lambda: r.grammar.advance([drafts[ks[i] - 1][i].item()]))
         return drafts, logq
+
+    @staticmethod
+    def _grammar_step(row: SpecRow, fn: Callable[[], object]) -> None:
+        """Run a matcher call; a failing grammar fails that row alone (its ``error`` is set,
+        which the worker reads before delivering the row's tokens)."""
+        try:
+            fn()
+        except (ConstraintError, ConstraintViolation) as exc:
+            row.sampler.constraint.error = exc
+
+    def _processed(self, row: SpecRow, logits: mx.array, drafts: mx.array) -> mx.array:
+        """The row's processors and grammar over its verify logits; a grammar that fails
+        here fails the row (unmasked logits, never delivered)."""
+        if row.sampler.constraint is not None and row.grammar is None:
+            return logits
+        try:
+            return row.sampler.process(logits, drafts)
+        except (ConstraintError, ConstraintViolation) as exc:
+            row.sampler.constraint.error = exc
+            return logits
 
     def step(self) -> dict[Hashable, DecodeStep]:
         """One cycle for every row; returns {row_id: DecodeStep} (tokens may run past EOS)."""
@@ -314,6 +319,10 @@ class SpecBatchDecoder:
         # governor's cost(B, k) learns from. A batch of depth-0 rows ("off", capped) is a
         # depth-0 cycle, whatever depth_for said, or its cost would be booked against k.
         self.last_depth = K
+        self.last_positions = B * (K + 1)
+        if K == 0 and self._pipelines():
+            return self._step_ahead(head, k, t0)
+        self._discard_ahead()
         if K:
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1
@@ -321,8 +330,7 @@ class SpecBatchDecoder:
             drafts, logq, spec_slots = [], [[] for _ in rows], 0
             if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
                 self._feed(head)  # keep the head's history whole while nobody drafts
-        primary = mx.array([r.primary for r in rows], dtype=mx.uint32)
-        tokens = mx.stack([primary] + drafts, axis=1)  # [B, K+1]
+        tokens = mx.stack([self._primaries()] + drafts, axis=1)  # [B, K+1]
         T = K + 1
 
         # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
@@ -343,7 +351,7 @@ class SpecBatchDecoder:
                 continue
             ki = ks[i]
             d_i = tokens[i, 1 : ki + 1]
-            lp = lps[i] = _logprobs(r.sampler.process(logits[i, : ki + 1], d_i))
+            lp = lps[i] = _logprobs(self._processed(r, logits[i, : ki + 1], d_i))
             if r.sampler.greedy:
                 picks, coins = mx.argmax(lp, axis=-1), mx.zeros((ki,), dtype=mx.int32)
             elif ki == 0:
@@ -374,6 +382,8 @@ class SpecBatchDecoder:
                 lp = lps[i] if i in lps else plain_lp[i, : ki + 1]
                 lp_entries = logprob_entries(r.sampler.logprob_arrays(lp[: a + 1], ids))
             r.sampler.commit(ids)
+            if r.grammar is not None:  # drafts that differ from the committed tokens roll back
+                self._grammar_step(r, lambda: r.grammar.settle(committed))
             r.primary = committed[-1]
             if head is not None:
                 r.pending_h.append(hid[i : i + 1, : a + 1])
@@ -392,11 +402,120 @@ class SpecBatchDecoder:
                 c.trim(spec_slots)
         mx.async_eval([c.state for c in self._cache + (self._hcache or [])]
                       + [h for r in rows for h in r.pending_h[-1:]])
+        return self._end_cycle(steps, t0)
+
+    def _end_cycle(self, steps: dict[Hashable, DecodeStep], t0: float) -> dict[Hashable, DecodeStep]:
         self.stats.cycles += 1
-        self.stats.row_cycles += B
+        self.stats.row_cycles += len(steps)
         if self.stats.cycles % 256 == 0:
             mx.clear_cache()
         dt = time.perf_counter() - t0
         for s in steps.values():
             s.cycle_s = dt
         return steps
+
+    # ------------------------------------------------------------------ depth 0, issued ahead
+    # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
+    # last cycle's token, still on the device (processors count it there too). So, as BatchDecoder does, the next cycle's forward
+    # is queued before this one's tokens are read, and the host's work (reading, committing,
+    # the caller delivering) overlaps the device's. The cycle queued ahead has written its
+    # position into the caches; until a later ``step`` adopts it, it is undone (one KV slot
+    # trimmed, the GatedDeltaNet states it replaced put back) before anything else touches
+    # the caches: a row joining or leaving, a cycle that drafts. Undoing restores the caches
+    # exactly, and an adopted cycle computed what the cycle would compute anyway, so tokens
+    # are the unpipelined decoder's, bit for bit.
+
+    def _pipelines(self) -> bool:
+        """Whether a depth-0 cycle may be issued ahead: no row with a grammar (its mask
+        follows the token the host reads). A sampled row draws from its own key (undoing the
+        cycle puts it back); a row with processors counts its tokens on the device."""
+        return self.pipeline and all(r.sampler.constraint is None for r in self._rows)
+
+    def _primaries(self) -> mx.array:
+        return mx.array([r.primary for r in self._rows], dtype=mx.uint32)
+
+    def _issue_d0(self, inputs: mx.array) -> _Ahead:
+        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and each row's next token."""
+        rows = self._rows
+        saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
+        # Before the draws: what undoing puts back. (Processors' counts need nothing: a cycle
+        # queued ahead commits nothing; its tokens are counted when a step adopts it.)
+        keys = [r.sampler._key for r in rows]
+        hid = self.lm.hidden(inputs[:, None], self._cache)
+        logits = self.lm.logits(hid)  # [B, 1, V]
+        # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the
+        # subtraction); other rows through their own processors, drawing with their own key
+        # (the ops the unpipelined cycle runs for them).
+        plain_lp = _logprobs(logits[:, -1, :])
+        picks, lps = mx.argmax(plain_lp, axis=-1), [plain_lp[i : i + 1] for i in range(len(rows))]
+        if not all(r.plain for r in rows):
+            cols = []
+            for i, r in enumerate(rows):
+                if r.plain:
+                    cols.append(picks[i : i + 1])
+                    continue
+                lp = lps[i] = _logprobs(r.sampler.process(logits[i, :1]))
+                cols.append(mx.argmax(lp, axis=-1) if r.sampler.greedy else r.sampler(lp).reshape(-1))
+            picks = mx.concatenate(cols)
+        picks = picks.astype(mx.uint32)
+        mx.async_eval([picks, hid] + [c.state for c in self._cache])
+        return _Ahead(hid, picks, lps, saved, keys)
+
+    def _discard_ahead(self) -> None:
+        """Undo the cycle issued ahead, if any: the caches as they were before it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        self.stats.ahead_undone += 1
+        for r, key in zip(self._rows, ahead.keys):
+            r.sampler._key = key
+        for c, saved in zip(self._cache, ahead.saved):
+            if saved is None:
+                c.trim(1)
+            else:
+                c.cache = saved
+
+    def _next_is_d0(self, k: int) -> bool:
+        """Whether the next cycle (every row then has a pair to draft from) is depth 0."""
+        return k == 0 or all(r.depth is not None and int(r.depth()) <= 0 for r in self._rows)
+
+    def _step_ahead(self, head, k: int, t0: float) -> dict[Hashable, DecodeStep]:
+        rows, B = self._rows, len(self._rows)
+        if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
+            self._feed(head)  # keep the head's history whole while nobody drafts
+        if self._ahead is not None:
+            cur = self._ahead
+            self.stats.ahead_used += 1
+        else:
+            cur = self._issue_d0(self._primaries())
+        for i, r in enumerate(rows):  # processors count this cycle's tokens (lazily) before the next reads them
+            r.sampler.commit(cur.picks[i : i + 1])
+        # Queue the next cycle behind this one before reading it (the read waits for this one only).
+        self._ahead = self._issue_d0(cur.picks) if self._next_is_d0(k) else None
+        picks = cur.picks.tolist()
+        steps = {}
+        for i, (r, tok) in enumerate(zip(rows, picks)):
+            r.primary = tok
+            if head is not None:
+                r.pending_h.append(cur.hid[i : i + 1])
+                r.pending_t.append(cur.picks[i : i + 1])
+                r.n_pending += 1
+            lp_entries = None
+            if r.sampler.wants_logprobs:
+                lp_entries = logprob_entries(r.sampler.logprob_arrays(cur.lps[i], cur.picks[i : i + 1]))
+            steps[r.row_id] = DecodeStep(tokens=[tok], depth=0, drafted=0, accepted=0, accepted_mask=[],
+                                         logprobs=lp_entries)
+        self.stats.tokens += B
+        return self._end_cycle(steps, t0)
+
+
+@dataclass
+class _Ahead:
+    """A depth-0 cycle queued ahead: its hiddens, next tokens and each row's logprobs (lazy),
+    the GatedDeltaNet states its forward replaced, per layer (None for attention layers: one
+    slot to trim), and each row's sampler key before it drew."""
+    hid: mx.array
+    picks: mx.array
+    lps: list
+    saved: list
+    keys: list

@@ -120,9 +120,11 @@ def test_batched_rows_draft_and_accept_as_each_alone(tiny, head, prompts):
         assert sum(a for _, a in solo[i]) > 0
 
 
-def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts):
+@pytest.mark.parametrize("depth", [2, 0])
+def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts, depth):
     """logit_bias, penalties and logprobs rows batch beside plain rows at temperature 0:
-    tokens and logprob entries are serial's."""
+    tokens and logprob entries are serial's, drafting (depth 2) or with every cycle queued
+    ahead (depth 0: the processors count each token on the device before the next cycle)."""
     params = [
         SamplingParams(logit_bias={11: 4.0, 13: -100.0, 220: 2.0}),
         SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3),
@@ -130,7 +132,7 @@ def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts
         SamplingParams(),
     ]
     refs = {i: serial(tiny, prompts[i], params=p) for i, p in enumerate(params)}
-    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2)
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth)
     for i, p in enumerate(params):
         bd.add(i, Sampler(p, prompt=prompts[i]), prompts[i], exact=True)
     got, steps = drive(bd, refs)
@@ -141,7 +143,10 @@ def test_processors_and_logprobs_rows_batch_and_match_serial(tiny, head, prompts
     for (lp, top), (want_lp, want_top) in zip(lps, refs[2][1]):
         assert lp == pytest.approx(want_lp, abs=1e-6)
         assert [t for t, _ in top] == [t for t, _ in want_top]
-    assert sum(s.drafted for s in steps[0] + steps[1]) > 0  # processor rows really speculated
+    if depth:
+        assert sum(s.drafted for s in steps[0] + steps[1]) > 0  # processor rows really speculated
+    else:
+        assert bd.stats.ahead_used > N // 2  # their cycles really were queued ahead
 
 
 def test_sampled_rows_with_a_seed_run_finish_and_reproduce(tiny, head, prompts):
@@ -262,3 +267,89 @@ def test_rows_at_depth_zero_leave_and_extract_with_an_unfed_head(tiny, head, pro
     got, steps = drive(bd, refs)
     assert {r: (first[r] + got[r] if r < 2 else got[r])[:N] for r in got} == refs
     assert all(s.drafted == 0 for r in steps for s in steps[r])
+
+
+def test_depth_zero_cycles_issued_ahead_stay_serial_through_depth_changes_and_joins(tiny, head, prompts):
+    """Depth-0 cycles are queued ahead of the host's read; a cycle queued ahead is undone
+    when the depth rises, a row joins, leaves or is extracted. Through all of them every row
+    decodes serial's tokens, and both the queued cycles and the undoing really happened."""
+    refs = {i: serial(tiny, prompts[i], 2 * N)[0] for i in range(4)}
+    depth = {"k": 0}
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"])
+    for i in range(2):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    got = {i: [] for i in range(4)}
+    cycle = 0
+    while len(bd):
+        depth["k"] = 2 if cycle % 9 in (4, 5) else 0  # the governor raising and lowering the depth
+        for r, s in bd.step().items():
+            got[r] += s.tokens
+        cycle += 1
+        if cycle == 3:
+            bd.add(2, Sampler(SamplingParams()), prompts[2], exact=True)  # joins while a cycle is ahead
+        if cycle == 7:
+            cache, primary, hist = bd.extract(1)  # leaves with a cycle ahead, rejoins from its state
+            bd.add(1, Sampler(SamplingParams()), [primary], cache=cache, history=hist, exact=True)
+        if cycle == 11:
+            bd.add(3, Sampler(SamplingParams()), prompts[3], exact=True)
+        for r in [r for r in bd.row_ids if len(got[r]) >= 2 * N]:
+            bd.remove(r)
+    assert {i: got[i][: 2 * N] for i in range(4)} == refs
+    assert bd.stats.ahead_used > 10 and bd.stats.ahead_undone >= 3
+    assert bd.stats.drafted > 0  # the depth really rose in between
+
+
+def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
+    """``pipeline=False`` (the benchmark's before arm) reads every cycle before the next: the
+    same tokens, for greedy rows and for sampled rows with their seeds (a cycle issued ahead
+    draws from a row's key; undoing it, when the depth rises or a row is extracted and
+    rejoins, puts the key back), so a seed still reproduces a batched request; a row with
+    processors and logprobs rides along."""
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, seed=5),
+              SamplingParams(temperature=1.0, seed=9),
+              SamplingParams(repetition_penalty=1.3, presence_penalty=0.8, logprobs=True, top_logprobs=2)]
+
+    def run(pipeline):
+        depth = {"k": 0}
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"], pipeline=pipeline)
+        samplers = {i: Sampler(p, prompt=prompts[i]) for i, p in enumerate(params)}
+        for i in samplers:
+            bd.add(i, samplers[i], prompts[i], exact=True)
+        cycles = {"n": 0}
+
+        def on_cycle(_):
+            cycles["n"] += 1
+            depth["k"] = 2 if cycles["n"] % 7 == 3 else 0
+            if cycles["n"] == 5 and 2 in bd:
+                cache, primary, hist = bd.extract(2)
+                bd.add(2, samplers[2], [primary], cache=cache, history=hist, exact=True)
+
+        got, _ = drive(bd, {i: None for i in range(len(params))}, on_cycle=on_cycle)
+        return got, bd.stats
+
+    (on, st_on), (off, st_off) = run(True), run(False)
+    assert on == off
+    assert st_on.ahead_used > 5 and st_on.ahead_undone >= 2 and st_off.ahead_used == 0
+
+
+
+def test_a_cycle_reports_the_positions_its_forward_held(tiny, head, prompts):
+    """The step budget's use (worker._advance): a speculating cycle at depth K forwards every
+    row's primary and K drafts, B x (K + 1) positions; at depth 0, and in BatchDecoder, B."""
+    from daemon.engine.batch import BatchDecoder
+
+    depth = {"k": 3}
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"])
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    bd.step()  # rows admitted from their prompts have a pair to draft from now
+    bd.step()
+    assert (bd.last_depth, bd.last_positions) == (3, 3 * 4)
+    depth["k"] = 0
+    bd.step()
+    assert (bd.last_depth, bd.last_positions) == (0, 3)
+    plain = BatchDecoder(tiny)
+    for i in range(2):
+        plain.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    plain.step()
+    assert plain.last_positions == 2

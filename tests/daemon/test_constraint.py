@@ -209,3 +209,47 @@ def test_batched_constrained_rows_are_their_serial_decodes(tiny):
             text, ended = text_of(tiny, out)
             if ended:
                 check_output(case[0], text)
+
+
+def test_constrained_rows_speculate_in_the_batch_as_they_decode_alone(tiny, head):
+    """Constrained rows (every kind) beside an unconstrained one and a row with processors,
+    in one speculating batch at depth 2: each row's drafts are drawn under its grammar, its
+    verify is masked, its matcher settles on what it commits. Each row decodes its constrained
+    serial decode's tokens (temperature 0, CPU: the batched verify is bit-identical), its
+    output obeys its grammar, the constrained rows really drafted, and no grammar failed."""
+    from daemon.engine.batch_spec import SpecBatchDecoder
+
+    n = 28
+    prompts = [tiny.encode_prompt(p, None, None) for p in PROMPTS + ["def add(a, b):\n", "x = 1\n"]]
+    kinds = CASES[:1] + CASES[2:] + [None, CASES[1]]
+    params = [SamplingParams()] * 4 + [SamplingParams(repetition_penalty=1.2)]
+    refs = []
+    for p, case, sp in zip(prompts, kinds, params):
+        c = compile_constraint(tiny, *case) if case is not None else None
+        refs.append(decode(serial_decode(tiny, p, Sampler(sp, p, constraint=c)), n, c))
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2)
+    constraints = []
+    for i, (p, case, sp) in enumerate(zip(prompts, kinds, params)):
+        c = compile_constraint(tiny, *case) if case is not None else None
+        constraints.append(c)
+        sampler = Sampler(sp, p, constraint=c)
+        assert bd.admits(sampler, exact=True)
+        bd.add(i, sampler, p, exact=True)
+    got = {i: [] for i in range(len(prompts))}
+    drafted = {i: 0 for i in range(len(prompts))}
+    while len(bd):
+        for r, s in bd.step().items():
+            got[r] += s.tokens
+            drafted[r] += s.drafted
+            c = constraints[r]
+            assert c is None or c.error is None, c.error
+            if c is not None and c.complete or len(got[r]) >= n or set(got[r]) & {0, 2}:
+                assert c is None or c.floor == len(got[r])  # the matcher took exactly what the row committed
+                bd.remove(r)
+    for i, (case, ref) in enumerate(zip(kinds, refs)):
+        assert got[i][: len(ref)] == ref, i
+        if case is not None:
+            assert drafted[i] > 0, i
+            text, ended = text_of(tiny, ref)
+            if ended:
+                check_output(case[0], text)

@@ -312,13 +312,15 @@ def make_step(budget: int, max_active: int = 8):
     return Scheduler(cfg, clock=clock), clock
 
 
-def iterate(s: Scheduler, rows: list[PromptJob]) -> tuple[object, list[tuple[PromptJob, int]], int]:
+def iterate(s: Scheduler, rows: list[PromptJob], depth: int = 0) -> tuple[object, list[tuple[PromptJob, int]], int]:
     """One engine iteration as worker._step runs it, on the pure scheduler. ``rows``: the
-    decoding jobs that form the continuous batch (one step advances them all). Returns the
-    decoder picked, the prefill plan, and the prompt tokens it forwarded."""
+    decoding jobs that form the continuous batch (one step advances them all), speculating
+    at ``depth`` (its verify forwards rows x (depth + 1) positions: the batch decoders'
+    ``last_positions``). Returns the decoder picked, the prefill plan, and the prompt tokens
+    it forwarded."""
     s.admit()
     d = s.pick_decoder()
-    spent = (len(rows) if d in rows else 1) if d is not None else 0
+    spent = (len(rows) * (depth + 1) if d in rows else 1) if d is not None else 0
     plan = s.prefill_plan(spent)
     tokens = 0
     for job, chunks in plan:
@@ -331,12 +333,13 @@ def iterate(s: Scheduler, rows: list[PromptJob]) -> tuple[object, list[tuple[Pro
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 600), st.sampled_from([1, 16, 32, 100, 256]), st.integers(1, 4), st.integers(200, 3000))
-def test_a_decoding_row_waits_at_most_the_budget_per_step_while_a_long_prompt_prefills(budget, chunk, rows, long):
+@given(st.integers(0, 600), st.sampled_from([1, 16, 32, 100, 256]), st.integers(1, 4), st.integers(200, 3000),
+       st.integers(0, 3))
+def test_a_decoding_row_waits_at_most_the_budget_per_step_while_a_long_prompt_prefills(budget, chunk, rows, long, depth):
     """While one seat's long prompt is prefilled, every batched row advances every step (its
     gap is one step, never a turn per chunk), and the prompt tokens prefilled between two of
-    its steps are at most max(budget - the step's decode tokens, one chunk). The prompt still
-    finishes: at least one chunk a step."""
+    its steps are at most max(budget - the step's decode positions, one chunk), a speculating
+    batch's step counting rows x (depth + 1). The prompt still finishes: at least one chunk a step."""
     s, _ = make_step(budget)
     batch = [PromptJob(f"seat{i}", name=f"row{i}") for i in range(rows)]
     for j in batch:
@@ -345,14 +348,14 @@ def test_a_decoding_row_waits_at_most_the_budget_per_step_while_a_long_prompt_pr
     s.submit(prompt)
     steps = 0
     while prompt.prefill_left > 0:
-        d, plan, tokens = iterate(s, batch)
+        d, plan, tokens = iterate(s, batch, depth)
         steps += 1
         assert d in batch  # the batch's step ran: every row advanced
         assert plan and plan[0][0] is prompt
-        assert tokens <= max(budget - rows, chunk), (tokens, budget, rows, chunk)
+        assert tokens <= max(budget - rows * (depth + 1), chunk), (tokens, budget, rows, depth, chunk)
         assert steps <= long  # progress every step
     # And no slower than the budget allows: whole chunks fill what the decode step leaves.
-    per_step = max(1, (budget - rows) // chunk) * chunk
+    per_step = max(1, (budget - rows * (depth + 1)) // chunk) * chunk
     assert steps <= -(-long // min(per_step, long)) + 1
 
 

@@ -63,3 +63,25 @@ def test_a_running_solo_request_moves_into_the_batch_when_another_arrives(counci
     assert done2.speculation.drafted > 0
     joined = [e for e in d.events() if e.get("event") == "batch.joined" and e["request_id"] == first.request_id]
     assert len(joined) == 1 and 0 < joined[0]["completion_tokens"] < 160, joined
+
+
+def test_concurrent_requests_at_depth_zero_batch_and_stay_serial(council_daemon):
+    """Depth pinned to 0 (the governor's call under load): concurrent exact requests decode
+    as rows of the speculating batch at depth 0, whose cycles are queued ahead of the host's
+    read (batch_spec._step_ahead) and undone as rows join and leave; each request's text is
+    still the one it decodes alone."""
+    d = council_daemon
+    with Client(d.endpoint, seat="council", timeout_s=120) as c:
+        alone = {p: c.complete(p, max_tokens=TOKENS, speculation="off").text for p in PROMPTS}
+        assert c.governor("pin_depth", 0).ok
+        try:
+            streams = [c.generate(p, max_tokens=TOKENS + 8 * i, speculation="exact") for i, p in enumerate(PROMPTS)]
+            dones = [s.result() for s in streams]
+        finally:
+            assert c.governor("auto").ok
+    for p, done in zip(PROMPTS, dones):
+        assert done.text.startswith(alone[p]), p  # rows leave at different times: max_tokens differ
+        assert done.speculation is None or done.speculation.drafted == 0
+    ids = {s.request_id for s in streams}
+    ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
+    assert len(ended) == 4 and sum(e["batched"] for e in ended) >= 3, ended

@@ -110,22 +110,38 @@ def test_every_path_matches_the_constraint_and_exact_is_serial(daemon, kind):
         assert c.governor("auto").ok
 
 
-def test_four_concurrent_constrained_requests_batch(daemon):
-    """Four constrained requests at once (speculation off: they share the batched forward),
-    each of a different kind, one sampled: each matches its constraint, and the greedy ones
-    give what they give alone."""
+@pytest.mark.parametrize("speculation", ["off", "exact"])
+def test_four_concurrent_constrained_requests_batch(daemon, speculation):
+    """Four constrained requests at once, each of a different kind, one sampled, as rows of
+    the batch (speculation off: depth-0 rows; exact at depth 2: each row drafts under its
+    grammar in the speculating batch): each matches its constraint, and the greedy ones give
+    what they give alone, serially."""
     kinds = list(CASES)
-    alone = {k: run_one(daemon, request(f"solo-{k}", k, speculation="off"))[0] for k in kinds}
-    msgs = [request(f"batch-{k}", k, speculation="off") for k in kinds]
-    msgs.append(request("batch-sampled", "json_schema", speculation="off", temperature=0.8, seed=3))
-    got = run_all(daemon, msgs)
+    alone = {k: run_one(daemon, request(f"solo-{k}-{speculation}", k, speculation="off"))[0] for k in kinds}
+    msgs = [request(f"batch-{k}-{speculation}", k, speculation=speculation) for k in kinds]
+    msgs.append(request(f"batch-sampled-{speculation}", "json_schema", speculation=speculation, temperature=0.8,
+                        seed=3))
+    if speculation != "off":
+        with Client(daemon.endpoint, seat="ops") as c:
+            assert c.governor("pin_depth", 2).ok
+    try:
+        got = run_all(daemon, msgs)
+    finally:
+        if speculation != "off":
+            with Client(daemon.endpoint, seat="ops") as c:
+                assert c.governor("auto").ok
     for k in kinds:
-        text, _, done = got[f"batch-{k}"]
+        text, _, done = got[f"batch-{k}-{speculation}"]
         assert isinstance(done, m.Done) and done.finish_reason == "stop", done
         assert text == alone[k]
         check_output(k, text)
-    text, before, done = got["batch-sampled"]
+    text, before, done = got[f"batch-sampled-{speculation}"]
     check_done("json_schema", text, before, done, sampled=True)
+    ids = {msg.request_id for msg in msgs}
+    ended = [e for e in daemon.events() if e.get("event") == "request.done" and e["request_id"] in ids]
+    assert len(ended) == 5 and sum(e["batched"] for e in ended) >= 4, ended  # they shared the batch
+    if speculation != "off":
+        assert sum(e["speculation"]["drafted"] for e in ended if e["batched"]) > 0  # batched rows drafted
 
 
 def test_unsupported_schema_is_refused_and_the_daemon_keeps_serving(daemon):
