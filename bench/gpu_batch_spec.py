@@ -36,30 +36,21 @@ from daemon.engine.batch import BatchDecoder  # noqa: E402
 from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
-from gpu_bench import PROFILES, QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
+from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
 
 
-class BatchOracleHead:
+class BatchOracleHead(OracleHead):
     """The real head's compute with the oracle's drafts, for every row of a batch: the draft
     after token t is inv[t] (the decisive model's greedy next token), corrupted at draft
     position i with probability 1 - acceptance[i]. A call with the head's own last output
-    continues a draft chain (position i + 1); any other call starts one (position 1)."""
+    continues a draft chain (position i + 1); any other call starts one (position 1).
+    (gpu_bench.OracleHead's cache and size; its single-row sequence is not used.)"""
 
     def __init__(self, head, inv: mx.array, acceptance: list[float], vocab: int, seed: int = 0):
-        self.head, self.inv, self.acc, self.vocab = head, inv, acceptance, vocab
+        super().__init__(head, [], acceptance, vocab, seed)
+        self.inv = inv
         self.rng = random.Random(seed)
-        self._g = None
-        self._i = 0
         self._last = None
-        self._ar = mx.arange(vocab)
-        self.unloaded = False
-
-    def make_cache(self):
-        return self.head.make_cache()
-
-    @property
-    def nbytes(self) -> int:
-        return self.head.nbytes
 
     def __call__(self, hidden, tokens, cache):
         out = self.head(hidden, tokens, cache)
