@@ -10,10 +10,10 @@ else
 EXTRAS := cpu,test
 endif
 # Tests run in parallel (pytest-xdist, in the test extra): most of them wait on a daemon
-# process, so more workers than cores pay. --dist loadgroup: a test marked
-# xdist_group("name") runs on one worker with the others of its group; the rest are spread
-# by load. `make test PYTEST_ARGS="-n 0"` runs them one at a time (tests/README.md).
-PYTEST_ARGS ?= -n 4 --dist loadgroup
+# process, so more workers than cores pay. --dist loadfile: a file's tests run on one
+# worker, so a module's daemon fixture starts once, not once per worker.
+# `make test PYTEST_ARGS="-n 0"` runs them one at a time (tests/README.md).
+PYTEST_ARGS ?= -n 4 --dist loadfile
 
 .PHONY: demo test serve bench clean venv
 
