@@ -9,8 +9,11 @@ EXTRAS := test
 else
 EXTRAS := cpu,test
 endif
-# Tests run on both cores; pytest-xdist is not a dependency, so this is plain pytest.
-PYTEST_ARGS ?=
+# Tests run in parallel (pytest-xdist, in the test extra): most of them wait on a daemon
+# process, so more workers than cores pay. --dist loadfile: a file's tests run on one
+# worker, so a module's daemon fixture starts once, not once per worker.
+# `make test PYTEST_ARGS="-n 0"` runs them one at a time (tests/README.md).
+PYTEST_ARGS ?= -n 4 --dist loadfile
 
 .PHONY: demo test serve bench clean venv
 

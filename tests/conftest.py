@@ -17,6 +17,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))  # e2e_harness, for every folder
 
+# The files that take one worker longest (measured: `--durations=0` of a `make test` run,
+# summed per file), longest first. Under `--dist loadfile` a file is handed out whole in
+# collection order, so these go first: a long file handed out last would be the suite's
+# tail, with the other workers idle. Every other file keeps its place after them.
+LONGEST_FILES = [
+    "tests/daemon/test_fidelity.py",
+    "tests/e2e/test_prefix_cache_disk.py",
+    "tests/distributed/test_group_faults.py",
+    "tests/e2e/test_speculation_served.py",
+    "tests/e2e/test_models_hub.py",
+    "tests/daemon/test_constraint.py",
+    "tests/daemon/test_batch_spec.py",
+    "tests/daemon/test_speculative.py",
+    "tests/e2e/test_constraint_served.py",
+    "tests/e2e/test_faults.py",
+    "tests/distributed/test_group_serving.py",
+    "tests/e2e/test_lifecycle.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: order within a file kept
+
 
 @pytest.fixture(scope="session")
 def _bundled_daemon_session(tmp_path_factory):

@@ -262,6 +262,10 @@ def flood_client(endpoint: str, n: int, read_after_s: float = 3.0, silence_s: fl
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # never block our own sends: the daemon is what must cope
+    # Hold one reply on this side, so what is not read waits at the daemon: with the default
+    # (1,000 here, plus the socket buffer) 3,000 small rejections could all fit on the way
+    # and the daemon's queue never fill, depending on how fast each side ran.
+    sock.setsockopt(zmq.RCVHWM, 1)
     sock.connect(endpoint)
     ids = [f"flood{i:06d}" for i in range(n)]
     t0 = time.monotonic()

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -229,12 +230,13 @@ def _verify(tmp_path: Path, text: str) -> tuple[int, list[str]]:
     unit_dir.mkdir(exist_ok=True)
     unit = unit_dir / UNIT_NAME
     unit.write_text(text)
-    rt = tmp_path / "xdg-runtime"
-    rt.mkdir(mode=0o700, exist_ok=True)
-    env = {**os.environ, "XDG_RUNTIME_DIR": str(rt), "SYSTEMD_LOG_COLOR": "0"}
-    proc = subprocess.run(
-        [SYSTEMD_ANALYZE, "--user", "--man=no", "verify", str(unit)], capture_output=True, text=True, env=env, timeout=60
-    )
+    # A short folder of its own, not under tmp_path: the user units the verifier also loads
+    # put sockets in it, and a long path (an xdist worker's) overflows sun_path.
+    with tempfile.TemporaryDirectory(prefix="xdg-") as rt:
+        env = {**os.environ, "XDG_RUNTIME_DIR": rt, "SYSTEMD_LOG_COLOR": "0"}
+        proc = subprocess.run(
+            [SYSTEMD_ANALYZE, "--user", "--man=no", "verify", str(unit)], capture_output=True, text=True, env=env,
+            timeout=60)
     # verify exits 0 even for bad values ("..., ignoring."), so every diagnostic line counts.
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
     return proc.returncode, lines

@@ -119,18 +119,21 @@ def test_client_dies_mid_stream(faults_daemon, sig):
         t = threading.Thread(target=_bystander, args=(d.endpoint, results))
         t.start()
         victim.send_signal(sig)
-        gone_s = _wait_gone(d, "victim-1", HEARTBEAT_TIMEOUT_S + 5)
+        gone_s = _wait_gone(d, "victim-1", HEARTBEAT_TIMEOUT_S + 10)
         t.join(60)
     finally:
         victim.kill()
         victim.wait()
-    assert gone_s < HEARTBEAT_TIMEOUT_S + 2.0, gone_s
+    # Seen from here: each status poll is a fresh connection, slow on a loaded machine.
+    assert gone_s < HEARTBEAT_TIMEOUT_S + 4.0, gone_s
     assert "error" not in results, results
     assert isinstance(results["done"], Done) and results["tokens"] == 120
     dropped = [e for e in _events(d, "client.dropped") if "victim-1" in e["requests"]]
     assert dropped and dropped[-1]["reason"] == "client_gone"
     if sig == signal.SIGSTOP:
-        assert any(e["seat"] == "victim" for e in _events(d, "client.timeout"))
+        # The daemon's own clock: cut once silent past the timeout (checked every 0.25 s).
+        timeouts = [e for e in _events(d, "client.timeout") if e["seat"] == "victim"]
+        assert timeouts and HEARTBEAT_TIMEOUT_S <= timeouts[-1]["silent_s"] < HEARTBEAT_TIMEOUT_S + 2.0, timeouts
     ended = [e for e in _events(d, "request.error") if e["request_id"] == "victim-1"]
     assert ended and ended[-1]["code"] == "client_gone"
     assert d.proc.poll() is None

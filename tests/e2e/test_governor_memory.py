@@ -169,10 +169,11 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             # Prompt caches to shed: three prompts of 165 tokens leave a 128-token snapshot each.
             for i in range(3):
                 c.complete(f"# module {i}\n" + PROMPT * 20, max_tokens=2, speculation="off")
+            active_before = _idle_active_bytes(c)
+            # Read once the daemon is idle and its status has been republished: a snapshot
+            # (or a continuation) stored after the last Done is in what the governor sheds.
             pc = c.status().detail["prefix_cache"]
             assert pc["entries"] >= 3 and pc["bytes"] > 0, pc
-            prompt_cache_bytes = pc["bytes"]
-            active_before = _idle_active_bytes(c)
 
             # 1. A long serial stream in flight across the episode.
             streamer = _Streamer(d.endpoint, max_tokens=STREAM_TOKENS)

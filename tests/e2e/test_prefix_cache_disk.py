@@ -65,29 +65,6 @@ def cold(tmp_path_factory):
     assert d.stop() == 0
 
 
-def test_a_restarted_daemon_serves_the_next_turn_from_disk(tmp_path, cold):
-    turn1 = _turn1(0)
-    d = start_daemon(tmp_path, BUNDLED_MODEL, config=BASE)
-    ids1, done1 = _run(d.endpoint, "seat-a", turn1)
-    assert done1.usage.cached_tokens == 0
-    assert d.stop() == 0  # SIGTERM: queued writes are flushed before the engine exits
-    names = [p.name for p in _files(tmp_path)]
-    assert f"{(len(turn1) - 1) // CHUNK * CHUNK}-{prefix_disk.token_digest(turn1[:256])}-h-x.snap" in names
-
-    turn2 = turn1 + ids1 + NEW
-    d2 = start_daemon(tmp_path, BUNDLED_MODEL, config=BASE)
-    try:
-        ids2, done2 = _run(d2.endpoint, "seat-a", turn2)
-    finally:
-        assert d2.stop() == 0
-    assert done2.usage.cached_tokens == 256
-    hits = [e for e in d2.events() if e["event"] == "prefix_cache.disk_hit"]
-    assert len(hits) == 1 and hits[0]["tokens"] == 256 and hits[0]["head"] is True
-    cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
-    assert cold_done.usage.cached_tokens == 0
-    assert ids2 == cold_ids  # token-identical in exact greedy mode
-
-
 def _foreign(path: Path) -> None:
     """Rewrite a snapshot as another model's: well formed, valid checksum, other fingerprint."""
     data = path.read_bytes()
@@ -100,11 +77,22 @@ def _foreign(path: Path) -> None:
     path.write_bytes(body + hashlib.blake2b(body, digest_size=prefix_disk.DIGEST).digest())
 
 
-def test_corrupt_truncated_and_foreign_files_are_misses(tmp_path, cold):
+def test_a_restarted_daemon_serves_good_files_from_disk_and_misses_bad_ones(tmp_path, cold):
+    """One daemon writes four seats' first turns, then its restart serves them: seat-a's next
+    turn from disk, with a cold run's tokens; the other three seats' files were made corrupt,
+    truncated and foreign in between, and each is a miss (a cold prefill, same tokens) that
+    replaces the bad file with a good one. (One pair of daemons for both: each start costs
+    seconds, and the four seats' prompts share no prefix.)"""
+    turn1 = _turn1(0)
     prompts = [_turn1(i) for i in (1, 2, 3)]
     d = start_daemon(tmp_path, BUNDLED_MODEL, config=BASE)
+    ids1, done1 = _run(d.endpoint, "seat-a", turn1)
+    assert done1.usage.cached_tokens == 0
     answers = [_run(d.endpoint, f"seat-{i}", p)[0] for i, p in enumerate(prompts)]
-    assert d.stop() == 0
+    assert d.stop() == 0  # SIGTERM: queued writes are flushed before the engine exits
+    names = [p.name for p in _files(tmp_path)]
+    assert f"{(len(turn1) - 1) // CHUNK * CHUNK}-{prefix_disk.token_digest(turn1[:256])}-h-x.snap" in names
+
     by_digest = {p.name.split("-")[1]: p for p in _files(tmp_path)}
     victims = [by_digest[prefix_disk.token_digest(p[:256])] for p in prompts]
     flipped = bytearray(victims[0].read_bytes())
@@ -113,15 +101,26 @@ def test_corrupt_truncated_and_foreign_files_are_misses(tmp_path, cold):
     victims[1].write_bytes(victims[1].read_bytes()[:-1000])  # a torn write
     _foreign(victims[2])
 
+    turn2 = turn1 + ids1 + NEW
     d2 = start_daemon(tmp_path, BUNDLED_MODEL, config=BASE)
     try:
+        ids2, done2 = _run(d2.endpoint, "seat-a", turn2)
+        missed = []
         for i, (p, a) in enumerate(zip(prompts, answers)):
-            turn2 = p + a + NEW
-            ids, done = _run(d2.endpoint, f"seat-{i}", turn2)
-            assert done.usage.cached_tokens == 0
-            assert ids == _run(cold.endpoint, f"seat-{i}", turn2)[0]
+            bad_turn2 = p + a + NEW
+            missed.append((bad_turn2, *_run(d2.endpoint, f"seat-{i}", bad_turn2)))
     finally:
         assert d2.stop() == 0
+    assert done2.usage.cached_tokens == 256
+    hits = [e for e in d2.events() if e["event"] == "prefix_cache.disk_hit"]
+    assert len(hits) == 1 and hits[0]["tokens"] == 256 and hits[0]["head"] is True
+    cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
+    assert cold_done.usage.cached_tokens == 0
+    assert ids2 == cold_ids  # token-identical in exact greedy mode
+
+    for i, (bad_turn2, ids, done) in enumerate(missed):
+        assert done.usage.cached_tokens == 0
+        assert ids == _run(cold.endpoint, f"seat-{i}", bad_turn2)[0]
     bad = [e for e in d2.events() if e["event"] == "prefix_cache.disk_corrupt"]
     assert len(bad) == 3
     reasons = " ".join(e["error"] for e in bad)
@@ -155,27 +154,32 @@ def test_a_full_or_unusable_disk_degrades_to_ram(tmp_path, how, cold):
     assert not _files(tmp_path)
 
 
-@pytest.mark.parametrize("mode", ["off", "exact"])
-def test_a_continuation_is_reused_past_the_prompt(tmp_path, mode, cold):
+@pytest.fixture(scope="module")
+def inexact(tmp_path_factory):
+    """A daemon with inexact_reuse, shared by both modes (each its own seat and prompt)."""
+    d = start_daemon(tmp_path_factory.mktemp("inexact"), BUNDLED_MODEL,
+                     config=BASE + "[prefix_cache]\ninexact_reuse = true\n")
+    yield d
+    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("mode,prompt", [("off", 5), ("exact", 7)])
+def test_a_continuation_is_reused_past_the_prompt(inexact, mode, prompt, cold):
     """inexact_reuse: the finished turn's state (prompt + answer) is kept, and the seat's
     next turn resumes after the answer. On this CPU such a hit is not bit-identical to a
     cold run (splits_exact false); the tokens here still are."""
-    cfg = BASE + "[prefix_cache]\ninexact_reuse = true\n"
-    turn1 = _turn1(5)
-    d = start_daemon(tmp_path, BUNDLED_MODEL, config=cfg)
-    try:
-        ids1, _ = _run(d.endpoint, "seat-a", turn1, speculation=mode)
-        cont = [e for e in d.events() if e["event"] == "prefix_cache.continuation"]
-        assert len(cont) == 1 and cont[0]["tokens"] > len(turn1)
-        turn2 = turn1 + ids1 + NEW
-        ids2, done2 = _run(d.endpoint, "seat-a", turn2, speculation=mode)
-    finally:
-        assert d.stop() == 0
+    d, seat = inexact, f"seat-{mode}"
+    turn1 = _turn1(prompt)
+    ids1, _ = _run(d.endpoint, seat, turn1, speculation=mode)
+    cont = [e for e in d.events() if e["event"] == "prefix_cache.continuation" and e["seat"] == seat]
+    assert len(cont) == 1 and cont[0]["tokens"] > len(turn1)
+    turn2 = turn1 + ids1 + NEW
+    ids2, done2 = _run(d.endpoint, seat, turn2, speculation=mode)
     if cont[0]["tokens"] <= len(turn1) + len(ids1):  # the cache did not run past the answer
         assert done2.usage.cached_tokens == cont[0]["tokens"] > len(turn1)
     else:  # a speculative cycle committed past max_tokens: the prompt's end serves instead
         assert done2.usage.cached_tokens == len(turn1) - 1
-    assert ids2 == _run(cold.endpoint, "seat-a", turn2, speculation=mode)[0]
+    assert ids2 == _run(cold.endpoint, seat, turn2, speculation=mode)[0]
 
 
 def test_a_session_kept_then_dropped(tmp_path):

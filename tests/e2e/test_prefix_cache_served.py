@@ -89,6 +89,7 @@ def test_other_seats_share_a_chat_system_prompt(cached, cold):
             for i in range(3)]
     outs = []
     with Client(cached.endpoint, seat="chat", timeout_s=120) as c:
+        hits_before = c.status().detail["prefix_cache"]["hits"]  # other tests' hits on this daemon
         for mm in msgs:
             s = c.generate(messages=mm, max_tokens=12, speculation="off")
             done = s.result()
@@ -103,7 +104,7 @@ def test_other_seats_share_a_chat_system_prompt(cached, cold):
             assert list(s.token_ids) == ids
     with Client(cached.endpoint, seat="obs", timeout_s=30) as c:
         pc = c.status().detail["prefix_cache"]
-    assert pc["entries"] >= 2 and 0 < pc["bytes"] <= pc["max_bytes"] and pc["hits"] >= 3
+    assert pc["entries"] >= 2 and 0 < pc["bytes"] <= pc["max_bytes"] and pc["hits"] - hits_before >= 2, (pc, hits_before)
 
 
 def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tmp_path):

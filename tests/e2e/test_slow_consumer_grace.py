@@ -17,9 +17,14 @@ from protocol import Done, Error, Generate, Hello, Ping, Tokens, decode_daemon, 
 
 GRACE_S = 5.0
 SEND_HWM = 32  # small, so the queue fills within seconds; the grace, not the HWM, decides
+# max_active 5: the bystander and a reader's four requests decode together from the start.
 CONFIG = (f"heartbeat_timeout_s = 30.0\nheartbeat_interval_s = 0.5\nclient_send_hwm = {SEND_HWM}\n"
-          f"slow_consumer_grace_s = {GRACE_S}\n")
-TOKENS = 2000
+          f"slow_consumer_grace_s = {GRACE_S}\n[scheduler]\nmax_active = 5\n")
+TOKENS = 2000  # the stopping reader's requests: still decoding when it is cut
+# The pausing reader's: its queue is full after about 100 chunks per request (the daemon's
+# queue plus the socket's buffer), so 600 leave most of each request to arrive after the
+# pause, and every one of them must (a reader that pauses loses nothing).
+PAUSER_TOKENS = 600
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ class Reader:
     """A raw client (so nothing in a library hides the protocol) that can stop reading: its
     receive queue holds one message, so the daemon's queue to it fills once it stops."""
 
-    def __init__(self, endpoint: str, seat: str, n: int):
+    def __init__(self, endpoint: str, seat: str, n: int, tokens: int = TOKENS):
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.RCVHWM, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -58,7 +63,7 @@ class Reader:
         self.sock.send(encode(Hello(seat=seat)))
         self.rids = [f"{seat}-{i}-{time.monotonic_ns()}" for i in range(n)]
         for rid in self.rids:
-            self.sock.send(encode(Generate(request_id=rid, prompt=f"def {seat}():", max_tokens=TOKENS)))
+            self.sock.send(encode(Generate(request_id=rid, prompt=f"def {seat}():", max_tokens=tokens)))
         self.seen: dict[str, list] = {rid: [] for rid in self.rids}
         self.pinged = 0.0
 
@@ -110,7 +115,7 @@ def test_a_reader_that_pauses_within_the_grace_is_not_cut(grace_daemon):
     load: dict = {}
     by = threading.Thread(target=_bystander, args=(d.endpoint, load))
     by.start()  # under load: another stream decodes beside it
-    r = Reader(d.endpoint, "pauser", 4)
+    r = Reader(d.endpoint, "pauser", 4, tokens=PAUSER_TOKENS)
     try:
         r.read(r.started, 60)
         assert r.started()
@@ -126,9 +131,9 @@ def test_a_reader_that_pauses_within_the_grace_is_not_cut(grace_daemon):
         r.sock.close()
     by.join(60)
     assert "error" not in load, load
-    assert all(isinstance(t, Done) and t.usage.completion_tokens == TOKENS for t in terminals), terminals
+    assert all(isinstance(t, Done) and t.usage.completion_tokens == PAUSER_TOKENS for t in terminals), terminals
     for rid, msgs in r.seen.items():  # every chunk arrived: nothing dropped during the pause
-        assert sum(len(x.token_ids) for x in msgs if isinstance(x, Tokens)) == TOKENS, rid
+        assert sum(len(x.token_ids) for x in msgs if isinstance(x, Tokens)) == PAUSER_TOKENS, rid
     assert backlog["grace_s"] == GRACE_S
     cleared = _wait_event(d, lambda e: e["event"] == "client.backlog_cleared" and e["seat"] == "pauser"
                           and _ts(e) > _ts(backlog), 10, "client.backlog_cleared")
