@@ -125,6 +125,9 @@ class HeadSlot:
         head = self.head
         if head is None:
             return None
+        # A decode step queued ahead (async eval) may still be allocating its outputs: let it
+        # finish, or its buffers land between the two reads and hide part of what was freed.
+        mx.synchronize()
         before = mx.get_active_memory()
         self.head = None
         self._on_change(False, 0)

@@ -483,6 +483,9 @@ class SpecBatchDecoder(RowBatch):
         rows, B = self._rows, len(self._rows)
         if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
             self._feed(head)  # keep the head's history whole while nobody drafts
+            # Evaluate the fed history now: left lazy, the head's KV graph holds the head's
+            # weights, so an eviction between depth-0 cycles could not free them.
+            mx.async_eval([c.state for c in self._hcache])
         if self._ahead is not None:
             cur = self._ahead
             self.stats.ahead_used += 1
