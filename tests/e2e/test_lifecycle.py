@@ -295,7 +295,10 @@ def test_missing_model_exits_78(tmp_path):
 
 
 # ---------------------------------------------------------------------------- one shared daemon
-SVC_CONFIG = "heartbeat_interval_s = 0.5\n[scheduler]\nmax_queued_per_seat = 16\n"
+# heartbeat_timeout_s: these tests hold raw sockets that never ping while a request is in
+# flight across a flood and a reload; on a loaded machine (CI: 4 test workers on 2 cores)
+# that outlasted the 10 s default and the daemon rightly cut the client (client_gone).
+SVC_CONFIG = "heartbeat_interval_s = 0.5\nheartbeat_timeout_s = 120\n[scheduler]\nmax_queued_per_seat = 16\n"
 
 
 @pytest.fixture(scope="module")
