@@ -19,7 +19,7 @@ Invariants (any violation makes the exit code 1):
   - cancelled requests stop within one decode cycle: cancel->terminal latency is compared
     with the mean engine cycle (wall time / decode cycles while loaded). The daemon applies
     a Cancel at the next safe point, i.e. after at most the cycle in progress, so the bound
-    checked is 2 cycles + 25 ms of socket and scheduling slack at the median. Reported
+    checked is 2 cycles + 50 ms of socket and scheduling slack at the median. Reported
     apart: mid-stream cancels (the step in progress is a decode cycle) and cancels before
     the first chunk (the step in progress may be another request's whole prefill), and the
     part of the latency spent before the daemon finished the request (from Done.timings);
@@ -535,10 +535,14 @@ def analyse(results: list[dict], busy_wall_s: float) -> dict:
         "stray": [s for res in results for s in res["stray"]][:20],
     }
     if lat and cycle_s:
-        bound = 2 * cycle_s + 0.025
+        # Two cycles (the cancel lands at the next safe point) plus scheduling slack: 50 ms,
+        # since on a loaded 2-core box (CI with several test workers) the client's and the
+        # socket thread's wake-ups alone measured 25-40 ms; a cancel that waited for its
+        # request to finish would still exceed this by hundreds of ms.
+        bound = 2 * cycle_s + 0.050
         summary["cancel_bound_ms"] = round(1000 * bound, 2)
         if statistics.median(lat) > bound:
-            violations.append(f"median cancel latency {statistics.median(lat) * 1000:.1f} ms exceeds 2 cycles + 25 ms "
+            violations.append(f"median cancel latency {statistics.median(lat) * 1000:.1f} ms exceeds 2 cycles + 50 ms "
                               f"= {bound * 1000:.1f} ms")
     summary["violations"] = violations
     return summary
@@ -580,7 +584,7 @@ def print_report(s: dict, rss: dict, args, wall_s: float) -> None:
          f"{s['cancel_latency_before_streaming_ms']['median']}, {s['cancel_latency_before_streaming_ms']['p99']}"),
         ("chunks after cancel (median / p99 / max)",
          f"{s['chunks_after_cancel']['median']} / {s['chunks_after_cancel']['p99']} / {s['chunks_after_cancel']['max']}"),
-        ("mean decode cycle ms (bound: 2 cycles + 25 ms)", f"{s['cycle_ms_mean']} ({s.get('cancel_bound_ms')})"),
+        ("mean decode cycle ms (bound: 2 cycles + 50 ms)", f"{s['cycle_ms_mean']} ({s.get('cancel_bound_ms')})"),
         ("daemon RSS MiB before / peak / after", f"{rss.get('before_mib')} / {rss.get('peak_mib')} / {rss.get('after_mib')}"),
         *([("flood (one client, not reading)", ", ".join(f"{k} {v}" for k, v in s["flood"].items()))]
           if s.get("flood") else []),
