@@ -19,7 +19,13 @@ from daemon.engine import prefix_disk
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
+# 128: the smallest chunk at which this CPU's splits do not agree (splits_agree: true up to
+# 96), so snapshots are exact at chunk boundaries only, the case these tests are about.
+# Prompts just past one chunk: every turn is a prefill on this CPU's reference matmuls
+# (~1.4 s for 300 tokens).
 CHUNK = 128
+PROMPT = 140
+SNAP = (PROMPT - 1) // CHUNK * CHUNK  # the longest chunk-aligned prefix a turn-1 snapshot holds
 BASE = f"""
 heartbeat_interval_s = 0.5
 governor_enabled = false
@@ -39,8 +45,8 @@ def _encode(text: str) -> list[int]:
 
 def _turn1(i: int) -> list[int]:
     text = "".join(f"def seat{i}_f{j}(x):\n    return x * {j} + {i}\n\n" for j in range(40))
-    ids = _encode(text)[:300]
-    assert len(ids) == 300
+    ids = _encode(text)[:PROMPT]
+    assert len(ids) == PROMPT
     return ids
 
 
@@ -91,10 +97,10 @@ def test_a_restarted_daemon_serves_good_files_from_disk_and_misses_bad_ones(tmp_
     answers = [_run(d.endpoint, f"seat-{i}", p)[0] for i, p in enumerate(prompts)]
     assert d.stop() == 0  # SIGTERM: queued writes are flushed before the engine exits
     names = [p.name for p in _files(tmp_path)]
-    assert f"{(len(turn1) - 1) // CHUNK * CHUNK}-{prefix_disk.token_digest(turn1[:256])}-h-x.snap" in names
+    assert f"{(len(turn1) - 1) // CHUNK * CHUNK}-{prefix_disk.token_digest(turn1[:SNAP])}-h-x.snap" in names
 
     by_digest = {p.name.split("-")[1]: p for p in _files(tmp_path)}
-    victims = [by_digest[prefix_disk.token_digest(p[:256])] for p in prompts]
+    victims = [by_digest[prefix_disk.token_digest(p[:SNAP])] for p in prompts]
     flipped = bytearray(victims[0].read_bytes())
     flipped[len(flipped) // 2] ^= 0x40
     victims[0].write_bytes(bytes(flipped))  # one bit, mid-payload
@@ -111,9 +117,9 @@ def test_a_restarted_daemon_serves_good_files_from_disk_and_misses_bad_ones(tmp_
             missed.append((bad_turn2, *_run(d2.endpoint, f"seat-{i}", bad_turn2)))
     finally:
         assert d2.stop() == 0
-    assert done2.usage.cached_tokens == 256
+    assert done2.usage.cached_tokens == SNAP
     hits = [e for e in d2.events() if e["event"] == "prefix_cache.disk_hit"]
-    assert len(hits) == 1 and hits[0]["tokens"] == 256 and hits[0]["head"] is True
+    assert len(hits) == 1 and hits[0]["tokens"] == SNAP and hits[0]["head"] is True
     cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
     assert cold_done.usage.cached_tokens == 0
     assert ids2 == cold_ids  # token-identical in exact greedy mode
@@ -128,7 +134,7 @@ def test_a_restarted_daemon_serves_good_files_from_disk_and_misses_bad_ones(tmp_
     # Each bad file was dropped; the turn's own cold prefill stored that prefix again,
     # so what is there now is a good file of this daemon's.
     for v, p in zip(victims, prompts):
-        prefix_disk.decode(v.read_bytes(), v.parent.name, p[:256])
+        prefix_disk.decode(v.read_bytes(), v.parent.name, p[:SNAP])
 
 
 @pytest.mark.parametrize("how", ["full", "unusable"])
@@ -146,7 +152,7 @@ def test_a_full_or_unusable_disk_degrades_to_ram(tmp_path, how, cold):
         ids1, _ = _run(d.endpoint, "seat-a", turn1)
         turn2 = turn1 + ids1 + NEW
         ids2, done2 = _run(d.endpoint, "seat-a", turn2)
-        assert done2.usage.cached_tokens == 256  # RAM still serves hits
+        assert done2.usage.cached_tokens == SNAP  # RAM still serves hits
         assert ids2 == _run(cold.endpoint, "seat-a", turn2)[0]
     finally:
         assert d.stop() == 0
@@ -206,4 +212,4 @@ def test_a_session_kept_then_dropped(tmp_path):
     assert len(dropped) == 1 and dropped[0]["snapshots"] == 1
     cont_tokens = kept[0]["tokens"]
     assert not [p for p in _files(tmp_path) if p.name.startswith(f"{cont_tokens}-")]
-    assert [p for p in _files(tmp_path) if p.name.startswith("256-")]  # shared prefixes stay
+    assert [p for p in _files(tmp_path) if p.name.startswith(f"{SNAP}-")]  # shared prefixes stay

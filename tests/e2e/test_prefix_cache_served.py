@@ -63,15 +63,15 @@ def _spec(done):
 
 
 def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
-    turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:300]
-    assert len(turn1) == 300
+    turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:140]
+    assert len(turn1) == 140  # just past one chunk: a prefill costs ~5 ms a token on this CPU
     ids1, done1 = _run(cached.endpoint, "seat-a", turn1)
     assert done1.usage.cached_tokens == 0
     # The seat's next turn: its transcript (prompt + reply) plus a new message.
     turn2 = turn1 + ids1 + _encode("\n\nclass Council:\n    def __init__(self):\n")
     ids2, done2 = _run(cached.endpoint, "seat-a", turn2)
-    # The last chunk-aligned boundary of turn 1's prompt (299 tokens prefilled -> 256).
-    assert done2.usage.cached_tokens == (len(turn1) - 1) // CHUNK * CHUNK == 256
+    # The last chunk-aligned boundary of turn 1's prompt (139 tokens prefilled -> 128).
+    assert done2.usage.cached_tokens == (len(turn1) - 1) // CHUNK * CHUNK == 128
     cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
     assert cold_done.usage.cached_tokens == 0
     assert ids2 == cold_ids  # token-identical in exact greedy mode
@@ -80,7 +80,7 @@ def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
     assert _spec(done2) is not None and _spec(done2)[2] > 0  # drafts were accepted
     assert _spec(done2) == _spec(cold_done)
     events = [e for e in cached.events() if e["event"] == "request.done" and e["seat"] == "seat-a"]
-    assert [e["cached_tokens"] for e in events] == [0, 256]
+    assert [e["cached_tokens"] for e in events] == [0, 128]
 
 
 def test_other_seats_share_a_chat_system_prompt(cached, cold):
@@ -113,6 +113,7 @@ def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tm
     the same ``splits_exact``); another prefill chunk, or another decode path (part of the
     verdicts' key), probes again."""
     cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # its own: no verdict from other tests
+    chunk = 32  # the probe prefills 2 * chunk + 9 tokens twice: a small chunk keeps four starts cheap
 
     def ready_event(name: str, config: str) -> dict:
         (tmp_path / name).mkdir()
@@ -121,13 +122,13 @@ def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tm
         (ev,) = [e for e in d.events() if e["event"] == "prefix_cache.ready"]
         return ev
 
-    first = ready_event("first", f"[scheduler]\nprefill_chunk = {CHUNK}\n")
-    again = ready_event("again", f"[scheduler]\nprefill_chunk = {CHUNK}\n")
-    other_chunk = ready_event("other-chunk", f"[scheduler]\nprefill_chunk = {CHUNK // 2}\n")
-    eager = ready_event("eager", f"compile_decode = false\n[scheduler]\nprefill_chunk = {CHUNK}\n")
-    assert first["verdict"] == "probed" and first["chunk"] == CHUNK
+    first = ready_event("first", f"[scheduler]\nprefill_chunk = {chunk}\n")
+    again = ready_event("again", f"[scheduler]\nprefill_chunk = {chunk}\n")
+    other_chunk = ready_event("other-chunk", f"[scheduler]\nprefill_chunk = {chunk // 2}\n")
+    eager = ready_event("eager", f"compile_decode = false\n[scheduler]\nprefill_chunk = {chunk}\n")
+    assert first["verdict"] == "probed" and first["chunk"] == chunk
     assert again["verdict"] == "cached" and again["splits_exact"] == first["splits_exact"]
-    assert other_chunk["verdict"] == "probed" and other_chunk["chunk"] == CHUNK // 2
+    assert other_chunk["verdict"] == "probed" and other_chunk["chunk"] == chunk // 2
     assert eager["verdict"] == "probed"
     stored = list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
     assert len(stored) == 2  # one file per key (compiled, eager); chunks are variants inside one
