@@ -55,9 +55,31 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # tuned profile (`councild tune`) matches: a profile's best depth replaces it
     # (policy.start_depth), since the profile measured this machine and this is a guess.
     initial_depth: int = 1
-    # Change depth only for a >= 10% better score: the measured gains are 6-20%, and the
-    # per-cycle noise of cost EWMAs is a few %, so a smaller margin flaps.
+    # The margin a depth change needs is noise-aware (depth_rules.margin_for): a depth must
+    # score max(depth_margin_min, exp(depth_noise_z x noise) - 1) better, where noise is the
+    # standard error of the two scores' log ratio, measured live (the spread of each depth's
+    # recent cycle costs, the sampling noise of the acceptance). A fixed 10% was too much
+    # where costs are steady (GPU tables: neighbouring depths 3-6% apart, the governor stuck
+    # 6% below the best fixed depth in councils) and too little where they swing (a
+    # contended CPU: a fixed 3% let noise start moves and probes that cost 8% in a council
+    # of 8): bench/results/governor_eval_noise_2026-12-01/README.md.
+    #
+    # depth_margin: the edge needed where no live spread stands behind a score (a tuned
+    # profile's numbers or the prior: the start depth, the head's predicted gain, an
+    # estimate not yet measured), since its noise is unknown: the measured gains are 6-20%
+    # and a prior's error is of that order, so 10%.
     depth_margin: float = 0.10
+    # The floor with the noise measured: the error the spread cannot see. The window's spread
+    # sees only noise faster than the window (32 GPU cycles are 50-100 ms: they share one
+    # moment's clocks and heat), and E(k) is a model (the recorded acceptance's conditional
+    # rates differ by a few % between texts): below a 3% edge, being right gains no more
+    # than that error.
+    depth_margin_min: float = 0.03
+    # How many standard errors an edge must clear: 2 is a one-sided test at ~98%, so two
+    # equally good depths pass for different in about 1 comparison of 40; a wrong verdict
+    # costs a probe interval (30 s of decoding) at a worse depth, a missed small edge costs
+    # less than the edge, so err on the side of staying.
+    depth_noise_z: float = 2.0
     # After a depth change, wait this long before the next one, so the new depth collects
     # samples (20-50 cycles at 20-50 tok/s) before it is judged.
     depth_dwell_s: float = 1.0
@@ -128,8 +150,14 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     # cycles of a contended machine (bench/results/README_governor.md: the mean picked the
     # worse of two neighbouring depths 30-41% of the time there, the median 9-16%).
     cost_window: int = 32
-    # Acceptance is a property of the head and the text, not of load: a longer memory.
-    accept_alpha: float = 0.05
+    # Acceptance is a property of the head and the text, not of load: a longer memory. Its
+    # samples are draft outcomes, one per row: a batched cycle of 8 rows gives 8, so 0.05
+    # (~40 outcomes) was a few batched cycles, and its sampling noise (7-8% on a_2..a_4,
+    # CostModel.acceptance_noise) was the largest term of the noise-aware margin on the GPU
+    # tables. 0.01 is ~200 outcomes (about 3% on an a of 0.8): 4-10 s of solo decoding at
+    # 20-50 cycles a second, well under a second in a batch, so a change of text still shows
+    # within a burst (the replay's code->prose drift regime did not lose by it).
+    accept_alpha: float = 0.01
     # Below this many samples an estimate is blended with its prior, and not "trusted".
     trust_samples: int = 8
     # A depth's cost not sampled for this many seconds of decoding (at other depths: idle
@@ -161,6 +189,8 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             (1 <= self.max_depth <= 16, "max_depth must be in 1..16"),
             (0 <= self.initial_depth <= self.max_depth, "initial_depth must be in 0..max_depth"),
             (self.depth_margin >= 0, "depth_margin must be >= 0"),
+            (self.depth_margin_min >= 0, "depth_margin_min must be >= 0"),
+            (self.depth_noise_z >= 0, "depth_noise_z must be >= 0"),
             (self.batch_streams >= 1, "batch_streams must be >= 1"),
             (0 < self.probe_s < self.probe_interval_s, "need 0 < probe_s < probe_interval_s"),
             (0 < self.cost_alpha <= 1 and 0 < self.accept_alpha <= 1, "EWMA alphas must be in (0, 1]"),

@@ -32,6 +32,7 @@ it due.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -45,11 +46,16 @@ class _Ewma:
     """EWMA with a bias-corrected start: the n-th sample weighs max(alpha, 1/n), so the
     first samples average plainly and no arbitrary initial value leaks in."""
 
-    __slots__ = ("value", "n", "last_at", "load_at")
+    __slots__ = ("value", "n", "last_at", "load_at", "w2")
 
     def __init__(self) -> None:
         self.value: float = 0.0
         self.n = 0
+        # The sum of the squared weights of the samples in ``value``: a mean of iid samples
+        # of variance v has variance v * w2 (1/n while the weights are 1/n, alpha / (2 -
+        # alpha) in the steady state: 39 samples' worth at alpha 0.05). The acceptance's
+        # noise (CostModel.acceptance_noise) comes from it.
+        self.w2: float = 0.0
         self.last_at: float | None = None
         self.load_at: float | None = None
 
@@ -57,9 +63,38 @@ class _Ewma:
         self.n += 1
         w = max(alpha, 1.0 / self.n)
         self.value += w * (x - self.value)
+        self.w2 = (1.0 - w) ** 2 * self.w2 + w * w
         self.last_at = now
         if load is not None:
             self.load_at = load if self.load_at is None else self.load_at + w * (load - self.load_at)
+
+
+def _at_rank(ordered: list[float], r: float) -> float:
+    """The value at fractional rank r (0-based) of a sorted list, linearly interpolated."""
+    r = min(max(r, 0.0), len(ordered) - 1.0)
+    i = int(r)
+    if i + 1 >= len(ordered):
+        return ordered[i]
+    return ordered[i] + (ordered[i + 1] - ordered[i]) * (r - i)
+
+
+def median_rse(ordered: list[float], median: float) -> float | None:
+    """The relative standard error of a sample median, from the samples alone (sorted).
+
+    The number of samples below the true median is Binomial(n, 1/2), whose standard
+    deviation is sqrt(n)/2 ranks: the order statistics sqrt(n)/2 ranks either side of the
+    middle bracket the true median about as often as one standard error either side would,
+    whatever the distribution (the heavy-tailed, two-humped cycle times of a contended CPU
+    included). Half their distance, over the median, is the relative standard error.
+    Checked by simulation against the spread of medians (normal, lognormal, exponential and
+    the recorded CPU cycle ratios, windows of 8-32): the mean estimate is within 3% of the
+    true value (bench/results/governor_eval_noise_2026-12-01/README.md). None below 4
+    samples (too few ranks to bracket anything)."""
+    n = len(ordered)
+    if n < 4 or median <= 0:
+        return None
+    mid, half = (n - 1) / 2, 0.5 * math.sqrt(n)
+    return (_at_rank(ordered, mid + half) - _at_rank(ordered, mid - half)) / 2 / median
 
 
 class _RecentMedian:
@@ -69,7 +104,7 @@ class _RecentMedian:
     noise. The median ignores the tail; the window keeps it as responsive as the EWMA it
     replaces (32 cycles is about a second at these models' cycle times)."""
 
-    __slots__ = ("samples", "window", "value", "n", "last_at", "last_decode_at", "load_at")
+    __slots__ = ("samples", "window", "value", "n", "last_at", "last_decode_at", "load_at", "rse")
 
     def __init__(self, window: int = 32) -> None:
         self.samples: list[float] = []
@@ -79,6 +114,9 @@ class _RecentMedian:
         self.last_at: float | None = None  # wall clock (forgetting)
         self.last_decode_at: float | None = None  # decode clock (staleness)
         self.load_at: float | None = None
+        # The median's relative standard error over the window (median_rse); None until
+        # there are samples enough to say.
+        self.rse: float | None = None
 
     def add(self, x: float, alpha: float, now: float, load: float | None = None, decode_at: float | None = None) -> None:
         self.n += 1
@@ -89,6 +127,7 @@ class _RecentMedian:
         ordered = sorted(self.samples)
         mid = len(ordered) // 2
         self.value = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+        self.rse = median_rse(ordered, self.value)
         self.last_at = now
         if load is not None:
             w = max(alpha, 1.0 / self.n)
@@ -251,6 +290,40 @@ class CostModel:
         v, _ = self._blend(e, e.n > 0, prior)
         return float(v)
 
+    def acceptance_noise(self) -> tuple[tuple[float, float], ...]:
+        """Per draft position 1..max_depth: (a_i as the estimates use it, its variance).
+
+        A mean of Bernoulli outcomes: a(1 - a) times the EWMA's sum of squared weights
+        (_Ewma.w2). While an estimate is still shrunk towards its prior (fewer than
+        trust_samples outcomes) it counts as trust_samples outcomes' worth, as the blend
+        weighs it. For the variance, a is moved one outcome's worth off 0 and 1 (Laplace's
+        rule of succession), so a short run of all-accepted does not claim to be exact.
+        The policy turns these into the noise of E(p) / E(b) (depth_rules.score_noise)."""
+        trust = self.cfg.trust_samples
+        out = []
+        for i in range(1, self.cfg.max_depth + 1):
+            e, a = self._accept[i], self.acceptance(i)
+            w2 = e.w2 if e.n >= trust else 1.0 / trust
+            m = 1.0 / w2  # effective outcomes
+            shrunk = (a * m + 1.0) / (m + 2.0)
+            out.append((a, shrunk * (1.0 - shrunk) * w2))
+        return tuple(out)
+
+    def _cost_rse(self, table: list[_RecentMedian], k: int, now: float) -> float | None:
+        """The relative standard error of cost(k) in ``table`` (the solo depths, or one
+        bucket's): its own window's (median_rse) once the estimate is its own median
+        (trust_samples or more fresh samples); else, since a prior is priced from the live
+        costs of the other depths (_anchor, _batch_anchor), the noisiest of those (a price
+        scaled from a live cost is at least as uncertain as that cost); None when no live
+        cost stands behind it (a profile's or the config's prior: its noise is unknown)."""
+        trust = self.cfg.trust_samples
+        e = table[k]
+        if e.n >= trust and self._fresh(e, now) and e.rse is not None:
+            return e.rse
+        live = [x.rse for j, x in enumerate(table) if j != k and x.n >= trust and self._fresh(x, now)
+                and x.rse is not None]  # fmt: skip
+        return max(live) if live else None
+
     def expected_tokens(self, k: int) -> float:
         total, run = 1.0, 1.0
         for i in range(1, k + 1):
@@ -284,6 +357,7 @@ class CostModel:
             source=src,
             stale=self.stale(k, now, load),
             load_at=self._cost[k].load_at if src in ("measured", "blend") else None,
+            cost_rse=self._cost_rse(self._cost, k, now),
         )
 
     def score(self, k: int, now: float, load: float | None = None) -> float | None:
@@ -355,7 +429,8 @@ class CostModel:
         et = self.expected_tokens(k)
         return DepthEstimate(depth=k, expected_tokens=et, cost_s=c, score=(et / c) if c else None, samples=e.n,
                              source=src, stale=self.batch_stale(b, k, load),
-                             load_at=e.load_at if src in ("measured", "blend") else None)  # fmt: skip
+                             load_at=e.load_at if src in ("measured", "blend") else None,
+                             cost_rse=self._cost_rse(self._buckets[b - 1].cost, k, now))  # fmt: skip
 
     def batch_estimates(self, now: float, load: float | None = None) -> tuple[tuple[DepthEstimate, ...], ...]:
         """Per batched bucket (index b - 1), per depth 0..max_depth."""

@@ -185,14 +185,16 @@ class RecordingLogger:
         self.events.append(("info", event, kw))
 
 
-def make_estimates(scores, stale=False, samples: int = 50) -> tuple:
+def make_estimates(scores, stale=False, samples: int = 50, cost_rse: float | None = None) -> tuple:
     """DepthEstimates with the given scores (tokens/s per depth, None = unknown), as if a
-    cycle cost 1/score seconds per token; ``stale`` is one flag or one per depth."""
+    cycle cost 1/score seconds per token; ``stale`` is one flag or one per depth;
+    ``cost_rse`` the costs' relative standard error (None: noise unknown, the fixed
+    depth_margin applies)."""
     from .types import DepthEstimate
 
     flags = stale if isinstance(stale, (list, tuple)) else [stale] * len(scores)
     return tuple(
         DepthEstimate(depth=k, expected_tokens=1.0, cost_s=None if sc is None else 1.0 / sc, score=sc,
-                      samples=samples, source="measured", stale=flags[k])  # fmt: skip
+                      samples=samples, source="measured", stale=flags[k], cost_rse=cost_rse)  # fmt: skip
         for k, sc in enumerate(scores)
     )

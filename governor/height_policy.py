@@ -9,8 +9,9 @@ learns cost(B, k) per row and picks
 
     argmax_k  E(k) / cost_per_row(B, k)      (the batch's tokens per second)
 
-with the solo depth's rules: depth 0 the floor, a move only for a ``depth_margin`` better
-score, one step at a time (or straight to a stale depth that looks best), a measured
+with the solo depth's rules: depth 0 the floor, a move only for a score better by the
+noise-aware margin (depth_rules.margin_for), one step at a time (or straight to a stale
+depth that looks best), a measured
 neighbour re-probed every ``probe_interval_s`` of that bucket's decoding. Stricter than the
 solo rules in one way: every move is the verdict of a paired probe (the two depths
 alternating tick by tick, so both are measured over the same seconds), never a comparison
@@ -36,7 +37,8 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
-from .depth_rules import clear_verdict, forced_depth, move_toward, new_samples, probed_depth_wins
+from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, move_toward, new_samples,
+                          probed_depth_wins)
 from .heights import N_BUCKETS, bucket_label
 from .types import NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
 
@@ -65,6 +67,18 @@ class _Bucket:
 
     def samples(self, k: int) -> int:
         return self.ests[k].samples if 0 <= k < len(self.ests) else 0
+
+    def margin(self, p: int, b: int, cfg: GovernorConfig) -> tuple[float, float | None]:
+        """The margin depth p needs over b at this height (depth_rules.margin_for)."""
+        return margin_for(self.ests, self.obs.acceptance, p, b, cfg)
+
+    def margin_inputs(self, margin: float, noise: float | None) -> dict[str, Any]:
+        """What the margin was made of, for the decision log (scores and samples are logged
+        by emit): the margin, the noise of the scores' log ratio, each depth's cost noise,
+        the acceptance's standard error per position."""
+        return {"margin": round(margin, 4), "noise": None if noise is None else round(noise, 4),
+                "cost_rse": [None if e.cost_rse is None else round(e.cost_rse, 4) for e in self.ests],
+                "acceptance_se": [round(v ** 0.5, 4) for _, v in self.obs.acceptance]}  # fmt: skip
 
     def emit(self, h: HeightState, k: int | None, decision: str, sentence: str, **inputs: Any) -> HeightState:
         """Log one decision about this bucket; with ``k`` not None, set its depth to k."""
@@ -118,17 +132,18 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
     cs = _score(ests, cur)
     if cs is None or cur >= len(ests) or ests[cur].stale:
         return h
-    move = move_toward([e.score for e in ests], cur, cs, obs, cfg)  # none: _maybe_probe (waits under warn)
+    move = move_toward(ests, cur, cs, obs, cfg, obs.acceptance)  # none: _maybe_probe (waits under warn)
     if move is not None:
-        best, best_score, step = move
-        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        best, best_score, step, margin, noise = move
+        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur} ({fmt_margin(margin, noise)})"
+        mlog = bk.margin_inputs(margin, noise)
         if ests[best].stale and best != step and _may_probe(h, bk, best, cfg):
-            return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}")
+            return _probe(h, bk, best, f"{why}, but its estimate is stale: probe it against {cur}", **mlog)
         if (_score(ests, step) or 0.0) > cs and _may_probe(h, bk, step, cfg):
             # A move is a paired probe's verdict, never a comparison of medians taken at
             # other moments: on a contended CPU a bucket's cost swings 40% within seconds
             # (the replay: a batch of 2 stepped to a depth 30% worse on one such swing).
-            return _probe(h, bk, step, f"{why}: probe depth {step} against {cur} (paired) before moving")
+            return _probe(h, bk, step, f"{why}: probe depth {step} against {cur} (paired) before moving", **mlog)
     return _maybe_probe(h, bk, obs, cfg)
 
 
@@ -139,10 +154,10 @@ def _may_probe(h: HeightState, bk: _Bucket, n: int, cfg: GovernorConfig) -> bool
     return h.unmeasured is None or bk.clock - (h.last_probe_s or 0.0) >= cfg.probe_interval_s
 
 
-def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str) -> HeightState:
+def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str, **inputs: Any) -> HeightState:
     h = replace(h, probe_depth=n, probe_return=h.depth, probe_started_s=bk.clock, last_probe_s=bk.clock,
                 probe_samples_at=(bk.samples(n), bk.samples(h.depth or 0)), probe_count=h.probe_count + 1)  # fmt: skip
-    return bk.emit(h, n, "height_probe", sentence)
+    return bk.emit(h, n, "height_probe", sentence, **inputs)
 
 
 def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
@@ -162,7 +177,7 @@ def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorCon
     for n in sorted(sides):
         sn = _score(bk.ests, n)
         priced_worse = (n > 0 and measured >= 2 and sn is not None and cs is not None
-                        and sn * (1 + cfg.depth_margin) < cs)  # fmt: skip
+                        and sn * (1 + bk.margin(cur, n, cfg)[0]) < cs)  # fmt: skip
         if bk.ests[n].samples == 0 and not priced_worse and _may_probe(h, bk, n, cfg):
             return _probe(h, bk, n, f"depth {n} was never measured at this height: probe it against {cur}")
     last = h.last_probe_s if h.last_probe_s is not None else bk.clock
@@ -188,7 +203,7 @@ def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, b
     n_p, n_b = new_samples(bk.samples(probed), at[0]), new_samples(bk.samples(back), at[1])
     if ran >= cfg.probe_s and n_p >= cfg.cost_window and n_b >= cfg.cost_window:
         return True
-    return clear_verdict(n_p, n_b, _score(bk.ests, probed), _score(bk.ests, back), cfg)
+    return clear_verdict(n_p, n_b, _score(bk.ests, probed), _score(bk.ests, back), bk.margin(probed, back, cfg)[0], cfg)
 
 
 def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
@@ -208,7 +223,10 @@ def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConf
     if got < cfg.trust_samples:
         return bk.emit(h, back, "height_probe_end", f"probed depth {probed} got {got} cycles (< {cfg.trust_samples}): "
                                                     f"not measured, back to {back}")  # fmt: skip
-    if probed_depth_wins(probed, back, sp, sb, obs, cfg):
-        return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}: stay")
+    margin, noise = bk.margin(probed, back, cfg)
+    mlog = bk.margin_inputs(margin, noise)
+    if probed_depth_wins(probed, back, sp, sb, margin, obs, cfg):
+        return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}, "
+                                                      f"{fmt_margin(margin, noise)}: stay", **mlog)  # fmt: skip
     return bk.emit(h, back, "height_probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} "
-                                                f"({_fmt(sb)})")  # fmt: skip
+                                                f"({_fmt(sb)}) by the {fmt_margin(margin, noise)}", **mlog)  # fmt: skip

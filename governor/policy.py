@@ -13,7 +13,8 @@ Order within a tick (the order the actions come out in, and the step loop applie
                    tick), the cap lifted after the restore window; the head waits for them
   2. head          shed fast (critical now, warn sustained, idle), restore slowly
   3. admissions    shed under critical, clear MLX's cache, release once it passes
-  4. depth         forced 0 / pinned, else the cost model's best, one step, 10% margin,
+  4. depth         forced 0 / pinned, else the cost model's best, one step, a margin as
+                   wide as the measured noise of the scores (depth_rules.margin_for),
                    with a neighbour probed now and then (on the decode clock)
   5. heights       the same per bucket of batch heights (height_policy.py): the depth a
                    batched cycle of that height drafts, by E(k) / cost per row (B, k)
@@ -47,7 +48,8 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
-from .depth_rules import clear_verdict, forced_depth, move_toward, new_samples, probed_depth_wins
+from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, move_toward, new_samples,
+                          probed_depth_wins)
 from .height_policy import decide_heights, settled_depth
 from .types import (
     CRITICAL,
@@ -100,6 +102,15 @@ def _rounded(obs: Observation) -> list[float | None]:
 
 def _fmt(x: float | None) -> str:
     return "?" if x is None else f"{x:.1f}"
+
+
+def _margin_inputs(obs: Observation, margin: float, noise: float | None) -> dict[str, Any]:
+    """A depth decision's inputs for the log: the scores, the margin the change needed and
+    what it was made of (the noise of the scores' log ratio; each depth's cost noise; the
+    acceptance's standard error per position), so a move or a refusal can be checked."""
+    return {"scores": _rounded(obs), "margin": round(margin, 4), "noise": None if noise is None else round(noise, 4),
+            "cost_rse": [None if e.cost_rse is None else round(e.cost_rse, 4) for e in obs.estimates],
+            "acceptance_se": [round(v ** 0.5, 4) for _, v in obs.acceptance]}  # fmt: skip
 
 
 # ---------------------------------------------------------------- 1. timers
@@ -365,19 +376,22 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
         s = replace(s, probe_depth=None, probe_return=None, probe_until_decode_s=None, probe_samples_at=None,
                     probe_started_decode_s=None, head_trial=False)  # fmt: skip
         sp, sb = score(probed), score(back)
-        if probed_depth_wins(probed, back, sp, sb, obs, cfg):
+        margin, noise = margin_for(obs.estimates, obs.acceptance, probed, back, cfg)
+        mlog = _margin_inputs(obs, margin, noise)
+        if probed_depth_wins(probed, back, sp, sb, margin, obs, cfg):
             s = replace(s, trial_failures=0) if trial else s
             return _end_probe(s, out, now, probed, f"{'trial: ' if trial else ''}probed depth {probed} scores "
-                                                   f"{_fmt(sp)} vs {_fmt(sb)}: stay", scores=_rounded(obs))  # fmt: skip
+                                                   f"{_fmt(sp)} vs {_fmt(sb)}, {fmt_margin(margin, noise)}: stay",
+                              **mlog)  # fmt: skip
         if trial:
             s = replace(s, trial_failures=s.trial_failures + 1)
             return _evict(
                 s, out, now, "evict_head",
-                f"trial: depth {probed} ({_fmt(sp)}) not better than serial ({_fmt(sb)}): head out again; next trial "
-                f"after {_trial_wait(s, cfg):.0f}s of decoding", scores=_rounded(obs),
+                f"trial: depth {probed} ({_fmt(sp)}) not {fmt_margin(margin, noise)} better than serial ({_fmt(sb)}): "
+                f"head out again; next trial after {_trial_wait(s, cfg):.0f}s of decoding", **mlog,
             )  # fmt: skip
-        return _end_probe(s, out, now, back, f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)})",
-                          scores=_rounded(obs))  # fmt: skip
+        return _end_probe(s, out, now, back, f"probed depth {probed} ({_fmt(sp)}) not better than {back} ({_fmt(sb)}) "
+                                             f"by the {fmt_margin(margin, noise)}", **mlog)  # fmt: skip
     if s.head_trial and cur == 0 and 1 <= cfg.max_depth:
         return _probe(s, obs, out, now, 1, cfg, "trial: measure depth 1 against serial (paired probe)")
     if s.last_depth_change_at is not None and now - s.last_depth_change_at < cfg.depth_dwell_s:
@@ -386,23 +400,25 @@ def _depth(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Ou
     ests = obs.estimates
     if cs is None or cur >= len(ests) or ests[cur].stale:
         return s  # no fresh measurement of where we are (no traffic): nothing to judge by
-    move = move_toward(sc, cur, cs, obs, cfg)  # none: _maybe_probe (waits under warn)
+    move = move_toward(ests, cur, cs, obs, cfg, obs.acceptance)  # none: _maybe_probe (waits under warn)
     if move is not None:
-        best, best_score, step = move
-        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur}"
+        best, best_score, step, margin, noise = move
+        why = f"depth {best} scores {_fmt(best_score)} vs {_fmt(cs)} at {cur} ({fmt_margin(margin, noise)})"
+        mlog = _margin_inputs(obs, margin, noise)
         if ests[best].stale and best != step:
             # Measure the depth that looks best directly (paired with this one) rather than
             # climbing one probed step at a time: after batching or a reload every estimate
             # is stale, and a stepwise climb spent most of a burst below the best depth (the
             # replay evaluation: 5-6% of a quiet regime after council load).
-            return _probe(s, obs, out, now, best, cfg, f"{why}, but its estimate is stale: probe it against {cur}")
+            return _probe(s, obs, out, now, best, cfg, f"{why}, but its estimate is stale: probe it against {cur}",
+                          **mlog)
         if ests[step].stale:
             # A stale or prior estimate is a reason to look, not to move: probe, and stay
             # only if the measurement confirms it.
-            return _probe(s, obs, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it")
+            return _probe(s, obs, out, now, step, cfg, f"{why}, but depth {step}'s estimate is stale: probe it", **mlog)
         if (score(step) or 0.0) <= cs:
             return _maybe_probe(s, obs, now, cfg, out)  # a measured valley lies between: no blind step
-        return _set_depth(s, out, now, step, "depth", f"{why}: one step to {step}", scores=_rounded(obs))
+        return _set_depth(s, out, now, step, "depth", f"{why}: one step to {step}", **mlog)
     return _maybe_probe(s, obs, now, cfg, out)
 
 
@@ -440,14 +456,15 @@ def _probe_done(s: State, obs: Observation, cfg: GovernorConfig, probed: int, ba
         return True
     sc = _scores(obs)
     sp, sb = (sc[probed] if probed < len(sc) else None), (sc[back] if back < len(sc) else None)
-    return clear_verdict(n_p, n_b, sp, sb, cfg)
+    return clear_verdict(n_p, n_b, sp, sb, margin_for(obs.estimates, obs.acceptance, probed, back, cfg)[0], cfg)
 
 
-def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str) -> State:
+def _probe(s: State, obs: Observation, out: _Out, now: float, n: int, cfg: GovernorConfig, sentence: str,
+           **inputs: Any) -> State:
     s = replace(s, probe_depth=n, probe_return=s.depth, probe_until_decode_s=obs.decode_s + cfg.probe_s,
                 last_probe_decode_s=obs.decode_s, probe_count=s.probe_count + 1,
                 probe_samples_at=(_samples(obs, n), _samples(obs, s.depth)), probe_started_decode_s=obs.decode_s)  # fmt: skip
-    return _set_depth(s, out, now, n, "probe", sentence)
+    return _set_depth(s, out, now, n, "probe", sentence, **inputs)
 
 
 def _maybe_probe(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: _Out) -> State:

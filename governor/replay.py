@@ -101,7 +101,7 @@ def replay(
             obs = Observation(**raw, estimates=model.estimates(t, raw.get("cpu_load")), decode_s=model.decode_s,
                               lookup=model.lookup_estimate(),
                               batch_estimates=model.batch_estimates(t, raw.get("cpu_load")),
-                              batch_decode_s=model.batch_decode_s())
+                              batch_decode_s=model.batch_decode_s(), acceptance=model.acceptance_noise())
             state, actions, reasons = decide(state, obs, t, cfg)
             for a in actions:
                 if isinstance(a, (LoadHead, EvictHead)):

@@ -172,7 +172,7 @@ class Governor:
         obs = Observation(**raw, estimates=self.cost.estimates(now, self._cpu_load), decode_s=self.cost.decode_s,
                           lookup=self.cost.lookup_estimate(),
                           batch_estimates=self.cost.batch_estimates(now, self._cpu_load),
-                          batch_decode_s=self.cost.batch_decode_s())
+                          batch_decode_s=self.cost.batch_decode_s(), acceptance=self.cost.acceptance_noise())
         self.state, actions, reasons = decide(self.state, obs, now, self.cfg)
         self.last_observation, self.last_actions, self.last_reasons = obs, actions, reasons
         names = [action_name(a) for a in actions]

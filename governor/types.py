@@ -118,6 +118,10 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     stale: bool
     # CPU load (per core) under which the cost was measured; None for priors.
     load_at: float | None = None
+    # The relative standard error of cost_s, from the spread of the samples behind it
+    # (cost_model.median_rse); None where no live cost stands behind it (a profile, a
+    # prior). The policy's margin for a depth change grows with it (depth_rules.margin_for).
+    cost_rse: float | None = None
 
 
 class LookupEstimate(Struct, frozen=True, kw_only=True):
@@ -170,6 +174,9 @@ class Observation(Struct, frozen=True, kw_only=True):
     # governor/heights.py): estimates by depth (cost per row), and each bucket's decode clock.
     batch_estimates: tuple[tuple[DepthEstimate, ...], ...] = ()
     batch_decode_s: tuple[float, ...] = ()
+    # Per draft position 1..max_depth: (conditional acceptance, the variance of its
+    # estimate) (CostModel.acceptance_noise); empty: not known, counted as no noise.
+    acceptance: tuple[tuple[float, float], ...] = ()
 
 
 # ---------------------------------------------------------------- state
