@@ -53,7 +53,12 @@ def start_councild_http(model: str, tmp: Path, env: dict, max_active: int, confi
     endpoint = f"ipc://{runtime / 'councild.sock'}"
     port = free_port()
     cfg = tmp / "councild.toml"
-    cfg.write_text(f"[scheduler]\nmax_active = {max_active}\n[http]\nport = {port}\n" + config_extra)
+    # A TOML table may appear once: max_active joins the extra's own [scheduler] table if it has one.
+    rows = f"max_active = {max_active}\n"
+    if "[scheduler]\n" in config_extra:
+        cfg.write_text(f"[http]\nport = {port}\n" + config_extra.replace("[scheduler]\n", "[scheduler]\n" + rows, 1))
+    else:
+        cfg.write_text(f"[scheduler]\n{rows}[http]\nport = {port}\n" + config_extra)
     daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", model, "--endpoint",
                                endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO,
                               stdout=open(tmp / "daemon.log", "w"), stderr=subprocess.STDOUT, env=env)
