@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
+from governor.cost_model import expected_tokens  # noqa: E402
 
 QWEN35_27B = {
     "model_type": "qwen3_5_text",
@@ -237,14 +238,6 @@ class OracleHead:
             tok = (tok + 1 + rng.randrange(self.vocab - 1)) % self.vocab
             self.corrupted += 1
         return lg + (self._ar == tok).astype(lg.dtype) * 30000.0
-
-
-def expected_tokens(acc: list[float], k: int) -> float:
-    total, run = 1.0, 1.0
-    for a in acc[:k]:
-        run *= a
-        total += run
-    return total
 
 
 def time_eval(fn, reps: int) -> float:

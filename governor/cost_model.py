@@ -42,6 +42,16 @@ from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, bucket_of
 from .types import CycleTelemetry, DepthEstimate, LookupEstimate
 
 
+def expected_tokens(acceptance, k: int) -> float:
+    """E(k) = 1 + sum_{j<=k} prod_{l<=j} a_l: the tokens a depth-k cycle commits on average,
+    from the per-position acceptance rates a_1, a_2, ... (the first k are used)."""
+    total, run = 1.0, 1.0
+    for a in list(acceptance)[:k]:
+        run *= a
+        total += run
+    return total
+
+
 class _Ewma:
     """EWMA with a bias-corrected start: the n-th sample weighs max(alpha, 1/n), so the
     first samples average plainly and no arbitrary initial value leaks in."""
@@ -325,11 +335,7 @@ class CostModel:
         return max(live) if live else None
 
     def expected_tokens(self, k: int) -> float:
-        total, run = 1.0, 1.0
-        for i in range(1, k + 1):
-            run *= self.acceptance(i)
-            total += run
-        return total
+        return expected_tokens([self.acceptance(i) for i in range(1, k + 1)], k)
 
     def cost(self, k: int, now: float, load: float | None = None) -> tuple[float | None, str]:
         prior, src = self._anchor(k, now, load)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 from .config import GovernorConfig
+from .cost_model import expected_tokens
 from .types import CRITICAL, NORMAL, DepthEstimate, Observation, State
 
 
@@ -41,15 +42,6 @@ def forced_depth(s: State, obs: Observation, cfg: GovernorConfig) -> tuple[int |
     return None
 
 
-def _tokens(acc: list[float], k: int) -> float:
-    """E(k) = 1 + sum_{j<=k} prod_{l<=j} a_l (as cost_model.expected_tokens)."""
-    total, run = 1.0, 1.0
-    for a in acc[:k]:
-        run *= a
-        total += run
-    return total
-
-
 def _tokens_slope(acc: list[float], k: int, i: int) -> float:
     """dE(k) / da_i (positions 1-based): sum over j = i..k of prod_{l<=j, l != i} a_l."""
     total, run = 0.0, 1.0
@@ -65,7 +57,7 @@ def tokens_ratio_var(acceptance: tuple[tuple[float, float], ...], p: int, b: int
     method). The positions both depths draft move both E alike and mostly cancel: what is
     left is chiefly the noise of the positions only the deeper one drafts."""
     acc = [a for a, _ in acceptance]
-    ep, eb = _tokens(acc, p), _tokens(acc, b)
+    ep, eb = expected_tokens(acc, p), expected_tokens(acc, b)
     var = 0.0
     for i, (_, v) in enumerate(acceptance[: max(p, b)], start=1):
         g = _tokens_slope(acc, p, i) / ep - _tokens_slope(acc, b, i) / eb
