@@ -1,12 +1,12 @@
-"""Attention whose result for one query does not depend on who else is in the forward.
+"""Matmuls and attention whose result for a row does not depend on who else is in the forward.
 
 Exact mode promises serial decode's tokens. Where MLX's kernels round a row differently
 depending on how many rows and positions share the forward (measured on the H200: a
 T-position forward gives other bits than T one-token steps, and a left-padded or holed row
-other bits than the same row alone), exact rows could neither batch nor speculate. The
-matmuls of small models are row-invariant there (B identical rows gave identical logits for
-B = 1..16); attention over a query's keys is not: MLX's fused attention picks its kernel and
-its key blocking by the number of queries and the padded key length.
+other bits than the same row alone), exact rows could neither batch nor speculate. Both
+kinds of kernel do it there: bf16 matmuls at the bundled model's own shapes, and the fused
+attention, which picks its kernel and its key blocking by the number of queries and the
+padded key length (bench/invariance_trace.py finds the first module that differs).
 
 The fix is two kernels, written for CUDA (``mx.fast.cuda_kernel``) and Metal
 (``mx.fast.metal_kernel``), and the classes that route a model through them:
@@ -29,8 +29,10 @@ cores, a key at a time within a chunk), which is the price of the promise; it is
 where a start-up probe (exactness.py) proves MLX's own path is not invariant and this one
 is (``engine.kernels`` in the log and ``kernels`` in status say so).
 
-On the CPU there is no custom-kernel backend; there MLX's attention is already invariant
-(every class of the probes is one), so this path is never selected. ``reference_sdpa`` is
+On the CPU there is no custom-kernel backend; MLX's CPU kernels are invariant already
+(every class of the probes is one), so ``kernels = auto`` keeps them, and a forced
+``kernels = invariant`` (the tests) computes with ``reference_sdpa`` and a plain matmul.
+``reference_sdpa`` is
 the same arithmetic in plain MLX ops (float32, one query at a time is not needed for a
 reference), used by tests to check the mask conversion and by the probe script.
 """
