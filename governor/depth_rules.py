@@ -131,6 +131,16 @@ def probed_depth_wins(probed: int, back: int, sp: float | None, sb: float | None
     return sp is not None and sb is not None and sp >= sb * (1 + margin) and not deeper_under_warn
 
 
+def margin_inputs(ests: tuple[DepthEstimate, ...], acceptance: tuple[tuple[float, float], ...], margin: float,
+                  noise: float | None) -> dict:
+    """What a depth decision's margin was made of, for the decision log (solo and per
+    height): the margin, the noise of the scores' log ratio, each depth's cost noise and
+    the acceptance's standard error per position, so a move or a refusal can be checked."""
+    return {"margin": round(margin, 4), "noise": None if noise is None else round(noise, 4),
+            "cost_rse": [None if e.cost_rse is None else round(e.cost_rse, 4) for e in ests],
+            "acceptance_se": [round(v ** 0.5, 4) for _, v in acceptance]}  # fmt: skip
+
+
 def fmt_margin(margin: float, noise: float | None) -> str:
     """For the decision's sentence: "margin 7% (noise 3%)", or "margin 10% (noise unknown)"."""
     return f"margin {margin:.0%} (noise {'unknown' if noise is None else format(noise, '.1%')})"

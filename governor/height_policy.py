@@ -37,8 +37,8 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
-from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, move_toward, new_samples,
-                          probed_depth_wins)
+from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, margin_inputs, move_toward,
+                          new_samples, probed_depth_wins)
 from .heights import N_BUCKETS, bucket_label
 from .types import NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
 
@@ -73,12 +73,8 @@ class _Bucket:
         return margin_for(self.ests, self.obs.acceptance, p, b, cfg)
 
     def margin_inputs(self, margin: float, noise: float | None) -> dict[str, Any]:
-        """What the margin was made of, for the decision log (scores and samples are logged
-        by emit): the margin, the noise of the scores' log ratio, each depth's cost noise,
-        the acceptance's standard error per position."""
-        return {"margin": round(margin, 4), "noise": None if noise is None else round(noise, 4),
-                "cost_rse": [None if e.cost_rse is None else round(e.cost_rse, 4) for e in self.ests],
-                "acceptance_se": [round(v ** 0.5, 4) for _, v in self.obs.acceptance]}  # fmt: skip
+        """depth_rules.margin_inputs at this height (scores and samples are logged by emit)."""
+        return margin_inputs(self.ests, self.obs.acceptance, margin, noise)
 
     def emit(self, h: HeightState, k: int | None, decision: str, sentence: str, **inputs: Any) -> HeightState:
         """Log one decision about this bucket; with ``k`` not None, set its depth to k."""

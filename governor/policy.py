@@ -48,8 +48,8 @@ from typing import Any
 from msgspec.structs import replace
 
 from .config import GovernorConfig
-from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, move_toward, new_samples,
-                          probed_depth_wins)
+from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, margin_inputs, move_toward,
+                          new_samples, probed_depth_wins)
 from .height_policy import decide_heights, settled_depth
 from .types import (
     CRITICAL,
@@ -105,12 +105,9 @@ def _fmt(x: float | None) -> str:
 
 
 def _margin_inputs(obs: Observation, margin: float, noise: float | None) -> dict[str, Any]:
-    """A depth decision's inputs for the log: the scores, the margin the change needed and
-    what it was made of (the noise of the scores' log ratio; each depth's cost noise; the
-    acceptance's standard error per position), so a move or a refusal can be checked."""
-    return {"scores": _rounded(obs), "margin": round(margin, 4), "noise": None if noise is None else round(noise, 4),
-            "cost_rse": [None if e.cost_rse is None else round(e.cost_rse, 4) for e in obs.estimates],
-            "acceptance_se": [round(v ** 0.5, 4) for _, v in obs.acceptance]}  # fmt: skip
+    """A solo depth decision's inputs for the log: the scores and what the margin the change
+    needed was made of (depth_rules.margin_inputs)."""
+    return {"scores": _rounded(obs), **margin_inputs(obs.estimates, obs.acceptance, margin, noise)}
 
 
 # ---------------------------------------------------------------- 1. timers
