@@ -4,7 +4,7 @@
 
 Runs ``councild bench spec`` (serial vs speculative decode at each depth, interleaved) with
 the loaded model's kernels set as the daemon's ``kernels`` setting sets them
-(kernel_choice._swap: install, re-trace the compiled decode). Why: on the H200 the daemon's
+(kernel_choice.swap_kernels: install, re-trace the compiled decode). Why: on the H200 the daemon's
 governor measured a depth-1 cycle at 4-17x a depth-0 step with the invariant kernels in
 place (council_http status), where the probe bench had a T=4 verify at 1.5x a serial step;
 running both kernel sets through the same bench says whether the kernels are the cause.
@@ -34,7 +34,7 @@ def main() -> int:
     def load_with_kernels(*args, **kwargs):
         lm = load(*args, **kwargs)
         if kernels == "invariant":
-            kernel_choice._swap(lm, True, rows=8, compile_decode=True)
+            kernel_choice.swap_kernels(lm, True, rows=8, compile_decode=True)
         print(f"kernels: {lm.kernels}, decode path: {lm.decode_path}", file=sys.stderr, flush=True)
         return lm
 

@@ -57,7 +57,9 @@ def _forget_probes(lm) -> None:
         lm.__dict__.pop(key, None)
 
 
-def _swap(lm, to_invariant: bool, rows: int, compile_decode: bool) -> None:
+def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool) -> None:
+    """Put ``lm`` on the invariant kernels (for decode forwards of up to ``rows`` rows) or
+    back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this."""
     if to_invariant:
         invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)
     else:
@@ -92,14 +94,14 @@ def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, com
         probes["mlx"] = _probe(lm, verdicts, rollback, rows, ragged)
         if all(probes["mlx"].values()):
             return KernelChoice("mlx", "MLX's kernels are invariant here (every probe passed)", verdicts, probes)
-    _swap(lm, True, rows, compile_decode)
+    swap_kernels(lm, True, rows, compile_decode)
     inv_verdicts = verdicts_for(lm, group)
     probes["invariant"] = _probe(lm, inv_verdicts, rollback, rows, ragged)
     if all(probes["invariant"].values()):
         why = ("MLX's kernels failed " + ", ".join(k for k, v in probes["mlx"].items() if not v) + "; "
                if "mlx" in probes else "configured; ")
         return KernelChoice("invariant", why + "the invariant kernels passed every probe", inv_verdicts, probes)
-    _swap(lm, False, rows, compile_decode)
+    swap_kernels(lm, False, rows, compile_decode)
     failed = ", ".join(k for k, v in probes["invariant"].items() if not v)
     return KernelChoice("mlx", f"the invariant kernels failed {failed}: refused, MLX's kept", verdicts, probes)
 
