@@ -6,7 +6,9 @@ logits equal one-token ones (engine/batch.py ``batch_matches_serial``, per batch
 and a ragged batched verify serial ones (``ragged_verify_matches_serial``), and whether
 resuming a prefill off the chunk grid leaves a chunked prefill's state bit for bit
 (engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
-``splits_exact``). The first two took about 1.3 s together on the bundled model on CPU,
+``splits_exact``), and, before all of them, whether the compiled one-token step is bit for
+bit the eager one (engine/compiled.py ``self_check``; its key leaves out the decode path,
+which that check decides). The first two took about 1.3 s together on the bundled model on CPU,
 longer on a big model. Their answer depends only on the code that computes the forwards,
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
@@ -48,21 +50,25 @@ def _engine_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def verdict_key(lm) -> dict:
-    """Everything a probe's verdict depends on, for this loaded model here."""
+def verdict_key(lm, *, decode_path: bool = True) -> dict:
+    """Everything a probe's verdict depends on, for this loaded model here. Without
+    ``decode_path``: the key of the compiled step's own self-check, which decides it."""
     from mlx.utils import tree_flatten
 
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
-    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
-            "device": current_device(), "dtypes": dtypes, "decode_path": lm.decode_path,
-            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
+    key = {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
+           "device": current_device(), "dtypes": dtypes, "decode_path": lm.decode_path,
+           "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
+    if not decode_path:
+        key["decode_path"] = "(being decided)"
+    return key
 
 
 class ProbeVerdicts:
     """The verdicts file for one loaded model; ``folder`` None (or unusable) means no cache."""
 
-    def __init__(self, lm, folder: Path | None):
-        self.key = verdict_key(lm)
+    def __init__(self, lm, folder: Path | None, *, decode_path: bool = True):
+        self.key = verdict_key(lm, decode_path=decode_path)
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
         self.path = None if folder is None else Path(folder) / "probe-verdicts" / f"{digest}.json"
 
@@ -106,7 +112,7 @@ class ProbeVerdicts:
                         message="the probe's verdict is not stored; the next start probes again")
 
 
-def verdicts_for(lm, group=None) -> ProbeVerdicts:
+def verdicts_for(lm, group=None, *, decode_path: bool = True) -> ProbeVerdicts:
     """The verdicts cache for ``lm`` under the daemon's cache folder; none for a process group."""
     folder = None
     if group is None:
@@ -115,4 +121,28 @@ def verdicts_for(lm, group=None) -> ProbeVerdicts:
         except OSError as exc:
             log.warning("cache.unavailable", path=exc.filename, error=f"{type(exc).__name__}: {exc.strerror or exc}",
                         message="the start-up probes' verdicts are not cached; they run at every start")
-    return ProbeVerdicts(lm, folder)
+    return ProbeVerdicts(lm, folder, decode_path=decode_path)
+
+
+class CompiledStepCheck:
+    """``load_model``'s ``compile_check``: the compiled one-token step's self-check
+    (engine/compiled.py: a few steps and verifies, eager and compiled, compared bit for bit;
+    0.4-0.5 s of every start on the bundled model on CPU) read from the verdicts file, run
+    on a miss. A cached "not identical" gives no reason (that start logged it): the step
+    stays eager all the same. ``verdict`` is "cached" or "probed" once it has answered."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.verdict: str | None = None
+
+    def __call__(self, lm, run: Callable[[], str | None]) -> str | None:
+        reasons: list[str | None] = []
+
+        def probe() -> bool:
+            reasons.append(run())
+            return reasons[0] is None
+
+        ok, self.verdict = verdicts_for(lm, self.group, decode_path=False).get("compiled_step", "self_check", probe)
+        if ok:
+            return None
+        return reasons[0] if reasons else "compiled differs from eager (the verdict of an earlier start's self-check)"

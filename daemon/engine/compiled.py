@@ -160,12 +160,17 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
     return None
 
 
-def enable_compiled_decode(lm) -> str | None:
+def enable_compiled_decode(lm, checked: Callable[[object, Callable[[], str | None]], str | None] | None = None
+                           ) -> str | None:
     """Compile ``lm``'s one-token forward and switch ``lm.hidden`` to it when it is
-    bit-identical to eager. Returns None when enabled, else why it was not."""
+    bit-identical to eager. Returns None when enabled, else why it was not.
+    ``checked(lm, run_self_check)``, when given, answers for the self-check: the daemon
+    reads a verdict stored by an earlier start (probe_verdicts.py) and runs the check only
+    on a miss. The traces are made at their first call either way."""
     try:
         compiled = CompiledDecode(lm.backbone)
-        reason = self_check(lm, compiled)
+        run = lambda: self_check(lm, compiled)  # noqa: E731
+        reason = run() if checked is None else checked(lm, run)
     except Exception as exc:  # noqa: BLE001 - any model or backend that cannot: stay eager
         return f"compile failed: {type(exc).__name__}: {exc}"
     if reason is not None:

@@ -48,7 +48,8 @@ def _read_weights(model, progress: Callable[[int, int, float], None] | None) -> 
 
 
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
-               progress: Callable[[int, int, float], None] | None = None, group=None) -> LoadedModel:
+               progress: Callable[[int, int, float], None] | None = None, group=None,
+               compile_check: Callable | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
@@ -57,7 +58,8 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     ``progress(bytes_read, total_bytes, seconds)`` is called as the weights are read.
     ``group``: an ``mx.distributed`` group of more than one rank splits the model across it
     (tensor parallel, ``sharding.py``) before the weights are read; ShardingRefused when the
-    model does not divide."""
+    model does not divide. ``compile_check``: answers for the compiled step's self-check
+    (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -85,7 +87,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
         chunked_prefill = default_enabled()
     lm.chunked_prefill = bool(chunked_prefill) and lm.supports_mtp
     if compile_decode and lm.supports_mtp:
-        reason = enable_compiled_decode(lm)
+        reason = enable_compiled_decode(lm, compile_check)
         lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
     elif compile_decode:
         lm.decode_path = f"eager: no compiled step for model type {lm.model_type!r}"

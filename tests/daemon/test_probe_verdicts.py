@@ -97,3 +97,36 @@ def test_the_split_probe_is_kept_per_chunk_and_per_key(lm, tmp_path):
         assert ProbeVerdicts(lm, tmp_path).get("splits", "16", lambda: splits_agree(lm, 16))[1] == "probed"
     finally:
         lm.decode_path = saved
+
+
+def test_the_compiled_steps_self_check_is_read_back_and_keyed_without_the_decode_path(random_model_path, tmp_path,
+                                                                                      monkeypatch):
+    """load_model's compile_check (CompiledStepCheck): the first load runs the compiled
+    step's self-check and stores its verdict, the next one reads it (the self-check is not
+    run) and still decodes on the compiled step; a stored "differs" keeps the next load
+    eager. Its key is the decode path's own: the path it decides is not in it."""
+    from daemon.engine import compiled
+    from daemon.probe_verdicts import CompiledStepCheck
+
+    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
+    runs = []
+    real = compiled.self_check
+    monkeypatch.setattr(compiled, "self_check", lambda lm_, c: runs.append(1) or real(lm_, c))
+    first = CompiledStepCheck()
+    a = load_model(random_model_path, compile_check=first)
+    assert (first.verdict, a.decode_path, len(runs)) == ("probed", "compiled", 1)
+    again = CompiledStepCheck()
+    b = load_model(random_model_path, compile_check=again)
+    assert (again.verdict, b.decode_path, len(runs)) == ("cached", "compiled", 1)
+    assert b.compiled_decode is not None
+    key = verdicts_for(b, decode_path=False)
+    assert key.key["decode_path"] == "(being decided)" and key.path != verdicts_for(b).path
+    # A stored "not bit-identical" is read back as such: the next load stays eager.
+    key.get("compiled_step", "self_check", lambda: True)  # present already: unchanged
+    data = json.loads(key.path.read_text())
+    data["verdicts"]["compiled_step"]["self_check"] = False
+    key.path.write_text(json.dumps(data))
+    third = CompiledStepCheck()
+    c = load_model(random_model_path, compile_check=third)
+    assert third.verdict == "cached" and c.decode_path.startswith("eager: compiled differs from eager")
+    assert c.compiled_decode is None and len(runs) == 1

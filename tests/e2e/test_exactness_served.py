@@ -41,7 +41,7 @@ def test_exact_greedy_requests_decode_serially_there(inexact_daemon):
 
 def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_back(tmp_path):
     """Without the knob the probe finds CPU verifies bit-identical, and says so. A restart on
-    the same stack and model reads both probes' verdicts back from the cache folder instead of
+    the same stack and model reads the compiled step's self-check and both probes' verdicts back from the cache folder instead of
     probing; the knob still forces the inexact policy over a cached bit-identical verdict, and
     under the guarded policy exact requests speculate (with the near-tie guard)."""
     cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}
@@ -58,6 +58,8 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert probe["verify_bit_identical"] is True and probe["exact_requests"] == "speculate"
     (batch,) = [e for e in d.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "probed" and batch["verdict"] == "probed"
+    (loaded,) = [e for e in d.events() if e["event"] == "model.loaded"]
+    assert loaded["compile_check"] == "probed" and loaded["decode_path"] == "compiled"
     assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
 
     again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
@@ -73,6 +75,8 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
     (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "cached" and batch["verdict"] == "cached"
+    (loaded,) = [e for e in again.events() if e["event"] == "model.loaded"]
+    assert loaded["compile_check"] == "cached" and loaded["decode_path"] == "compiled"
     assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
     assert probe["exact_requests"] == "guarded" and probe["near_tie_guard"] == "on"
     # The batch's own verdict is read back too; where the batch speculates, exact rows may
