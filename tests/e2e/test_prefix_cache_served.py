@@ -4,6 +4,8 @@ prompt tokens it reused."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from e2e_harness import start_daemon
 
@@ -131,4 +133,9 @@ def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tm
     assert other_chunk["verdict"] == "probed" and other_chunk["chunk"] == chunk // 2
     assert eager["verdict"] == "probed"
     stored = list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
-    assert len(stored) == 2  # one file per key (compiled, eager); chunks are variants inside one
+    # One file per key: the compiled path's, the eager path's, and the compiled step's own
+    # self-check (keyed without the decode path it decides); chunks are variants inside one.
+    assert len(stored) == 3
+    probes = [set(json.loads(p.read_text())["verdicts"]) for p in stored]
+    assert sorted("compiled_step" in v for v in probes) == [False, False, True], probes
+    assert all(v == {"compiled_step"} or "splits" in v for v in probes), probes
