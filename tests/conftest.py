@@ -9,6 +9,7 @@ depth or a live request to the next one. Tests use their own seat names.
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -35,6 +36,14 @@ LONGEST_FILES = [
     "tests/distributed/test_group_serving.py",
     "tests/e2e/test_lifecycle.py",
 ]
+
+
+def pytest_collection_finish(session):
+    # Collection imported mlx-lm, transformers and every test module: ~100k objects that live
+    # to the end. Freeze them out of the cyclic collector's view, as the daemon freezes its
+    # start-up objects: four in-process fidelity tests (~27 s) spent 0.87 s in the collector
+    # before, 0.50 s after (gc.callbacks), most of the difference in the full collections.
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):
