@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
-
-from e2e_harness import start_daemon
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
            "# sort a list\ndef quicksort(items):\n"]
 TOKENS = 40
 
 
-@pytest.fixture(scope="module")
-def council_daemon(tmp_path_factory):
-    assert (BUNDLED_MODEL / "config.json").exists(), "the bundled model is part of the repository"
-    d = start_daemon(tmp_path_factory.mktemp("batchspec"), BUNDLED_MODEL)
-    yield d
-    assert d.stop() == 0
+@pytest.fixture
+def council_daemon(bundled_daemon):
+    """The session's daemon on the bundled model with the default configuration (conftest.py):
+    these tests need nothing else, and its per-test check leaves no pinned depth or live
+    request behind. Events are picked out by request id, as other tests share its log."""
+    return bundled_daemon
 
 
 def test_four_concurrent_exact_requests_batch_and_speculate(council_daemon):
