@@ -8,7 +8,7 @@ resuming a prefill off the chunk grid leaves a chunked prefill's state bit for b
 (engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
 ``splits_exact``), and, before all of them, whether the compiled one-token step is bit for
 bit the eager one (engine/compiled.py ``self_check``; its key leaves out the decode path,
-which that check decides). The first two took about 1.3 s together on the bundled model on CPU,
+which that check decides). The verify and batch probes took about 1.3 s together on the bundled model on CPU,
 longer on a big model. Their answer depends only on the code that computes the forwards,
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
