@@ -25,13 +25,16 @@ class EngineStartup:
 
     def _load(self) -> None:
         # No cyclic collections while start-up builds its objects (mlx-lm and transformers'
-        # imports, the model, the traces): ~7% of the imports' time. Once loaded, freeze
-        # them out of the collector's view: a full collection over them took ~100 ms on the
-        # bundled model on CPU, a stall in every stream each time one ran mid-decode.
+        # imports, the model, the traces): ~7% of the imports' time. Once loaded, one
+        # collection frees start-up's cyclic garbage (the warm-up's caches may sit in it:
+        # frozen, it would never be freed), then what lives on is frozen out of the
+        # collector's view: a full collection over it took ~100 ms on the bundled model on
+        # CPU, a stall in every stream each time one ran mid-decode.
         gc.disable()
         try:
             self._load_unfrozen()
         finally:
+            gc.collect()
             gc.freeze()
             gc.enable()
 
