@@ -8,8 +8,8 @@ resuming a prefill off the chunk grid leaves a chunked prefill's state bit for b
 (engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
 ``splits_exact``), and, before all of them, whether the compiled one-token step is bit for
 bit the eager one (engine/compiled.py ``self_check``; its key leaves out the decode path,
-which that check decides). The verify and batch probes took about 1.3 s together on the bundled model on CPU,
-longer on a big model. Their answer depends only on the code that computes the forwards,
+which that check decides). The verify and batch probes took about 1.3 s together on the
+bundled model on CPU, longer on a big model. Their answer depends only on the code that computes the forwards,
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
 engine's source (a development tree changes code without changing its version), the
@@ -56,12 +56,10 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
     from mlx.utils import tree_flatten
 
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
-    key = {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
-           "device": current_device(), "dtypes": dtypes, "decode_path": lm.decode_path,
-           "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
-    if not decode_path:
-        key["decode_path"] = "(being decided)"
-    return key
+    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
+            "device": current_device(), "dtypes": dtypes,
+            "decode_path": lm.decode_path if decode_path else "(being decided)",
+            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
 
 
 class ProbeVerdicts:
@@ -136,13 +134,14 @@ class CompiledStepCheck:
         self.verdict: str | None = None
 
     def __call__(self, lm, run: Callable[[], str | None]) -> str | None:
-        reasons: list[str | None] = []
+        reason = None  # run()'s, when it runs on a miss
 
         def probe() -> bool:
-            reasons.append(run())
-            return reasons[0] is None
+            nonlocal reason
+            reason = run()
+            return reason is None
 
         ok, self.verdict = verdicts_for(lm, self.group, decode_path=False).get("compiled_step", "self_check", probe)
         if ok:
             return None
-        return reasons[0] if reasons else "compiled differs from eager (the verdict of an earlier start's self-check)"
+        return reason or "compiled differs from eager (the verdict of an earlier start's self-check)"

@@ -25,11 +25,11 @@ class EngineStartup:
 
     def _load(self) -> None:
         # No cyclic collections while start-up builds its objects (mlx-lm and transformers'
-        # imports, the model, the traces): ~7% of the imports' time. Once loaded, one
-        # collection frees start-up's cyclic garbage (the warm-up's caches may sit in it:
-        # frozen, it would never be freed), then what lives on is frozen out of the
-        # collector's view: a full collection over it took ~100 ms on the bundled model on
-        # CPU, a stall in every stream each time one ran mid-decode.
+        # imports, the model, the traces): ~7% of the imports' time, about what the one
+        # collection after costs. That collection frees start-up's cyclic garbage (the
+        # warm-up's caches may sit in it: frozen, it would never be freed); then what lives
+        # on is frozen out of the collector's view: a full collection over it took ~100 ms
+        # on the bundled model on CPU, a stall in every stream each time one ran mid-decode.
         gc.disable()
         try:
             self._load_unfrozen()
@@ -41,8 +41,7 @@ class EngineStartup:
     def _load_unfrozen(self) -> None:
         from .engine.loading import load_model
         from .logs import route_library_logs
-
-        from .probe_verdicts import CompiledStepCheck
+        from .probe_verdicts import CompiledStepCheck, verdicts_for
 
         route_library_logs()
         t0 = time.perf_counter()
@@ -63,8 +62,6 @@ class EngineStartup:
                 with self.snapshot_lock:
                     self.snapshot.head_error = self.slot.error
         self.verify_exact = True
-        from .probe_verdicts import verdicts_for
-
         self.verdicts = verdicts_for(self.lm, self.group)
         self._choose_kernels()
         if self.slot.available:

@@ -32,6 +32,7 @@ The traces hold the weights they were made with: a model whose weights change af
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -169,7 +170,7 @@ def enable_compiled_decode(lm, checked: Callable[[object, Callable[[], str | Non
     on a miss. The traces are made at their first call either way."""
     try:
         compiled = CompiledDecode(lm.backbone)
-        run = lambda: self_check(lm, compiled)  # noqa: E731
+        run = partial(self_check, lm, compiled)
         reason = run() if checked is None else checked(lm, run)
     except Exception as exc:  # noqa: BLE001 - any model or backend that cannot: stay eager
         return f"compile failed: {type(exc).__name__}: {exc}"

@@ -122,7 +122,7 @@ def test_the_compiled_steps_self_check_is_read_back_and_keyed_without_the_decode
     key = verdicts_for(b, decode_path=False)
     assert key.key["decode_path"] == "(being decided)" and key.path != verdicts_for(b).path
     # A stored "not bit-identical" is read back as such: the next load stays eager.
-    key.get("compiled_step", "self_check", lambda: True)  # present already: unchanged
+    assert key.get("compiled_step", "self_check", _never) == (True, "cached")
     data = json.loads(key.path.read_text())
     data["verdicts"]["compiled_step"]["self_check"] = False
     key.path.write_text(json.dumps(data))

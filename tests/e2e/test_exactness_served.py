@@ -41,8 +41,8 @@ def test_exact_greedy_requests_decode_serially_there(inexact_daemon):
 
 def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_back(tmp_path):
     """Without the knob the probe finds CPU verifies bit-identical, and says so. A restart on
-    the same stack and model reads the compiled step's self-check and both probes' verdicts back from the cache folder instead of
-    probing; the knob still forces the inexact policy over a cached bit-identical verdict, and
+    the same stack and model reads the compiled step's self-check and both probes' verdicts
+    back from the cache folder instead of probing; the knob still forces the inexact policy over a cached bit-identical verdict, and
     under the guarded policy exact requests speculate (with the near-tie guard)."""
     cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}
     (tmp_path / "first").mkdir()
