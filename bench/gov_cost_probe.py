@@ -2,9 +2,11 @@
 Pin depth 0, 1, 2 (fast rows), each twice, solo and 4 concurrent rows; print the cost
 model's per-depth (solo) and per-height tables after each phase.
 
-    PYTHONPATH=$PWD python3 bench/gov_cost_probe.py   (from the repository root)
+    PYTHONPATH=$PWD python3 bench/gov_cost_probe.py [--config 'cudnn_attention = true']
+    (from the repository root; --config adds top-level TOML lines to the daemon's config)
 
 Result on the H200: bench/results/h200_2026-12-02/gov_cost_probe.txt."""
+import argparse
 import json
 import pathlib
 import sys
@@ -18,10 +20,14 @@ from protocol.client import Client  # noqa: E402
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description="pin depths 0-2 solo and 4 rows; print the governor's cost tables")
+    ap.add_argument("--config", default="", help="top-level TOML lines for the daemon's config")
+    args = ap.parse_args()
     t0 = time.time()
-    d = start_daemon(pathlib.Path(tempfile.mkdtemp()), BUNDLED_MODEL, config="[scheduler]\nmax_active = 4\n", wait=False)
+    d = start_daemon(pathlib.Path(tempfile.mkdtemp()), BUNDLED_MODEL,
+                     config=args.config + "\n[scheduler]\nmax_active = 4\n", wait=False)
     wait_ready(d, 400)
-    print(f"started in {time.time()-t0:.1f}s", flush=True)
+    print(f"config {args.config!r}: started in {time.time()-t0:.1f}s", flush=True)
     prompts = ["def fibonacci(n):\n", "The council met at dawn to decide", "import os\nimport sys\n", "class Council:\n"]
 
     def run(tag, depth, n, tokens=128):

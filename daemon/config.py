@@ -210,6 +210,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # and speculate; else MLX's, and exact rows decode alone. "mlx": never the invariant
     # kernels (they are slower: the price of the promise). "invariant": always try them.
     kernels: Literal["auto", "mlx", "invariant"] = "auto"
+    # MLX-on-CUDA sends attention of more than one query to cuDNN (head dims <= 128), which
+    # builds a plan per new key length (46-57 ms each on the H200): every speculative cycle
+    # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or
+    # matmul path), whose cost does not depend on having seen a shape; true: cuDNN, with a
+    # larger plan cache. Either way MLX's "cache thrashing" error is turned off
+    # (engine/backend_env.py). Read by nothing on CPU and Metal.
+    cudnn_attention: bool = False
     # Before the daemon answers a Ping (ready), run the shapes it will serve: a prefill chunk
     # and a short remainder, decode steps, every speculative depth, every batch height.
     # The first council round after start-up then costs what the tenth does (on a GPU the

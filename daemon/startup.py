@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import time
+from pathlib import Path
 
 from .logs import get_logger
 
@@ -44,6 +45,7 @@ class EngineStartup:
         from .probe_verdicts import CompiledStepCheck, verdicts_for
 
         route_library_logs()
+        self._configure_backend()
         t0 = time.perf_counter()
         compile_check = CompiledStepCheck(self.group)
         self.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress,
@@ -112,6 +114,18 @@ class EngineStartup:
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
             self.snapshot.ready = True
+
+    def _configure_backend(self) -> None:
+        # Before the first forward: MLX reads these once per process (engine/backend_env.py).
+        from .engine import backend_env
+        from .paths import cache_dir
+
+        try:
+            ptx: Path | None = cache_dir() / "mlx-ptx"
+        except OSError:  # an unusable cache folder: MLX keeps its own default
+            ptx = None
+        env = backend_env.configure(self.cfg.cudnn_attention, ptx)
+        log.info("engine.backend_env", **{name: f"{value} ({source})" for name, (value, source) in env.items()})
 
     def warmup_mode(self) -> str:
         """``warmup`` resolved on this machine: "full", "light" or "off"."""
