@@ -34,6 +34,7 @@ from .anthropic_api import AnthropicAPI
 from .config import HttpConfig
 from .daemon_link import DaemonLink, DaemonUnreachable
 from .metrics import FrontMetrics
+from .responses_api import ResponsesAPI
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
 
 SEAT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,64}$")
@@ -135,6 +136,8 @@ class Front:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 *anthropic.routes(),
+                *ResponsesAPI(self, http_error=HTTPError, from_council=from_council, until_disconnect=until_disconnect,
+                              disconnected=_Disconnected).routes(),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_route, methods=["GET"]),
             ],
