@@ -1,4 +1,11 @@
-"""On the GPU machine: the exactness probe, and a daemon's answer to an exact request."""
+"""On the GPU machine: the exactness probe, and a daemon's answer to an exact request.
+
+    python3 bench/probes/gpu_exactness_probe.py      (from the repository root)
+
+What it found (H200, bundled model; bench/results/exactness_h200_tiny_qwen35.log): the verify
+matches serial decode for neither rollback, so the daemon decodes exact greedy requests
+serially there (status `exact_decode: serial`) while fast requests still speculate.
+"""
 import json, os, subprocess, sys, tempfile, time
 sys.path.insert(0, os.getcwd())
 from daemon.engine.loading import load_model
