@@ -438,8 +438,8 @@ class ResponseEvents:
 
     def _open(self, item: dict) -> list[str]:
         out = self.close()
-        item["id"] = self.shape.item_id({"message": "msg", "reasoning": "rs", "function_call": "fc"}[item["type"]],
-                                        len(self.items))
+        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[item["type"]]
+        item = {"id": self.shape.item_id(prefix, len(self.items)), **item}
         self.items.append(item)
         self.open = item
         self.buffer = ""
