@@ -591,6 +591,10 @@ class ResponsesAPI:
             return err.response()
         except CouncilError as exc:
             err = self.from_council(exc)
+            if exc.code == "overloaded":
+                st = await self.front.status()
+                if st is not None and st.detail.get("state") == "loading":  # not ready, not busy (as on chat)
+                    err = self.HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.front.metrics.request(route, seat, err.status, exc.code)
             return err.response()
 
@@ -627,6 +631,13 @@ class ResponsesAPI:
             err = self.from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
             yield events.failed(err.message, "rate_limit_exceeded" if err.status == 429 else "server_error")
+        except Exception as exc:  # a fault of the front's own: still one terminal event, and the work stopped
+            ended = True
+            self.front.metrics.request(route, seat, 500, "internal")
+            yield events.failed(f"the front failed: {type(exc).__name__}", "server_error")
+            with anyio.CancelScope(shield=True):
+                with suppress(Exception):
+                    await stream.cancel()
         finally:
             if not ended:  # the client went away (or the response was torn down): stop the work
                 self.front.metrics.request(route, seat, 499, "disconnected")

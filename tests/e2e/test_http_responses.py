@@ -11,6 +11,7 @@ import time
 
 import httpx
 import openai
+import pydantic
 import pytest
 from http_harness import start_front, terminal_events
 
@@ -172,6 +173,13 @@ def test_json_schema_text_format(oai):
     with oai.responses.stream(model="any", input=ASK, max_output_tokens=64, temperature=0, text=fmt) as stream:
         final = stream.get_final_response()
     assert json.loads(final.output_text) == value
+
+    class Answer(pydantic.BaseModel):  # the client's own schema from a model (strict), parsed back into it
+        ok: bool
+        n: int = pydantic.Field(ge=0, le=9)
+
+    parsed = oai.responses.parse(model="any", input=ASK, max_output_tokens=64, temperature=0, text_format=Answer)
+    assert isinstance(parsed.output_parsed, Answer) and 0 <= parsed.output_parsed.n <= 9
 
 
 def test_disconnect_mid_stream_cancels_at_the_daemon(stack):

@@ -5,15 +5,19 @@ a stream that fails) are driven here with the daemon's message types."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from front.responses_api import ResponseEvents, ResponseShape, parse_responses_request
+from front.app import HTTPError, from_council
+from front.responses_api import ResponseEvents, ResponsesAPI, ResponseShape, parse_responses_request
 from front.schema import BadRequest
 from protocol import messages as m
+from protocol.client import CouncilError
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 TOOL = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
@@ -166,3 +170,40 @@ def test_no_output_is_one_empty_message_and_a_failure_is_one_terminal_event():
             and "part" not in e.type and "text" not in e.type] == \
         ["response.created", "response.in_progress", "response.failed"]
     assert events[-1].response.error.message == "deadline" and events[-1].response.status == "failed"
+
+
+class _Stream:
+    """A daemon stream that fails after its Accepted: with an Error, or with a fault of the front's."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+        self.cancelled = False
+
+    async def next_message(self):
+        raise self.error
+
+    async def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("error, status, code", [
+    (CouncilError("deadline_exceeded", "past its deadline"), 504, "server_error"),
+    (CouncilError("overloaded", "busy"), 429, "rate_limit_exceeded"),
+    (KeyError("bug"), 500, "server_error"),
+])
+def test_a_stream_that_fails_ends_with_one_response_failed(error, status, code):
+    recorded = []
+    front = SimpleNamespace(metrics=SimpleNamespace(request=lambda *a: recorded.append(a)))
+    api = ResponsesAPI(front, http_error=HTTPError, from_council=from_council, until_disconnect=None,
+                       disconnected=RuntimeError)
+    stream = _Stream(error)
+    accepted = m.Accepted(request_id="r1", queue_position=0, prompt_tokens=5)
+
+    async def collect():
+        return [c async for c in api._events(stream, accepted, _shape(), "responses", "s", 0.0)]
+
+    events = _events(asyncio.run(collect()))
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert events[-1].response.error.code == code and events[-1].response.status == "failed"
+    assert [r[2] for r in recorded] == [status]
+    assert stream.cancelled == isinstance(error, KeyError)  # a daemon error already ended the request there
