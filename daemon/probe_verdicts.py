@@ -7,15 +7,16 @@ and a ragged batched verify serial ones (``ragged_verify_matches_serial``), and 
 resuming a prefill off the chunk grid leaves a chunked prefill's state bit for bit
 (engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
 ``splits_exact``), and, before all of them, whether the compiled one-token step is bit for
-bit the eager one (engine/compiled.py ``self_check``; its key leaves out the decode path,
-which that check decides). The verify and batch probes took about 1.3 s together on the
+bit the eager one, for one row and for batches (engine/compiled.py ``self_check``,
+engine/compiled_batch.py ``batch_self_check``; their key leaves out the decode paths, which
+those checks decide). The verify and batch probes took about 1.3 s together on the
 bundled model on CPU, longer on a big model. Their answer depends only on the code that computes the forwards,
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
 engine's source (a development tree changes code without changing its version), the
-device, the model's parameter dtypes, decode and prefill paths, the kernels the forward
-runs through (MLX's or the invariant ones, engine/invariant.py), and the model's content
-hash (profile.model_hash). Any change to one of them is another file, so a stale verdict
+device, the model's parameter dtypes, decode paths (one row, batch) and prefill path, the
+kernels the forward runs through (MLX's or the invariant ones, engine/invariant.py), and
+the model's content hash (profile.model_hash). Any change to one of them is another file, so a stale verdict
 is never read.
 
 The cache is optional: an unusable cache folder, or a file that does not parse or does not
@@ -59,6 +60,7 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
     return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
             "device": current_device(), "dtypes": dtypes,
             "decode_path": lm.decode_path if decode_path else "(being decided)",
+            "batch_decode_path": lm.batch_decode_path if decode_path else "(being decided)",
             "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
 
 
@@ -123,17 +125,27 @@ def verdicts_for(lm, group=None, *, decode_path: bool = True) -> ProbeVerdicts:
 
 
 class CompiledStepCheck:
-    """``load_model``'s ``compile_check``: the compiled one-token step's self-check
-    (engine/compiled.py: a few steps and verifies, eager and compiled, compared bit for bit;
-    0.4-0.5 s of every start on the bundled model on CPU) read from the verdicts file, run
-    on a miss. A cached "not identical" gives no reason (that start logged it): the step
-    stays eager all the same. ``verdict`` is "cached" or "probed" once it has answered."""
+    """``load_model``'s ``compile_check``: the compiled step's self-checks (engine/compiled.py:
+    a few steps and verifies, eager and compiled, compared bit for bit; "self_check" for one
+    row, 0.4-0.5 s of every start on the bundled model on CPU, and "batch_self_check" for
+    batches) read from the verdicts file, each run on a miss. A cached "not identical"
+    gives no reason (that start logged it): that path stays eager all the same.
+    ``verdicts[variant]`` is "cached" or "probed" once it has answered; ``verdict`` is the
+    one-row check's, ``batch_verdict`` the batches' (None when that check was not asked)."""
 
     def __init__(self, group=None):
         self.group = group
-        self.verdict: str | None = None
+        self.verdicts: dict[str, str] = {}
 
-    def __call__(self, lm, run: Callable[[], str | None]) -> str | None:
+    @property
+    def verdict(self) -> str | None:
+        return self.verdicts.get("self_check")
+
+    @property
+    def batch_verdict(self) -> str | None:
+        return self.verdicts.get("batch_self_check")
+
+    def __call__(self, lm, run: Callable[[], str | None], variant: str = "self_check") -> str | None:
         reason = None  # run()'s, when it runs on a miss
 
         def probe() -> bool:
@@ -141,7 +153,7 @@ class CompiledStepCheck:
             reason = run()
             return reason is None
 
-        ok, self.verdict = verdicts_for(lm, self.group, decode_path=False).get("compiled_step", "self_check", probe)
+        ok, self.verdicts[variant] = verdicts_for(lm, self.group, decode_path=False).get("compiled_step", variant, probe)
         if ok:
             return None
         return reason or "compiled differs from eager (the verdict of an earlier start's self-check)"

@@ -1,28 +1,49 @@
-"""A compiled one-token forward for decode steps (serial decode, speculation's serial step).
+"""A compiled forward for decode steps and verifies: one row (serial decode, speculation's
+serial step) and, once its own check passes, a batch of B rows (the continuous batch).
 
 Why: a decode step of a small batch is bound by the number of kernels, not by bytes (on the
-H200 a 27B-shaped step is ~3,500 kernels at ~6.5 us each; on CPU each op pays dispatch).
+H200 a 27B-shaped step is ~3,500 kernels at ~6.5 us each; on CPU each op pays dispatch; an
+eager B=4 step cost ~3.5 ms there against ~1.1 ms for one compiled row).
 ``mx.compile`` fuses the elementwise chains of a GatedDeltaNet layer (gates, conv SiLU,
 norms, the gated RMSNorm, MLP activations) into fewer kernels and skips re-tracing Python.
 
-What is compiled, for one sequence (B = 1) and short forwards (T <= MAX_T: a decode step,
-a speculative verify of k + 1 tokens, snapshot rollback's re-forward of the accepted prefix):
+What is compiled, for short forwards (T <= MAX_T: a decode step, a speculative verify of
+k + 1 tokens, snapshot rollback's re-forward of the accepted prefix) of B rows:
 - every linear-attention decoder layer whole: (x, conv_state, recurrent_state) ->
-  (x', conv_state', recurrent_state'). Its state has a fixed shape, so one trace per T
-  serves every step; capture rollback's variant also returns the per-token states;
+  (x', conv_state', recurrent_state'). Its state has a fixed shape per height, [B, ...], so
+  one trace per (B, T) serves every step; capture rollback's variant also returns the
+  per-token states;
 - every full-attention layer's second half (residual + post-norm + MLP). The attention
   itself stays eager: its KV cache is written in place at a moving offset, which a trace
-  cannot hold;
+  cannot hold; and it is where a batch's rows differ (left padding, a speculating batch's
+  holes, per-row RoPE offsets), all carried by the mask and offsets the eager attention
+  builds from the cache (BatchKVCache, ragged_cache.RaggedKVCache) at every step;
 - the final norm.
 
-Exactness: a compiled step is used only when it reproduces the eager forward bit for bit
-(``self_check``: a few steps from a fixed prompt, both ways, every hidden state compared).
-Fusion keeps every intermediate in its own dtype on the backends measured (CPU, CUDA), but
-a backend or model where it does not is caught here, and the daemon keeps the eager path
-(logged). So serial decode, speculation's serial step and the verify forward keep the
-numerics the fidelity gate was proven on.
+Heights: a trace per (B, T) (mx.compile keeps one per input shape), not shapeless: the
+layers reshape to B-dependent shapes and split, which a shapeless trace cannot infer
+("Split cannot infer output shapes", MLX 0.32.4), and not padded up to a bucket: a padded
+row would change the matmuls' M, hence (on CUDA) their rounding, against the eager step at
+the real height. A batch's heights are bounded (scheduler.max_active), so are its traces;
+the warm-up makes them before ready on a GPU.
 
-Anything else (a prompt chunk longer than MAX_T, a batch, a padded or masked cache, a
+Batch rows need no mask in the compiled layers: a batch's GatedDeltaNet state is each
+row's own, stacked on the batch axis (ArraysCache.merge of filled states: no left padding,
+no lengths), so a row's step reads only its own state, as the eager layer does with a None
+mask. A linear cache that carries left padding or lengths (mlx-lm's own batched prefill of
+empty rows) masks its inputs: eager.
+
+Exactness: a compiled step is used only when it reproduces the eager forward bit for bit
+(``self_check``: a few steps from a fixed prompt, both ways, every hidden state compared;
+for batches, ``compiled_batch.batch_self_check``: the plain and the speculating batch at
+two heights, padded and holed rows). Fusion keeps every intermediate in its own dtype on
+the backends measured (CPU, CUDA), but a backend or model where it does not is caught
+here, and the daemon keeps the eager path (logged; ``LoadedModel.batch_decode_path`` says
+which the batch takes). The batch's check runs only when the one-row check passed; a batch
+that fails it stays eager while one row stays compiled. So serial decode, the batch and
+the verify forwards keep the numerics the fidelity gate was proven on.
+
+Anything else (a prompt chunk longer than MAX_T, a padded or masked linear cache, a
 pipeline-parallel model, a first step with an empty linear cache) takes the eager forward.
 
 The traces hold the weights they were made with: a model whose weights change afterwards
@@ -39,6 +60,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from .capture import capture_hidden
+from .compiled_batch import batch_self_check
 from .forward import cache_arrays, compiled_forward, gdn_capture_forward
 
 SELF_CHECK_STEPS = 4
@@ -77,8 +99,10 @@ def _attention_tail(layer: nn.Module) -> Callable:
 
 
 class CompiledDecode:
-    """``hidden(tokens, cache)`` for one-token steps, with compiled layers; ``None`` from
-    ``try_hidden`` means "not a step this handles, use the eager forward"."""
+    """``hidden(tokens, cache)`` for short forwards, with compiled layers; ``None`` from
+    ``try_hidden`` means "not a step this handles, use the eager forward". Batches of
+    B >= 2 rows only while ``batched`` (set once ``batch_self_check`` passed; else
+    ``batch_reason`` says why not)."""
 
     def __init__(self, backbone: nn.Module):
         self.backbone = backbone
@@ -87,9 +111,13 @@ class CompiledDecode:
         self.capture_steps = [_linear_layer_capture(l) if l.is_linear else None for l in self.layers]
         self.norm = mx.compile(lambda h: backbone.norm(h))
         self.fa_idx = getattr(backbone, "fa_idx", None)
+        self.batched = False
+        self.batch_reason = "not checked"
 
     def applies(self, tokens: mx.array, cache: list | None) -> bool:
-        if cache is None or tokens.ndim != 2 or tokens.shape[0] != 1 or not 1 <= tokens.shape[1] <= MAX_T:
+        if cache is None or tokens.ndim != 2 or not 1 <= tokens.shape[1] <= MAX_T:
+            return False
+        if tokens.shape[0] != 1 and not self.batched:
             return False
         if len(cache) != len(self.layers):
             return False
@@ -100,6 +128,8 @@ class CompiledDecode:
                 if not isinstance(c, ArraysCache) or c.lengths is not None or c.left_padding is not None:
                     return False
                 if c[0] is None or c[1] is None:  # first step of an empty cache: eager builds them
+                    return False
+                if c[1].shape[0] != tokens.shape[0]:  # not this cache's rows: let eager say so
                     return False
         return True
 
@@ -161,20 +191,30 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
     return None
 
 
-def enable_compiled_decode(lm, checked: Callable[[object, Callable[[], str | None]], str | None] | None = None
-                           ) -> str | None:
-    """Compile ``lm``'s one-token forward and switch ``lm.hidden`` to it when it is
-    bit-identical to eager. Returns None when enabled, else why it was not.
-    ``checked(lm, run_self_check)``, when given, answers for the self-check: the daemon
-    reads a verdict stored by an earlier start (probe_verdicts.py) and runs the check only
-    on a miss. The traces are made at their first call either way."""
+def enable_compiled_decode(lm, checked: Callable[..., str | None] | None = None) -> str | None:
+    """Compile ``lm``'s short forwards and switch ``lm.hidden`` to them when bit-identical
+    to eager. Returns None when the one-row step is enabled, else why it was not; batches
+    run compiled as well when their own check passes (``compiled.batched``; else
+    ``compiled.batch_reason``, which ``lm.batch_decode_path`` reports).
+    ``checked(lm, run_check, variant)``, when given, answers for a check ("self_check" for
+    one row, "batch_self_check" for batches): the daemon reads a verdict stored by an
+    earlier start (probe_verdicts.py) and runs the check only on a miss. The traces are
+    made at their first call either way."""
     try:
         compiled = CompiledDecode(lm.backbone)
         run = partial(self_check, lm, compiled)
-        reason = run() if checked is None else checked(lm, run)
+        reason = run() if checked is None else checked(lm, run, "self_check")
     except Exception as exc:  # noqa: BLE001 - any model or backend that cannot: stay eager
         return f"compile failed: {type(exc).__name__}: {exc}"
     if reason is not None:
         return reason
+    compiled.batched = True  # admit batches while their check runs
+    try:
+        run = partial(batch_self_check, lm, compiled)
+        reason = run() if checked is None else checked(lm, run, "batch_self_check")
+    except Exception as exc:  # noqa: BLE001 - batches stay eager; one row keeps its proven step
+        reason = f"compile failed: {type(exc).__name__}: {exc}"
+    compiled.batched = reason is None
+    compiled.batch_reason = reason or ""
     lm.compiled_decode = compiled
     return None

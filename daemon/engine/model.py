@@ -44,6 +44,17 @@ class LoadedModel:
     kernels: str = "mlx"
 
     @property
+    def batch_decode_path(self) -> str:
+        """"compiled" when batched steps and verifies (B >= 2 rows) run the compiled forward
+        (its batch self-check passed, compiled.py), else "eager: <why>"."""
+        c = self.compiled_decode
+        if c is None:
+            if self.decode_path == "compiled":
+                return "eager: compiled steps switched off"
+            return f"eager: as one row ({self.decode_path.removeprefix('eager: ')})"
+        return "compiled" if c.batched else f"eager: {c.batch_reason}"
+
+    @property
     def name(self) -> str:
         return self.path.name
 

@@ -68,7 +68,7 @@ def test_steps_it_does_not_handle_are_declined(lm):
     assert c.applies(one, cache)
     assert c.applies(mx.array([[1, 2]], dtype=mx.uint32), cache)  # a verify
     assert not c.applies(mx.array([list(range(compiled_mod.MAX_T + 1))], dtype=mx.uint32), cache)  # a prompt chunk
-    assert not c.applies(mx.array([[1], [2]], dtype=mx.uint32), cache)  # a batch
+    assert not c.applies(mx.array([[1], [2]], dtype=mx.uint32), cache)  # two rows over a one-row cache
     assert not c.applies(one, None)
     padded = next(x for x in cache if isinstance(x, ArraysCache))
     padded.left_padding = mx.array([1])
