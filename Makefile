@@ -17,7 +17,7 @@ endif
 # `make test PYTEST_ARGS="-n 0"` runs them one at a time (tests/README.md).
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: demo test serve bench clean venv
+.PHONY: demo test check serve bench clean venv
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The quick tier for the edit-test loop (tests marked `quick`: unit and contract tests, one
+# daemon-level smoke a feature; tests/README.md), same workers. `make test` stays the whole
+# suite and what CI runs.
+check: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "quick and not slow"
 
 serve: $(STAMP)
 	$(VENV)/bin/councild serve

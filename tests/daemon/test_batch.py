@@ -60,6 +60,7 @@ def first_divergence(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+@pytest.mark.quick
 def test_exact_batch_of_four_matches_serial(tiny):
     """Different prompt lengths, temperature 0, exact rows: each row's tokens are serial's.
     On this backend exact rows batch only because the probe found the batched forward

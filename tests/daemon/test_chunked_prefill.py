@@ -51,6 +51,7 @@ def _inputs(T, Hk, Hv, D, dtype=mx.float32, a_shift=0.0, key_noise=1.0, b_shift=
     return q, k, v, g, log_g, mx.sigmoid(b), state
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "T,Hk,Hv,D,chunk,kw",
     [
@@ -71,6 +72,7 @@ def test_chunked_matches_token_loop_float32(T, Hk, Hv, D, chunk, kw):
         assert err <= REL_TOL * mx.abs(ref).max().item(), err
 
 
+@pytest.mark.quick
 def test_chunked_bf16_outputs_within_one_ulp():
     q, k, v, g, log_g, beta, s0 = _inputs(300, 2, 4, 64, dtype=mx.bfloat16)
     y_ref, s_ref = gated_delta_ops(q, k, v, g, beta, s0)
@@ -84,6 +86,7 @@ def test_chunked_bf16_outputs_within_one_ulp():
     assert mx.abs(s - s_ref).max().item() <= REL_TOL * mx.abs(s_ref).max().item()
 
 
+@pytest.mark.quick
 def test_unit_lower_inverse():
     mx.random.seed(3)
     m = mx.tril(0.1 * mx.random.normal((2, 3, 64, 64)), -1) + mx.eye(64)

@@ -8,6 +8,8 @@ import pytest
 
 from daemon.config import Config, ConfigError, SchedulerConfig, SeatConfig, SpeculationConfig, load_config
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def write(tmp_path, text: str):
     path = tmp_path / "councild.toml"

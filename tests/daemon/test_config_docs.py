@@ -10,6 +10,9 @@ import msgspec
 
 from daemon.config import _ENV_KEYS, Config, SeatConfig
 from governor.config import GovernorConfig
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md"
 

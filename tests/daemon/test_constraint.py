@@ -70,6 +70,7 @@ def serial_ref(lm, prompt, kind, value, n=60, params=SamplingParams()):
 # ---------------------------------------------------------------- the matcher's bookkeeping
 
 
+@pytest.mark.quick
 def test_advance_rollback_settle_and_forbidden_tokens(tiny):
     c = compile_constraint(tiny, "regex", "ab|abc")
     tok = tiny.tokenizer

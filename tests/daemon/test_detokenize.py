@@ -9,6 +9,8 @@ from hypothesis import given, settings, strategies as st
 from daemon.detokenize import CommittedText
 from daemon.paths import BUNDLED_MODEL
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 @pytest.fixture(scope="module")
 def byte_bpe():

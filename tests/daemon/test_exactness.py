@@ -17,6 +17,7 @@ def test_cpu_verify_matches_serial_for_both_strategies(random_model_path, compil
     assert verify_matches_serial(lm, "snapshot")
 
 
+@pytest.mark.quick
 def test_a_verify_that_rounds_differently_is_caught(random_model_path, monkeypatch):
     """A verify whose logits differ by one bf16 ulp somewhere, as CUDA's M>=2 kernels do."""
     lm = load_model(random_model_path, compile_decode=False)

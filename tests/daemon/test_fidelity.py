@@ -28,6 +28,7 @@ def copy_head(lm, tmp_path_factory):
     return make_copy_head(lm, tmp_path_factory.mktemp("copyhead-fid"))
 
 
+@pytest.mark.quick
 def test_chi2_tail_approximation():
     # Critical values from the chi-square table.
     assert chi2_sf(24.322, 7) == pytest.approx(0.001, rel=0.1)
@@ -35,6 +36,7 @@ def test_chi2_tail_approximation():
     assert chi2_sf(30.144, 19) == pytest.approx(0.05, rel=0.05)
 
 
+@pytest.mark.quick
 def test_an_arm_counts_identical_prompts_and_keeps_its_first_flip():
     """ArmResult.compare, which the solo and the batched arms both count with: tokens are
     compared up to and including the first that differs, and the arm's first flip is kept

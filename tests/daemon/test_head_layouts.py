@@ -111,6 +111,7 @@ def test_fp8_head_with_block_scales(tmp_path, bundled):
             assert mx.array_equal(got[k], v), k
 
 
+@pytest.mark.quick
 def test_a_truncated_shard_is_named_not_misread(tmp_path):
     data = (BUNDLED_MODEL / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])

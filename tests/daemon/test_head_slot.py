@@ -39,6 +39,7 @@ def test_startup_probe_learns_the_head_without_keeping_it(lm):
     assert slot.nbytes == slot.bytes_hint and changes == []
 
 
+@pytest.mark.quick
 def test_load_install_evict_round_trip(lm):
     changes = []
     slot = HeadSlot(lm, depth=2, on_change=lambda resident, nbytes: changes.append((resident, nbytes)))

@@ -17,6 +17,7 @@ from daemon.engine.loading import load_model
 from daemon.paths import BUNDLED_MODEL
 
 
+@pytest.mark.quick
 def test_visible_keys_follow_mlx_masks():
     assert invariant.visible_keys(None, 2, 1, 5).tolist() == [[[True] * 5]] * 2
     causal = invariant.visible_keys("causal", 1, 3, 5).tolist()[0]
@@ -26,12 +27,14 @@ def test_visible_keys_follow_mlx_masks():
     assert invariant.visible_keys(m, 2, 1, 3).tolist() == [[[False, True, True]], [[True, True, False]]]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("mask", ["sliding", mx.zeros((1, 2, 1, 3)), mx.ones((1, 1, 1, 3), dtype=mx.bool_).astype(mx.float16)])
 def test_masks_the_kernel_cannot_honour_are_refused(mask):
     with pytest.raises(ValueError):
         invariant.visible_keys(mask, 1, 1, 3)
 
 
+@pytest.mark.quick
 def test_reference_attention_is_attention():
     """The reference (the kernel's arithmetic in float32 ops) agrees with MLX's fused
     attention within bf16 rounding, causal and with a padded row."""

@@ -14,6 +14,9 @@ import ast
 import pathlib
 
 import daemon
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 ROOT = pathlib.Path(daemon.__file__).parent
 # What the running daemon imports, starting from `councild serve`'s server.

@@ -10,6 +10,9 @@ import logging
 import os
 
 from daemon import logs
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
 def test_failing_writes_are_dropped_counted_and_reported(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from daemon.engine.lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 
 
+@pytest.mark.quick
 def test_proposes_the_continuation_of_the_longest_earlier_match():
     f = PromptLookup([1, 2, 3, 4, 5, 9, 9, 2, 3, 4], LookupConfig(min_ngram=2, max_ngram=3, max_draft=4))
     assert f.propose() == [5, 9, 9, 2]  # "2 3 4" occurred before, followed by 5 9 9 2
@@ -21,6 +22,7 @@ def test_proposes_the_continuation_of_the_longest_earlier_match():
     assert g.propose() == [8, 5, 6]  # ... and the longest n-gram: "1 2 8" beats "2 8"
 
 
+@pytest.mark.quick
 def test_backs_off_after_misses_and_recovers_on_hits():
     cfg = LookupConfig(min_ngram=1, max_ngram=1, max_draft=8, max_skip=8)
     f = PromptLookup([1, 2, 1], cfg)
@@ -42,6 +44,7 @@ def test_backs_off_after_misses_and_recovers_on_hits():
     assert f.cap == 6 and (f.cycles, f.drafted, f.accepted) == (8, 23, 10)
 
 
+@pytest.mark.quick
 def test_draft_stop_weighs_confidence_by_running_acceptance():
     s = DraftStop(DraftStopConfig(threshold=0.5, base=1, alpha=0.5))
     assert s.more(0, 0.01)  # below base: always draft

@@ -13,6 +13,7 @@ from daemon.engine.loop_guard import LoopGuard, LoopGuardConfig, dry_penalty, pe
 CFG = LoopGuardConfig(min_span=12, min_repeats=3, max_period=8)
 
 
+@pytest.mark.quick
 def test_periodic_tail_finds_the_smallest_unit():
     assert periodic_tail([9, 8] + [1, 2, 3] * 4, CFG) == 3
     assert periodic_tail([5] * 12, CFG) == 1
@@ -20,6 +21,7 @@ def test_periodic_tail_finds_the_smallest_unit():
     assert periodic_tail(list(range(40)), CFG) is None
 
 
+@pytest.mark.quick
 def test_dry_penalty_grows_with_the_repeat_it_would_extend():
     # context ... 1 2 3 4 ... 1 2 3 : token 4 would extend a 3-token repeat; 7 a 1-token one.
     ctx = [1, 2, 3, 4, 0, 3, 7, 0, 1, 2, 3]
@@ -29,6 +31,7 @@ def test_dry_penalty_grows_with_the_repeat_it_would_extend():
     assert pen1 == {4: 4.0, 7: 1.0}
 
 
+@pytest.mark.quick
 def test_guard_arms_on_a_loop_and_disarms_after_the_cooldown():
     g = LoopGuard([1, 2], LoopGuardConfig(min_span=12, cooldown=10))
     g.extend([4, 5, 6] * 3)

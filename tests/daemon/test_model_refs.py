@@ -7,6 +7,8 @@ import pytest
 from daemon.models.pull import PullError, _room_for_check
 from daemon.models.refs import ModelRefError, parse_ref, resolve_local
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 @pytest.mark.parametrize("text, repo, revision", [
     ("mlx-community/Qwen3.5-27B-4bit", "mlx-community/Qwen3.5-27B-4bit", None),

@@ -40,6 +40,7 @@ def test_sidecar_load_applies_hf_norm_shift(lm, random_model_path):
     assert isinstance(head.fc, nn.Linear) and head.fc.weight.shape == (128, 256)
 
 
+@pytest.mark.quick
 def test_forward_shapes_dtypes_and_own_cache(lm):
     head = load_mtp_head(lm)
     cache = head.make_cache()

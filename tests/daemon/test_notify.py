@@ -11,6 +11,8 @@ import pytest
 
 from daemon.notify import Notifier, WatchdogPacer, watchdog_interval_s
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 class FakeManager:
     """Receives sd_notify datagrams the way systemd does."""

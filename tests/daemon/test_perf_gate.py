@@ -9,6 +9,8 @@ import pytest
 
 from daemon.measure.perf_gate import format_markdown, main, measure, noise_from, summarize, verdict
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 SERIAL = [50.0, 52.0, 49.0, 51.0, 50.0]
 SERIAL_B = [51.0, 51.0, 50.0, 50.0, 50.5]  # largest gap 1/49 = 2.04%
 

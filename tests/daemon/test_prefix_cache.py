@@ -20,6 +20,7 @@ def lm(random_model_path):
     return load_model(random_model_path, compile_decode=False)
 
 
+@pytest.mark.quick
 def test_longest_aligned_prefix_wins_and_snapshots_stay_pristine(lm):
     rng = random.Random(0)
     prompt = [rng.randrange(1, 500) for _ in range(100)]

@@ -43,6 +43,7 @@ def _prompt(seed: int, n: int = 70) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
+@pytest.mark.quick
 def test_a_file_read_back_continues_as_the_live_cache(lm, tmp_path):
     prompt = _prompt(0)
     pc = _cache(lm, tmp_path)

@@ -21,6 +21,7 @@ def _never() -> bool:
     raise AssertionError("a cached verdict must not probe again")
 
 
+@pytest.mark.quick
 def test_a_probed_verdict_is_read_back_by_the_next_start(lm, tmp_path):
     first = ProbeVerdicts(lm, tmp_path)
     assert first.get("verify", "capture", lambda: verify_matches_serial(lm, "capture")) == (True, "probed")

@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 
 from daemon.measure.progress import Progress, Quiet
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
 class FakeClock:

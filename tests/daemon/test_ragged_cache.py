@@ -10,6 +10,8 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from daemon.engine.ragged_cache import RaggedKVCache  # noqa: E402
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 H, D = 2, 4
 
 

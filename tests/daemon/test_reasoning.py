@@ -7,6 +7,8 @@ import pytest
 
 from daemon.reasoning import ReasoningSplit
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 QWEN = ReasoningSplit("<think>", "</think>", starts_inside=True)
 
 

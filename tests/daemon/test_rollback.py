@@ -72,6 +72,7 @@ def test_rollback_equals_serial_run(lm, strategy, depth, data, prompt):
     assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_partial_accept_never_shortens_the_prompt(lm, strategy):
     prompt = list(range(10, 40))

@@ -36,6 +36,7 @@ def serial_steps(lm, prompt, n, params):
     return list(itertools.islice(serial_decode(lm, prompt, Sampler(params, prompt=prompt)), n))
 
 
+@pytest.mark.quick
 def test_processors_change_greedy_output_and_ban_works(lm):
     prompt = lm.tokenizer.encode(PROMPT)
     plain = [s.tokens[0] for s in serial_steps(lm, prompt, 24, SamplingParams())]

@@ -9,6 +9,9 @@ from hypothesis import strategies as st
 
 from daemon.config import SchedulerConfig
 from daemon.scheduler import Scheduler
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
 @dataclass(eq=False)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from daemon.seat_stats import SeatStats
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
 class Clock:

@@ -19,6 +19,8 @@ import pytest
 from daemon import service
 from daemon.service import LABEL, UNIT_NAME, render, resolve_paths, steps
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 try:  # the daemon's own default, so the templates' stop timeouts are checked against it
     from daemon.config import Config
 

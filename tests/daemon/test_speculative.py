@@ -51,6 +51,7 @@ def spec(lm, head, prompt, n, depth, params=SamplingParams(), **kw):
             return out[:n], steps
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_exact_is_token_identical_with_the_real_head(lm, head, strategy):
     for text in PROMPTS[:2]:

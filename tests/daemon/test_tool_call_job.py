@@ -15,6 +15,8 @@ from daemon.reasoning import ReasoningSplit
 from daemon.requests import Job
 from protocol import messages as m
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 TOOLS = [m.ToolSpec(name="get_weather", parameters={"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}})]
 CALL = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n" \

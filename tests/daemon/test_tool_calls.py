@@ -15,6 +15,8 @@ from daemon.tool_calls import CLOSE, OPEN, ToolCallStream, parse_tool_calls
 from daemon.tool_grammar import JSON, XML, ToolGrammarError, check_lark, tool_call_lark, tool_constraint, tool_format
 from protocol import messages as m
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 TOOLS = [
     m.ToolSpec(name="get_weather", parameters={"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}},

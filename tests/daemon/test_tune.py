@@ -76,11 +76,13 @@ def test_show(tuned, capsys):
     assert "conditional acceptance" in text.out and "loads for this model" in text.err
 
 
+@pytest.mark.quick
 def test_conditional_acceptance_stops_at_first_reject():
     acc, den = tune.conditional_acceptance([[True, False, False], [False, False, False], [True, True, True]], 3)
     assert den == [3, 2, 1] and acc == [2 / 3, 0.5, 1.0]
 
 
+@pytest.mark.quick
 def test_generation_config_sampling_is_read_as_transformers_reads_it(tmp_path):
     assert tune.generation_sampling(tmp_path) is None  # no file
     (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
@@ -89,6 +91,7 @@ def test_generation_config_sampling_is_read_as_transformers_reads_it(tmp_path):
     assert tune.generation_sampling(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
 
 
+@pytest.mark.quick
 def test_sampling_entry_and_best_depth_per_request():
     greedy = {"params": None, "cost_s": {"0": 0.010, "1": 0.012, "2": 0.016}, "acceptance": [0.9, 0.8]}
     sampled = {"params": {"temperature": 0.6, "top_p": 0.95, "top_k": 20},

@@ -8,6 +8,8 @@ import pytest
 from daemon.distributed.channel import SLOT_BYTES, LinkBroken, Report, _slot, _unslot
 from daemon.distributed.group import PeerMemoryProbe
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def test_a_slot_round_trips_and_a_long_payload_is_marked_for_the_overflow_round():
     n, _, overflow, payload = _unslot(_slot(b"tick", 7), 7, 0)

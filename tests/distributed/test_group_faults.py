@@ -135,6 +135,7 @@ def test_a_rank_that_stops_answering_is_left_by_the_watchdog(tmp_path):
         g.kill()
 
 
+@pytest.mark.quick
 def test_distributed_without_a_group_is_a_configuration_error(tmp_path):
     import subprocess
     import sys

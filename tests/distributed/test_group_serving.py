@@ -43,6 +43,7 @@ def group(tmp_path_factory, reference):
     assert any(e["event"] == "group.stopped" for e in g.events(1)), g.tail(1)
 
 
+@pytest.mark.quick
 def test_greedy_output_is_the_single_process_output_at_depth_0_and_in_exact_mode(group, reference):
     with Client(group.endpoint, seat="fidelity", timeout_s=60) as c:
         status = c.status().detail

@@ -42,6 +42,10 @@ def test_four_concurrent_exact_requests_batch_and_speculate(council_daemon):
     assert all(e["speculation"]["drafted"] > 0 for e in ended.values())
     ready = [e for e in d.events() if e.get("event") == "batch.ready"]
     assert ready and ready[0]["speculates"] and ready[0]["exact_rows_batch"]
+    # The batched steps and verifies ran through the compiled forward (its self-check passed).
+    assert ready[0]["batch_decode_path"] == "compiled"
+    with Client(d.endpoint, seat="council", timeout_s=30) as c:
+        assert c.status().detail["batch_decode_path"] == "compiled"
 
 
 def test_a_running_solo_request_moves_into_the_batch_when_another_arrives(council_daemon):

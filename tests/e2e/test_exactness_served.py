@@ -20,6 +20,7 @@ def inexact_daemon(tmp_path_factory):
     assert d.stop() == 0
 
 
+@pytest.mark.quick
 def test_exact_greedy_requests_decode_serially_there(inexact_daemon):
     with Client(inexact_daemon.endpoint, seat="exact", timeout_s=60) as c:
         assert c.status().detail["exact_decode"] == "serial"

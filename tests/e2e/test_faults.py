@@ -139,6 +139,7 @@ def test_client_dies_mid_stream(faults_daemon, sig):
     assert d.proc.poll() is None
 
 
+@pytest.mark.quick
 def test_retried_generate_is_not_run_twice(faults_daemon):
     """A Lazy Pirate retry of the same request id on a fresh connection, in the same seat,
     while the first is still in flight: duplicate_request, and the first runs once."""

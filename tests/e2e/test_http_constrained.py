@@ -50,6 +50,7 @@ def _check_args(name: str, arguments: str) -> None:
         assert set(args) == {"hour"} and 0 <= args["hour"] <= 9
 
 
+@pytest.mark.quick
 def test_json_schema_strict_output_matches_the_schema(oai):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9,
                                                                                  "minimum": 0}},

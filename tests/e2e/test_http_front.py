@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import Client
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 SEATS = [f"s{i}" for i in range(8)]
 KEYS = {"key-main": "http-test", "key-flood": "flood", **{f"key-{s}": s for s in SEATS}}
 PROMPT = "def load(path):\n    with open(path) as f:"

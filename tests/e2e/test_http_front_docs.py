@@ -8,6 +8,9 @@ from pathlib import Path
 import msgspec
 
 from front.config import HttpConfig
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = (REPO / "docs" / "OPERATIONS.md").read_text()

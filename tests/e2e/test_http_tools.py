@@ -38,6 +38,7 @@ def claude(stack):
     return anthropic.Anthropic(base_url=stack[1].url, api_key="key-tools", max_retries=0, timeout=120)
 
 
+@pytest.mark.quick
 def test_tools_are_rendered_for_auto_and_left_out_for_none(oai):
     kw = dict(model="any", messages=ASK, max_tokens=6, temperature=0)
     plain = oai.chat.completions.create(**kw)

@@ -8,6 +8,7 @@ the daemon must refuse the invariant path, say why, and serve on MLX's kernels."
 
 from __future__ import annotations
 
+import pytest
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
@@ -16,6 +17,7 @@ from e2e_harness import start_daemon
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
 
 
+@pytest.mark.quick
 def test_auto_keeps_mlx_kernels_on_this_cpu(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="kernels", timeout_s=60) as c:
         kernels = c.status().detail["kernels"]

@@ -417,6 +417,7 @@ def test_second_daemon_on_the_endpoint_exits_75(svc, e2e_model, tmp_path):
     assert Path(svc.endpoint[len("ipc://"):]).exists()
 
 
+@pytest.mark.quick
 def test_status_cli_table_and_json(svc):
     # Some traffic first, so seats and throughput have something to show.
     flood(svc, "planner", 1, max_tokens=40)

@@ -217,6 +217,7 @@ def documented_events() -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.quick
 def test_operations_doc_lists_every_log_event():
     emitted = emitted_events()
     assert {"daemon.start", "request.done", "governor.decision", "notify.send_failed"} <= emitted.keys()

@@ -51,6 +51,7 @@ def snapshot(home: Path, repo_id: str) -> Path | None:
     return found[0] if found else None
 
 
+@pytest.mark.quick
 def test_pull_lists_and_says_the_head_is_missing(hub, tmp_path):
     env = hub_env(hub, tmp_path / "hf")
     r = councild(env, "model", "pull", BASE)

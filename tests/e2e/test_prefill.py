@@ -108,6 +108,7 @@ def test_deadline_mid_prefill(prefill_daemon):
     assert err.value.code == "deadline_exceeded" and "mid-prefill" in err.value.message, err.value.message
 
 
+@pytest.mark.quick
 def test_chunked_prefill_is_the_one_shot_computation(prefill_daemon, e2e_model):
     """Served in 16-token chunks that take turns with other work, a prompt decodes (exact
     greedy) exactly as serial decode after an in-process prefill of the same chunk size.

@@ -64,6 +64,7 @@ def _spec(done):
     return None if sp is None else (sp.cycles, sp.drafted, sp.accepted, sp.accepted_by_position)
 
 
+@pytest.mark.quick
 def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
     turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:140]
     assert len(turn1) == 140  # just past one chunk: a prefill costs ~5 ms a token on this CPU

@@ -21,6 +21,8 @@ from daemon import __version__
 from daemon.paths import BUNDLED_MODEL
 from protocol import messages as m
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 DOC = (Path(m.__file__).parent / "PROTOCOL.md").read_text()
 # Field names whose values are fixed by the protocol, the config defaults and the request,
 # not by the model's text or the clock. Anything else is checked by name and type only.

@@ -123,6 +123,7 @@ def test_deadline_in_queue_and_mid_stream(sched_daemon):
             h.result()
 
 
+@pytest.mark.quick
 def test_cancel_in_queue(sched_daemon):
     with Client(sched_daemon.endpoint, seat="light", timeout_s=60) as c:
         hogs = [c.generate("def g():", max_tokens=400) for _ in range(4)]

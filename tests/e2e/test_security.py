@@ -211,6 +211,7 @@ def test_tcp_without_key_refuses_to_start(tmp_path, e2e_model):
     assert time.monotonic() - t0 < 30  # refused before the model loads
 
 
+@pytest.mark.quick
 def test_tcp_with_curve(tmp_path, e2e_model):
     from daemon import keys
 
@@ -277,6 +278,7 @@ def _modules(*packages: str):
             yield path, ast.parse(path.read_text(), filename=str(path))
 
 
+@pytest.mark.quick
 def test_no_pickle_on_the_wire():
     """Messages are msgspec only: nothing in protocol/ or daemon/ imports pickle (or its
     relatives), and the codec's decoders are msgspec msgpack decoders of typed unions."""

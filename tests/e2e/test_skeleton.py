@@ -27,6 +27,8 @@ from protocol import (
     encode,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def run_request(sock: zmq.Socket, msg: Generate, cancel_after: int | None = None, settle_s: float = 0.3):
     """Send a Generate and read its whole life. Returns (accepted, chunks, terminal, extras),

@@ -21,6 +21,7 @@ PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "im
 # bundled_daemon: the session's shared daemon on the bundled model (tests/conftest.py).
 
 
+@pytest.mark.quick
 def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="fidelity", timeout_s=60) as c:
         serial = {p: c.complete(p, max_tokens=40, speculation="off").text for p in PROMPTS}
@@ -37,6 +38,7 @@ def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon
         assert c.governor("auto").ok
 
 
+@pytest.mark.quick
 def test_depth_by_batch_height_is_in_status_and_a_pin_sets_every_height(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="heights", timeout_s=60) as c:
         table = c.status().detail["governor"]["depth_by_height"]
@@ -66,6 +68,7 @@ def test_prompt_lookup_drafts_through_the_daemon_and_stays_exact(bundled_daemon)
             assert sp.drafted == sum(sp.drafted_by_position) and sp.accepted == sum(sp.accepted_by_position), sp
 
 
+@pytest.mark.quick
 def test_trained_head_is_accepted_through_the_daemon(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="accept", timeout_s=60) as c:
         c.governor("pin_depth", 1)
@@ -76,6 +79,7 @@ def test_trained_head_is_accepted_through_the_daemon(bundled_daemon):
     assert spec.drafted > 0 and spec.accepted / spec.drafted >= 0.5, spec
 
 
+@pytest.mark.quick
 def test_evict_and_reload_head_while_serving(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="ops", timeout_s=60) as c:
         assert c.status().detail["head_resident"]
@@ -106,6 +110,7 @@ def test_bad_override_is_refused(bundled_daemon):
         assert not reply.ok and "depth" in reply.message
 
 
+@pytest.mark.quick
 def test_cli_generate_and_status(bundled_daemon):
     env = {"COUNCILD_ENDPOINT": bundled_daemon.endpoint, "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "generate", "def add(a, b):", "--max-tokens", "8"],
@@ -192,6 +197,7 @@ def test_operator_commands_say_what_they_did_and_never_trace_back(bundled_daemon
     assert piped.stdout.startswith("server") and "Traceback" not in piped.stderr, piped.stderr
 
 
+@pytest.mark.quick
 def test_every_line_the_bundled_daemon_logs_is_json(bundled_daemon):
     """Loading the bundled model makes transformers warn about rope_parameters keys; that
     line once reached stderr as plain text in the middle of the JSON stream."""

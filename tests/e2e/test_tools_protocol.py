@@ -8,6 +8,8 @@ import pytest
 from protocol import Client
 from protocol.client import InvalidRequest
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 TOOLS = [{"name": "get_weather", "description": "weather",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
 CHAT = [{"role": "user", "content": "Weather in Paris?"}]

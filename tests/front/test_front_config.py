@@ -12,6 +12,8 @@ import pytest
 import front
 from front.config import HttpConfigError, load_http_config
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 

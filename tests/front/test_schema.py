@@ -6,6 +6,8 @@ import pytest
 
 from front.schema import BadRequest, parse_request
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def chat(**kw):
     return parse_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}, True, 4096)

@@ -8,6 +8,8 @@ from governor.config import GovernorConfig
 from governor.cost_model import CostModel
 from governor.types import CycleTelemetry as C
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 CFG = GovernorConfig()
 
 

@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import governor_eval as ev  # noqa: E402
 
 from governor.config import GovernorConfig  # noqa: E402
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 ACCEPT = {"code": [4, 3, 1, 4, 2, 0, 4, 3] * 10, "prose": [0, 1, 0, 0, 2, 0, 1, 0] * 10}
 # Batched cycle of 4 rows by depth, in steps: GPU-like (extra positions nearly free) and

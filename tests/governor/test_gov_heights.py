@@ -20,6 +20,8 @@ from governor.policy import decide
 from governor.runtime import Governor
 from governor.types import CycleTelemetry, HeightState, Observation, SetHeightDepth, State
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 GiB, MiB = 1 << 30, 1 << 20
 STEP_S = 0.027
 

@@ -6,6 +6,9 @@ import ast
 import pathlib
 
 import governor
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 FORBIDDEN = {"daemon", "zmq", "mlx", "mlx_lm"}
 

@@ -21,6 +21,8 @@ from governor.policy import decide
 from governor.runtime import Governor
 from governor.types import CycleTelemetry, Observation, SetDepth, SetHeightDepth, State
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 GiB, MiB = 1 << 30, 1 << 20
 CFG = GovernorConfig()
 RULE_OFF_3PCT = GovernorConfig(depth_margin=0.03, depth_margin_min=0.03, depth_noise_z=0.0)

@@ -19,6 +19,8 @@ from governor.types import (
     State,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 GiB, MiB = 1 << 30, 1 << 20
 CFG = GovernorConfig()
 GOOD = [10.0, 13.0, 12.0, 11.0, 10.0]  # depth 1 best, fresh everywhere

@@ -19,6 +19,8 @@ from governor.probes.linux import (
     parse_psi,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 GiB = 1 << 30
 
 # Recorded from a 6.x kernel under a memory hog.

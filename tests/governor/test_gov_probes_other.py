@@ -16,6 +16,8 @@ from governor.probes import (
 )
 from governor.probes.macos import parse_pressure_level
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 GiB = 1 << 30
 
 

@@ -9,6 +9,9 @@ from governor.config import GovernorConfig
 from governor.fakes import make_estimates
 from governor.policy import apply_override, decide
 from governor.types import EvictHead, LoadHead, Observation, SetDepth, ShedAdmissions, State
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 MiB, GiB = 1 << 20, 1 << 30
 CFG = GovernorConfig(min_reload_gap_s=20.0, restore_window_s=10.0, warn_evict_s=5.0, idle_evict_s=30.0)

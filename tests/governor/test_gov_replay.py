@@ -11,6 +11,8 @@ from governor.config import GovernorConfig
 from governor.replay import main, replay
 from governor.traces import SCENARIOS, generate
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 @functools.lru_cache(maxsize=None)
 def trace(name: str) -> tuple[str, ...]:

@@ -20,6 +20,9 @@ from governor.fakes import (
 from governor.replay import replay
 from governor.runtime import Governor
 from governor.types import ClearCache, CycleTelemetry, EvictHead, LoadHead, SetDepth, SetHeightDepth, ShedAdmissions, action_name
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 GiB, MiB = 1 << 30, 1 << 20
 

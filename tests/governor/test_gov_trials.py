@@ -11,6 +11,9 @@ from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe, RecordingLogger
 from governor.policy import apply_override
 from governor.runtime import Governor
 from governor.types import EvictHead, LoadHead, SetDepth, State
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 MiB = 1 << 20
 LOSES = [20.0, 10.0, 9.0, 8.0, 7.0]  # speculation does not pay: serial is twice as good

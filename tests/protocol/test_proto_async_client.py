@@ -12,6 +12,8 @@ from proto_helpers import done, stream_script
 from protocol import messages as m
 from protocol.client import AsyncClient, DaemonUnavailable, InvalidRequest, Overloaded
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def run(coro, limit: float = 10.0):
     return asyncio.run(asyncio.wait_for(coro, limit))

@@ -19,6 +19,8 @@ from protocol.client import (
     RequestAborted,
 )
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def test_hello_welcome_and_socket_options(fake_daemon, endpoint):
     fake = fake_daemon(interval=0.2, timeout=3.0)

@@ -11,6 +11,8 @@ from proto_helpers import ALL_TYPES, CLIENT_TYPES, DAEMON_TYPES, message_strateg
 from protocol import messages as m
 from protocol.codec import ProtocolError, decode_client, decode_daemon, encode, peek_request_id
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

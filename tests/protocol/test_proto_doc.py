@@ -12,6 +12,8 @@ import pytest
 from proto_helpers import ALL_TYPES, all_structs
 from protocol import messages as m
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 DOC = (Path(m.__file__).parent / "PROTOCOL.md").read_text()
 
 

@@ -7,6 +7,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,6 +9,8 @@ import pytest
 from protocol import messages as m
 from protocol.client import InvalidRequest, _build_generate
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def build(**options):
     return _build_generate("hi", None, None, max_tokens=5, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,

@@ -13,6 +13,8 @@ import zmq
 from protocol import Pong, decode_client, encode
 from protocol.readiness import DaemonNotReady, wait_until_answering
 
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
 
 def test_a_process_that_dies_is_reported_with_its_log(tmp_path):
     log = tmp_path / "d.log"
