@@ -273,12 +273,14 @@ def _uptime(seconds: float) -> str:
 
 
 def _decoding(d: dict) -> str:
-    """The decode path, and what exact temperature-0 requests get on this backend."""
+    """The decode path (one row; batches where the daemon says), and what exact
+    temperature-0 requests get on this backend."""
     exact = {"speculate": "exact requests speculate (verify is bit-identical to serial here)",
              "serial": "exact greedy requests decode serially (verify rounds unlike serial here)",
              "guarded": "exact requests speculate with the near-tie guard (verify rounds unlike serial here)"}
     kernels = (d.get("kernels") or {}).get("name", "mlx")
-    return (f"{d.get('decode_path') or '?'}, {kernels} kernels; "
+    batches = f" (batches: {d['batch_decode_path']})" if d.get("batch_decode_path") else ""
+    return (f"{d.get('decode_path') or '?'}{batches}, {kernels} kernels; "
             + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}"))
 
 

@@ -53,6 +53,7 @@ class EngineStartup:
         context = self._prompt_limit()
         log.info("model.loaded", path=str(self.lm.path), model_type=self.lm.model_type,
                  decode_path=self.lm.decode_path, compile_check=compile_check.verdict,
+                 batch_decode_path=self.lm.batch_decode_path, batch_compile_check=compile_check.batch_verdict,
                  seconds=round(time.perf_counter() - t0, 3),
                  context_tokens=context, max_prompt_tokens=self.max_prompt_tokens)
         from .head_slot import HeadSlot
@@ -97,7 +98,8 @@ class EngineStartup:
             else:
                 self.batch = BatchDecoder(self.lm, max_rows=rows, exact_ok=exact_ok)
             log.info("batch.ready", rows=self.batch.max_rows, exact_rows_batch=self.batch.exact_ok, verdict=verdict,
-                     speculates=self.batch_speculates, probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+                     speculates=self.batch_speculates, batch_decode_path=self.lm.batch_decode_path,
+                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         if self.cfg.governor_enabled:
             from .governance import Governance
 
@@ -113,6 +115,7 @@ class EngineStartup:
             self.snapshot.model = self.lm.name
             self.snapshot.model_type = self.lm.model_type
             self.snapshot.decode_path = self.lm.decode_path
+            self.snapshot.batch_decode_path = self.lm.batch_decode_path
             self.snapshot.ready = True
 
     def _configure_backend(self) -> None:

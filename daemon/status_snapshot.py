@@ -31,6 +31,9 @@ class EngineSnapshot:
     kernels: str = "mlx"
     kernels_reason: str = ""
     decode_path: str = ""
+    # "compiled" when batched steps and verifies (B >= 2) run the compiled forward, else
+    # "eager: <why>" (engine/compiled.py; its batch self-check decides).
+    batch_decode_path: str = ""
     depth: int = 0
     active: list[dict] = field(default_factory=list)
     queued: dict[str, int] = field(default_factory=dict)

@@ -94,6 +94,13 @@ class DaemonCollector:
         yield gauge("councild_speculation_depth", "current speculation depth (0: serial)", d.get("depth", 0))
         yield gauge("councild_head_resident", "1 when the MTP head is in memory", bool(d.get("head_resident")))
         yield gauge("councild_head_bytes", "bytes of the MTP head when resident", d.get("head_bytes", 0))
+        if "decode_path" in d:
+            compiled = GaugeMetricFamily("councild_compiled_step", "1 where decode steps and verifies run the "
+                                         "mx.compile'd forward (its start-up self-check passed), by rows: one or batch",
+                                         labels=["rows"])
+            compiled.add_metric(["one"], float(d["decode_path"] == "compiled"))
+            compiled.add_metric(["batch"], float(d.get("batch_decode_path") == "compiled"))
+            yield compiled
         yield gauge("councild_tokens_per_second", "output tokens per second over the last 10 s", d.get("recent_tokens_per_s", 0))
         yield gauge("councild_draining", "1 while the daemon drains for shutdown", bool(d.get("draining")))
         yield gauge("councild_loading", "1 while the daemon reads the model's weights", d.get("state") == "loading")

@@ -66,6 +66,13 @@ def test_status_table_has_every_fact():
     assert len({len(line) - len(line[len(line.split("  ")[0]):].lstrip()) for line in first}) == 1
 
 
+def test_status_says_whether_batched_steps_run_compiled():
+    r = rows(format_status(reply(**FULL, batch_decode_path="eager: plain batch B=2, array 0: compiled differs")))
+    assert r["decoding"].startswith("compiled (batches: eager: plain batch B=2, array 0: compiled differs), mlx kernels;")
+    assert rows(format_status(reply(**FULL, batch_decode_path="compiled")))["decoding"].startswith(
+        "compiled (batches: compiled), mlx")
+
+
 def test_status_from_an_older_daemon_has_no_decoding_row():
     detail = {k: v for k, v in FULL.items() if k not in ("decode_path", "exact_decode")}
     assert "decoding" not in rows(format_status(reply(**detail)))

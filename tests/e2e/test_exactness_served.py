@@ -53,6 +53,7 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
         with Client(d.endpoint, seat="exact", timeout_s=60) as c:
             detail = c.status().detail
             assert detail["exact_decode"] == "speculate" and detail["decode_path"] == "compiled"
+            assert detail["batch_decode_path"] == "compiled"  # batched steps too (their own self-check)
     finally:
         assert d.stop() == 0
     (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
@@ -61,6 +62,7 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert probe["verdict"] == "probed" and batch["verdict"] == "probed"
     (loaded,) = [e for e in d.events() if e["event"] == "model.loaded"]
     assert loaded["compile_check"] == "probed" and loaded["decode_path"] == "compiled"
+    assert loaded["batch_compile_check"] == "probed" and loaded["batch_decode_path"] == "compiled"
     assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
 
     again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
@@ -78,6 +80,7 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert probe["verdict"] == "cached" and batch["verdict"] == "cached"
     (loaded,) = [e for e in again.events() if e["event"] == "model.loaded"]
     assert loaded["compile_check"] == "cached" and loaded["decode_path"] == "compiled"
+    assert loaded["batch_compile_check"] == "cached" and loaded["batch_decode_path"] == "compiled"
     assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
     assert probe["exact_requests"] == "guarded" and probe["near_tie_guard"] == "on"
     # The batch's own verdict is read back too; where the batch speculates, exact rows may
