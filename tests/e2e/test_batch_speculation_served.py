@@ -21,6 +21,7 @@ def council_daemon(bundled_daemon):
     return bundled_daemon
 
 
+@pytest.mark.quick
 def test_four_concurrent_exact_requests_batch_and_speculate(council_daemon):
     d = council_daemon
     with Client(d.endpoint, seat="council", timeout_s=120) as c:
