@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-extra", default="", help="TOML appended to the daemon's config")
     ap.add_argument("--json", default="bench/out/council_http.json")
     ap.add_argument("--markdown")
+    ap.add_argument("--logs", type=Path, help="copy the servers' logs (daemon, front, mlx_lm.server) here at the end")
     args = ap.parse_args(argv)
     from tokenizers import Tokenizer
 
@@ -206,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         samples = asyncio.run(bench(args, arms, endpoint, tok))
     finally:
         stop(procs)
+        if args.logs:
+            args.logs.mkdir(parents=True, exist_ok=True)
+            for log in tmp.glob("*.log"):
+                shutil.copy(log, args.logs / log.name)
     out, table = report(args, samples)
     print(table)
     write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)
