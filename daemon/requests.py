@@ -106,7 +106,11 @@ class Job:
         self.seq = 0
         # Requests with tools: calls are parsed out of the answer (daemon/tool_calls.py).
         self.tools = msg.option_tools() if msg.messages is not None else []
-        self.tool_stream = ToolCallStream(self.tools, self.call_id) if self.tools else None
+        # The one function a forced choice allows (names a call cut before its name).
+        choice = msg.option_tool_choice() if self.tools else None
+        self.forced_tool = (choice.name if isinstance(choice, m.NamedToolChoice)
+                            else self.tools[0].name if choice == "required" and len(self.tools) == 1 else None)
+        self.tool_stream = ToolCallStream(self.tools, self.call_id, self.forced_tool) if self.tools else None
         self.started_at: float | None = None
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # when output tokens were last delivered
@@ -264,7 +268,7 @@ class Job:
         reasoning, answer = ("", self.text) if self.reasoning is None else self.reasoning.split(self.text)
         calls: list[m.ToolCall] = []
         if self.tools:
-            answer, calls = parse_tool_calls(answer, self.tools, self.call_id)
+            answer, calls = parse_tool_calls(answer, self.tools, self.call_id, self.forced_tool)
         finish = reason or self.finished_reason or "stop"
         if calls and finish == "stop":
             finish = "tool_calls"
