@@ -155,6 +155,15 @@ class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
     separate_reasoning: bool = True
 
 
+class ConstraintConfig(Struct, forbid_unknown_fields=True, frozen=True):
+    # The most characters of a free string (no maxLength, enum, const or format of its own)
+    # inside a forced tool call (tool_choice required or named) or a json_schema answer, for
+    # requests that do not say (Generate.string_max_chars): a model that never ends a string
+    # (the bundled one writes code forever) still closes the call before max_tokens. A
+    # schema's own smaller maxLength stays. 0: no cap (a model's own judgement only).
+    string_max_chars: Annotated[int, Meta(ge=0, le=1 << 16)] = 64
+
+
 class DistributedConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Serve one model tensor-parallel across the processes of an mx.distributed group
     # (several Macs over Thunderbolt or Ethernet, or GPUs): every rank runs `councild serve`
@@ -231,6 +240,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     chat: ChatConfig = ChatConfig()
+    constraint: ConstraintConfig = ConstraintConfig()
     distributed: DistributedConfig = DistributedConfig()
     # The [http] table belongs to `councild http` (front/config.py checks it); the daemon
     # only lets it sit in the same file.

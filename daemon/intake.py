@@ -24,7 +24,7 @@ from .engine.constraint import ConstraintError, compile_constraint
 from .logs import get_logger
 from .reasoning import reasoning_split_for
 from .requests import Job
-from .tool_grammar import ToolGrammarError, tool_constraint
+from .tool_grammar import ToolGrammarError, bound_schema, budget_cap, string_slots, tool_constraint
 
 log = get_logger("councild.intake")
 
@@ -48,10 +48,20 @@ def prompt_bounds(job: Job, limit: int) -> tuple[str, str] | None:
     return None
 
 
-def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
+def string_cap(msg, constraint=None) -> int:
+    """The request's cap on free strings in forced calls and json_schema answers: its own
+    ``string_max_chars``, else the daemon's [constraint] default (0: none)."""
+    asked = msg.string_max_chars
+    if asked is not msgspec.UNSET:
+        return asked
+    return constraint.string_max_chars if constraint is not None else 0
+
+
+def tokenize(job: Job, lm, limit: int, chat=None, constraint=None) -> tuple[str, str] | None:
     """Fill ``job.prompt`` (and, for a chat, where its reasoning is split off and where its
     shared first message ends); return (code, message) when the request must be refused.
-    ``chat``: the daemon's [chat] config (template defaults, reasoning split)."""
+    ``chat``: the daemon's [chat] config (template defaults, reasoning split);
+    ``constraint``: its [constraint] config (the free-string cap)."""
     bad = prompt_bounds(job, limit)
     if bad is not None:
         return bad
@@ -59,7 +69,7 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
     if msg.messages is None and (msg.tools or msg.tool_choice):
         return "invalid_request", "tools and tool_choice apply to messages only (the chat template renders them)"
     try:  # tool_choice required or named: a grammar in the model's call format (tool_grammar.py)
-        derived = tool_constraint(msg, getattr(lm.tokenizer, "chat_template", None))
+        derived = tool_constraint(msg, getattr(lm.tokenizer, "chat_template", None), string_cap(msg, constraint))
     except ToolGrammarError as exc:
         return "invalid_request", str(exc)
     if derived is not None:
@@ -91,17 +101,27 @@ def tokenize(job: Job, lm, limit: int, chat=None) -> tuple[str, str] | None:
         return "prompt_too_long", f"prompt has {len(job.prompt)} tokens; this daemon accepts at most {limit}"
     if msg.messages is not None:
         job.segment_ends = chat_segment_ends(lm, msg, job.prompt)
-    return compile_request_constraint(job, lm)
+    return compile_request_constraint(job, lm, string_cap(msg, constraint))
 
 
-def compile_request_constraint(job: Job, lm) -> tuple[str, str] | None:
+def compile_request_constraint(job: Job, lm, max_chars: int = 0) -> tuple[str, str] | None:
     """Set ``job.constraint`` from the request's; (code, message) when it cannot be
-    enforced (fail closed: such a request is refused, never decoded unconstrained)."""
+    enforced (fail closed: such a request is refused, never decoded unconstrained).
+    A json_schema's free strings are capped at ``max_chars`` (tool_grammar.bound_schema)."""
     spec = job.msg.option_constraint()
     if spec is None:
         return None
+    value = spec.value
+    if spec.kind == "json_schema" and max_chars:
+        try:
+            schema = json.loads(value)
+        except ValueError:
+            schema = None  # compile_constraint names the error
+        if isinstance(schema, dict):
+            cap = budget_cap(max_chars, job.msg.max_tokens, string_slots(schema))
+            value = json.dumps(bound_schema(schema, cap, False))
     try:
-        job.constraint = compile_constraint(lm, spec.kind, spec.value)
+        job.constraint = compile_constraint(lm, spec.kind, value)
     except ConstraintError as exc:
         return "invalid_request", f"unsupported constraint: {exc}"
     return None
@@ -169,9 +189,11 @@ class Intake(threading.Thread):
     """Moves commands from ``source`` to ``sink`` in order, tokenizing each Submit's job on
     the way (a refused one carries ``job.rejection``; the engine sends it)."""
 
-    def __init__(self, source: queue.Queue, sink: queue.Queue, lm, limit: int, submit_type: type, chat=None):
+    def __init__(self, source: queue.Queue, sink: queue.Queue, lm, limit: int, submit_type: type, chat=None,
+                 constraint=None):
         super().__init__(name="councild-intake", daemon=True)
         self.chat = chat
+        self.constraint = constraint
         self.source = source
         self.sink = sink
         self.lm = lm
@@ -183,7 +205,7 @@ class Intake(threading.Thread):
             cmd = self.source.get()
             if isinstance(cmd, self.submit_type):
                 try:
-                    cmd.job.rejection = tokenize(cmd.job, self.lm, self.limit, self.chat)
+                    cmd.job.rejection = tokenize(cmd.job, self.lm, self.limit, self.chat, self.constraint)
                 except Exception as exc:  # noqa: BLE001 - never lose the command, whatever failed
                     log.error("intake.failed", request_id=cmd.job.request_id, seat=cmd.job.seat, error=repr(exc))
                     cmd.job.rejection = ("internal", f"tokenization failed: {type(exc).__name__}: {exc}")

@@ -95,7 +95,8 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             return
         from .intake import Intake
 
-        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat).start()
+        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat,
+               constraint=self.cfg.constraint).start()
         self.loaded.set()
         try:
             self._loop()

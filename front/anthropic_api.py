@@ -36,7 +36,7 @@ STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_u
 KNOWN = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
          "metadata", "tools", "tool_choice", "thinking", "service_tier",
          # councild extras, as on the OpenAI routes
-         "priority", "speculation", "deadline_ms"}
+         "priority", "speculation", "deadline_ms", "string_max_chars"}
 
 
 def _text_blocks(value: Any, where: str) -> str:
@@ -172,6 +172,12 @@ def parse_messages_request(body: Any, counting: bool = False) -> tuple[dict, boo
     for key in ("priority", "speculation", "deadline_ms"):
         if body.get(key) is not None:
             gen[key] = body[key]
+    cap = body.get("string_max_chars")
+    if cap is not None:
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= m.MAX_STRING_CHARS:
+            raise BadRequest(f"string_max_chars: an integer in [0, {m.MAX_STRING_CHARS}] is required",
+                             "string_max_chars")
+        gen["string_max_chars"] = cap
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be true or false", "stream")

@@ -30,7 +30,7 @@ HARMLESS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_
 COMMON = {"max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "presence_penalty",
           "frequency_penalty", "logit_bias", "n", "logprobs",
           # councild extras
-          "priority", "speculation", "top_k", "min_p", "repetition_penalty", "deadline_ms"}
+          "priority", "speculation", "top_k", "min_p", "repetition_penalty", "deadline_ms", "string_max_chars"}
 CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
              "function_call", "parallel_tool_calls", "response_format", "modalities",
              # councild (and vLLM) extra: variables for the chat template, e.g. enable_thinking
@@ -282,6 +282,8 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> Parsed:
     gen["frequency_penalty"] = _num(body, "frequency_penalty", float, -2.0, 2.0, 0.0)
     gen["logit_bias"] = _logit_bias(body.get("logit_bias"))
     gen["deadline_ms"] = _num(body, "deadline_ms", int, 1, 7 * 24 * 3600 * 1000)
+    # Cap on free strings in forced tool calls and json_schema answers (0: none); absent: the daemon's.
+    gen["string_max_chars"] = _num(body, "string_max_chars", int, 0, m.MAX_STRING_CHARS)
     for key, allowed in (("priority", ("interactive", "normal", "background")), ("speculation", ("off", "exact", "fast"))):
         v = body.get(key)
         if v is not None and v not in allowed:

@@ -95,6 +95,8 @@ ToolChoice = Union[Literal["auto", "none", "required"], NamedToolChoice]
 TemplateKey = Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 
 MAX_CONSTRAINT_CHARS = 1 << 20
+# Ceiling of Generate.string_max_chars (and of the daemon's default for it).
+MAX_STRING_CHARS = 1 << 16
 
 
 class Constraint(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -158,6 +160,11 @@ class Generate(_Message, tag="generate"):
     tool_choice: ToolChoice | UnsetType = UNSET
     # required/named: whether several calls may come in one turn (default true).
     parallel_tool_calls: bool | UnsetType = UNSET
+    # The most characters of a free string (a string with no maxLength, enum, const or
+    # format of its own) inside a forced tool call or a json_schema answer, so that a model
+    # that never ends a string still closes the call or the answer; 0: no cap. UNSET: the
+    # daemon's [constraint] string_max_chars.
+    string_max_chars: Annotated[int, Meta(ge=0, le=MAX_STRING_CHARS)] | UnsetType = UNSET
     # Tokenize only: Accepted (with prompt_tokens) then Done with no output; nothing decoded.
     count_only: bool | UnsetType = UNSET
     # The seat's session in the prefix cache: "keep" stores this request's continuation

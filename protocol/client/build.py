@@ -17,7 +17,7 @@ from .errors import InvalidRequest
 SAMPLING_OPTIONS = tuple(m.SAMPLING_DEFAULTS)
 # Generate fields beyond the sampling options that ``generate`` takes as keyword arguments, as
 # structs or as plain dicts/lists (converted here): constrained decoding and tool calling.
-REQUEST_EXTRAS = ("constraint", "tools", "tool_choice", "parallel_tool_calls", "count_only")
+REQUEST_EXTRAS = ("constraint", "tools", "tool_choice", "parallel_tool_calls", "count_only", "string_max_chars")
 
 
 def new_request_id() -> str:

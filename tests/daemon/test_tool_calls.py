@@ -1,6 +1,8 @@
 """The tool-call parser (daemon/tool_calls.py): both formats, streamed at every split point,
-never a partial tag in the text, malformed calls kept as text; and the grammar
-(daemon/tool_grammar.py) admits exactly what the parser reads."""
+never a partial tag in the text, never the format's markup in the text (malformed calls read
+leniently or dropped, cut calls reported as far as they go); and the grammar
+(daemon/tool_grammar.py) admits exactly what the parser reads, bounds free strings and keeps
+the format's tags out of values."""
 
 from __future__ import annotations
 
@@ -71,27 +73,74 @@ def test_json_calls_parallel_and_arguments_as_text():
     assert json.loads(calls[1].arguments) == {"city": "Rome"}
 
 
-@pytest.mark.parametrize("bad", [
-    "<tool_call>not a call</tool_call>",
-    '<tool_call>{"name": "unknown_tool", "arguments": {}}</tool_call>',
-    '<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
-    "<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>",
-    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",  # never closed
-    '<tool_call>{"name": "search", "argu',
+@pytest.mark.parametrize("bad, calls", [
+    ("<tool_call>not a call</tool_call>", []),
+    ('<tool_call>{"name": "unknown_tool", "arguments": {}}</tool_call>', []),
+    ("<tool_call>\n<function=unknown_tool>\n</function>\n</tool_call>", []),
+    ('<tool_call>{"name": "search", "arguments": [1]}</tool_call>', [("search", {})]),
+    ("<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>", [("get_weather", {})]),
+    # Never closed (cut): the call as far as it goes.
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n", [("get_weather", {"city": "Paris"})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nPar", [("get_weather", {"city": "Par"})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param",
+     [("get_weather", {"city": "Paris"})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n1",
+     [("get_weather", {"city": "Oslo", "days": 1})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=days>\ntr", [("get_weather", {})]),
+    ("<tool_call>\n<function=get_wea", [("get_weather", {})]),  # the one tool the cut name fits
+    ("<tool_call>\n<function=", []),  # which tool: unknown
+    ('<tool_call>{"name": "search", "argu', [("search", {})]),
+    ('<tool_call>{"name": "search", "arguments": {"query": "riv', [("search", {"query": "riv"})]),
+    ('<tool_call>{"name": "search", "arguments": {"query": "a", "filters": {"n": [1, 2', [
+        ("search", {"query": "a", "filters": {"n": [1, 2]}})]),
+    ('<tool_call>{"name": "sea', [("search", {})]),
+    ('<tool_call>{"name": "zz', []),
+    # Without the outer tag; a stray closing tag.
+    ("<function=search>\n<parameter=query>\nq\n</parameter>\n</function>\n</tool_call>", [("search", {"query": "q"})]),
+    ("</tool_call>", []),
+    ("<parameter=city>\nParis\n</parameter>", []),
 ])
-def test_malformed_calls_stay_text(bad):
-    out, calls = parse_tool_calls("before " + bad, TOOLS, cid)
-    assert calls == [] and out == "before " + bad
+def test_malformed_and_cut_calls_never_leave_markup_in_the_text(bad, calls):
+    out, got = parse_tool_calls("before " + bad, TOOLS, cid)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert out.rstrip() == ("before \nParis" if bad.startswith("<parameter=") else "before")
 
 
-def test_text_without_calls_is_untouched_including_near_tags():
-    text = "a <tool b <tool_cal c </tool_call> d\n\n  "
+def test_a_forced_call_cut_before_its_name_is_still_the_forced_call():
+    for cut in ("<", "<tool", "<tool_call>", "<tool_call>\n<func", "<tool_call>\n<function=se"):
+        out, calls = parse_tool_calls(cut, TOOLS, cid, forced="search")
+        assert out == "" and [(c.name, c.arguments) for c in calls] == [("search", "{}")], cut
+    # Without a forced name the tail that began a tag is dropped, a lone "<" stays text.
+    assert parse_tool_calls("x <tool", TOOLS, cid) == ("x", [])
+    assert parse_tool_calls("x <", TOOLS, cid) == ("x <", [])
+
+
+def test_close_json_keeps_the_longest_usable_prefix():
+    from daemon.tool_calls import _NOTHING, close_json
+
+    assert close_json('{"a": [1, "x') == {"a": [1, "x"]}
+    assert close_json('{"a": 1, "b') == {"a": 1}
+    assert close_json('{"a": "q\\u00') == {"a": "q"}
+    assert close_json('[{"k": tr') == [{}]
+    assert close_json("tr") is _NOTHING
+
+
+def test_text_without_calls_is_untouched_including_near_tags_but_stray_tags_go():
+    text = "a <tool b <tool_cal c <function d\n\n  "
     assert parse_tool_calls(text, TOOLS, cid) == (text, [])
+    assert parse_tool_calls("a </tool_call> b </parameter>", TOOLS, cid) == ("a  b ", [])
+    # What a dropped tag split is read again as one: it may be a tag.
+    out, calls = parse_tool_calls("<tool</tool_call>_call>\n<function=search>\n</function>\n</tool_call>", TOOLS, cid)
+    assert out == "" and [c.name for c in calls] == ["search"]
+
+
+MARKUP = ("<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>")
 
 
 PIECES = st.lists(st.one_of(
     st.text(alphabet="ab <>/_=\n{}\"", max_size=12),
-    st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "\n", "  ", "<function=search>"]),
+    st.sampled_from(["<tool_call>", "</tool_call>", "<tool_", "\n", "  ", "<function=search>", "</function>",
+                     "<parameter=city>", "</parameter>", "<parameter=", "<function="]),
     st.builds(xml_call, st.sampled_from(["get_weather", "search"]),
               st.fixed_dictionaries({"city": st.text(alphabet="Pa ris<>/\n", max_size=8)})),
     st.builds(json_call, st.sampled_from(["get_weather", "search", "nope"]),
@@ -108,6 +157,8 @@ def test_streaming_equals_whole_parse_at_any_chunking(pieces, data):
     streamed, calls = stream_all(text, cuts)
     assert "".join(streamed) == whole_text
     assert calls == whole_calls
+    assert not any(tag in whole_text for tag in MARKUP), whole_text
+    assert all(isinstance(json.loads(c.arguments), dict) for c in calls)
 
 
 @settings(max_examples=200, deadline=None)
@@ -206,3 +257,65 @@ def test_grammar_admits_what_the_parser_reads_and_refuses_what_breaks_the_schema
     _, calls = parse_tool_calls(good, TOOLS, cid)
     assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris </b> x", "days": 3, "units": "f"},
                                                         {"query": "q"}]
+
+
+def test_bound_schema_caps_free_strings_only():
+    from daemon.tool_grammar import NO_TAGS_PATTERN, bound_schema
+
+    schema = {"type": "object", "properties": {
+        "free": {"type": "string"}, "short": {"type": "string", "maxLength": 5}, "long": {"type": "string",
+                                                                                           "maxLength": 500},
+        "enum": {"type": "string", "enum": ["a" * 100]}, "when": {"type": "string", "format": "date"},
+        "list": {"type": "array", "items": {"type": ["string", "null"]}},
+        "deep": {"anyOf": [{"type": "object", "properties": {"x": {"type": "string", "minLength": 80}}}]}},
+        "$defs": {"d": {"type": "string"}}}
+    out = bound_schema(schema, 64, True)
+    p = out["properties"]
+    assert p["free"] == {"type": "string", "maxLength": 64, "pattern": NO_TAGS_PATTERN}
+    assert p["short"]["maxLength"] == 5 and p["long"]["maxLength"] == 64
+    assert p["enum"] == schema["properties"]["enum"] and p["when"] == schema["properties"]["when"]
+    assert p["list"]["items"]["maxLength"] == 64
+    assert p["deep"]["anyOf"][0]["properties"]["x"]["maxLength"] == 80  # its minLength wins over the cap
+    assert out["$defs"]["d"]["maxLength"] == 64
+    assert bound_schema(schema, 0, False) == schema and "maxLength" not in schema["properties"]["free"]
+
+
+@pytest.mark.parametrize("fmt", [XML, JSON])
+def test_grammar_keeps_tags_out_of_values_and_bounds_strings(ll_tokenizer, fmt):
+    import llguidance
+
+    tok, lt = ll_tokenizer
+    tools = [m.ToolSpec(name="write", parameters={"type": "object", "properties": {
+        "path": {"type": "string"}, "note": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}}, "required": ["path"]})]
+    make = xml_call if fmt == XML else json_call
+
+    def accepts(text: str, cap: int) -> bool:
+        matcher = llguidance.LLMatcher(lt, llguidance.grammar_from("lark", tool_call_lark(
+            tools, "required", False, fmt, False, cap)))
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(make("write", {"path": "/a/b.txt", "note": "x </b> y", "tags": ["a <b>"]}), 64)
+    for tag in ("<parameter=x>", "</parameter>", "<function=f>", "</tool_call>", "<tool_call>", "</function>"):
+        assert not accepts(make("write", {"path": "a" + tag}), 64), tag
+        assert not accepts(make("write", {"path": "a", "tags": [tag]}), 64), tag
+    assert accepts(make("write", {"path": "p" * 64}), 64) and not accepts(make("write", {"path": "p" * 65}), 64)
+    assert accepts(make("write", {"path": "p" * 300}), 0)  # no cap
+    assert not accepts(make("write", {"path": "p", "note": "n" * 9}), 0)  # the schema's own maxLength
+    assert not accepts(make("write", {"path": "p", "tags": ["a", "b", "c"]}), 0)  # and maxItems
+    check_lark(tool_call_lark(tools, "required", True, fmt, True, 64))
+
+
+def test_text_parameter_pattern_is_enforced_where_llguidance_reads_it(ll_tokenizer):
+    import llguidance
+
+    tok, lt = ll_tokenizer
+    tools = [m.ToolSpec(name="when", parameters={"type": "object", "properties": {
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"}}, "required": ["date"]})]
+    grammar = llguidance.grammar_from("lark", tool_call_lark(tools, "required", False, XML, False, 64))
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(lt, grammar)
+        return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert accepts(xml_call("when", {"date": "2026-12"})) and not accepts(xml_call("when", {"date": "12-2026"}))
