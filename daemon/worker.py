@@ -241,7 +241,8 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             self.governance.after_step(DecodeStep(
                 tokens=[t for s in rows for t in s.tokens], depth=getattr(self.batch, "last_depth", 0),
                 drafted=sum(s.drafted for s in rows), accepted=sum(s.accepted for s in rows),
-                accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt), batch=len(rows))
+                accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt,
+                transition=getattr(self.batch, "last_transition", False)), batch=len(rows))
         for key, step in steps.items():
             job = self.jobs.get(key)
             if job is not None:

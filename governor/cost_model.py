@@ -168,6 +168,7 @@ class CostModel:
         self._profile_cost: dict[int, float] = {}
         self._profile_accept: list[float] = []
         self.batched_cycles = 0
+        self.transition_cycles = 0  # cycles whose cost was not booked (CycleTelemetry.transition)
         # Prompt-lookup cycles, apart from the depths (their width is the block's, not a depth).
         self._lookup_cost = _RecentMedian(self.cfg.cost_window)
         self._lookup_emitted = _Ewma()
@@ -215,7 +216,13 @@ class CostModel:
                 self._lookup_cost.add(t.cycle_s, self.cfg.cost_alpha, now, load, decode_at=self.decode_s)
             self._lookup_emitted.add(float(t.emitted), self.cfg.cost_alpha, now)
             return
-        if t.cycle_s > 0:
+        if t.transition:
+            # The first cycle at its depth costs what the change cost (the head catching up
+            # on queued pairs; on a GPU, shapes seen for the first time), not what the depth
+            # costs: booked, it made a depth look 2-10x dearer than its steady cycles.
+            self.transition_cycles += 1
+            self.decode_s += max(t.cycle_s, 0.0)
+        elif t.cycle_s > 0:
             if self._cost[k].n and self.stale(k, now, load):
                 # Measured long ago (in decode time) or under another load: that history
                 # describes another machine state, so the new samples start a fresh average.
@@ -231,7 +238,10 @@ class CostModel:
         b = bucket_of(t.batch)
         bk = self._buckets[b - 1]
         bk.cycles += 1
-        if t.cycle_s > 0:
+        if t.transition:  # as in record: the change's cost, not the depth's
+            self.transition_cycles += 1
+            bk.decode_s += max(t.cycle_s, 0.0)
+        elif t.cycle_s > 0:
             if bk.cost[k].n and self.batch_stale(b, k, load):
                 bk.cost[k] = _RecentMedian(self.cfg.cost_window)
             bk.decode_s += t.cycle_s
@@ -476,6 +486,7 @@ class CostModel:
             "acceptance": [round(self.acceptance(i), 4) for i in range(1, self.cfg.max_depth + 1)],
             "acceptance_samples": [self._accept[i].n for i in range(1, self.cfg.max_depth + 1)],
             "batched_cycles": self.batched_cycles,
+            "transition_cycles": self.transition_cycles,
             # cost(B, k) by bucket of batch height: seconds per row, the batch's tokens/s.
             "heights": [
                 {

@@ -60,6 +60,9 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
     # A batched cycle's accepted prefix per row; None when unknown (a serial batch, or rows
     # that drafted unequal counts, so the concatenated mask cannot be split).
     row_accepted: tuple[int, ...] | None = None
+    # The first cycle at its depth (a catch-up feed of queued head pairs, first-use costs,
+    # a cycle built ahead and thrown away): its acceptance is learned, its cost is not.
+    transition: bool = False
 
     @classmethod
     def from_step(cls, step, batch: int = 1) -> "CycleTelemetry":
@@ -82,6 +85,7 @@ class CycleTelemetry(Struct, frozen=True, kw_only=True):
             batch=batch,
             source=str(getattr(step, "draft_source", "head")),
             row_accepted=rows,
+            transition=bool(getattr(step, "transition", False)),
         )
 
     def accepted_prefix(self) -> int:

@@ -137,6 +137,10 @@ class SpecBatchDecoder(RowBatch):
         self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
         self.last_depth = 0
         self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
+        # Whether the last cycle was a transition (DecodeStep.transition): the first at its
+        # depth, or one whose head feed caught up on pairs queued at a lower depth or by a
+        # joining row. Its cost is not its depth's steady cost (governor/cost_model.py).
+        self.last_transition = False
 
     # ------------------------------------------------------------------ the head
     def _live_head(self):
@@ -318,6 +322,7 @@ class SpecBatchDecoder(RowBatch):
         # The depth this cycle's forward verified (rows may cap below the batch's k): what the
         # governor's cost(B, k) learns from. A batch of depth-0 rows ("off", capped) is a
         # depth-0 cycle, whatever depth_for said, or its cost would be booked against k.
+        self.last_transition = K != self.last_depth or (K > 0 and max(r.n_pending for r in rows) > K + 1)
         self.last_depth = K
         self.last_positions = B * (K + 1)
         if K == 0 and self._pipelines():

@@ -155,11 +155,12 @@ class _Cycle:
     bonus: mx.array | None = None  # [1]: picks[k], the token after a full accept
     host: mx.array | None = None  # int32: picks, drafts, then guard flags or accept coins
 
-    def step(self, a: int, committed: list[int], guarded: int, cycle_s: float, logprobs) -> DecodeStep:
+    def step(self, a: int, committed: list[int], guarded: int, cycle_s: float, logprobs,
+             transition: bool) -> DecodeStep:
         return DecodeStep(tokens=committed, depth=self.k, drafted=self.k, accepted=a,
                           accepted_mask=[True] * a + [False] * (self.k - a), guarded=guarded,
                           cycle_s=cycle_s, logprobs=logprobs, draft_source=self.source,
-                          stopped_early=self.stopped_early)
+                          stopped_early=self.stopped_early, transition=transition)
 
 
 class HeadHistory:
@@ -493,9 +494,15 @@ def speculative_decode(
     pending: _Cycle | None = None
     full_rate = 1.0
     cycle_s_mean: float | None = None  # running mean of a head cycle's wall time
+    prev_k: int | None = None  # the last cycle's depth: a cycle at another one is a transition
 
-    def head_cycle_done(cycle_s: float) -> None:
+    def head_cycle_done(cycle_s: float, transition: bool) -> None:
+        # A transition cycle (the first at its depth: a catch-up feed, first-use costs on a
+        # GPU) would seed the mean far above a steady cycle and turn building ahead on where
+        # it loses (the bundled model on the H200: 3.6-6 ms cycles).
         nonlocal cycle_s_mean
+        if transition:
+            return
         cycle_s_mean = cycle_s if cycle_s_mean is None else cycle_s_mean + FULL_RATE_ALPHA * (cycle_s - cycle_s_mean)
 
     while True:
@@ -549,8 +556,9 @@ def speculative_decode(
                     mx.eval(nxt, h, hist.state())
                     ahead = None
                 primary = nxt
+                transition, prev_k = prev_k != 0, 0
                 yield DecodeStep(tokens=[nxt.item()], depth=0, cycle_s=time.perf_counter() - t0,
-                                 logprobs=logprob_entries(lps), penalised=armed)
+                                 logprobs=logprob_entries(lps), penalised=armed, transition=transition)
                 continue
             if ahead is not None:  # depth rose: undo the step issued ahead
                 ahead[3].restore()
@@ -569,6 +577,7 @@ def speculative_decode(
                 # 2.-3. verify in one base forward, acceptance on the device
                 cyc = build_verify(primary, drafts, logq, "head", committed_slots, stopped)
             k = cyc.k
+        transition, prev_k = prev_k != k, k
 
         # Run this cycle; while the device works, build the next as if this one accepts all.
         spec = None
@@ -597,8 +606,8 @@ def speculative_decode(
                 mx.async_eval([pending.host] + [c.state for c in cache] + hist.state())
                 primary = cyc.bonus
                 dt = time.perf_counter() - t0
-                head_cycle_done(dt)
-                yield cyc.step(a, committed, 0, dt, logprobs)
+                head_cycle_done(dt, transition)
+                yield cyc.step(a, committed, 0, dt, logprobs, transition)
                 continue
             undo(spec)  # a lookup block or the loop guard takes the next cycle
         else:
@@ -647,5 +656,5 @@ def speculative_decode(
                       + ([draft_ahead[2]] if draft_ahead else []))
         dt = time.perf_counter() - t0
         if cyc.source == "head":
-            head_cycle_done(dt)
-        yield cyc.step(a, committed, guarded, dt, logprobs)
+            head_cycle_done(dt, transition)
+        yield cyc.step(a, committed, guarded, dt, logprobs, transition)

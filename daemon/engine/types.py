@@ -62,4 +62,8 @@ class DecodeStep:
     stopped_early: bool = False
     # Decoded under the loop guard's penalty (a sampled request caught looping, loop_guard.py).
     penalised: bool = False
+    # The first cycle at this depth after another (or a stream's first): it feeds the head
+    # the pairs queued meanwhile, or follows a cycle built ahead and thrown away, so its
+    # cost is not what the depth costs; the governor learns its acceptance, not its cost.
+    transition: bool = False
 

@@ -280,10 +280,13 @@ def test_depth_zero_cycles_issued_ahead_stay_serial_through_depth_changes_and_jo
         bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
     got = {i: [] for i in range(4)}
     cycle = 0
+    ks, transitions = [], []
     while len(bd):
         depth["k"] = 2 if cycle % 9 in (4, 5) else 0  # the governor raising and lowering the depth
         for r, s in bd.step().items():
             got[r] += s.tokens
+        ks.append(bd.last_depth)
+        transitions.append(bd.last_transition)
         cycle += 1
         if cycle == 3:
             bd.add(2, Sampler(SamplingParams()), prompts[2], exact=True)  # joins while a cycle is ahead
@@ -297,6 +300,12 @@ def test_depth_zero_cycles_issued_ahead_stay_serial_through_depth_changes_and_jo
     assert {i: got[i][: 2 * N] for i in range(4)} == refs
     assert bd.stats.ahead_used > 10 and bd.stats.ahead_undone >= 3
     assert bd.stats.drafted > 0  # the depth really rose in between
+    # The first cycle at a new depth is a transition (its cost is the change's: the governor
+    # does not book it); a second cycle at depth 2 is a steady one.
+    changed = [i for i in range(1, len(ks)) if ks[i] != ks[i - 1]]
+    assert changed and all(transitions[i] for i in changed)
+    steady = [i for i in range(1, len(ks)) if ks[i] == ks[i - 1] == 2]
+    assert steady and not all(transitions[i] for i in steady)
 
 
 def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):

@@ -92,6 +92,9 @@ def test_depth_may_change_every_cycle_and_head_history_stays_paired(lm, copy_hea
     got, steps = spec(lm, copy_head, prompt, 60, lambda: next(depths), cache=cache, history=hist, pipeline=pipeline)
     assert got == ref
     assert {s.depth for s in steps} >= {0, 1, 2, 3, 4}
+    # A cycle at another depth than the stream's last (or its first) is a transition: the
+    # governor books its acceptance, not its cost (governor/cost_model.py).
+    assert [s.transition for s in steps] == [i == 0 or s.depth != steps[i - 1].depth for i, s in enumerate(steps)]
     produced = [t for s in steps for t in s.tokens]
     tokens = prompt + produced
     P = len(tokens) - 1  # base positions decided: the last committed token is not forwarded yet
