@@ -23,8 +23,13 @@ for another depth in a batch is the solo cost ratio, which is wrong both ways on
 machines (too high on a GPU, too low on this CPU), so it must not stand in for a look.
 
 Until a bucket has its first measurement its depth is None: batches there run at the
-nearest measured bucket's depth, else the solo depth (``heights.depth_at``), and the first
-decision adopts the depth they ran at.
+nearest measured bucket's depth, else the solo depth (``heights.depth_at``). The first
+decision does not adopt the depth they ran at on the strength of a cycle or two: it takes
+the depth the cost model prices best from what it already knows (that measurement blended
+with its prior, the other heights' measured cost ratios, the solo ratios, a profile), a
+depth above 0 only where it beats depth 0 by ``depth_margin`` (priors carry no noise
+estimate). On the H200 every bucket adopted depth 1 from its first batched cycles, each
+carrying a first-use cost, then spent a paired probe per bucket finding depth 0 better.
 
 Forced: an operator pin sets every height; critical pressure or a forced eviction sets 0;
 no usable head holds the table (a batch without a head runs serially anyway).
@@ -46,6 +51,22 @@ from .types import NORMAL, DepthEstimate, HeightState, Observation, SetHeightDep
 def settled_depth(h: HeightState) -> int | None:
     """The bucket's depth outside a probe (during one: the depth it returns to)."""
     return h.probe_return if h.probe_depth is not None else h.depth
+
+
+def first_depth(ests: tuple[DepthEstimate, ...], ran: int, cfg: GovernorConfig) -> int:
+    """A new bucket's first depth: the best-scored depth from 0 up to the one batches ran
+    at, where a depth above 0 must beat depth 0 by ``depth_margin``; where depth 0 has no
+    score yet (nothing to price it from), the depth batches ran at. Never above it: a depth
+    no batch ran at is priced by priors alone, a reason to probe it, never to move there
+    (the replay: a CPU-like batch adopted depth 3 on solo ratios and took 30 probes down)."""
+    s0 = _score(ests, 0)
+    if s0 is None:
+        return ran
+    best, best_s = 0, s0
+    for e in ests[1 : min(ran, cfg.max_depth) + 1]:
+        if e.score is not None and e.score > best_s and e.score >= s0 * (1 + cfg.depth_margin):
+            best, best_s = e.depth, e.score
+    return best
 
 
 def _score(ests: tuple[DepthEstimate, ...], k: int) -> float | None:
@@ -117,9 +138,12 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
         measured = [e for e in ests if e.samples > 0 and not e.stale and e.depth <= cfg.max_depth]
         if not measured:
             return h
-        k = max(measured, key=lambda e: (e.samples, -e.depth)).depth
+        ran = max(measured, key=lambda e: (e.samples, -e.depth)).depth
+        k = first_depth(ests, ran, cfg)
         h = replace(h, last_probe_s=bk.clock)
-        return bk.emit(h, k, "height_adopt", f"first measurement at depth {k}: this height's depth is its own now")
+        why = "the cost model's best" if k != ran else "also the cost model's best" if k else "the floor"
+        return bk.emit(h, k, "height_adopt", f"first measurement (batches ran at depth {ran}): start at depth {k}, "
+                                             f"{why}; this height's depth is its own now", depth_ran=ran)
     cur = h.depth
     if h.probe_depth is not None:
         return _probe_step(h, bk, obs, cfg)
