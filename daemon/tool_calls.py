@@ -265,7 +265,14 @@ def _prefix_hold(text: str, marker: str) -> int:
 
 
 def _markers_hold(text: str) -> int:
-    return max(_prefix_hold(text, mk) for mk in MARKERS)
+    """How much of the end of ``text`` may still become a tag. A dropped stray tag joins
+    what was before it to what comes after, so a tag's beginning before another's counts too."""
+    total = 0
+    while True:
+        n = max(_prefix_hold(text[: len(text) - total], mk) for mk in MARKERS)
+        if not n:
+            return total
+        total += n
 
 
 def _first_marker(text: str) -> tuple[int, str]:

@@ -75,7 +75,8 @@ def _is_free_string(schema: dict) -> bool:
     t = schema.get("type")
     if not (t == "string" or (isinstance(t, list) and "string" in t)):
         return False
-    return "enum" not in schema and "const" not in schema and "format" not in schema
+    # A pattern is the schema's own bound (a cap below its shortest match would leave no value).
+    return not any(k in schema for k in ("enum", "const", "format", "pattern"))
 
 
 # An integer with no bound of its own gets JSON's safe range (what a double holds exactly):
@@ -127,7 +128,7 @@ def bound_schema(schema, max_chars: int, no_tags: bool, _depth: int = 0):
     if no_tags and isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
-    if _is_free_string(out):
+    if _is_free_string(out):  # no pattern of its own: the tag rule can be one
         if max_chars:
             cap = max(max_chars, int(out.get("minLength") or 0))
             if not isinstance(out.get("maxLength"), int) or out["maxLength"] > cap:
