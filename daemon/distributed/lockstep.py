@@ -142,7 +142,8 @@ class LeaderWorker(_GroupMember, EngineWorker):
         hello = Hello(verify_exact=self.verify_exact,
                       batch_exact=self.batch.exact_ok if self.batch is not None else None,
                       compiled=self.lm.compiled_decode is not None, tuned_profile=self.tuned_profile,
-                      warmup=self.warmup_mode())
+                      warmup=self.warmup_mode(),
+                      compiled_batch=self.lm.compiled_decode is not None and self.lm.compiled_decode.batched)
         mine = fingerprint(self.cfg, self.lm)
         hello.fingerprint = mine
         reports = self._exchange(lambda: self.channel.send(hello))
@@ -261,6 +262,9 @@ class FollowerWorker(_GroupMember, EngineWorker):
             self.batch.exact_ok = hello.batch_exact
         if not hello.compiled:
             self.lm.compiled_decode = None
+        elif not hello.compiled_batch and self.lm.compiled_decode is not None:
+            self.lm.compiled_decode.batched = False
+            self.lm.compiled_decode.batch_reason = "rank 0's batch self-check refused it"
         self.tuned_profile = hello.tuned_profile
         self._warm_up(hello.warmup)  # rank 0's mode, as rank 0 does, after the hello
         self.watchdog.started()

@@ -44,3 +44,16 @@ def test_the_governor_reads_another_ranks_pressure_and_forgets_a_silent_one():
     now[0] = 200.0
     assert not probe.read().available
     assert not PeerMemoryProbe(2, reports, clock=lambda: now[0]).read().available
+
+
+def test_the_hello_carries_rank_0s_compiled_batch_verdict():
+    """Followers adopt whether batches run compiled (lockstep.serve); an older rank 0's hello
+    without the field reads as "not compiled": batches stay eager rather than disagree."""
+    import msgspec
+
+    from daemon.distributed.channel import Hello, _hello_dec
+
+    hello = Hello(verify_exact=True, batch_exact=True, compiled=True, tuned_profile=None, compiled_batch=True)
+    assert _hello_dec.decode(msgspec.msgpack.encode(hello)).compiled_batch is True
+    older = msgspec.msgpack.encode([True, True, True, None, "", "full"])
+    assert _hello_dec.decode(older).compiled_batch is False
