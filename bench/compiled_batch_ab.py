@@ -226,7 +226,8 @@ def main(argv=None) -> int:
     shape = args.random if args.random != "auto" else ("27b" if on_gpu else "none")
     res = {"command": "python bench/compiled_batch_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": f"{mx.default_device()} ({platform.machine()}, {platform.node()})", "mlx": mx.__version__,
-           "backend_env": {k: v for k, (v, _) in BACKEND_ENV.items()}, "rounds": args.rounds, "steps": args.steps, "verify_t": args.verify_t, "context": args.context,
+           "backend_env": {k: v for k, (v, _) in BACKEND_ENV.items()}, "rounds": args.rounds, "steps": args.steps,
+           "verify_t": args.verify_t, "context": args.context,
            "models": []}
     if args.model != "none":
         from daemon.engine.loading import load_model

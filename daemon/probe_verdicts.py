@@ -153,7 +153,8 @@ class CompiledStepCheck:
             reason = run()
             return reason is None
 
-        ok, self.verdicts[variant] = verdicts_for(lm, self.group, decode_path=False).get("compiled_step", variant, probe)
+        verdicts = verdicts_for(lm, self.group, decode_path=False)
+        ok, self.verdicts[variant] = verdicts.get("compiled_step", variant, probe)
         if ok:
             return None
         return reason or "compiled differs from eager (the verdict of an earlier start's self-check)"

@@ -99,7 +99,10 @@ def _walk(lm, B: int, ragged: bool) -> list[mx.array]:
         out.append(h)
     out.append(lm.hidden(mx.concatenate([tok, tok, tok], axis=1), cache))
     for c in cache:
-        out += [x for x in c.cache] if isinstance(c, ArraysCache) else [c.keys[..., : c._idx, :], c.values[..., : c._idx, :]]
+        if isinstance(c, ArraysCache):
+            out += list(c.cache)
+        else:
+            out += [c.keys[..., : c._idx, :], c.values[..., : c._idx, :]]
     mx.eval(out)
     return out
 
