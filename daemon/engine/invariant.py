@@ -16,6 +16,11 @@ element in an order fixed by the input dimension alone: one warp per output colu
 lane a fixed share of K, then a fixed butterfly. MLX's own matmul on the H200 gives a row
 other bits at M = 2..16 than at M = 1 even at the bundled model's shapes (768x256, 512x256).
 
+A quantized model's linears (``nn.QuantizedLinear``, a quantized tied head) take the same
+kind of fixed-order kernel for MLX's affine 2/4/8-bit groups: engine/invariant_quant.py,
+which ``install`` routes them to (a layout that kernel cannot take stays MLX's, with its
+reason in ``REFUSED``, and the probes decide).
+
 ``invariant_sdpa`` computes one query's attention in chunks of its visible keys, one warp
 (one SIMD group on Metal) per chunk: the lanes split the head dimension, and the chunk's keys
 are visited one at a time in their cache order, skipping every key the mask hides (left
@@ -452,36 +457,63 @@ def _perturbed(y: mx.array) -> mx.array:
 
 
 _SWAPS = {qwen3_next.Qwen3NextAttention: InvariantAttention, nn.Linear: InvariantLinear, nn.Embedding: InvariantEmbedding}
-_BACK = {v: k for k, v in _SWAPS.items()}
 
 
 def attention_layers(backbone) -> list:
     return [layer.self_attn for layer in backbone.layers if hasattr(layer, "self_attn")]
 
 
+def _swaps() -> dict:
+    from . import invariant_quant
+
+    return {**_SWAPS, **invariant_quant.SWAPS}
+
+
+def _backs() -> dict:
+    return {v: k for k, v in _swaps().items()}
+
+
+# What the last ``install`` left MLX's and why: {module path: reason}.
+REFUSED: dict[str, str] = {}
+
+
 def install(text_module, max_rows: int = MAX_ROWS) -> int:
     """Raise MAX_ROWS to ``max_rows`` (the largest decode forward the caller will run) and
     swap ``text_module``'s gated attention, plain linear layers and embedding (the tied
-    output head) to their invariant classes, in place (weights untouched); returns how many
-    modules were swapped. Quantized linears and foreign layers are left as they are: the
-    start-up probe (exactness.py) then finds the model not invariant and says so."""
+    output head), and its quantized linears and quantized embedding (engine/invariant_quant.py),
+    to their invariant classes, in place (weights untouched); returns how many modules were
+    swapped. A quantized layer the kernel cannot take (``invariant_quant.refusal``) and
+    foreign layers are left as they are (the refused ones, with the reason, in ``REFUSED``):
+    the start-up probe (exactness.py) then finds the model not invariant and says so."""
+    from . import invariant_quant
+
     global MAX_ROWS
     MAX_ROWS = max(MAX_ROWS, max_rows)
+    REFUSED.clear()
+    swaps = _swaps()
     n = 0
-    for _, m in text_module.named_modules():
-        cls = _SWAPS.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
-            n += 1
+    for path, m in text_module.named_modules():
+        cls = swaps.get(type(m))
+        if cls is None:
+            continue
+        if cls in invariant_quant.SWAPS.values():
+            why = invariant_quant.refusal(m)
+            if why is not None:
+                REFUSED[path] = why
+                continue
+        m.__class__ = cls
+        n += 1
     return n
 
 
 def uninstall(text_module) -> None:
+    backs = _backs()
     for _, m in text_module.named_modules():
-        cls = _BACK.get(type(m))
+        cls = backs.get(type(m))
         if cls is not None:
             m.__class__ = cls
 
 
 def installed(text_module) -> bool:
-    return any(type(m) in _BACK for _, m in text_module.named_modules())
+    backs = _backs()
+    return any(type(m) in backs for _, m in text_module.named_modules())
