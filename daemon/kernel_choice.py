@@ -62,6 +62,12 @@ def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool) -> Non
     back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this."""
     if to_invariant:
         invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)
+        if invariant.REFUSED:  # quantized layers the fixed-order kernel cannot take: MLX's, the probes decide
+            reasons: dict[str, int] = {}
+            for why in invariant.REFUSED.values():
+                reasons[why] = reasons.get(why, 0) + 1
+            log.info("engine.kernels.refused_layers", count=len(invariant.REFUSED),
+                     first=next(iter(invariant.REFUSED)), reasons=reasons)
     else:
         invariant.uninstall(lm.text_module)
     # A perturbed run (the test hook) is another kernel set: its failing verdicts must not be
