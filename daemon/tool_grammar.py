@@ -25,6 +25,7 @@ llguidance cannot compile is refused here, naming the construct, before any work
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 
@@ -71,12 +72,25 @@ NO_TAGS_PATTERN = _no_words_pattern(TAGS)
 _NO_TAGS_LARK = "/" + NO_TAGS_PATTERN[1:-1] + "/"
 
 
+def _pattern_floor(pattern: object) -> int | None:
+    """For a pattern that admits strings of any length: the length of its shortest match
+    (a cap never goes below it, or no value would be left); None for a pattern whose own
+    matches are bounded (or that Python's parser cannot read): it is the schema's own bound."""
+    try:
+        lo, hi = re._parser.parse(pattern).getwidth()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - an ECMAScript construct Python does not read
+        return None
+    anchored = pattern.startswith("^") and pattern.endswith("$")  # else it searches: any text around
+    return lo if hi >= (1 << 16) or not anchored else None
+
+
 def _is_free_string(schema: dict) -> bool:
     t = schema.get("type")
     if not (t == "string" or (isinstance(t, list) and "string" in t)):
         return False
-    # A pattern is the schema's own bound (a cap below its shortest match would leave no value).
-    return not any(k in schema for k in ("enum", "const", "format", "pattern"))
+    if "pattern" in schema and _pattern_floor(schema["pattern"]) is None:
+        return False
+    return not any(k in schema for k in ("enum", "const", "format"))
 
 
 # An integer with no bound of its own gets JSON's safe range (what a double holds exactly):
@@ -130,7 +144,8 @@ def bound_schema(schema, max_chars: int, no_tags: bool, _depth: int = 0):
         out["additionalProperties"] = False
     if _is_free_string(out):  # no pattern of its own: the tag rule can be one
         if max_chars:
-            cap = max(max_chars, int(out.get("minLength") or 0))
+            floor = _pattern_floor(out["pattern"]) if "pattern" in out else 0
+            cap = max(max_chars, int(out.get("minLength") or 0), floor or 0)
             if not isinstance(out.get("maxLength"), int) or out["maxLength"] > cap:
                 out["maxLength"] = cap
         if no_tags and "pattern" not in out:
