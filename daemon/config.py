@@ -260,6 +260,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # steps (as MLX on CUDA does), so the CPU test suite can exercise
     # speculation.exact_on_inexact_backend through a real daemon.
     debug_inexact_verify: bool = False
+    # Test-only, OFF unless set: treat this backend as one where resuming a prefill off the
+    # chunk grid changes the numbers (splits_agree false, as on MLX on CUDA), so exact
+    # requests reuse on the chunk grid only (engine/prefix_cache.py).
+    debug_inexact_splits: bool = False
     # Test-only, OFF unless set: the invariant kernels scale every multi-row matmul's output
     # by (1 + 2**-6), so their start-up probe must fail and refuse them (kernel_choice.py).
     debug_perturb_invariant_batch: bool = False

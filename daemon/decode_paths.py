@@ -73,7 +73,7 @@ class DecodePaths:
             job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
         chunk = self.scheduler.cfg.prefill_chunk
         want_head = job.mode != "off" and self.slot.resident
-        cache, history, start = None, None, 0
+        cache, history, start, stops = None, None, 0, ()
         pc = self.prefix_cache
         if pc is not None:
             if chunk != pc.chunk:  # SIGHUP changed it: exact snapshots are per chunk size
@@ -88,6 +88,8 @@ class DecodePaths:
                 cache, history = pc.restore(snap, job.prompt[start], self.slot.head if want_head else None)
             job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
                                             fine=pc.splits_exact or allow_inexact)
+            if pc.splits_exact:  # a chunk may end anywhere here: end one at each snapshot point
+                stops = job.snapshot_at
         if history is None and want_head:
             from .engine.speculative import HeadHistory
 
@@ -95,7 +97,7 @@ class DecodePaths:
         job.cached_tokens = start
         job.started_at = time.monotonic()
         job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
-                                     history, start=start)
+                                     history, start=start, stops=stops)
 
     def _begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled

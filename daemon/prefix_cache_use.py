@@ -42,6 +42,8 @@ class PrefixCacheUse:
             exact, verdict = self.verdicts.get("splits", str(chunk), lambda: splits_agree(self.lm, chunk))
         else:
             exact, verdict = False, "skipped"
+        probed = exact
+        exact = exact and not self.cfg.debug_inexact_splits
         probe_ms = round((time.perf_counter() - t0) * 1000, 1)
         disk = None
         # Not in a tensor-parallel group: every rank must take the same hits, and a disk
@@ -61,9 +63,20 @@ class PrefixCacheUse:
                                         splits_exact=exact)
         if self.governance is not None:
             self.governance.prefix_cache = self.prefix_cache
-        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, inexact_reuse=pc_cfg.inexact_reuse,
+        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, splits_bit_identical=probed,
+                 forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=self.prefix_cache.exact_reuse,
+                 inexact_reuse=pc_cfg.inexact_reuse,
                  verdict=verdict, probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
                  disk_files=None if disk is None else len(disk.index))
+
+    def _decode_keeps_cold_state(self, job: Job) -> bool:
+        """Whether the state this job's decode left is the one a cold prefill of the same
+        tokens leaves (given splits are exact): serial steps do; a verify does where it
+        reproduces serial steps bit for bit (the exactness probe); a batch row does where the
+        batch's forward equals one-row steps for every row (its probe, and no guard)."""
+        if job.batched:
+            return bool(self.batch is not None and getattr(self.batch, "exact_ok", False) and self.verify_exact)
+        return job.mode == "off" or self.verify_exact
 
     def _keep_continuation(self, job: Job) -> None:
         """Store a finished request's state (its prompt and what it generated) for the
@@ -92,7 +105,8 @@ class PrefixCacheUse:
                 cache, history = state[0], (state[2] if len(state) == 3 else None)
             if cache is None:
                 return
-            snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat)
+            snap = pc.store_final(job.prompt + job.decoded, cache, history, seat=job.seat,
+                                  exact=job.exact_chain and self._decode_keeps_cold_state(job))
             if snap is not None:
                 log.info("prefix_cache.continuation", request_id=job.request_id, seat=job.seat,
                          tokens=len(snap.tokens), head=snap.head is not None, exact=snap.exact, bytes=snap.nbytes)

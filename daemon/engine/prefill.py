@@ -9,6 +9,10 @@ the last is left for the first decode step, which then continues from ``cache`` 
 ``history``) exactly as serial or speculative decode would after their own prefill.
 
 ``start`` > 0 continues a cache that already holds ``prompt[:start]`` (a prefix-cache hit).
+``stops``: positions a chunk must end at (where the prefix cache takes a snapshot: a
+message's or the prompt's exact end), on a backend where splitting a prefill there leaves
+the same state as the cold run's grid (prefix_cache.py ``splits_agree``); without them the
+chunks are [start, start + chunk), ... as before.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from .model import LoadedModel
 
 
 class ChunkedPrefill:
-    def __init__(self, lm: LoadedModel, prompt: list[int], chunk: int, cache: list, history=None, start: int = 0):
+    def __init__(self, lm: LoadedModel, prompt: list[int], chunk: int, cache: list, history=None, start: int = 0,
+                 stops=()):
         if not prompt:
             raise ValueError("a prefill needs at least one prompt token")
         if not 0 <= start < len(prompt):
@@ -32,6 +37,7 @@ class ChunkedPrefill:
         self.start = start
         self.pos = start  # tokens of the prompt that are in the cache
         self.ids = mx.array(prompt, dtype=mx.uint32)
+        self.stops = sorted(p for p in set(stops) if start < p < self.total)
 
     @property
     def total(self) -> int:
@@ -53,6 +59,10 @@ class ChunkedPrefill:
         if self.history is not None and getattr(self.history.head, "unloaded", False):
             self.history = None  # the governor evicted the head: this request decodes serially
         n = min(self.chunk, self.total - self.pos)
+        while self.stops and self.stops[0] <= self.pos:
+            self.stops.pop(0)
+        if self.stops:
+            n = min(n, self.stops[0] - self.pos)
         chunk = self.ids[self.pos : self.pos + n]
         h = self.lm.prefill_hidden(chunk[None], self.cache)  # chunked GatedDeltaNet where enabled
         arrays = [c.state for c in self.cache]

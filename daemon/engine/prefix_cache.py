@@ -11,22 +11,29 @@ Exact and inexact snapshots. A request that hits at P then prefills [P, P+C), [P
 ... : where P is a multiple of the prefill chunk C and the snapshot's own state came from
 such a chain, those are exactly the chunks a cold run forwards after P, from a state
 bit-identical to the cold run's at P, so a hit gives a cold run's tokens on every backend
-by construction ("exact" snapshots). Two finer kinds of reuse are not that:
-- the prompt's exact end (not rounded down to a chunk): a later prompt resumes there,
-  where its cold run would be mid-chunk;
+by construction ("exact" snapshots). Finer reuse is not that by construction:
+- the prompt's exact end and a chat message's exact end (not rounded down to a chunk): a
+  later prompt resumes there, where its cold run would be mid-chunk;
 - a request's continuation, stored when it finishes: the prompt plus the tokens it
-  generated (decoded one at a time), which a seat's next turn starts with. Without it
-  every turn re-prefills up to C-1 tokens of its prompt plus its whole previous answer.
+  generated (decoded one at a time, or verified a few at a time), which a seat's next turn
+  starts with. Without it every turn re-prefills up to C-1 tokens of its prompt plus its
+  whole previous answer.
 Whether those splits change the numbers is a property of the backend's kernels:
 ``splits_agree`` checks it at start-up (a prompt prefilled in C-chunks vs split off the
-grid with a token-by-token tail, compared bit for bit). Where it agrees every snapshot is
-exact. Where it does not (this CPU: last-ulp differences when a resumed prefill runs a
-full-size chunk over other tokens than the cold run's; bench/inexact_reuse_probe.py found
-the common continuation shape bit-identical), such a snapshot is "inexact":
-a hit gives the state a cold run would have up to float rounding, so greedy tokens can
-differ from a cold run's at a near-tie. Requests in speculation mode "fast" (which
-already accept near-tie flips) use them; exact and serial requests use them only when the
-operator sets ``prefix_cache.inexact_reuse`` (config.py).
+grid in other ways, with a token-by-token tail, the filled state compared bit for bit).
+Where it agrees every snapshot is exact ("any token": the prefill also cuts its chunks at
+the snapshot points, so a snapshot sits at a message's exact end). On this CPU it agrees
+at every chunk size: MLX's CPU forward gives each row the same bits whatever the number
+of rows beside it and wherever the forward starts (bench/prefill_split_numerics.py: random
+split plans of a 1,400-token prompt, forwards of 1-399 rows mixed with decode steps, all
+bit-identical). (An earlier probe compared the KV caches' whole buffers, whose spare
+capacity depends on the split, and so reported "differs" from 128-token chunks up.) Where
+it does not agree (MLX on CUDA: the chunked GatedDeltaNet form from 128 tokens, matmul
+kernels chosen by row count), such a snapshot is "inexact": a hit gives the state a cold
+run would have up to float rounding, so greedy tokens can differ from a cold run's at a
+near-tie. Requests in speculation mode "fast" (which already accept near-tie flips) use
+them; exact and serial requests use them only when the operator sets
+``prefix_cache.inexact_reuse`` (config.py), and otherwise reuse on the chunk grid only.
 
 The MTP head's committed history is part of the snapshot: the head's KV (one slot per
 position but the last) and the base hidden at the last position, which pairs with whatever
@@ -54,6 +61,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 
 from . import prefix_disk
 from .speculative import HeadHistory
@@ -61,13 +69,38 @@ from .speculative import HeadHistory
 
 def clone_cache(cache: list) -> list:
     """Independent copies of per-layer caches, holding exactly their state (no spare
-    capacity), so neither side's later updates reach the other."""
+    capacity: mlx-lm's KVCache state is its whole buffer, up to 255 empty slots past the
+    offset; the copy is cut to the filled part), so neither side's later updates reach the
+    other."""
     out = []
     for c in cache:
         n = copy.copy(c)
         n.state = copy.deepcopy(c.state)
+        _trim_spare(n)
         out.append(n)
     mx.eval(_arrays(out))
+    return out
+
+
+def _trim_spare(c) -> None:
+    """Cut a plain KV cache's buffers to its offset (what it reads; a later update grows
+    them again as from any other length)."""
+    if type(c) is not KVCache or c.keys is None or c.keys.shape[2] <= c.offset:
+        return
+    c.keys = mx.array(c.keys[..., : c.offset, :])
+    c.values = mx.array(c.values[..., : c.offset, :])
+
+
+def filled_arrays(cache: list) -> list:
+    """Every array of a cache's state as a forward reads it: a KV cache's keys and values
+    up to its offset (the spare capacity past it depends on how the tokens were split),
+    every other cache's whole state."""
+    out = []
+    for c in cache:
+        if isinstance(c, KVCache) and c.keys is not None:
+            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        else:
+            out += [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
     return out
 
 
@@ -102,31 +135,58 @@ def cache_offset(cache: list) -> int | None:
     return None
 
 
-def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
-    """Does resuming off the chunk grid (and stepping token by token, as decode does)
-    leave the same state, bit for bit, as prefilling in ``chunk``-sized pieces? Where it
-    does, snapshots at any position are exact."""
-    rng = random.Random(seed)
+def split_plans(chunk: int) -> tuple[int, list[list[int]]]:
+    """The prompt length ``splits_agree`` prefills and the ways it splits it: each plan a
+    list of forward lengths, a 1 being a decode step. The first is the cold run's grid;
+    the others resume off the grid as a prefix-cache hit does (at a prompt's or a message's
+    exact end, after a continuation decoded token by token), with the chunks after the
+    split landing off the grid too."""
     n = 2 * chunk + 9
-    ids = mx.array([rng.randrange(1, 1000) for _ in range(n)], dtype=mx.uint32)
 
-    def run(cuts: list[int], stepwise_from: int) -> list:
-        cache, pos = lm.make_cache(), 0
+    def plan(cuts: list[int], stepwise_from: int) -> list[int]:
+        out, pos = [], 0
         for end in cuts + [stepwise_from]:
             while pos < end:
-                m = min(chunk, end - pos)
-                lm.prefill_hidden(ids[None, pos : pos + m], cache)
-                mx.eval(_arrays(cache))
-                pos += m
-        while pos < n:
-            lm.hidden(ids[None, pos : pos + 1], cache)
-            mx.eval(_arrays(cache))
-            pos += 1
-        return _arrays(cache)
+                out.append(min(chunk, end - pos))
+                pos += out[-1]
+        return out + [1] * (n - pos)
 
-    ref = run([], n)
-    other = run([chunk // 2 + 3], n - 5)
-    return len(ref) == len(other) and all(mx.array_equal(a, b).item() for a, b in zip(ref, other))
+    return n, [plan([], n),  # the cold run: chunks of ``chunk`` on the grid
+               plan([chunk // 2 + 3], n - 5),  # off the grid, then a token-by-token tail
+               plan([1, 2, chunk - 1, chunk + 5], n - 2)]  # short forwards, one ending just before the grid
+
+
+def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
+    """Does resuming off the chunk grid (and stepping token by token, as decode does)
+    leave the same state, bit for bit, as prefilling in ``chunk``-sized pieces? Compares
+    every layer's filled state (``filled_arrays``) and the next step's logits after each of
+    ``split_plans``. Where it does, snapshots at any position are exact."""
+    rng = random.Random(seed)
+    n, plans = split_plans(chunk)
+    vocab = min(1000, lm.text_args.vocab_size)  # ids past the vocabulary read past the embedding
+    ids = mx.array([rng.randrange(1, vocab) for _ in range(n + 1)], dtype=mx.uint32)
+
+    def run(plan: list[int]) -> list:
+        cache, pos = lm.make_cache(), 0
+        for m in plan:
+            if m == 1 and pos >= n - 9:  # the tail: decode steps
+                lm.hidden(ids[None, pos : pos + 1], cache)
+            else:
+                lm.prefill_hidden(ids[None, pos : pos + m], cache)
+            mx.eval(_arrays(cache))
+            pos += m
+        logits = lm.logits(lm.hidden(ids[None, n : n + 1], cache))
+        out = filled_arrays(cache) + [logits]
+        mx.eval(out)
+        return out
+
+    ref = run(plans[0])
+    for plan in plans[1:]:
+        other = run(plan)
+        if len(ref) != len(other) or not all(a.shape == b.shape and mx.array_equal(a, b).item()
+                                             for a, b in zip(ref, other)):
+            return False
+    return True
 
 
 @dataclass
@@ -182,13 +242,18 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
     def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:
         """Positions (tokens in the cache) at which a prefill of this prompt, from ``start``,
-        takes a snapshot: the last aligned boundary of the prompt and of each segment end
-        (chat messages); with ``fine``, the prompt's exact end too."""
+        takes a snapshot. Where splits are exact: the prompt's end and each segment end
+        (chat messages), exactly (the prefill cuts its chunks there, ``ChunkedPrefill``'s
+        ``stops``). Elsewhere: the last aligned boundary of the prompt and of each segment
+        end; with ``fine``, the prompt's exact end too (the last chunk ends there anyway)."""
         last = prompt_len - 1  # the last prompt token is never prefilled
-        c = self.chunk
-        out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
-        if fine:
-            out.add(last)
+        if self.splits_exact:
+            out = {last} | {min(e, last) for e in segment_ends}
+        else:
+            c = self.chunk
+            out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
+            if fine:
+                out.add(last)
         return {p for p in out if p > start and p > 0}
 
     def lookup(self, prompt: list[int], want_head: bool, allow_inexact: bool = False) -> tuple[Snapshot | None, int]:
@@ -292,10 +357,13 @@ class PrefixCache:
             self._drop(key)
         return self._insert(key, snap, to_disk=True)
 
-    def store_final(self, known: list[int], cache: list, history, seat: str | None = None) -> Snapshot | None:
+    def store_final(self, known: list[int], cache: list, history, seat: str | None = None,
+                    exact: bool = True) -> Snapshot | None:
         """A finished request's continuation: ``cache`` holds a prefix of ``known`` (the
         prompt plus every token its decoder committed); keep it, with the head's history
-        when that is at the same position. Pinned as the seat's latest."""
+        when that is at the same position. Pinned as the seat's latest. Exact where splits
+        are and the caller says the decode left a cold run's state (``exact``: its prefill
+        started from an exact state, and its decode path computes what serial steps do)."""
         p = cache_offset(cache)
         if p is None or not 0 < p <= len(known):
             return None
@@ -311,7 +379,7 @@ class PrefixCache:
                 h, t = history.last_fed
                 history.h, history.t, history.n = [h], [t], 1
                 hist = history
-        snap = self.store(list(known[:p]), cache, hist, exact=self.splits_exact, seat=seat)
+        snap = self.store(list(known[:p]), cache, hist, exact=self.splits_exact and exact, seat=seat)
         if snap is not None:
             self.continuations += 1
             if seat is not None:
@@ -400,12 +468,20 @@ class PrefixCache:
             self.clear()
             self.chunk = chunk
 
+    @property
+    def exact_reuse(self) -> str:
+        """Where exact requests may resume, in words (status): any token where splits are
+        exact here, else the chunk grid only."""
+        if self.splits_exact:
+            return "any token (off-grid splits are bit-identical here)"
+        return f"chunk grid ({self.chunk} tokens): off-grid splits are not bit-identical here"
+
     def stats(self) -> dict:
         out = {"entries": len(self.entries), "bytes": self.nbytes, "max_bytes": self.max_bytes, "limit_bytes": self.limit,
                "hits": self.hits, "ram_hits": self.hits - self.disk_hits, "disk_hits": self.disk_hits,
                "misses": self.misses, "cached_tokens": self.cached_tokens, "evicted": self.evicted,
                "continuations": self.continuations, "pinned_seats": len(self.pinned),
-               "splits_exact": self.splits_exact}
+               "splits_exact": self.splits_exact, "exact_reuse": self.exact_reuse}
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         return out

@@ -61,3 +61,142 @@ def test_lru_under_the_byte_budget(lm):
     assert pc.lookup(prompts[0] + [5], want_head=False)[1] == 32
     freed, tokens = pc.evict_oldest()
     assert freed == one and tokens == 32 and len(pc.entries) == 1
+
+
+# ---------------------------------------------------------------- reuse at every token
+def _state_bits(cache) -> list:
+    from daemon.engine.prefix_cache import filled_arrays
+
+    out = filled_arrays(cache)
+    mx.eval(out)
+    return out
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(a, b))
+
+
+def test_the_split_probe_compares_what_a_forward_reads_and_agrees_on_this_cpu(lm):
+    """``splits_agree`` at a chunk past the KV cache's 256-slot allocation step: the
+    plans' KV buffers differ in capacity (the old probe compared whole buffers and said
+    "differs" from 128-token chunks up), their filled parts and the next logits do not."""
+    from daemon.engine.prefix_cache import split_plans, splits_agree
+
+    chunk = 128
+    n, plans = split_plans(chunk)
+    assert [sum(p) for p in plans] == [n] * len(plans) and plans[0][:2] == [chunk, chunk]
+    rng = random.Random(3)
+    ids = [rng.randrange(1, 500) for _ in range(n)]
+    caches = []
+    for plan in plans:
+        cache, pos = lm.make_cache(), 0
+        for m in plan:
+            lm.prefill_hidden(mx.array([ids[pos : pos + m]], dtype=mx.uint32), cache)
+            pos += m
+        caches.append(cache)
+    buffers = [{c.keys.shape[2] for c in cache if hasattr(c, "keys") and c.keys is not None} for cache in caches]
+    assert len({frozenset(b) for b in buffers}) > 1  # the spare capacity depends on the split
+    assert all(_same(_state_bits(caches[0]), _state_bits(c)) for c in caches[1:])
+    assert splits_agree(lm, chunk) and splits_agree(lm, 16)
+
+
+def test_the_split_probe_refuses_a_forward_whose_numbers_depend_on_the_split(lm, monkeypatch):
+    """A backend whose short forwards round differently (standing in for MLX on CUDA:
+    kernels chosen by row count, the chunked GatedDeltaNet form from 128 tokens): the
+    probe says no."""
+    from daemon.engine.prefix_cache import splits_agree
+
+    chunk = 32
+    real = type(lm).prefill_hidden
+
+    def rounding_by_rows(self, tokens, cache):
+        h = real(self, tokens, cache)
+        if tokens.shape[1] not in (1, chunk):  # an off-grid chunk: one ulp on one recurrent state
+            layer = next(c for c in cache if not hasattr(c, "keys"))
+            layer.cache[1] = layer.cache[1] * (1 + 2.0**-20)
+        return h
+
+    assert splits_agree(lm, chunk)
+    monkeypatch.setattr(type(lm), "prefill_hidden", rounding_by_rows)
+    assert not splits_agree(lm, chunk)
+
+
+def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_cold_run(lm):
+    """Splits exact: the snapshot points are the prompt's and the messages' exact ends; the
+    prefill cuts its chunks there; a later prompt resumes from the off-grid snapshot and
+    leaves the cold run's state bit for bit (and the same next logits)."""
+    from daemon.engine.prefill import ChunkedPrefill
+
+    chunk = 32
+    rng = random.Random(4)
+    prompt = [rng.randrange(1, 500) for _ in range(101)]
+    pc = PrefixCache(max_bytes=1 << 30, chunk=chunk, splits_exact=True)
+    assert pc.boundaries(len(prompt), 0, [41]) == {100, 41}
+    assert pc.boundaries(len(prompt), 41, [41]) == {100}
+    assert "any token" in pc.stats()["exact_reuse"]
+    pre = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), stops=pc.boundaries(len(prompt), 0, [41]))
+    sizes = []
+    while not pre.done:
+        sizes.append(pre.step())
+        if pre.pos == 41:
+            assert pc.store(prompt[:41], pre.cache, None) is not None  # exact off the grid here
+    assert sizes == [32, 9, 32, 27]
+    cold = prefilled(lm, prompt[:-1], chunk)  # the grid: 32, 32, 32, 4
+    assert _same(_state_bits(pre.cache), _state_bits(cold))
+    # A later prompt sharing the first message: it resumes at 41 and forwards off the grid.
+    later = prompt[:41] + [rng.randrange(1, 500) for _ in range(70)]
+    snap, n = pc.lookup(later, want_head=False)
+    assert n == 41 and snap.exact
+    cache, _ = pc.restore(snap, later[41], head=None)
+    resumed = ChunkedPrefill(lm, later, chunk, cache, start=41)
+    while not resumed.done:
+        resumed.step()
+    ref = prefilled(lm, later[:-1], chunk)
+    assert _same(_state_bits(resumed.cache), _state_bits(ref))
+    assert mx.array_equal(next_logits(lm, resumed.cache, later[-1]), next_logits(lm, ref, later[-1])).item()
+
+
+def test_where_splits_are_not_exact_exact_requests_refuse_off_grid_snapshots(lm):
+    """Splits not exact: off-grid snapshots (a prompt's end, a continuation) are stored
+    inexact and exact lookups pass them by for the grid one below; the snapshot points
+    stay on the grid (the prompt's end only for requests that allow inexact reuse)."""
+    chunk = 16
+    rng = random.Random(5)
+    prompt = [rng.randrange(1, 500) for _ in range(60)]
+    pc = PrefixCache(max_bytes=1 << 30, chunk=chunk, splits_exact=False)
+    assert "chunk grid" in pc.stats()["exact_reuse"]
+    assert pc.boundaries(len(prompt), 0, [41]) == {48, 32}
+    assert pc.boundaries(len(prompt), 0, [41], fine=True) == {48, 32, 59}
+    assert pc.store(prompt[:48], prefilled(lm, prompt[:48], chunk), None) is not None
+    assert pc.store(prompt[:59], prefilled(lm, prompt[:59], chunk), None) is None  # claimed exact: refused
+    assert pc.store(prompt[:59], prefilled(lm, prompt[:59], chunk), None, exact=False) is not None
+    cont = pc.store_final(prompt + [3, 4], prefilled(lm, prompt + [3], chunk), None, seat="s")
+    assert cont is not None and not cont.exact
+    nxt = prompt + [3, 4, 9, 9]
+    assert pc.lookup(nxt, want_head=False)[1] == 48
+    assert pc.lookup(nxt, want_head=False, allow_inexact=True)[1] == 61  # the decoder held all but the last
+
+
+def test_a_continuation_is_exact_only_where_the_decode_left_a_cold_state(lm):
+    rng = random.Random(6)
+    prompt = [rng.randrange(1, 500) for _ in range(40)]
+    pc = PrefixCache(max_bytes=1 << 30, chunk=16, splits_exact=True)
+    assert pc.store_final(prompt, prefilled(lm, prompt, 16), None, seat="a").exact
+    other = prompt[:20] + [8] * 20
+    assert not pc.store_final(other, prefilled(lm, other, 16), None, seat="b", exact=False).exact
+    assert pc.lookup(other + [1], want_head=False)[1] == 0
+    assert pc.lookup(prompt + [1], want_head=False)[1] == 40
+
+
+def test_a_snapshot_holds_no_spare_kv_capacity(lm):
+    """mlx-lm's KVCache state is its whole buffer (256-slot steps); a snapshot keeps the
+    filled part, and a restored cache continues as the live one."""
+    rng = random.Random(7)
+    prompt = [rng.randrange(1, 500) for _ in range(41)]
+    live = prefilled(lm, prompt[:40], 16)
+    assert any(c.keys.shape[2] > c.offset for c in live if hasattr(c, "keys") and c.keys is not None)
+    pc = PrefixCache(max_bytes=1 << 30, chunk=8, splits_exact=False)
+    snap = pc.store(prompt[:40], live, None)
+    assert all(c.keys.shape[2] == c.offset == 40 for c in snap.base if hasattr(c, "keys") and c.keys is not None)
+    cache, _ = pc.restore(snap, prompt[40], head=None)
+    assert mx.array_equal(next_logits(lm, cache, prompt[40]), next_logits(lm, live, prompt[40])).item()
