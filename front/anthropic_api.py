@@ -246,15 +246,14 @@ class MessageEvents:
 
 
 class AnthropicAPI:
-    """The Messages API routes of one Front. ``http_error``, ``from_council``,
-    ``until_disconnect`` and ``disconnected`` are front/app.py's (handed in: no import cycle)."""
+    """The Messages API routes of one Front. ``http_error`` and ``from_council`` are
+    front/app.py's (handed in: no import cycle); so is ``front.start_generation``, where each
+    request's work starts."""
 
-    def __init__(self, front, *, http_error, from_council, until_disconnect, disconnected):
+    def __init__(self, front, *, http_error, from_council):
         self.front = front
         self.HTTPError = http_error
         self.from_council = from_council
-        self.until_disconnect = until_disconnect
-        self.Disconnected = disconnected
 
     def routes(self) -> list[Route]:
         return [Route("/v1/messages", self.messages, methods=["POST"]),
@@ -307,30 +306,19 @@ class AnthropicAPI:
                 raise self.HTTPError(400, f"max_tokens: {gen['max_tokens']} > {welcome.limits.max_tokens}, this "
                                           "server's limit")
             model = self.front.cfg.model_name or welcome.model
-            stream = client.generate(**gen, stream=stream_it)
-            try:
-                try:
-                    first = await self.until_disconnect(request, self.front.link.guard(stream.next_message()))
-                except DaemonUnreachable:
-                    with suppress(Exception):
-                        await stream.cancel()  # a daemon that was only slow must not run it unread
-                    raise
-                if not stream_it:
-                    done = first if isinstance(first, m.Done) else await self.until_disconnect(request, stream.result())
-            except self.Disconnected:
-                await stream.cancel()
-                self.front.metrics.request(route, seat, 499, "disconnected")
+            stream, reply = await self.front.start_generation(request, client, gen, stream_it, route, seat)
+            if reply is None:
                 return Response(status_code=499)
             msg_id = "msg_" + stream.request_id
             if stream_it:
-                prompt_tokens = first.prompt_tokens if isinstance(first, m.Accepted) else 0
+                prompt_tokens = reply.prompt_tokens if isinstance(reply, m.Accepted) else 0
                 return StreamingResponse(self._events(stream, msg_id, model, prompt_tokens, route, seat),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.front.metrics.request(route, seat, 200, done.finish_reason)
+            self.front.metrics.request(route, seat, 200, reply.finish_reason)
             return JSONResponse({"id": msg_id, "type": "message", "role": "assistant", "model": model,
-                                 "content": content_blocks(done), "stop_reason": STOP_REASON[done.finish_reason],
-                                 "stop_sequence": None, "usage": usage(done.usage)})
+                                 "content": content_blocks(reply), "stop_reason": STOP_REASON[reply.finish_reason],
+                                 "stop_sequence": None, "usage": usage(reply.usage)})
         except self.HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return self._error_response(exc)

@@ -128,16 +128,13 @@ class Front:
         self.link = DaemonLink(cfg, endpoint, cfg.default_seat)
         self._background: set[asyncio.Task] = set()
         self.metrics = FrontMetrics(self)
-        anthropic = AnthropicAPI(self, http_error=HTTPError, from_council=from_council, until_disconnect=until_disconnect,
-                                 disconnected=_Disconnected)
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
-                *anthropic.routes(),
-                *ResponsesAPI(self, http_error=HTTPError, from_council=from_council, until_disconnect=until_disconnect,
-                              disconnected=_Disconnected).routes(),
+                *AnthropicAPI(self, http_error=HTTPError, from_council=from_council).routes(),
+                *ResponsesAPI(self, http_error=HTTPError, from_council=from_council).routes(),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_route, methods=["GET"]),
             ],
@@ -235,28 +232,15 @@ class Front:
             if "max_tokens" not in body and "max_completion_tokens" not in body:
                 parsed.generate["max_tokens"] = min(parsed.generate["max_tokens"], welcome.limits.max_tokens)
             model = self.cfg.model_name or welcome.model
-            stream = client.generate(**parsed.generate, stream=parsed.stream)
-            try:
-                first = await until_disconnect(request, self.link.guard(stream.next_message()))  # Accepted, or the Error raises
-            except _Disconnected:
-                await stream.cancel()
-                self.metrics.request(route, seat, 499, "disconnected")
+            stream, reply = await self.start_generation(request, client, parsed.generate, parsed.stream, route, seat)
+            if reply is None:
                 return Response(status_code=499)
-            except DaemonUnreachable:
-                self._cancel_later(stream)  # a daemon that was only slow must not run it unread
-                raise
             shape = ResponseShape(parsed, stream.request_id, model)
             if parsed.stream:
                 return StreamingResponse(self._sse(stream, shape, parsed, route, seat, received), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            try:
-                done = first if isinstance(first, m.Done) else await until_disconnect(request, stream.result())
-            except _Disconnected:
-                await stream.cancel()
-                self.metrics.request(route, seat, 499, "disconnected")
-                return Response(status_code=499)
-            self.metrics.request(route, seat, 200, done.finish_reason)
-            return JSONResponse(shape.full(done))
+            self.metrics.request(route, seat, 200, reply.finish_reason)
+            return JSONResponse(shape.full(reply))
         except HTTPError as exc:
             self.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()
@@ -272,6 +256,28 @@ class Front:
                     err = HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.metrics.request(route, seat, err.status, exc.code)
             return err.response()
+
+    async def start_generation(self, request: Request, client: AsyncClient, gen: dict, stream_it: bool, route: str,
+                               seat: str):
+        """Send the Generate and await its first reply (Accepted; a daemon Error raises here, so
+        admission errors keep their HTTP status) or, not streaming, its Done, while watching the
+        client. Returns (the stream, that reply); the reply is None when the client went away
+        first (the work cancelled, its 499 counted). Every generating route starts here: chat,
+        completions, Anthropic's messages and the Responses API."""
+        stream = client.generate(**gen, stream=stream_it)
+        try:
+            try:
+                reply = await until_disconnect(request, self.link.guard(stream.next_message()))
+            except DaemonUnreachable:
+                self._cancel_later(stream)  # a daemon that was only slow must not run it unread
+                raise
+            if not stream_it and not isinstance(reply, m.Done):
+                reply = await until_disconnect(request, stream.result())
+        except _Disconnected:
+            await stream.cancel()
+            self.metrics.request(route, seat, 499, "disconnected")
+            return stream, None
+        return stream, reply
 
     def _cancel_later(self, stream) -> None:
         """Send the stream's Cancel in the background: to a daemon that is gone, the send

@@ -526,15 +526,14 @@ class ResponseEvents:
 
 
 class ResponsesAPI:
-    """The Responses API route of one Front. ``http_error``, ``from_council``,
-    ``until_disconnect`` and ``disconnected`` are front/app.py's (handed in: no import cycle)."""
+    """The Responses API route of one Front. ``http_error`` and ``from_council`` are
+    front/app.py's (handed in: no import cycle); so is ``front.start_generation``, where each
+    request's work starts."""
 
-    def __init__(self, front, *, http_error, from_council, until_disconnect, disconnected):
+    def __init__(self, front, *, http_error, from_council):
         self.front = front
         self.HTTPError = http_error
         self.from_council = from_council
-        self.until_disconnect = until_disconnect
-        self.Disconnected = disconnected
 
     def routes(self) -> list[Route]:
         return [Route("/v1/responses", self.create, methods=["POST"])]
@@ -561,27 +560,16 @@ class ResponsesAPI:
             if "max_tokens" not in gen:
                 gen["max_tokens"] = min(self.front.cfg.default_max_tokens, welcome.limits.max_tokens)
             model = self.front.cfg.model_name or welcome.model
-            stream = client.generate(**gen, stream=stream_it)
-            try:
-                try:
-                    first = await self.until_disconnect(request, self.front.link.guard(stream.next_message()))
-                except DaemonUnreachable:
-                    with suppress(Exception):
-                        await stream.cancel()  # a daemon that was only slow must not run it unread
-                    raise
-                if not stream_it:
-                    done = first if isinstance(first, m.Done) else await self.until_disconnect(request, stream.result())
-            except self.Disconnected:
-                await stream.cancel()
-                self.front.metrics.request(route, seat, 499, "disconnected")
+            stream, reply = await self.front.start_generation(request, client, gen, stream_it, route, seat)
+            if reply is None:
                 return Response(status_code=499)
             shape = ResponseShape(stream.request_id, model, echo, gen["max_tokens"])
             if stream_it:
-                return StreamingResponse(self._events(stream, first, shape, route, seat, received),
+                return StreamingResponse(self._events(stream, reply, shape, route, seat, received),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            self.front.metrics.request(route, seat, 200, done.finish_reason)
-            return JSONResponse(shape.full(done))
+            self.front.metrics.request(route, seat, 200, reply.finish_reason)
+            return JSONResponse(shape.full(reply))
         except self.HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()

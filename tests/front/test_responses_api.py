@@ -194,8 +194,7 @@ class _Stream:
 def test_a_stream_that_fails_ends_with_one_response_failed(error, status, code):
     recorded = []
     front = SimpleNamespace(metrics=SimpleNamespace(request=lambda *a: recorded.append(a)))
-    api = ResponsesAPI(front, http_error=HTTPError, from_council=from_council, until_disconnect=None,
-                       disconnected=RuntimeError)
+    api = ResponsesAPI(front, http_error=HTTPError, from_council=from_council)
     stream = _Stream(error)
     accepted = m.Accepted(request_id="r1", queue_position=0, prompt_tokens=5)
 
