@@ -1,4 +1,4 @@
-"""`make demo`: the daemon on the bundled model, serving a council of five processes.
+"""`make demo`: the daemon on the bundled model, serving a council of six processes.
 
 It starts `councild serve` as a real child process on a private runtime directory, waits
 until the daemon answers, runs the member processes (each its own seat, streaming at the
@@ -28,6 +28,7 @@ MEMBERS = [
     ("coder", "normal", "class Stack:\n    def __init__(self):\n"),
     ("critic", "normal", "import os\n\n\ndef list_files(path):\n"),
     ("scout", "normal", "@tool"),
+    ("librarian", "normal", "@files"),
     ("judge", "normal", "@schema"),
 ]
 # The structured members' chats and what constrains them. Bounded arguments, so that even the
@@ -36,12 +37,24 @@ WEATHER = {"name": "get_weather", "description": "Weather forecast for a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                           "required": ["city", "days"]}}
+# Free strings (a path, a pattern): the daemon's grammar bounds them (constraint.string_max_chars)
+# and forbids the call format's own tags inside them, so the call closes.
+READ_FILE = {"name": "read_file", "description": "Read a text file of the repository",
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"},
+                                                             "max_lines": {"type": "integer", "minimum": 1}},
+                            "required": ["path"]}}
+SEARCH_CODE = {"name": "search_code", "description": "Search the repository for a regular expression",
+               "parameters": {"type": "object", "properties": {"pattern": {"type": "string"},
+                                                               "glob": {"type": "string"}},
+                              "required": ["pattern"]}}
 VERDICT = {"type": "object", "properties": {"verdict": {"enum": ["approve", "revise"]},
                                             "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
            "required": ["verdict", "confidence"], "additionalProperties": False}
 STRUCTURED = {
     "@tool": ("What will the weather be in Paris for the next three days?",
               {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}),
+    "@files": ("Where is the Stack class defined? Look at the code.",
+               {"tools": [READ_FILE, SEARCH_CODE], "tool_choice": "required", "parallel_tool_calls": False}),
     "@schema": ("Should the council adopt the Stack class? Give a verdict.",
                 {"constraint": {"kind": "json_schema", "value": json.dumps(VERDICT)}}),
 }
