@@ -327,6 +327,76 @@ FAMILIES = {
 HELDOUT_FAMILIES = ("media", "cloud", "code", "shop", "travel", "home")
 
 
+# Made-up tools: names and parameters drawn at random, so that the model learns to copy a
+# tool's name and its parameters' names from the system turn rather than recall a few. No
+# word of a held-out tool's name (the verbs and nouns below leave them out) appears in them.
+VERBS = ["get", "set", "create", "add", "remove", "list", "update", "fetch", "show", "open", "close",
+         "start", "stop", "check", "count", "rename", "copy", "sync", "upload", "export", "import",
+         "archive", "merge", "split", "sort", "filter", "publish", "validate", "describe", "query",
+         "enable", "disable", "assign", "tag", "ping", "measure", "compare", "summarize", "translate",
+         "encode", "decode", "compress", "rotate", "refresh", "send", "share", "watch", "pause", "resume",
+         "estimate", "predict", "register", "approve", "reject", "schedule", "preview", "render", "deploy"]
+NOUNS = ["user", "account", "invoice", "report", "ticket", "record", "table", "column", "index", "queue",
+         "message", "channel", "topic", "contact", "meeting", "project", "repo", "branch", "package",
+         "library", "module", "secret", "token", "key", "certificate", "domain", "server", "node", "cluster",
+         "volume", "backup", "snapshot", "alert", "metric", "dashboard", "chart", "pipeline", "job",
+         "worker", "task", "reminder", "alarm", "timer", "playlist", "album", "photo", "document", "page",
+         "comment", "review", "label", "issue", "release", "build", "artifact", "config", "setting",
+         "profile", "group", "role", "permission", "policy", "quota", "budget", "expense", "payment",
+         "customer", "product", "inventory", "shipment", "route", "map", "location", "sensor", "device",
+         "printer", "camera", "recipe", "movie", "podcast", "news", "feed", "translation",
+         "dictionary", "word", "sentence", "paragraph", "poem", "story", "quiz", "grade", "course",
+         "student", "note", "folder", "directory", "archive", "checksum", "hash", "password", "session"]
+PARAM_WORDS = ["name", "id", "count", "path", "target", "label", "color", "size", "mode", "level", "query",
+               "text", "title", "owner", "region", "limit", "timeout", "depth", "ratio", "enabled",
+               "dry_run", "verbose", "items", "ids", "tags", "options", "filters", "source", "dest", "url",
+               "email", "user", "group", "project", "version", "port", "host", "channel", "topic", "priority",
+               "status", "category", "lang", "unit", "amount", "offset", "page", "width", "height", "note",
+               "reason", "comment", "language", "scope", "key", "value", "pattern", "recursive", "force",
+               "include_hidden", "max_age", "min_score", "start_date", "end_date", "quality", "speed"]
+KINDS = ["path", "dir", "pattern", "url", "text", "query", "person", "email", "city", "ident", "word",
+         "int", "int", "num", "bool", "bool", "enum", "enum", "list", "ints", "obj"]
+
+
+def _rand_param(r, name, required):
+    k = r.choice(KINDS)
+    if k == "int":
+        lo = r.choice([0, 1, 1, 10, 100])
+        spec = f"int:{lo},{lo + r.choice([9, 50, 100, 1000, 10000])}"
+    elif k == "enum":
+        spec = "enum:" + "|".join(r.sample(WORDS + ["low", "high", "fast", "slow", "json", "csv", "all",
+                                                    "none", "asc", "desc"], r.randint(2, 4)))
+    elif k == "list":
+        spec = "list:" + r.choice(["word", "tag", "path", "email", "person", "city"])
+    elif k == "obj":
+        a, b = r.sample(PARAM_WORDS, 2)
+        spec = f"obj:{a}={r.choice(['word', 'int:0,99', 'bool', 'city'])};{b}={r.choice(['int:1,500', 'person', 'enum:on|off'])}"
+    else:
+        spec = k
+    return (name, spec, required)
+
+
+def random_tool(r) -> Tool:
+    verb, noun = r.choice(VERBS), r.choice(NOUNS)
+    form = r.random()
+    if form < 0.6:
+        name, act = f"{verb}_{noun}", f"{verb} the {noun}"
+    elif form < 0.75:
+        noun2 = r.choice(NOUNS)
+        name, act = f"{verb}_{noun}_{noun2}", f"{verb} the {noun} {noun2}"
+    elif form < 0.85:
+        name, act = f"{noun}_{verb}", f"{verb} the {noun}"
+    elif form < 0.93:
+        name, act = f"{verb}{noun.capitalize()}", f"{verb} the {noun}"
+    else:
+        name, act = f"{noun}.{verb}", f"{verb} {noun}"
+    words = r.sample(PARAM_WORDS, r.randint(1, 4))
+    if r.random() < 0.3:
+        words[0] = f"{noun}_{r.choice(['id', 'name', 'path'])}"
+    params = [_rand_param(r, w, i == 0 or r.random() < 0.4) for i, w in enumerate(dict.fromkeys(words))]
+    return Tool(name, f"{verb.capitalize()} a {noun}", f"{act}|{act}|{verb} {noun}", params, family="made-up")
+
+
 def tools(split: str) -> list[Tool]:
     """'train' or 'heldout' tools."""
     out = []
@@ -372,14 +442,23 @@ def _call(tool, args):
 
 def _toolset(r, pool, target):
     k = r.choice([0, 1, 1, 2, 2, 3, 4])
-    others = r.sample([t for t in pool if t is not target], k)
+    if target.family == "made-up":  # made-up neighbours, some sharing a word of its name
+        others = [random_tool(r) for _ in range(k)]
+        for o in others:
+            if r.random() < 0.4 and "_" in target.name and "_" in o.name:
+                a, b = target.name.split("_", 1)[0], o.name.split("_", 1)[1]
+                if f"{a}_{b}" != target.name:
+                    o.name = f"{a}_{b}"
+        others = [o for o in others if o.name != target.name]
+    else:
+        others = r.sample([t for t in pool if t is not target], k)
     ts = others + [target]
     r.shuffle(ts)
     return ts
 
 
-def sample_call(r, pool, with_result=False):
-    target = r.choice(pool)
+def sample_call(r, pool, with_result=False, made_up=0.0):
+    target = random_tool(r) if r.random() < made_up else r.choice(pool)
     ts = _toolset(r, pool, target)
     text, args = target.request(r)
     calls = [_call(target, args)]
@@ -395,15 +474,15 @@ def sample_call(r, pool, with_result=False):
             msgs.append({"role": "tool", "tool_call_id": f"call_{i}", "content": res})
         msgs.append({"role": "assistant", "content": answer})
         if r.random() < 0.35:
-            nxt = r.choice(ts)
+            nxt = r.choice(ts) if r.random() < 0.7 else target
             t3, a3 = nxt.request(r)
             msgs += [{"role": "user", "content": t3},
                      {"role": "assistant", "content": "", "tool_calls": [_call(nxt, a3)]}]
     return {"messages": msgs, "tools": [t.spec() for t in ts]}
 
 
-def sample_chat(r, pool):
-    ts = r.sample(pool, r.randint(1, 4))
+def sample_chat(r, pool, made_up=0.0):
+    ts = [random_tool(r) if r.random() < made_up else r.choice(pool) for _ in range(r.randint(1, 4))]
     q, a = r.choice(CHITCHAT)
     if r.random() < 0.25:
         x, y = r.randint(1, 50), r.randint(1, 50)
@@ -451,28 +530,30 @@ PLAIN = [("Write a Python function that adds two numbers.", "def add(a, b):\n   
          ("Reverse a list in Python.", "items[::-1]")]
 
 
-def sample(r, pool, mix=(("call", 0.5), ("result", 0.17), ("chat", 0.1), ("json", 0.18), ("plain", 0.05))):
+def sample(r, pool, mix=(("call", 0.5), ("result", 0.17), ("chat", 0.1), ("json", 0.18), ("plain", 0.05)),
+           made_up=0.0):
     x = r.random()
     for kind, p in mix:
         if x < p:
             break
         x -= p
     if kind == "call":
-        return sample_call(r, pool)
+        return sample_call(r, pool, made_up=made_up)
     if kind == "result":
-        return sample_call(r, pool, with_result=True)
+        return sample_call(r, pool, with_result=True, made_up=made_up)
     if kind == "chat":
-        return sample_chat(r, pool)
+        return sample_chat(r, pool, made_up=made_up)
     if kind == "json":
         return sample_json(r)
     q, a = r.choice(PLAIN)
     return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}], "tools": None}
 
 
-def generate(n: int, seed: int = 0, split: str = "train") -> list[dict]:
+def generate(n: int, seed: int = 0, split: str = "train", made_up: float = 0.65) -> list[dict]:
+    """n samples; in training, a share ``made_up`` of the tool samples use made-up tools."""
     r = random.Random(seed)
     pool = tools(split)
-    return [sample(r, pool) for _ in range(n)]
+    return [sample(r, pool, made_up=made_up if split == "train" else 0.0) for _ in range(n)]
 
 
 def eval_cases(n_per_tool: int = 1, seed: int = 4141) -> list[dict]:

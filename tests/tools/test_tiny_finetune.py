@@ -77,10 +77,14 @@ def test_heldout_families_never_in_training():
     train = {t.name for t in td.tools("train")}
     held = {t.name for t in td.tools("heldout")}
     assert not train & held and len(held) >= 20
-    seen = set()
+    seen, made_up = set(), 0
     for s in td.generate(2000, seed=1):
-        seen |= {t["function"]["name"] for t in s["tools"] or []}
-    assert seen <= train
+        names = {t["function"]["name"] for t in s["tools"] or []}
+        seen |= names
+        made_up += bool(names - train)
+    assert not seen & held and made_up > 300  # made-up tools: names to copy, not to recall
+    held_words = {w for n in held for w in n.split("_")} - {w for n in train for w in n.split("_")}
+    assert not held_words & (set(td.VERBS) | set(td.NOUNS))
     cases = td.eval_cases(n_per_tool=1)
     assert {c["expect"] for c in cases} == held
     assert all({t["function"]["name"] for t in c["tools"]} <= held for c in cases)
