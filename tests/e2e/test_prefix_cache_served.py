@@ -66,15 +66,25 @@ def _spec(done):
 
 @pytest.mark.quick
 def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
+    """Reuse at any token (this CPU's splits agree, engine/prefix_cache.py): turn 1's
+    finished state (prompt + answer, off the chunk grid) is an exact snapshot, and the
+    seat's next turn resumes from it with a cold run's tokens and acceptance."""
     turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:140]
     assert len(turn1) == 140  # just past one chunk: a prefill costs ~5 ms a token on this CPU
     ids1, done1 = _run(cached.endpoint, "seat-a", turn1)
     assert done1.usage.cached_tokens == 0
+    ready = [e for e in cached.events() if e["event"] == "prefix_cache.ready"][-1]
+    assert ready["splits_exact"] is True and ready["exact_reuse"].startswith("any token")
+    cont = [e for e in cached.events() if e["event"] == "prefix_cache.continuation" and e["seat"] == "seat-a"]
+    assert len(cont) == 1 and cont[0]["exact"] is True and cont[0]["head"] is True
     # The seat's next turn: its transcript (prompt + reply) plus a new message.
     turn2 = turn1 + ids1 + _encode("\n\nclass Council:\n    def __init__(self):\n")
     ids2, done2 = _run(cached.endpoint, "seat-a", turn2)
-    # The last chunk-aligned boundary of turn 1's prompt (139 tokens prefilled -> 128).
-    assert done2.usage.cached_tokens == (len(turn1) - 1) // CHUNK * CHUNK == 128
+    if cont[0]["tokens"] <= len(turn1) + len(ids1):  # the continuation: prompt + answer
+        want = cont[0]["tokens"]
+    else:  # a speculative cycle committed past max_tokens: turn 1's prompt end serves
+        want = len(turn1) - 1
+    assert done2.usage.cached_tokens == want and want % CHUNK and want > len(turn1) - 2  # off the grid
     cold_ids, cold_done = _run(cold.endpoint, "seat-a", turn2)
     assert cold_done.usage.cached_tokens == 0
     assert ids2 == cold_ids  # token-identical in exact greedy mode
@@ -83,7 +93,58 @@ def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
     assert _spec(done2) is not None and _spec(done2)[2] > 0  # drafts were accepted
     assert _spec(done2) == _spec(cold_done)
     events = [e for e in cached.events() if e["event"] == "request.done" and e["seat"] == "seat-a"]
-    assert [e["cached_tokens"] for e in events] == [0, 128]
+    assert [e["cached_tokens"] for e in events] == [0, want]
+
+
+@pytest.mark.parametrize("mode", ["off", "exact"])
+def test_an_exact_request_resumes_at_a_prompts_exact_end(cached, cold, mode):
+    """A prompt's exact end (139 here, mid-chunk) is a snapshot; another prompt that starts
+    with it (another seat: no continuation of its own) resumes there, serial or
+    speculating, and decodes a cold run's tokens."""
+    base = _encode("".join(f"class C{i}:\n    x = {i}\n\n" for i in range(60)))[:140]
+    assert len(base) == 140
+    _run(cached.endpoint, f"first-{mode}", base, max_tokens=4, speculation=mode)
+    longer = base + _encode(f"\n# and now {mode}:\n") + base[:37]
+    ids, done = _run(cached.endpoint, f"second-{mode}", longer, speculation=mode)
+    assert done.usage.cached_tokens == len(base) - 1 == 139
+    cold_ids, cold_done = _run(cold.endpoint, f"second-{mode}", longer, speculation=mode)
+    assert cold_done.usage.cached_tokens == 0 and ids == cold_ids
+
+
+@pytest.fixture(scope="module")
+def grid_only(tmp_path_factory):
+    """A daemon on a backend whose off-grid splits change the numbers (debug_inexact_splits)."""
+    d = start_daemon(tmp_path_factory.mktemp("pc-grid"), BUNDLED_MODEL,
+                     config="debug_inexact_splits = true\n" + CONFIG.replace("{enabled}", "true"))
+    yield d
+    assert d.stop() == 0
+
+
+def test_where_splits_do_not_agree_exact_requests_refuse_off_grid_snapshots(grid_only, cold):
+    """A fast turn stores its prompt's exact end and (kept) its continuation, both inexact
+    there; the seat's next turn in exact mode passes them by for the grid snapshot below
+    and decodes a cold run's tokens; status says reuse is on the grid."""
+    turn1 = _encode("".join(f"def g{i}(y):\n    return y - {i}\n\n" for i in range(40)))[:140]
+    with Client(grid_only.endpoint, seat="seat-g", timeout_s=120) as c:
+        s = c.generate(prompt_tokens=turn1, max_tokens=24, speculation="fast", session="keep")
+        s.result()
+        ids1 = list(s.token_ids)
+    cont = [e for e in grid_only.events() if e["event"] == "prefix_cache.continuation"]
+    assert len(cont) == 1 and cont[0]["exact"] is False
+    ready = [e for e in grid_only.events() if e["event"] == "prefix_cache.ready"][-1]
+    assert ready["splits_exact"] is False and ready["forced_inexact"] is True
+    turn2 = turn1 + ids1 + _encode("\n\nclass Council:\n    pass\n")
+    ids2, done2 = _run(grid_only.endpoint, "seat-g", turn2)
+    assert done2.usage.cached_tokens == CHUNK  # not 139, not the continuation
+    assert ids2 == _run(cold.endpoint, "seat-g", turn2)[0]
+    with Client(grid_only.endpoint, seat="obs", timeout_s=30) as c:
+        pc = c.status().detail["prefix_cache"]
+    assert pc["splits_exact"] is False and pc["exact_reuse"].startswith("chunk grid")
+    # A fast request takes an inexact snapshot: the continuation, or the prompt's end where
+    # a speculative cycle committed past max_tokens.
+    _, done3 = _run(grid_only.endpoint, "seat-g", turn2, max_tokens=4, speculation="fast")
+    fits = cont[0]["tokens"] <= len(turn1) + len(ids1)
+    assert done3.usage.cached_tokens == (cont[0]["tokens"] if fits else len(turn1) - 1)
 
 
 def test_other_seats_share_a_chat_system_prompt(cached, cold):
