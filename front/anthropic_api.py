@@ -8,8 +8,9 @@ content_block_start / _delta / _stop, message_delta, message_stop). Errors keep 
 status and take Anthropic's shape ({"type": "error", "error": {"type", "message"}}).
 
 Seats come from the API key exactly as on the OpenAI side (Anthropic's clients send it as
-``x-api-key``). The shared machinery (seat lookup, daemon clients, metrics, the error type)
-is the Front's, handed in by front/app.py, which imports this module and not the reverse.
+``x-api-key``). The shared machinery (seat lookup, daemon clients, metrics, the start of a
+generation) is the Front's, handed in by front/app.py, which imports this module and not the
+reverse; the error type is front/errors.py's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from protocol import messages as m
 from protocol.client import CouncilError
 
 from .daemon_link import DaemonUnreachable
+from .errors import HTTPError, from_council
 from .schema import BadRequest
 
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -246,14 +248,11 @@ class MessageEvents:
 
 
 class AnthropicAPI:
-    """The Messages API routes of one Front. ``http_error`` and ``from_council`` are
-    front/app.py's (handed in: no import cycle); so is ``front.start_generation``, where each
-    request's work starts."""
+    """The Messages API routes of one Front (front/app.py's, which mounts them);
+    each request's work starts at ``front.start_generation``."""
 
-    def __init__(self, front, *, http_error, from_council):
+    def __init__(self, front):
         self.front = front
-        self.HTTPError = http_error
-        self.from_council = from_council
 
     def routes(self) -> list[Route]:
         return [Route("/v1/messages", self.messages, methods=["POST"]),
@@ -271,17 +270,12 @@ class AnthropicAPI:
 
     async def _start(self, request: Request, counting: bool):
         seat = self.front.seat_for(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise self.HTTPError(400, "the request body is not valid JSON") from None
+        body = await self.front.json_body(request)
         try:
             gen, stream = parse_messages_request(body, counting)
         except BadRequest as exc:
-            raise self.HTTPError(400, exc.message, exc.param) from None
-        client = self.front.client(seat)
-        await self.front.link.admit()  # an unreachable daemon: 503 now, not after daemon_timeout_s
-        welcome = await self.front.link.guard(client.connect())
+            raise HTTPError(400, exc.message, exc.param) from None
+        client, welcome = await self.front.connected_client(seat)
         if counting:
             gen.update(max_tokens=1, count_only=True)
         return seat, client, welcome, gen, stream, body
@@ -291,19 +285,19 @@ class AnthropicAPI:
             _, client, _, gen, _, _ = await self._start(request, counting=True)
             done = await self.front.link.guard(client.generate(**gen, stream=False).result())
             return JSONResponse({"input_tokens": done.usage.prompt_tokens})
-        except self.HTTPError as exc:
+        except HTTPError as exc:
             return self._error_response(exc)
         except DaemonUnreachable as exc:
             return self._unreachable(exc)
         except CouncilError as exc:
-            return self._error_response(self.from_council(exc))
+            return self._error_response(from_council(exc))
 
     async def messages(self, request: Request) -> Response:
         route, seat = "messages", "-"
         try:
             seat, client, welcome, gen, stream_it, body = await self._start(request, counting=False)
             if gen["max_tokens"] > welcome.limits.max_tokens:
-                raise self.HTTPError(400, f"max_tokens: {gen['max_tokens']} > {welcome.limits.max_tokens}, this "
+                raise HTTPError(400, f"max_tokens: {gen['max_tokens']} > {welcome.limits.max_tokens}, this "
                                           "server's limit")
             model = self.front.cfg.model_name or welcome.model
             stream, reply = await self.front.start_generation(request, client, gen, stream_it, route, seat)
@@ -319,11 +313,11 @@ class AnthropicAPI:
             return JSONResponse({"id": msg_id, "type": "message", "role": "assistant", "model": model,
                                  "content": content_blocks(reply), "stop_reason": STOP_REASON[reply.finish_reason],
                                  "stop_sequence": None, "usage": usage(reply.usage)})
-        except self.HTTPError as exc:
+        except HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return self._error_response(exc)
         except CouncilError as exc:
-            err = self.from_council(exc)
+            err = from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
             return self._error_response(err)
         except DaemonUnreachable as exc:
@@ -366,7 +360,7 @@ class AnthropicAPI:
                     return
         except CouncilError as exc:
             ended = True
-            err = self.from_council(exc)
+            err = from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
             yield event("error", {"type": "error", "error": {"type": ERROR_TYPE.get(err.status, "api_error"),
                                                              "message": err.message}})

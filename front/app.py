@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
 import re
 import time
 from contextlib import asynccontextmanager, suppress
@@ -28,11 +27,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol import messages as m
-from protocol.client import AsyncClient, CouncilError, DaemonUnavailable
+from protocol.client import AsyncClient, CouncilError
 
 from .anthropic_api import AnthropicAPI
 from .config import HttpConfig
 from .daemon_link import DaemonLink, DaemonUnreachable
+from .errors import HTTPError, from_council, from_unreachable
 from .metrics import FrontMetrics
 from .responses_api import ResponsesAPI
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
@@ -45,48 +45,6 @@ STATUS_TIMEOUT_S = 3.0
 METRICS_STATUS_TIMEOUT_S = 8.0
 # Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
 MAX_SEATS = 256
-
-# councild error code -> HTTP status (and OpenAI's error code where it has one of its own).
-HTTP_STATUS = {
-    "invalid_request": 400, "bad_frame": 400, "frame_too_large": 400, "unsupported_version": 400,
-    "unknown_type": 400, "duplicate_request": 400, "prompt_too_long": 400, "not_found": 404,
-    "overloaded": 429, "shutting_down": 503, "deadline_exceeded": 504,
-    "slow_consumer": 500, "client_gone": 500, "internal": 500,
-}
-ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
-              504: "timeout"}
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def from_council(exc: CouncilError) -> HTTPError:
-    if isinstance(exc, DaemonUnavailable):
-        return HTTPError(503, f"councild is not answering: {exc.message}", code="daemon_unavailable", retry_after=2.0)
-    status = HTTP_STATUS.get(exc.code, 500)
-    code = "context_length_exceeded" if exc.code == "prompt_too_long" else exc.code
-    retry = exc.retry_after_s if exc.retry_after_s is not None else (2.0 if status in (429, 503) else None)
-    return HTTPError(status, exc.message, code=code, retry_after=retry)
-
-
-def from_unreachable(exc: DaemonUnreachable) -> HTTPError:
-    return HTTPError(503, exc.message, code="daemon_unavailable", retry_after=exc.retry_after)
-
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -133,8 +91,8 @@ class Front:
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
-                *AnthropicAPI(self, http_error=HTTPError, from_council=from_council).routes(),
-                *ResponsesAPI(self, http_error=HTTPError, from_council=from_council).routes(),
+                *AnthropicAPI(self).routes(),
+                *ResponsesAPI(self).routes(),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.metrics_route, methods=["GET"]),
             ],
@@ -158,6 +116,14 @@ class Front:
             c = self.clients[seat] = AsyncClient(self.endpoint, seat=seat, timeout_s=self.cfg.daemon_timeout_s,
                                                  client_name="councild-http")
         return c
+
+    async def connected_client(self, seat: str) -> tuple[AsyncClient, m.Welcome]:
+        """The seat's client and the daemon's Welcome to it. An unreachable daemon raises
+        DaemonUnreachable at once, not after daemon_timeout_s."""
+        client = self.client(seat)
+        await self.link.admit()
+        welcome = await self.link.guard(client.connect())
+        return client, welcome
 
     async def status(self, max_age: float | None = None, timeout: float | None = None) -> m.StatusReply | None:
         """The daemon's StatusReply, at most ``max_age`` (default status_ttl_s) old; None when
@@ -205,6 +171,14 @@ class Front:
             raise HTTPError(400, "X-Councild-Seat must be 1-64 characters of A-Z a-z 0-9 . _ -", param="X-Councild-Seat")
         return header
 
+    @staticmethod
+    async def json_body(request: Request):
+        """The request's body, parsed; a 400 when it is not JSON."""
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise HTTPError(400, "the request body is not valid JSON") from None
+
     # ------------------------------------------------------------------ routes
     async def chat(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -218,17 +192,12 @@ class Front:
         seat = "-"
         try:
             seat = self.seat_for(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise HTTPError(400, "the request body is not valid JSON") from None
+            body = await self.json_body(request)
             try:
                 parsed = parse_request(body, chat, self.cfg.default_max_tokens)
             except BadRequest as exc:
                 raise HTTPError(400, exc.message, exc.param, exc.code) from None
-            client = self.client(seat)
-            await self.link.admit()  # an unreachable daemon: 503 now, not after daemon_timeout_s
-            welcome = await self.link.guard(client.connect())
+            client, welcome = await self.connected_client(seat)
             if "max_tokens" not in body and "max_completion_tokens" not in body:
                 parsed.generate["max_tokens"] = min(parsed.generate["max_tokens"], welcome.limits.max_tokens)
             model = self.cfg.model_name or welcome.model

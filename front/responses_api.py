@@ -19,8 +19,9 @@ responses are refused with a 400 saying so (send the whole conversation in ``inp
 hosted tools (web_search, file_search, ...) and non-text input. Errors keep OpenAI's shape
 ({"error": {"message", "type", "param", "code"}}), with the same statuses as the chat route.
 
-The shared machinery (seats, daemon clients, metrics, the error type) is the Front's, handed
-in by front/app.py, which imports this module and not the reverse.
+The shared machinery (seats, daemon clients, metrics, the start of a generation) is the
+Front's, handed in by front/app.py, which imports this module and not the reverse; the error
+type is front/errors.py's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from protocol import messages as m
 from protocol.client import CouncilError
 
 from .daemon_link import DaemonUnreachable
+from .errors import HTTPError, from_council, from_unreachable
 from .schema import BadRequest
 
 # Accepted and without effect here: ids, storage and routing hints of the hosted API.
@@ -526,37 +528,26 @@ class ResponseEvents:
 
 
 class ResponsesAPI:
-    """The Responses API route of one Front. ``http_error`` and ``from_council`` are
-    front/app.py's (handed in: no import cycle); so is ``front.start_generation``, where each
-    request's work starts."""
+    """The Responses API route of one Front (front/app.py's, which mounts them);
+    each request's work starts at ``front.start_generation``."""
 
-    def __init__(self, front, *, http_error, from_council):
+    def __init__(self, front):
         self.front = front
-        self.HTTPError = http_error
-        self.from_council = from_council
 
     def routes(self) -> list[Route]:
         return [Route("/v1/responses", self.create, methods=["POST"])]
-
-    def _unreachable(self, exc: DaemonUnreachable):
-        return self.HTTPError(503, exc.message, code="daemon_unavailable", retry_after=exc.retry_after)
 
     async def create(self, request: Request) -> Response:
         route, seat = "responses", "-"
         received = time.monotonic()
         try:
             seat = self.front.seat_for(request)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise self.HTTPError(400, "the request body is not valid JSON") from None
+            body = await self.front.json_body(request)
             try:
                 gen, stream_it, echo = parse_responses_request(body)
             except BadRequest as exc:
-                raise self.HTTPError(400, exc.message, exc.param, exc.code) from None
-            client = self.front.client(seat)
-            await self.front.link.admit()  # an unreachable daemon: 503 now, not after daemon_timeout_s
-            welcome = await self.front.link.guard(client.connect())
+                raise HTTPError(400, exc.message, exc.param, exc.code) from None
+            client, welcome = await self.front.connected_client(seat)
             if "max_tokens" not in gen:
                 gen["max_tokens"] = min(self.front.cfg.default_max_tokens, welcome.limits.max_tokens)
             model = self.front.cfg.model_name or welcome.model
@@ -570,19 +561,19 @@ class ResponsesAPI:
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             self.front.metrics.request(route, seat, 200, reply.finish_reason)
             return JSONResponse(shape.full(reply))
-        except self.HTTPError as exc:
+        except HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()
         except DaemonUnreachable as exc:
-            err = self._unreachable(exc)
+            err = from_unreachable(exc)
             self.front.metrics.request(route, seat, err.status, err.code)
             return err.response()
         except CouncilError as exc:
-            err = self.from_council(exc)
+            err = from_council(exc)
             if exc.code == "overloaded":
                 st = await self.front.status()
                 if st is not None and st.detail.get("state") == "loading":  # not ready, not busy (as on chat)
-                    err = self.HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
+                    err = HTTPError(503, exc.message, code="model_loading", retry_after=exc.retry_after_s or 2.0)
             self.front.metrics.request(route, seat, err.status, exc.code)
             return err.response()
 
@@ -616,7 +607,7 @@ class ResponsesAPI:
         except CouncilError as exc:
             # Headers are gone: the error travels in the stream, as response.failed.
             ended = True
-            err = self.from_council(exc)
+            err = from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
             yield events.failed(err.message, "rate_limit_exceeded" if err.status == 429 else "server_error")
         except Exception as exc:  # a fault of the front's own: still one terminal event, and the work stopped

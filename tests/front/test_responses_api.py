@@ -13,7 +13,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from front.app import HTTPError, from_council
 from front.responses_api import ResponseEvents, ResponsesAPI, ResponseShape, parse_responses_request
 from front.schema import BadRequest
 from protocol import messages as m
@@ -194,7 +193,7 @@ class _Stream:
 def test_a_stream_that_fails_ends_with_one_response_failed(error, status, code):
     recorded = []
     front = SimpleNamespace(metrics=SimpleNamespace(request=lambda *a: recorded.append(a)))
-    api = ResponsesAPI(front, http_error=HTTPError, from_council=from_council)
+    api = ResponsesAPI(front)
     stream = _Stream(error)
     accepted = m.Accepted(request_id="r1", queue_position=0, prompt_tokens=5)
 
