@@ -8,11 +8,17 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import anthropic
 import httpx
+import openai
+from e2e_harness import start_daemon
 
 REPO = Path(__file__).resolve().parents[2]
+# Heartbeats fast enough that a daemon's end is noticed within seconds.
+FAST_HEARTBEAT = "heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n"
 
 
 def free_port() -> int:
@@ -62,6 +68,30 @@ def start_front(tmp: Path, endpoint: str, http_table: str = "", wait_ready: bool
             front.stop()
             raise TimeoutError(f"councild http not ready in {timeout_s} s: {log_path.read_text()[-2000:]}")
         time.sleep(0.2)
+
+
+@contextmanager
+def daemon_behind_front(tmp: Path, model: Path, http_table: str = ""):
+    """(daemon, front): a daemon serving ``model`` with FAST_HEARTBEAT and `councild http` in
+    front of it; on leaving both stop, and the daemon must have exited 0."""
+    d = start_daemon(tmp, model, config=FAST_HEARTBEAT)
+    front = start_front(tmp, d.endpoint, http_table)
+    try:
+        yield d, front
+    finally:
+        front.stop()
+        code = d.stop()
+    assert code == 0, d.log_path.read_text()[-3000:]
+
+
+def openai_client(front: FrontProcess, api_key: str = "x", timeout: float = 300) -> openai.OpenAI:
+    """The official openai client on ``front``, without retries: a test sees every status."""
+    return openai.OpenAI(base_url=front.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+def anthropic_client(front: FrontProcess, api_key: str = "x", timeout: float = 300) -> anthropic.Anthropic:
+    """The official anthropic client on ``front``, without retries."""
+    return anthropic.Anthropic(base_url=front.url, api_key=api_key, max_retries=0, timeout=timeout)
 
 
 def sse_events(lines) -> list:

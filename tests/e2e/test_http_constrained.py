@@ -9,45 +9,23 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import openai
 import pytest
-from e2e_harness import start_daemon
-from http_harness import start_front
+from bounded_tools import CHAT_TOOLS, check_args
+from http_harness import anthropic_client, daemon_behind_front, openai_client
 
-# Parameters bounded so that even the random test model ends a call quickly under the grammar.
-PARAMS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9},
-                                           "unit": {"enum": ["c", "f"]}}, "required": ["days", "unit"]}
-TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "Weather forecast",
-                                           "parameters": PARAMS}},
-         {"type": "function", "function": {"name": "alarm", "description": "Set an alarm",
-                                           "parameters": {"type": "object", "properties": {
-                                               "hour": {"type": "integer", "minimum": 0, "maximum": 9}},
-                                               "required": ["hour"]}}}]
 ASK = [{"role": "user", "content": "Forecast for Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, e2e_model):
-    tmp = tmp_path_factory.mktemp("http-constrained")
-    d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n")
-    front = start_front(tmp, d.endpoint, "")
-    yield d, front
-    front.stop()
-    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    with daemon_behind_front(tmp_path_factory.mktemp("http-constrained"), e2e_model) as both:
+        yield both
 
 
 @pytest.fixture
 def oai(stack):
-    return openai.OpenAI(base_url=stack[1].url + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
-def _check_args(name: str, arguments: str) -> None:
-    args = json.loads(arguments)
-    if name == "forecast":
-        assert set(args) == {"days", "unit"} and 1 <= args["days"] <= 9 and args["unit"] in ("c", "f")
-    else:
-        assert set(args) == {"hour"} and 0 <= args["hour"] <= 9
+    return openai_client(stack[1])
 
 
 @pytest.mark.quick
@@ -73,14 +51,14 @@ def test_json_object_output_is_an_object(oai):
 @pytest.mark.parametrize("choice, names", [("required", {"forecast", "alarm"}),
                                            ({"type": "function", "function": {"name": "alarm"}}, {"alarm"})])
 def test_forced_tool_choice_makes_one_valid_call_and_streams_it_identically(oai, choice, names):
-    kw = dict(model="any", messages=ASK, max_tokens=120, temperature=0, tools=TOOLS, tool_choice=choice,
+    kw = dict(model="any", messages=ASK, max_tokens=120, temperature=0, tools=CHAT_TOOLS, tool_choice=choice,
               parallel_tool_calls=False)
     r = oai.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1 and not msg.content
     call = msg.tool_calls[0]
     assert call.type == "function" and call.function.name in names
-    _check_args(call.function.name, call.function.arguments)
+    check_args(call.function.name, call.function.arguments)
     chunks = list(oai.chat.completions.create(**kw, stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     # The same call, under the streamed request's own id (ids are per request: call_<request id>_<n>).
@@ -100,16 +78,16 @@ def test_unsupported_tool_schema_is_400_naming_the_construct(oai):
 
 
 def test_anthropic_tool_use_with_tool_choice_any(stack):
-    claude = anthropic.Anthropic(base_url=stack[1].url, api_key="x", max_retries=0, timeout=300)
+    claude = anthropic_client(stack[1])
     tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
-              "input_schema": t["function"]["parameters"]} for t in TOOLS]
+              "input_schema": t["function"]["parameters"]} for t in CHAT_TOOLS]
     kw = dict(model="any", max_tokens=120, extra_body={"temperature": 0}, messages=ASK, tools=tools,
               tool_choice={"type": "any", "disable_parallel_tool_use": True})
     out = claude.messages.create(**kw)
     assert out.stop_reason == "tool_use"
     uses = [b for b in out.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name in ("forecast", "alarm")
-    _check_args(uses[0].name, json.dumps(uses[0].input))
+    check_args(uses[0].name, json.dumps(uses[0].input))
     # Streamed: the SDK assembles the same tool_use block from Anthropic's events.
     with claude.messages.stream(**kw) as stream:
         final = stream.get_final_message()

@@ -13,15 +13,9 @@ import httpx
 import openai
 import pydantic
 import pytest
-from http_harness import start_front, terminal_events
+from bounded_tools import CHAT_TOOLS, RESPONSES_TOOLS, check_args
+from http_harness import openai_client, start_front, terminal_events
 
-PARAMS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9},
-                                           "unit": {"enum": ["c", "f"]}}, "required": ["days", "unit"]}
-TOOLS = [{"type": "function", "name": "forecast", "description": "Weather forecast", "parameters": PARAMS},
-         {"type": "function", "name": "alarm", "description": "Set an alarm",
-          "parameters": {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 9}},
-                         "required": ["hour"]}}]
-CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
 ASK = "Forecast for Paris?"
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
@@ -36,15 +30,7 @@ def stack(tmp_path_factory, daemon_proc):
 
 @pytest.fixture
 def oai(stack):
-    return openai.OpenAI(base_url=stack[1].url + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
-def _check_args(name: str, arguments: str) -> None:
-    args = json.loads(arguments)
-    if name == "forecast":
-        assert set(args) == {"days", "unit"} and 1 <= args["days"] <= 9 and args["unit"] in ("c", "f")
-    else:
-        assert set(args) == {"hour"} and 0 <= args["hour"] <= 9
+    return openai_client(stack[1])
 
 
 def _one_terminal(events) -> None:
@@ -105,14 +91,14 @@ def test_instructions_are_the_system_turn(oai):
 @pytest.mark.parametrize("choice, names", [("required", {"forecast", "alarm"}),
                                            ({"type": "function", "name": "alarm"}, {"alarm"})])
 def test_forced_function_call_and_its_stream(oai, choice, names):
-    kw = dict(model="any", input=ASK, max_output_tokens=120, temperature=0, tools=TOOLS, tool_choice=choice,
-              parallel_tool_calls=False)
+    kw = dict(model="any", input=ASK, max_output_tokens=120, temperature=0, tools=RESPONSES_TOOLS,
+              tool_choice=choice, parallel_tool_calls=False)
     r = oai.responses.create(**kw)
     assert r.status == "completed" and r.incomplete_details is None
     assert [o.type for o in r.output] == ["function_call"]
     call = r.output[0]
     assert call.name in names and call.call_id.startswith("call_") and call.status == "completed"
-    _check_args(call.name, call.arguments)
+    check_args(call.name, call.arguments)
     assert r.tool_choice == choice if isinstance(choice, str) else r.tool_choice.name == "alarm"
     assert [t.name for t in r.tools] == ["forecast", "alarm"]
     # Streamed (the client's stream helper assembles the response from the events).
@@ -136,7 +122,8 @@ def test_function_call_output_round_trip(oai):
                  "arguments": json.dumps({"days": 3, "unit": "c", "city": city})},
                 {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"}]
 
-    r = oai.responses.create(model="any", input=conversation("Paris"), tools=TOOLS, max_output_tokens=4, temperature=0)
+    r = oai.responses.create(model="any", input=conversation("Paris"), tools=RESPONSES_TOOLS, max_output_tokens=4,
+                             temperature=0)
     chat = oai.chat.completions.create(model="any", tools=CHAT_TOOLS, max_tokens=4, temperature=0, messages=[
         {"role": "user", "content": ASK},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -145,17 +132,17 @@ def test_function_call_output_round_trip(oai):
     # The same prompt as the chat route's call + tool turn, the same greedy answer.
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.output_text == (chat.choices[0].message.content or "")
-    longer = oai.responses.create(model="any", input=conversation("Paris " * 30), tools=TOOLS, max_output_tokens=4,
-                                  temperature=0)
+    longer = oai.responses.create(model="any", input=conversation("Paris " * 30), tools=RESPONSES_TOOLS,
+                                  max_output_tokens=4, temperature=0)
     assert longer.usage.input_tokens >= r.usage.input_tokens + 30  # the call's arguments are in the prompt
 
     # The Agents SDK's loop: a forced call's output items go back as input, with the result.
-    first = oai.responses.create(model="any", input=ASK, tools=TOOLS, tool_choice="required",
+    first = oai.responses.create(model="any", input=ASK, tools=RESPONSES_TOOLS, tool_choice="required",
                                  parallel_tool_calls=False, max_output_tokens=120, temperature=0)
     call = first.output[0]
     items = [{"role": "user", "content": ASK}, *[o.model_dump(exclude_none=True) for o in first.output],
              {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
-    follow = oai.responses.create(model="any", input=items, tools=TOOLS, max_output_tokens=4, temperature=0)
+    follow = oai.responses.create(model="any", input=items, tools=RESPONSES_TOOLS, max_output_tokens=4, temperature=0)
     assert follow.usage.input_tokens > first.usage.input_tokens + 5
     assert follow.status in ("completed", "incomplete") and follow.output
 
@@ -204,7 +191,8 @@ def test_disconnect_mid_stream_cancels_at_the_daemon(stack):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools[0].type", "only function tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among the tools"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "not among the tools"),
     ({"input": ""}, "input", "empty"),
     ({"input": [{"type": "function_call_output", "call_id": "call_9", "output": "x"}]}, "input[0].call_id",
      "no function_call"),

@@ -12,8 +12,7 @@ import json
 import anthropic
 import openai
 import pytest
-from e2e_harness import start_daemon
-from http_harness import start_front
+from http_harness import anthropic_client, daemon_behind_front, openai_client
 from tool_cases import ANSWERS, ASK_TOOL, TOOLS, anthropic_tool, errors, openai_tool
 
 from daemon.paths import BUNDLED_MODEL
@@ -25,23 +24,19 @@ FORCED = ["write_file", "grep", "create_event", "resize_image", "deploy"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("http-tool-close")
     # The bundled model, its daemon's default cap (64): the case the issue was filed on.
-    d = start_daemon(tmp, BUNDLED_MODEL, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n")
-    front = start_front(tmp, d.endpoint, "")
-    yield d, front
-    front.stop()
-    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    with daemon_behind_front(tmp_path_factory.mktemp("http-tool-close"), BUNDLED_MODEL) as both:
+        yield both
 
 
 @pytest.fixture
 def oai(stack):
-    return openai.OpenAI(base_url=stack[1].url + "/v1", api_key="x", max_retries=0, timeout=300)
+    return openai_client(stack[1])
 
 
 @pytest.fixture
 def claude(stack):
-    return anthropic.Anthropic(base_url=stack[1].url, api_key="x", max_retries=0, timeout=300)
+    return anthropic_client(stack[1])
 
 
 def ask(name: str) -> list[dict]:

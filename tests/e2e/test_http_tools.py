@@ -9,8 +9,7 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from e2e_harness import start_daemon
-from http_harness import start_front
+from http_harness import anthropic_client, daemon_behind_front, openai_client
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -20,22 +19,19 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, e2e_model):
-    tmp = tmp_path_factory.mktemp("http-tools")
-    d = start_daemon(tmp, e2e_model, config="heartbeat_timeout_s = 3.0\nheartbeat_interval_s = 0.5\n")
-    front = start_front(tmp, d.endpoint, '[http.api_keys]\n"key-tools" = "tools"\n')
-    yield d, front
-    front.stop()
-    assert d.stop() == 0, d.log_path.read_text()[-3000:]
+    with daemon_behind_front(tmp_path_factory.mktemp("http-tools"), e2e_model,
+                             '[http.api_keys]\n"key-tools" = "tools"\n') as both:
+        yield both
 
 
 @pytest.fixture
 def oai(stack):
-    return openai.OpenAI(base_url=stack[1].url + "/v1", api_key="key-tools", max_retries=0, timeout=120)
+    return openai_client(stack[1], api_key="key-tools", timeout=120)
 
 
 @pytest.fixture
 def claude(stack):
-    return anthropic.Anthropic(base_url=stack[1].url, api_key="key-tools", max_retries=0, timeout=120)
+    return anthropic_client(stack[1], api_key="key-tools", timeout=120)
 
 
 @pytest.mark.quick
