@@ -11,3 +11,19 @@ def random_model_path(tmp_path_factory):
     from daemon.engine.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("random-qwen35") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def lm(random_model_path):
+    """The random checkpoint loaded, once per module that asks (a module may define its own)."""
+    from daemon.engine.loading import load_model
+
+    return load_model(random_model_path)
+
+
+@pytest.fixture(scope="module")
+def head(lm):
+    """The random checkpoint's sidecar MTP head, loaded onto ``lm``."""
+    from daemon.engine.mtp_head import load_mtp_head
+
+    return load_mtp_head(lm)

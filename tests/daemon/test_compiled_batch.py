@@ -16,7 +16,6 @@ from daemon.engine.batch import BatchDecoder
 from daemon.engine.batch_spec import SpecBatchDecoder
 from daemon.engine.capture import capture_hidden
 from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
 from daemon.engine.ragged_cache import RaggedKVCache, keep_ragged
 from daemon.engine.sampling import Sampler
 from daemon.engine.serial import serial_decode
@@ -26,16 +25,6 @@ from daemon.measure.compile_bench import decode_path
 # Prompt lengths of the rows: a one-token prompt (an empty linear state merged as zeros)
 # beside longer ones, so the batch caches carry left padding.
 LENGTHS = (1, 6, 17, 30)
-
-
-@pytest.fixture(scope="module")
-def lm(random_model_path):
-    return load_model(random_model_path)
-
-
-@pytest.fixture(scope="module")
-def head(lm):
-    return load_mtp_head(lm)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import random
 import mlx.core as mx
 import pytest
 
-from daemon.engine.loading import load_model
 from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.rollback import STRATEGIES, attention_offset
 from daemon.engine.sampling import Sampler
@@ -19,16 +18,6 @@ from daemon.engine.types import SamplingParams
 from model_helpers import make_copy_head
 
 PROMPTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x"]
-
-
-@pytest.fixture(scope="module")
-def lm(random_model_path):
-    return load_model(random_model_path)
-
-
-@pytest.fixture(scope="module")
-def head(lm):
-    return load_mtp_head(lm)
 
 
 @pytest.fixture(scope="module")

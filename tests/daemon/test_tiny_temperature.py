@@ -9,8 +9,6 @@ import itertools
 import pytest
 
 from daemon.engine.batch import BatchDecoder
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
 from daemon.engine.sampling import GREEDY_BELOW, Sampler
 from daemon.engine.serial import serial_decode
 from daemon.engine.speculative import speculative_decode
@@ -18,16 +16,6 @@ from daemon.engine.types import SamplingParams
 
 TINY = [5e-324, 1e-45, 1e-40, 1e-38, 1e-20, GREEDY_BELOW / 2]
 N = 12
-
-
-@pytest.fixture(scope="module")
-def lm(random_model_path):
-    return load_model(random_model_path)
-
-
-@pytest.fixture(scope="module")
-def head(lm):
-    return load_mtp_head(lm)
 
 
 @pytest.fixture(scope="module")
