@@ -27,6 +27,10 @@ sum_y p(y) p(. | context + y) for the second, computed with serial (M=1) steps. 
 >= 5, the rest pooled. p-value by the Wilson-Hilferty normal approximation of the
 chi-square tail (scipy is not a dependency); fails when p < alpha (default 0.001).
 
+Prefix-cache arms (fidelity_prefix.py, ``--prefix-chunk 32``): exact requests that resume
+from an off-grid snapshot (a prompt's exact end, a finished turn's continuation) against
+serial decode of the whole prompt, where the split probe says such snapshots are exact.
+
 Batched arms (fidelity_batch.py, ``--batched 2,4,8``): the same token identity for rows
 speculating together in the continuous batch, 2-8 rows of mixed prompts and depths joining
 and leaving mid-stream, every third with the processors.
@@ -115,6 +119,7 @@ class ArmResult:
     lookup_accepted: int = 0
     batch_rows: int = 0  # the batched arms' height (fidelity_batch.py); 0: one request alone
     constraint: str = ""  # the constraint kind both sides decoded under ("": none)
+    resumed_at: list[int] = field(default_factory=list)  # prefix-cache arms: tokens each hit reused
 
     @property
     def flips_per_1000(self) -> float:
@@ -536,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", choices=("auto", "mlx", "invariant"), default="auto",
                     help="the forward's kernels, chosen as the daemon chooses them (kernel_choice.py): "
                          "auto keeps MLX's where the probes prove them invariant, else tries the invariant ones")
+    ap.add_argument("--prefix-chunk", type=int, default=32,
+                    help="the prefix-cache arms' prefill chunk (fidelity_prefix.py: exact requests resumed off the "
+                         "chunk grid, where the split probe allows it); 0 skips them")
     ap.add_argument("--batched-only", action="store_true",
                     help="run only the batched arms (no solo arms, deviation or temperature>0 tests)")
     args = ap.parse_args(argv)
@@ -604,6 +612,16 @@ def main(argv: list[str] | None = None) -> int:
             logit_jitter=args.logit_jitter, report=report, drafting=tuple(args.drafting.split(",")),
             quoting=load_quoting_prompts(args.quoting), pipeline=pipeline, constraint=kind,
         )
+    if args.prefix_chunk and "exact" in modes:
+        from .fidelity_prefix import run_prefix_arms
+
+        arms, exact_here = run_prefix_arms(lm, head, prompts, ArmResult, _serial_tokens, chunk=args.prefix_chunk,
+                                           max_tokens=args.tokens, depth=max(int(d) for d in args.depths.split(",")),
+                                           rollback=args.rollback, guard_margin=guard)
+        report.arms += arms
+        if not exact_here:
+            print(f"prefix-cache arms: not run: splits at {args.prefix_chunk}-token chunks are not bit-identical "
+                  "here, so exact requests reuse on the chunk grid only", file=sys.stderr)
     if args.deviation:
         progress.step(f"verify-vs-serial logit deviation, {min(3, len(prompts))} prompts")
         report.deviation = batch_deviation(

@@ -85,9 +85,13 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     rc = main(common + ["--depths", "1,3", "--tokens", "8", "--json", str(out), "--batched", ""])
     assert rc == 0
     data = json.loads(out.read_text())
-    # exact and fast at depths 1 and 3, then exact again with the logit processors on
-    assert data["passed"] is True and len(data["arms"]) == 6
-    assert [(a["mode"], a["processors"]) for a in data["arms"][4:]] == [("exact", True), ("exact", True)]
+    # exact and fast at depths 1 and 3, then exact again with the logit processors on, then
+    # exact requests resumed off the chunk grid (the prefix-cache arms, at depth 3)
+    assert data["passed"] is True and len(data["arms"]) == 8
+    assert [(a["mode"], a["processors"]) for a in data["arms"][4:6]] == [("exact", True), ("exact", True)]
+    prefix = data["arms"][6:]
+    assert [a["drafting"] for a in prefix] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation"]
+    assert all(a["identical"] == a["prompts"] == 2 and a["depth"] == 3 and len(a["resumed_at"]) == 2 for a in prefix)
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
     captured = capsys.readouterr()
     assert "| exact | off | - | 3 |" in captured.out  # drafting, mode, processors, constraint, depth
@@ -103,7 +107,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     whats = [m[3] for m in steps]
     assert "arm mtp exact depth 3, prompt 2/2" in whats and "arm mtp exact depth 1 +processors, prompt 1/2" in whats
     assert whats[-1].startswith("verify-vs-serial logit deviation")
-    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 12 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
+    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 16 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
     assert "[fidelity" not in captured.out  # the report on stdout stays clean
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
@@ -226,3 +230,36 @@ def test_constrained_arms_pass_and_can_fail():
     noisy = run_fidelity_gate(blm, head, load_prompts()[:2], depths=(2,), max_tokens=24, modes=("exact",),
                               constraint="json_object", guard_margin=None, logit_jitter=3.0)
     assert not noisy.passed and noisy.arms[0].first_divergence is not None
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL / "config.json").exists(), reason="bundled model not trained yet")
+def test_prefix_arms_resume_off_the_grid_with_serials_tokens():
+    """Exact requests resumed from a prompt's exact end and from a continuation (off the
+    chunk grid: this CPU's splits agree) decode serial's tokens, with the trained head's
+    drafts accepted; where splits are not exact no arm runs."""
+    from daemon.measure.fidelity_prefix import run_prefix_arms
+
+    blm = load_model(BUNDLED_MODEL)
+    head = load_mtp_head(blm)
+    prompts = load_prompts()[:3]
+    arms, exact_here = run_prefix_arms(blm, head, prompts, ArmResult, _serial_tokens, chunk=16, max_tokens=16, depth=3)
+    assert exact_here and [a.drafting for a in arms] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation"]
+    report = FidelityReport(model="bundled", rollback="capture", guard_margin=None, max_tokens=16, arms=arms)
+    assert report.passed and all(a.identical == a.prompts == 3 for a in arms), [a.first_divergence for a in arms]
+    encoded = [blm.encode_prompt(p, None, None) for p in prompts]
+    assert arms[0].resumed_at == [len(p) - 1 for p in encoded]  # each prompt's exact end
+    assert all(n > len(p) for n, p in zip(arms[1].resumed_at, encoded))  # past the prompt: the continuation
+    assert any(n % 16 for a in arms for n in a.resumed_at) and sum(a.accepted for a in arms) > 0
+    assert run_prefix_arms(blm, head, prompts, ArmResult, _serial_tokens, splits_exact=False) == ([], False)
+
+
+def test_prefix_arms_fail_on_a_divergence(lm, copy_head):
+    """Against a reference that is not serial's tokens the resumed requests diverge and the
+    arm records where."""
+    from daemon.measure.fidelity_prefix import run_prefix_arms
+
+    def shifted(lm_, prompt, n, params=SamplingParams()):
+        return [t + 1 for t in _serial_tokens(lm_, prompt, n, params)]
+
+    arms, _ = run_prefix_arms(lm, copy_head, load_prompts()[:2], ArmResult, shifted, chunk=8, max_tokens=6)
+    assert all(a.identical == 0 and a.flips == 2 and a.first_divergence["token"] == 0 for a in arms)

@@ -1,0 +1,104 @@
+"""The fidelity gate's prefix-cache arms: exact requests that resume off the chunk grid.
+
+Where the start-up split probe says splitting a prefill leaves a cold run's state bit for
+bit (engine/prefix_cache.py ``splits_agree``: on this CPU, at every chunk), exact requests
+resume from snapshots at any token. These arms prove what that promises, with the engine's
+own pieces (``PrefixCache``, ``ChunkedPrefill`` with its snapshot stops, the head history a
+hit restores) and speculative decode in exact mode, against serial decode of the whole
+prompt from scratch (the gate's reference), token for token:
+- "prompt end": prompt i is prefilled (a snapshot at its exact end, mid-chunk); a later
+  prompt (prompt i then prompt i+1) resumes there;
+- "continuation": prompt i is decoded speculatively and its finished state (prompt plus
+  every committed token) kept as the seat's continuation; the next turn (that transcript
+  then prompt i+1) resumes there.
+Where the probe says no, exact requests reuse on the chunk grid only and no arm runs (the
+report says so).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ..engine.model import LoadedModel
+from ..engine.prefill import ChunkedPrefill
+from ..engine.prefix_cache import PrefixCache, splits_agree
+from ..engine.sampling import Sampler
+from ..engine.speculative import DEFAULT_ROLLBACK, HeadHistory, speculative_decode
+from ..engine.types import SamplingParams
+
+KINDS = ("prompt end", "continuation")
+
+
+def run_prefix_arms(
+    lm: LoadedModel,
+    head,
+    prompts: list[str] | list[list[int]],
+    new_arm: Callable[..., object],
+    serial_tokens: Callable[[LoadedModel, list[int], int], list[int]],
+    chunk: int = 32,
+    max_tokens: int = 48,
+    depth: int = 2,
+    rollback: str = DEFAULT_ROLLBACK,
+    guard_margin: float | None = None,
+    splits_exact: bool | None = None,
+) -> tuple[list, bool]:
+    """One exact arm per kind of off-grid hit, and whether splits are exact here (None:
+    probe ``splits_agree`` at ``chunk``); no arms where they are not. Each arm's
+    ``resumed_at`` lists the prompt tokens every hit reused."""
+    exact_here = splits_agree(lm, chunk) if splits_exact is None else splits_exact
+    if not exact_here:
+        return [], False
+    encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
+    pc = PrefixCache(1 << 40, chunk, make_cache=lm.make_cache, splits_exact=True)
+
+    def prefill(tokens: list[int], cache=None, history=None, start: int = 0) -> ChunkedPrefill:
+        """The engine's prefill of ``tokens``, snapshots at its exact end (as _start sets)."""
+        stops = pc.boundaries(len(tokens), start)
+        pre = ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
+                             history if history is not None else HeadHistory(head), start=start, stops=stops)
+        while not pre.done:
+            pre.step()
+            if pre.pos in stops:
+                pc.store(tokens[: pre.pos], pre.cache, pre.history)
+        return pre
+
+    def decode(pre: ChunkedPrefill, arm) -> list[int]:
+        got: list[int] = []
+        gen = speculative_decode(lm, head, [pre.last_token], Sampler(SamplingParams(), prompt=pre.prompt), depth,
+                                 exact=True, guard_margin=guard_margin, rollback=rollback, cache=pre.cache,
+                                 history=pre.history, context=pre.prompt)
+        for step in gen:
+            got += step.tokens
+            arm.cycles += 1
+            arm.drafted += step.drafted
+            arm.accepted += step.accepted
+            if len(got) >= max_tokens:
+                break
+        gen.close()
+        return got
+
+    def resumed(tokens: list[int], arm) -> list[int]:
+        snap, start = pc.lookup(tokens, want_head=True)
+        arm.resumed_at.append(start)
+        cache, history = pc.restore(snap, tokens[start], head) if snap is not None else (None, None)
+        return decode(prefill(tokens, cache, history, start), arm)
+
+    arms = []
+    for kind in KINDS:
+        arm = new_arm(mode="exact", depth=depth, drafting=f"mtp, resumed at a {kind}")
+        t0 = time.perf_counter()
+        for pi, first in enumerate(encoded):
+            nxt = encoded[(pi + 1) % len(encoded)]
+            if kind == "prompt end":
+                prefill(first)
+                later = first + nxt
+            else:
+                pre = prefill(first)
+                said = decode(pre, arm)  # every committed token (a cycle may pass max_tokens)
+                pc.store_final(first + said, pre.cache, pre.history, seat=f"seat-{pi}")
+                later = first + said + nxt
+            arm.compare(serial_tokens(lm, later, max_tokens), resumed(later, arm)[:max_tokens], max_tokens, prompt=pi)
+        arm.seconds = time.perf_counter() - t0
+        arms.append(arm)
+    return arms, True
