@@ -236,8 +236,9 @@ class PrefixCache:
 
     def is_exact(self, p: int, from_exact: bool = True) -> bool:
         """Would a snapshot at ``p``, taken by a prefill that started from an exact state,
-        give a cold run's state?"""
-        return self.splits_exact or (from_exact and p % self.chunk == 0)
+        give a cold run's state? (Never after an inexact one: even where splits are exact, a
+        continuation whose decode rounded unlike serial steps is inexact, store_final.)"""
+        return from_exact and (self.splits_exact or p % self.chunk == 0)
 
     # ------------------------------------------------------------------ lookup
     def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:

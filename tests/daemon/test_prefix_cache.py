@@ -186,6 +186,10 @@ def test_a_continuation_is_exact_only_where_the_decode_left_a_cold_state(lm):
     assert not pc.store_final(other, prefilled(lm, other, 16), None, seat="b", exact=False).exact
     assert pc.lookup(other + [1], want_head=False)[1] == 0
     assert pc.lookup(prompt + [1], want_head=False)[1] == 40
+    # What a prefill stores after resuming from the inexact one is inexact too (worker.py
+    # asks is_exact with the job's chain), on the grid or off it.
+    assert pc.is_exact(57) and pc.is_exact(48) and not pc.is_exact(57, from_exact=False)
+    assert not pc.is_exact(48, from_exact=False)
 
 
 def test_a_snapshot_holds_no_spare_kv_capacity(lm):
