@@ -54,11 +54,17 @@ def start_councild_http(model: str, tmp: Path, env: dict, max_active: int, confi
     port = free_port()
     cfg = tmp / "councild.toml"
     # A TOML table may appear once: max_active joins the extra's own [scheduler] table if it has one.
+    # Top-level keys of the extra (those before its first table) go first, before any table.
     rows = f"max_active = {max_active}\n"
+    lines = config_extra.splitlines(keepends=True)
+    first_table = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
+    top, config_extra = "".join(lines[:first_table]), "".join(lines[first_table:])
+    if top and not top.endswith("\n"):
+        top += "\n"
     if "[scheduler]\n" in config_extra:
-        cfg.write_text(f"[http]\nport = {port}\n" + config_extra.replace("[scheduler]\n", "[scheduler]\n" + rows, 1))
+        cfg.write_text(top + f"[http]\nport = {port}\n" + config_extra.replace("[scheduler]\n", "[scheduler]\n" + rows, 1))
     else:
-        cfg.write_text(f"[scheduler]\n{rows}[http]\nport = {port}\n" + config_extra)
+        cfg.write_text(top + f"[scheduler]\n{rows}[http]\nport = {port}\n" + config_extra)
     daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--model", model, "--endpoint",
                                endpoint, "--config", str(cfg), "--log-format", "json"], cwd=REPO,
                               stdout=open(tmp / "daemon.log", "w"), stderr=subprocess.STDOUT, env=env)
