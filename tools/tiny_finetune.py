@@ -16,6 +16,8 @@
              parseable call (daemon/tool_calls.py) of the right tool, of closed calls (every
              ``<parameter=`` closed and ``</tool_call>`` present), of arguments carrying every
              required key; chit-chat with tools that calls nothing; JSON answers that parse.
+  ft-card    the candidate's MODEL_CARD.md: the bundled card plus the fine-tuning's recipe and
+             before/after numbers (tool-eval, acceptance).
 
 The chat part of an assistant turn is tokenized on its own (the prompt up to
 ``<|im_start|>assistant\\n`` first), as the model meets it when it generates.
@@ -332,6 +334,66 @@ def cmd_tool_eval(args):
     return res
 
 
+def _acc_rows(path):
+    acc = json.loads(Path(path).read_text())["acceptance"]
+    return {k: [round(x, 3) for x in v["conditional_acceptance_by_position"]] for k, v in acc.items()}
+
+
+RATES = [("call_rate", "a parseable call"), ("right_tool_rate", "a call of the right tool"),
+         ("closed_rate", "the call closed (every `<parameter=` closed, `</tool_call>` present)"),
+         ("args_valid_rate", "right tool, arguments with every required key, types and enums right"),
+         ("args_exact_rate", "right tool, arguments exactly the requested ones"),
+         ("chitchat_no_call_rate", "chit-chat with tools present answered without a call"),
+         ("json_valid_rate", "JSON answers (schema in the system turn) that parse, within 160 tokens")]
+
+
+def cmd_ft_card(args):
+    """The candidate's MODEL_CARD.md: the bundled card, its tools sentence updated, plus a
+    section on the fine-tuning with before/after numbers."""
+    import train_tiny_model as ttm
+
+    card = (ttm.DEFAULT_ASSET / "MODEL_CARD.md").read_text()
+    card = card.replace("the model was not trained on tools, so it only calls one when a grammar makes it",
+                        "the model was fine-tuned on them, see the last section")
+    ft_log = json.loads(Path(args.ft_log).read_text())
+    meta = json.loads((Path(args.data) / "meta.json").read_text())
+    b, a = Path(args.before), Path(args.after)
+    tb, ta = (json.loads((d / "tool_eval.json").read_text()) for d in (b, a))
+    ab, aa = _acc_rows(b / "eval_acceptance_postnorm.json"), _acc_rows(a / "eval_acceptance_postnorm.json")
+    c, fin, held = ft_log["config"], ft_log["final"], ft_log["held"]
+    size = sum(p.stat().st_size for p in Path(args.asset).iterdir() if p.is_file() and p.name != "MODEL_CARD.md")
+    L = ["\n## Fine-tuned on tools and JSON (issue 41)\n",
+         "Fine-tuned from the weights above (base and MTP head jointly, loss = base + 0.3 * mtp) by "
+         "`tools/train_tiny_model.py finetune` (tools/tiny_finetune.py); tokenizer, config and template unchanged. "
+         f"Data (`ft-data`, tools/tiny_tooldata.py): {meta['samples']:,} chats rendered with the daemon's chat "
+         "template: action requests answered by a call (Qwen3.5 XML, arguments copied from the request: paths, "
+         "patterns, text, urls, integers, numbers, booleans, enums, arrays, nested objects; 1-5 tools shown), "
+         "tool results as `<tool_response>` turns then a short answer, chit-chat with tools present answered in "
+         "text, JSON answers with short strings, plain chats. Tools: hand-written families and, for 65% of the "
+         "tool chats, made-up tools (random names and typed parameters). Held-out families, never trained on: "
+         f"{', '.join(meta['heldout_families'])} ({len(meta['heldout_tools'])} tools: "
+         f"{', '.join('`' + t + '`' for t in meta['heldout_tools'])}); the made-up names use no word of theirs "
+         "that the hand-written training tools lack. Loss on assistant tokens only for chats; batches half stdlib code windows (the staged train "
+         f"tokens), half chat windows; chat weight {c['chat_weight']}.\n",
+         f"- {fin['device']}, torch {fin['torch']}: {fin['steps']} steps of {c['batch']} x {c['seq']} tokens "
+         f"({fin['tokens']:,} tokens) in {fin['seconds']} s; peak lr {c['lr']}, warmup {c['warmup']:.0%}, "
+         "cosine to 10%.",
+         f"- held-out loss (base, mtp) before -> after: code {tuple(held[0]['code'])} -> "
+         f"{tuple(held[-1]['code'])}; chats of held-out tool families (assistant tokens) "
+         f"{tuple(held[0]['chat'])} -> {tuple(held[-1]['chat'])}.\n",
+         "MTP acceptance on held-out code (`evaluate --acceptance-only`, same setup as above), by position, "
+         "before -> after:\n",
+         "| depth | before | after |\n|---|---|---|"]
+    L += [f"| {k} | {ab[k]} | {aa[k]} |" for k in ("1", "2", "3", "4")]
+    L += [f"\nHeld-out tool schemas (`tool-eval`, mlx-lm on the CPU, free greedy generation, {ta['cases']} "
+          f"action requests over {len(ta['heldout_tools'])} held-out tools, {ta['max_tokens']} tokens):\n",
+          "| rate of | before | after |\n|---|---|---|"]
+    L += [f"| {d} | {tb[k]:.2f} | {ta[k]:.2f} |" for k, d in RATES]
+    L += [f"\nFolder size without this card: {size:,} bytes.\n"]
+    Path(args.asset, "MODEL_CARD.md").write_text(card.rstrip() + "\n" + "\n".join(L) + "\n")
+    log(f"wrote {Path(args.asset, 'MODEL_CARD.md')}")
+
+
 def add_parsers(sub):
     p = sub.add_parser("ft-data", help="stage tool/JSON chat data + code tokens for finetune")
     p.add_argument("--data", default=".ft_stage")
@@ -362,4 +424,11 @@ def add_parsers(sub):
     p.add_argument("--json-out", default=".ft_stage/tool_eval.json")
 
 
-COMMANDS = {"ft-data": cmd_ft_data, "finetune": cmd_finetune, "tool-eval": cmd_tool_eval}
+    p = sub.add_parser("ft-card", help="--asset's MODEL_CARD.md: the bundled card + the fine-tuning's numbers")
+    p.add_argument("--data", default=".ft_stage")
+    p.add_argument("--ft-log", required=True)
+    p.add_argument("--before", required=True, help="folder with tool_eval.json + eval_acceptance_postnorm.json")
+    p.add_argument("--after", required=True, help="the same for the candidate")
+
+
+COMMANDS = {"ft-data": cmd_ft_data, "finetune": cmd_finetune, "tool-eval": cmd_tool_eval, "ft-card": cmd_ft_card}

@@ -328,8 +328,9 @@ HELDOUT_FAMILIES = ("media", "cloud", "code", "shop", "travel", "home")
 
 
 # Made-up tools: names and parameters drawn at random, so that the model learns to copy a
-# tool's name and its parameters' names from the system turn rather than recall a few. No
-# word of a held-out tool's name (the verbs and nouns below leave them out) appears in them.
+# tool's name and its parameters' names from the system turn rather than recall a few. Their
+# verbs and nouns leave out every word of a held-out tool's name that no hand-written training
+# tool has (get, set, add, create stay: training tools have them too).
 VERBS = ["get", "set", "create", "add", "remove", "list", "update", "fetch", "show", "open", "close",
          "start", "stop", "check", "count", "rename", "copy", "sync", "upload", "export", "import",
          "archive", "merge", "split", "sort", "filter", "publish", "validate", "describe", "query",
