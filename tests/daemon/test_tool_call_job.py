@@ -85,10 +85,14 @@ def test_without_streaming_and_without_tools(tok):
     assert "".join(c.text for c in chunks) == done.text
 
 
-def test_a_call_never_closed_ends_as_text(tok):
+def test_a_call_never_closed_is_still_a_call_and_never_text(tok):
+    # Cut inside its first parameter's tag: the call with what was generated (nothing yet),
+    # never the template's markup as text (issue 41).
     chunks, done = run(tok, "a " + CALL[:40], 2)
-    assert done.tool_calls == [] and done.text == "a " + CALL[:40]
+    assert [(c.name, json.loads(c.arguments)) for c in done.tool_calls] == [("get_weather", {})]
+    assert "<" not in done.text and done.text.strip() == "a"
     assert "".join(c.text for c in chunks) == done.text
+    assert [t for c in chunks for t in (c.tool_calls or [])] == done.tool_calls
 
 
 def test_the_bundled_template_shows_tools_and_calls_the_qwen35_way(tok):
