@@ -161,7 +161,7 @@ def quantized(N: int, K: int, gs: int, bits: int, dtype=mx.bfloat16, seed: int =
 
 
 def kernel(x, q, s, b, gs, bits, **launch):
-    return invariant_quant.invariant_quantized_matmul(x, q, s, b, gs, bits, **launch)
+    return invariant.invariant_quantized_matmul(x, q, s, b, gs, bits, **launch)
 
 
 def mlx_qmm(x, q, s, b, gs, bits):

@@ -50,6 +50,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
+from . import invariant_quant
+
 # Keys are split into chunks of CHUNK *visible* keys (by their rank among the keys the query
 # may see, not by their slot), so a query's chunks are the same whether its row is alone,
 # padded, holed or one of many: one warp per (query, chunk) runs the online softmax over its
@@ -456,21 +458,49 @@ def _perturbed(y: mx.array) -> mx.array:
     return y
 
 
-_SWAPS = {qwen3_next.Qwen3NextAttention: InvariantAttention, nn.Linear: InvariantLinear, nn.Embedding: InvariantEmbedding}
+def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                               bits: int, **launch) -> mx.array:
+    """x [..., K] times MLX's affine-quantized w [N, K] transposed, every output summed in an
+    order fixed by K alone (engine/invariant_quant.py); on the CPU its reference ops."""
+    return invariant_quant.quantized_matmul(x, w, scales, biases, group_size, bits, backend(), **launch)
+
+
+def _quant_routable(x: mx.array) -> bool:
+    return _rows(x) <= MAX_ROWS and x.dtype in invariant_quant.FLOAT_INPUTS
+
+
+class InvariantQuantizedLinear(nn.QuantizedLinear):
+    """nn.QuantizedLinear through ``invariant_quantized_matmul`` for forwards of at most
+    MAX_ROWS rows (a prompt chunk takes MLX's ``quantized_matmul``). ``install`` swaps only
+    layers ``invariant_quant.refusal`` accepts."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not _quant_routable(x):
+            return super().__call__(x)
+        y = _perturbed(invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+                                                  self.group_size, self.bits))
+        return y + self["bias"] if "bias" in self else y
+
+
+class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A quantized tied output head (``as_linear``) through ``invariant_quantized_matmul``;
+    the lookup (a gather and an elementwise dequantize) is MLX's, already row by row."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _quant_routable(x):
+            return super().as_linear(x)
+        return _perturbed(invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"],
+                                                     self.group_size, self.bits))
+
+
+_SWAPS = {qwen3_next.Qwen3NextAttention: InvariantAttention, nn.Linear: InvariantLinear, nn.Embedding: InvariantEmbedding,
+          nn.QuantizedLinear: InvariantQuantizedLinear, nn.QuantizedEmbedding: InvariantQuantizedEmbedding}
+_BACK = {v: k for k, v in _SWAPS.items()}
+_QUANTIZED = (InvariantQuantizedLinear, InvariantQuantizedEmbedding)
 
 
 def attention_layers(backbone) -> list:
     return [layer.self_attn for layer in backbone.layers if hasattr(layer, "self_attn")]
-
-
-def _swaps() -> dict:
-    from . import invariant_quant
-
-    return {**_SWAPS, **invariant_quant.SWAPS}
-
-
-def _backs() -> dict:
-    return {v: k for k, v in _swaps().items()}
 
 
 # What the last ``install`` left MLX's and why: {module path: reason}.
@@ -485,18 +515,15 @@ def install(text_module, max_rows: int = MAX_ROWS) -> int:
     swapped. A quantized layer the kernel cannot take (``invariant_quant.refusal``) and
     foreign layers are left as they are (the refused ones, with the reason, in ``REFUSED``):
     the start-up probe (exactness.py) then finds the model not invariant and says so."""
-    from . import invariant_quant
-
     global MAX_ROWS
     MAX_ROWS = max(MAX_ROWS, max_rows)
     REFUSED.clear()
-    swaps = _swaps()
     n = 0
     for path, m in text_module.named_modules():
-        cls = swaps.get(type(m))
+        cls = _SWAPS.get(type(m))
         if cls is None:
             continue
-        if cls in invariant_quant.SWAPS.values():
+        if cls in _QUANTIZED:
             why = invariant_quant.refusal(m)
             if why is not None:
                 REFUSED[path] = why
@@ -507,13 +534,11 @@ def install(text_module, max_rows: int = MAX_ROWS) -> int:
 
 
 def uninstall(text_module) -> None:
-    backs = _backs()
     for _, m in text_module.named_modules():
-        cls = backs.get(type(m))
+        cls = _BACK.get(type(m))
         if cls is not None:
             m.__class__ = cls
 
 
 def installed(text_module) -> bool:
-    backs = _backs()
-    return any(type(m) in backs for _, m in text_module.named_modules())
+    return any(type(m) in _BACK for _, m in text_module.named_modules())

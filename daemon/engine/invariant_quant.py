@@ -5,7 +5,7 @@ linears (``nn.QuantizedLinear``, and a quantized tied head, ``nn.QuantizedEmbedd
 went through MLX's ``quantized_matmul``, whose kernels differ by batch height on GPUs, so the
 start-up probes failed there and exact rows of a 4-bit model never batched (issue 39).
 
-``invariant_quantized_matmul`` computes y[m, n] = sum_k x[m, k] * w[n, k] for MLX's affine
+``quantized_matmul`` computes y[m, n] = sum_k x[m, k] * w[n, k] for MLX's affine
 quantization as ``nn.QuantizedLinear`` stores it: ``weight`` uint32 [N, K * bits / 32]
 (element i of a word is bits [i * bits, (i + 1) * bits)), ``scales`` and ``biases``
 [N, K / group_size], w[n, k] = q * scale + bias of k's group. One warp (one SIMD group on
@@ -18,7 +18,7 @@ on which tile the row falls in, on NCW or on the block shape. Each weight word i
 per tile of MT rows (M <= MT: once for the whole forward). All loads are of an array's own
 element type (no vector loads), so any row-contiguous view MLX hands the kernel is aligned.
 
-On the CPU (no custom-kernel backend) the classes compute with ``reference_quantized_matmul``:
+On the CPU (no custom-kernel backend) it computes with ``reference_quantized_matmul``:
 the same arithmetic in plain MLX ops (dequantize to float32, then a float32 product summed
 along K by MLX's reduction, one output element at a time, independent of M), which tests
 and the device check compare against.
@@ -29,8 +29,11 @@ start-up probes (exactness.py, batch.py) guard them as every other path: a layer
 kernel gives other bits by batch height fails the probes and the daemon keeps MLX's.
 
 ``refusal`` names what the kernel cannot take (another mode than affine, bits other than
-2/4/8, no biases, a layout whose shapes do not agree); ``engine/invariant.install`` leaves such
-a layer MLX's and reports the reason.
+2/4/8, no biases, a layout whose shapes do not agree). The classes that route a model through
+the kernel (``InvariantQuantizedLinear``, ``InvariantQuantizedEmbedding``) live in
+engine/invariant.py beside the other invariant classes, whose row limit (MAX_ROWS), test hook
+and backend they share; its ``install`` leaves a refused layer MLX's and reports the reason.
+This module imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -39,8 +42,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-
-from . import invariant
 
 BITS = (2, 4, 8)  # power-of-two widths: a word holds 32 / bits whole elements
 FLOAT_INPUTS = (mx.bfloat16, mx.float16, mx.float32)
@@ -164,18 +165,17 @@ _METAL_QMM = """
     }
 """
 
-_kernel: Any = None
+_kernels: dict[str, Any] = {}
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
+def _get_kernel(backend: str):
+    if backend not in _kernels:
         names = dict(name="councild_invariant_qmm", input_names=["x", "w", "scales", "biases"], output_names=["y"])
-        if invariant.backend() == "metal":
-            _kernel = mx.fast.metal_kernel(source=_METAL_QMM, **names)
+        if backend == "metal":
+            _kernels[backend] = mx.fast.metal_kernel(source=_METAL_QMM, **names)
         else:
-            _kernel = mx.fast.cuda_kernel(source=_CUDA_QMM, **names)
-    return _kernel
+            _kernels[backend] = mx.fast.cuda_kernel(source=_CUDA_QMM, **names)
+    return _kernels[backend]
 
 
 def layout_refusal(w: mx.array, scales: mx.array, biases: mx.array | None, group_size: int, bits: int,
@@ -210,7 +210,7 @@ def refusal(module: nn.Module) -> str | None:
 
 def reference_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                                bits: int, chunk_bytes: int = 1 << 26) -> mx.array:
-    """``invariant_quantized_matmul``'s arithmetic in plain MLX ops: the weight dequantized to
+    """``quantized_matmul``'s arithmetic in plain MLX ops: the weight dequantized to
     float32, every output element a float32 sum over K of w * x, reduced along K one element
     at a time (MLX's reduction, whose order depends on K alone, not on how many rows there
     are). Output in x's dtype. Columns are done in chunks of at most ``chunk_bytes`` of
@@ -226,13 +226,15 @@ def reference_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biase
     return y.astype(x.dtype).reshape(*lead, N)
 
 
-def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-                               bits: int, *, cols_per_warp: int | None = None, warps_per_block: int | None = None,
-                               row_tile: int | None = None) -> mx.array:
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                     backend: str | None, *, cols_per_warp: int | None = None, warps_per_block: int | None = None,
+                     row_tile: int | None = None) -> mx.array:
     """x [..., K] times the quantized w [N, K] transposed, each output summed in an order
-    fixed by K alone (see the module docstring). On the CPU: ``reference_quantized_matmul``.
-    The keyword arguments override the launch shape (for the device check's sweep)."""
-    if invariant.backend() is None:
+    fixed by K alone (see the module docstring), on ``backend`` ("cuda" or "metal"; None, the
+    CPU: ``reference_quantized_matmul``). The keyword arguments override the launch shape
+    (for the device check's sweep). engine/invariant.py's ``invariant_quantized_matmul``
+    calls it with the process's backend."""
+    if backend is None:
         return reference_quantized_matmul(x, w, scales, biases, group_size, bits)
     why = layout_refusal(w, scales, biases, group_size, bits)
     if why is not None:
@@ -249,7 +251,7 @@ def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biase
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     warps = -(-N // ncw)
-    (y,) = _get_kernel()(
+    (y,) = _get_kernel(backend)(
         inputs=[x2, w, scales, biases],
         template=[("T", x.dtype), ("BITS", bits), ("GS", group_size), ("NCW", ncw), ("MT", mt)],
         grid=(32 * warps, 1, 1),
@@ -258,34 +260,3 @@ def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biase
         output_dtypes=[x.dtype],
     )
     return y.reshape(*lead, N)
-
-
-def _routable(x: mx.array) -> bool:
-    return invariant._rows(x) <= invariant.MAX_ROWS and x.dtype in FLOAT_INPUTS
-
-
-class InvariantQuantizedLinear(nn.QuantizedLinear):
-    """nn.QuantizedLinear through ``invariant_quantized_matmul`` for forwards of at most
-    invariant.MAX_ROWS rows (a prompt chunk takes MLX's ``quantized_matmul``). ``install``
-    swaps only layers ``refusal`` accepts."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if not _routable(x):
-            return super().__call__(x)
-        y = invariant._perturbed(invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                                            self.group_size, self.bits))
-        return y + self["bias"] if "bias" in self else y
-
-
-class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
-    """A quantized tied output head (``as_linear``) through ``invariant_quantized_matmul``;
-    the lookup (a gather and an elementwise dequantize) is MLX's, already row by row."""
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        if not _routable(x):
-            return super().as_linear(x)
-        return invariant._perturbed(invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"],
-                                                               self.group_size, self.bits))
-
-
-SWAPS = {nn.QuantizedLinear: InvariantQuantizedLinear, nn.QuantizedEmbedding: InvariantQuantizedEmbedding}

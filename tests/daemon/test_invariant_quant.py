@@ -86,7 +86,7 @@ def test_the_cpu_routes_the_matmul_through_the_reference():
     assert invariant.backend() is None
     q, s, b = _quantized(64, 128, 32, 8)
     x = mx.random.normal((3, 128))
-    assert mx.array_equal(invariant_quant.invariant_quantized_matmul(x, q, s, b, 32, 8),
+    assert mx.array_equal(invariant.invariant_quantized_matmul(x, q, s, b, 32, 8),
                           invariant_quant.reference_quantized_matmul(x, q, s, b, 32, 8)).item()
 
 
@@ -114,7 +114,7 @@ def test_layouts_the_kernel_cannot_take_are_refused_with_a_reason(kw, needle):
     assert invariant.install(model) == 1
     assert invariant.REFUSED == {"layers.0": why}
     assert type(model.layers[0]) is nn.QuantizedLinear  # left MLX's
-    assert type(model.layers[1]) is invariant_quant.InvariantQuantizedLinear
+    assert type(model.layers[1]) is invariant.InvariantQuantizedLinear
     assert mx.array_equal(model.layers[0](x), before).item()
     invariant.uninstall(model)
     assert type(model.layers[1]) is nn.QuantizedLinear
@@ -146,8 +146,8 @@ def test_install_swaps_quantized_linears_and_the_tied_head_and_uninstall_restore
     x = mx.random.normal((2, 3, 256)).astype(mx.bfloat16)
     before = (lin(x), emb.as_linear(x), emb(mx.array([[1, 7]])))
     assert invariant.install(model) == 2 and invariant.installed(model) and not invariant.REFUSED
-    assert isinstance(emb, invariant_quant.InvariantQuantizedEmbedding)
-    assert isinstance(lin, invariant_quant.InvariantQuantizedLinear)
+    assert isinstance(emb, invariant.InvariantQuantizedEmbedding)
+    assert isinstance(lin, invariant.InvariantQuantizedLinear)
     during = (lin(x), emb.as_linear(x), emb(mx.array([[1, 7]])))
     ref = invariant_quant.reference_quantized_matmul
     assert mx.array_equal(during[0], ref(x, lin.weight, lin.scales, lin.biases, 32, 8) + lin.bias).item()
@@ -211,7 +211,7 @@ def test_a_quantized_model_passes_the_probes_through_the_invariant_classes(fresh
         "verify", "batch", "ragged_verify"}
     kinds = {type(m) for _, m in lm.text_module.named_modules()}
     assert nn.QuantizedLinear not in kinds and nn.QuantizedEmbedding not in kinds
-    assert {invariant_quant.InvariantQuantizedLinear, invariant_quant.InvariantQuantizedEmbedding} <= kinds
+    assert {invariant.InvariantQuantizedLinear, invariant.InvariantQuantizedEmbedding} <= kinds
     assert invariant.REFUSED == {}
     during = lm.logits(lm.hidden(tok, lm.make_cache()))
     assert mx.abs(during.astype(mx.float32) - before.astype(mx.float32)).max().item() < 0.25
