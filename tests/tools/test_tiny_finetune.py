@@ -90,6 +90,9 @@ def test_heldout_families_never_in_training():
     assert all({t["function"]["name"] for t in c["tools"]} <= held for c in cases)
 
 
+# A training run (the `slow` tier, as the other training runs): it needs torch, which only the
+# training tools use (`pip install torch==2.13.0`), not the daemon or the suite's other tests.
+@pytest.mark.slow
 def test_finetune_runs_two_steps_on_cpu(tok, tmp_path):
     pytest.importorskip("torch")
     import train_tiny_model as ttm
