@@ -102,7 +102,12 @@ def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, com
             return KernelChoice("mlx", "MLX's kernels are invariant here (every probe passed)", verdicts, probes)
     swap_kernels(lm, True, rows, compile_decode)
     inv_verdicts = verdicts_for(lm, group)
-    probes["invariant"] = _probe(lm, inv_verdicts, rollback, rows, ragged)
+    try:
+        probes["invariant"] = _probe(lm, inv_verdicts, rollback, rows, ragged)
+    except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here is refused, not fatal
+        swap_kernels(lm, False, rows, compile_decode)
+        return KernelChoice("mlx", f"the invariant kernels raised {type(exc).__name__}: {str(exc)[:500]}: refused, "
+                                   "MLX's kept", verdicts, probes)
     if all(probes["invariant"].values()):
         why = ("MLX's kernels failed " + ", ".join(k for k, v in probes["mlx"].items() if not v) + "; "
                if "mlx" in probes else "configured; ")

@@ -242,3 +242,17 @@ def test_only_the_quantized_classes_carry_a_perturbation_into_a_fully_quantized_
     invariant.PERTURB_BATCHED = True
     perturbed = lm.logits(lm.hidden(toks, lm.make_cache()))
     assert not mx.array_equal(plain, perturbed).item()
+
+
+def test_a_kernel_that_raises_is_refused_not_fatal(fresh_probes, monkeypatch):
+    """An unproven kernel that fails to compile or run on this device (here: the quantized
+    path raising) makes the daemon keep MLX's kernels with the error as the reason."""
+    lm = fresh_probes
+
+    def broken(*a, **kw):
+        raise RuntimeError("nvrtc: error: simulated compile failure")
+
+    monkeypatch.setattr(invariant_quant, "quantized_matmul", broken)
+    choice = choose_kernels(lm, "invariant", rollback="capture", rows=4, ragged=False, compile_decode=False)
+    assert choice.kernels == "mlx" and "simulated compile failure" in choice.reason and "refused" in choice.reason
+    assert not invariant.installed(lm.text_module) and lm.kernels == "mlx"
