@@ -32,7 +32,7 @@ MEMBERS = [
     ("judge", "normal", "@schema"),
 ]
 # The structured members' chats and what constrains them. Bounded arguments, so that even the
-# tiny bundled model (never trained on tools) ends its call within the demo's max_tokens.
+# tiny bundled model ends its call within the demo's max_tokens.
 WEATHER = {"name": "get_weather", "description": "Weather forecast for a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
                                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
