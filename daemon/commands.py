@@ -2,24 +2,31 @@
 
 The socket loop puts a command on ``EngineWorker.commands``; the intake thread (intake.py)
 tokenizes each Submit and passes every command on, in order; the engine thread drains them
-between two decode cycles (the only safe points) with ``CommandHandling._drain_commands``.
+between two decode cycles (the only safe points) with ``CommandHandling.drain``.
 Nothing here touches mlx: a command changes the scheduler's queues, ends requests with their
 terminal message, or hands the governor an override.
 
-``CommandHandling`` is a part of ``EngineWorker`` (worker.py) kept in its own file; it uses
-the worker's scheduler, jobs, governance and its ``_finish`` / ``_send`` / ``_publish``.
+``CommandHandling`` is a part of ``EngineWorker`` (worker.py) with its own state (whether a
+Stop came); it is handed the queue it reads, the scheduler, the jobs, the loaded engine (its
+governance), the status (to publish at once) and the worker's ``_finish`` / ``_send`` /
+``_publish``, which a tensor-parallel rank overrides (daemon/distributed/lockstep.py).
 """
 
 from __future__ import annotations
 
 import queue
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from protocol import messages as m
 
 from .logs import get_logger
 from .requests import Job
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+    from .loaded_engine import LoadedEngine
+    from .status_snapshot import EngineStatus
 
 log = get_logger("councild.engine")
 
@@ -64,9 +71,22 @@ class GovernorOverride:
 
 
 class CommandHandling:
-    """Applying the commands (a mixin of EngineWorker)."""
+    """Applying the commands: ``drain`` (the single-process loop's), ``apply`` (one command),
+    ``fail_all``; ``stopping`` once a Stop came."""
 
-    def _drain_commands(self, block: bool) -> bool:
+    def __init__(self, ready: queue.Queue, scheduler: Scheduler, jobs: dict, engine: LoadedEngine,
+                 status: EngineStatus, *, finish: Callable, send: Callable, publish: Callable):
+        self._ready = ready
+        self.scheduler = scheduler
+        self.jobs = jobs
+        self.engine = engine
+        self.status = status
+        self._finish = finish
+        self._send = send
+        self._publish = publish
+        self.stopping = False
+
+    def drain(self, block: bool) -> bool:
         """Apply queued commands; False when the thread must stop."""
         timeout = 0.1 if block else 0.0
         while True:
@@ -75,26 +95,26 @@ class CommandHandling:
             except queue.Empty:
                 return True
             timeout = 0.0
-            if not self._apply_command(cmd):
+            if not self.apply(cmd):
                 return False
 
-    def _apply_command(self, cmd) -> bool:
+    def apply(self, cmd) -> bool:
         """Apply one command; False when the thread must stop."""
         if isinstance(cmd, Submit):
             self._submit(cmd.job)
         elif isinstance(cmd, CancelJob):
             self._cancel(cmd.key, cmd.reason)
         elif isinstance(cmd, CancelAll):
-            self._fail_all(cmd.code, cmd.message)
+            self.fail_all(cmd.code, cmd.message)
         elif isinstance(cmd, GovernorOverride):
             self._override(cmd)
         elif isinstance(cmd, ReloadGovernor):
-            if self.governance is not None:
-                self.governance.reconfigure(cmd.table)
+            if self.engine.governance is not None:
+                self.engine.governance.reconfigure(cmd.table)
         elif isinstance(cmd, ReloadScheduler):
             self.scheduler.cfg = cmd.cfg
         elif isinstance(cmd, Stop):
-            self._stopping = True
+            self.stopping = True
             if not self.scheduler.has_work():
                 return False
         return True
@@ -112,8 +132,8 @@ class CommandHandling:
             return
         self.jobs[job.key] = job
         self.scheduler.submit(job)
-        if self.governance is not None:
-            self.governance.on_arrival()
+        if self.engine.governance is not None:
+            self.engine.governance.on_arrival()
         self._send(job.identity, m.Accepted(request_id=job.request_id,
                                             queue_position=self.scheduler.position(job),
                                             prompt_tokens=len(job.prompt)), key=job.key)
@@ -121,14 +141,14 @@ class CommandHandling:
                  prompt_tokens=len(job.prompt), max_tokens=msg.max_tokens)
 
     def _override(self, cmd: GovernorOverride) -> None:
-        if self.governance is None:
+        if self.engine.governance is None:
             reply = m.GovernorReply(ok=False, message="the governor is disabled in this daemon's configuration")
         else:
-            ok, message = self.governance.override(cmd.action, cmd.depth)
-            reply = m.GovernorReply(ok=ok, message=message, state=self.governance.snapshot())
+            ok, message = self.engine.governance.override(cmd.action, cmd.depth)
+            reply = m.GovernorReply(ok=ok, message=message, state=self.engine.governance.snapshot())
             log.info("governor.override", action=cmd.action, depth=cmd.depth, ok=ok, message=message)
         # Publish before replying, so a status read right after the reply shows the change.
-        self._published_at = 0.0
+        self.status.published_at = 0.0
         self._publish()
         self._send(cmd.identity, reply)
 
@@ -151,6 +171,6 @@ class CommandHandling:
             self._finish(job, m.Error(request_id=job.request_id, code="shutting_down",
                                       message="the daemon is shutting down and the drain deadline passed"))
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def fail_all(self, code: str, message: str) -> None:
         for job in list(self.jobs.values()):
             self._finish(job, m.Error(request_id=job.request_id, code=code, message=message))

@@ -1,25 +1,33 @@
 """How an admitted request decodes: its start, then the decode path it takes.
 
-``_start`` begins a request's chunked prefill (from the longest prefix the prefix cache
-holds); when the prefill ends ``_begin_decode`` picks its path: speculation when it runs
+``start`` begins a request's chunked prefill (from the longest prefix the prefix cache
+holds); when the prefill ends ``begin_decode`` picks its path: speculation when it runs
 alone (the MTP head and prompt lookup draft, one verify checks), a row of the continuous
 batch when others run too (speculating there where the batch does), else serial decode.
 A solo speculative decode moves into the batch at its cycle boundary when others arrive
 (``_hand_solo_to_batch``); a parked batch row rejoins with the state it left with.
 
-``DecodePaths`` is a part of ``EngineWorker`` (worker.py) kept in its own file; the step
-loop there advances what these methods set up.
+``DecodePaths`` is a part of ``EngineWorker`` (worker.py): it is handed the configuration,
+the loaded engine, the scheduler, the group, the prefix cache's use and the worker's
+``_failed`` / ``_deliver`` / ``depth_pinned`` (a tensor-parallel rank overrides them) and
+start-up's ``build_ahead``; the step loop there advances what these methods set up.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Callable
 
 from protocol import messages as m
 
 from .detokenize import CommittedText
 from .logs import get_logger
 from .requests import Job
+
+if TYPE_CHECKING:
+    from .loaded_engine import LoadedEngine
+    from .prefix_cache_use import PrefixCacheUse
+    from .scheduler import Scheduler
 
 log = get_logger("councild.engine")
 
@@ -43,11 +51,24 @@ def _fail_after(gen, limit: int):
 
 
 class DecodePaths:
-    """Starting requests and choosing their decode path (a mixin of EngineWorker)."""
+    """Starting requests and choosing their decode path: ``start``, ``begin_decode``."""
 
-    def _start(self, job: Job) -> None:
+    def __init__(self, cfg, engine: LoadedEngine, scheduler: Scheduler, group, prefix_use: PrefixCacheUse, *,
+                 failed: Callable, deliver: Callable, depth_pinned: Callable[[], bool],
+                 build_ahead: Callable[[], bool | None]):
+        self.cfg = cfg
+        self.engine = engine
+        self.scheduler = scheduler
+        self.group = group
+        self.prefix_use = prefix_use
+        self._failed = failed
+        self._deliver = deliver
+        self.depth_pinned = depth_pinned
+        self._build_ahead = build_ahead
+
+    def start(self, job: Job) -> None:
         """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
-        chunk per cycle by ``_advance``; its decode path is chosen when that ends."""
+        chunk per cycle by the worker's ``_advance``; its decode path is chosen when that ends."""
         from .engine.prefill import ChunkedPrefill
         from .engine.sampling import Sampler
         from .engine.types import SamplingParams
@@ -68,24 +89,24 @@ class DecodePaths:
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = job.mode != "fast"
-        if (job.mode == "exact" and job.sampler.greedy and not self.verify_exact
+        if (job.mode == "exact" and job.sampler.greedy and not self.engine.verify_exact
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
             job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
         chunk = self.scheduler.cfg.prefill_chunk
-        want_head = job.mode != "off" and self.slot.resident
+        want_head = job.mode != "off" and self.engine.slot.resident
         cache, history, start, stops = None, None, 0, ()
-        pc = self.prefix_cache
+        pc = self.engine.prefix_cache
         if pc is not None:
             if chunk != pc.chunk:  # SIGHUP changed it: exact snapshots are per chunk size
-                self._open_prefix_cache(chunk)
-                pc = self.prefix_cache
+                self.prefix_use.open_prefix_cache(chunk)
+                pc = self.engine.prefix_cache
             # Inexact snapshots (engine/prefix_cache.py) only for requests that accept
             # near-tie flips, unless the operator allows them for all.
             allow_inexact = self.cfg.prefix_cache.inexact_reuse or job.mode == "fast"
             snap, start = pc.lookup(job.prompt, want_head, allow_inexact=allow_inexact)
             job.exact_chain = snap is None or snap.exact
             if snap is not None:
-                cache, history = pc.restore(snap, job.prompt[start], self.slot.head if want_head else None)
+                cache, history = pc.restore(snap, job.prompt[start], self.engine.slot.head if want_head else None)
             job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
                                             fine=pc.splits_exact or allow_inexact)
             if pc.splits_exact:  # a chunk may end anywhere here: end one at each snapshot point
@@ -93,13 +114,13 @@ class DecodePaths:
         if history is None and want_head:
             from .engine.speculative import HeadHistory
 
-            history = HeadHistory(self.slot.head)  # primed during prefill, in case it speculates
+            history = HeadHistory(self.engine.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start
         job.started_at = time.monotonic()
-        job.prefill = ChunkedPrefill(self.lm, job.prompt, chunk, cache if cache is not None else self.lm.make_cache(),
+        job.prefill = ChunkedPrefill(self.engine.lm, job.prompt, chunk, cache if cache is not None else self.engine.lm.make_cache(),
                                      history, start=start, stops=stops)
 
-    def _begin_decode(self, job: Job) -> None:
+    def begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled
         cache: speculation when it runs alone, a row in the continuous batch when others
         run too (speculating there where the batch does, engine/batch_spec.py), else its
@@ -117,67 +138,67 @@ class DecodePaths:
         alone = len(self.scheduler.active) <= 1 or latency_first
         drafting = self._drafting_options()
         # Prompt lookup drafts at depth 0 too, and without a resident head (hybrid models).
-        can_draft = self.slot.resident and self.slot.current_depth() > 0 or "lookup" in drafting
+        can_draft = self.engine.slot.resident and self.engine.slot.current_depth() > 0 or "lookup" in drafting
         speculate = mode != "off" and can_draft and alone
         if not speculate and self._batchable(job):
-            if self.batch_speculates:
-                history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
-                self.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
+            if self.engine.batch_speculates:
+                history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
+                self.engine.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
                                depth=self._row_depth(job))
                 job.batched = True
                 self._hand_solo_to_batch()
             else:
-                self.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
+                self.engine.batch.add(job.key, sampler, last, cache=pre.cache, exact=job.exact)
                 job.batched = True
                 mode = "off"
-            job.start(self.batch.handle(job.key), CommittedText(self.lm.tokenizer, job.prompt), mode)
+            job.start(self.engine.batch.handle(job.key), CommittedText(self.engine.lm.tokenizer, job.prompt), mode)
             return
-        if mode != "off" and (self.slot.resident or "lookup" in drafting):
+        if mode != "off" and (self.engine.slot.resident or "lookup" in drafting):
             from .engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            history = pre.history if pre.history is not None and pre.history.head is self.slot.head else None
+            history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
             job.decode_history = history
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
             # near-tie guard cannot change a token: exact mode runs without it (issue 18).
             job.handoff = False  # set to move this solo decode into the batch (_hand_solo_to_batch)
-            gen = speculative_decode(self.lm, self.slot.head, last, sampler, depth=self._request_depth(job),
+            gen = speculative_decode(self.engine.lm, self.engine.slot.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact",
-                                     guard_margin=None if self.verify_exact else spec.guard_margin,
+                                     guard_margin=None if self.engine.verify_exact else spec.guard_margin,
                                      rollback=spec.rollback, cache=pre.cache, history=history,
                                      context=job.prompt,
                                      pipeline=self._build_ahead(), handoff=lambda: job.handoff, **drafting)
             job.solo_spec = True
         else:
             mode = "off"
-            gen = serial_decode(self.lm, last, sampler, cache=pre.cache)
+            gen = serial_decode(self.engine.lm, last, sampler, cache=pre.cache)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
-        job.start(gen, CommittedText(self.lm.tokenizer, job.prompt), mode)
+        job.start(gen, CommittedText(self.engine.lm.tokenizer, job.prompt), mode)
 
     def _batchable(self, job: Job) -> bool:
         """Whether the job may decode as a row of the continuous batch."""
-        return (job.priority != "interactive" and self.batch is not None and self.cfg.debug_fail_after_tokens is None
-                and self.batch.admits(job.sampler, job.exact))
+        return (job.priority != "interactive" and self.engine.batch is not None and self.cfg.debug_fail_after_tokens is None
+                and self.engine.batch.admits(job.sampler, job.exact))
 
     def _row_depth(self, job: Job):
         """A batched row's own depth ceiling (the batch's depth is ``HeadSlot.depth_for``)."""
         if job.mode == "off":
             return lambda: 0
         request_depth = self._request_depth(job)
-        return None if request_depth == self.slot.current_depth else request_depth
+        return None if request_depth == self.engine.slot.current_depth else request_depth
 
     def _rejoin_batch(self, job: Job, state: tuple) -> None:
         """A parked batch row comes back with the state ``extract`` gave it."""
-        if self.batch_speculates:
+        if self.engine.batch_speculates:
             cache, primary, history = state
-            self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
+            self.engine.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
                            depth=self._row_depth(job))
         else:
             cache, next_token = state
-            self.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
+            self.engine.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
 
     def _hand_solo_to_batch(self) -> None:
         """Others now decode in the speculating batch: move each running solo speculative
@@ -186,7 +207,7 @@ class DecodePaths:
         for job in list(self.scheduler.active):
             if not job.solo_spec or job.batched or job.generator is None:
                 continue
-            if not self._batchable(job) or len(self.batch) >= self.batch.max_rows:
+            if not self._batchable(job) or len(self.engine.batch) >= self.engine.batch.max_rows:
                 continue
             job.handoff = True
             try:
@@ -194,11 +215,11 @@ class DecodePaths:
             except StopIteration as done:
                 job.solo_spec = False
                 cache, primary, history = done.value
-                self.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
+                self.engine.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
                                depth=self._row_depth(job))
                 job.batched = True
-                job.generator = self.batch.handle(job.key)
-                log.info("batch.joined", request_id=job.request_id, seat=job.seat, rows=len(self.batch),
+                job.generator = self.engine.batch.handle(job.key)
+                log.info("batch.joined", request_id=job.request_id, seat=job.seat, rows=len(self.engine.batch),
                          completion_tokens=len(job.token_ids))
                 continue
             except Exception as exc:
@@ -213,12 +234,12 @@ class DecodePaths:
         from .profile import best_depth, sampling_entry
 
         p = job.msg
-        entry = sampling_entry(self.tuned_profile, p.temperature, p.top_p, p.top_k)
+        entry = sampling_entry(self.engine.tuned_profile, p.temperature, p.top_p, p.top_k)
         if entry is None:
             job.depth_ceiling = None
-            return self.slot.current_depth
+            return self.engine.slot.current_depth
         ceiling = job.depth_ceiling = best_depth(entry)
-        return lambda: min(self.slot.current_depth(), ceiling)
+        return lambda: min(self.engine.slot.current_depth(), ceiling)
 
     def _drafting_options(self) -> dict:
         """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
@@ -227,7 +248,7 @@ class DecodePaths:
 
         spec = self.cfg.speculation
         out: dict = {}
-        if spec.prompt_lookup and self.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
+        if spec.prompt_lookup and self.engine.lm.model_type in HYBRID_MTP_TYPES:  # rollback needs the hybrid cache
             out["lookup"] = LookupConfig(max_draft=spec.lookup_max_draft)
         # An operator's pinned depth is drafted in full; under the governor it is a ceiling.
         pinned = self.depth_pinned()
@@ -238,16 +259,3 @@ class DecodePaths:
 
             out["loop_guard"] = LoopGuardConfig()
         return out
-
-    def _build_ahead(self) -> bool | None:
-        """speculative_decode's ``pipeline``. Never in a group: whether a cycle is built ahead
-        depends on this rank's wall-clock cycle time, so ranks could build (and run) their
-        forwards' collectives in different graphs and orders; lockstep needs every rank to
-        make the same choice, and only a fixed one is."""
-        if self.group is not None:
-            return False
-        spec = self.cfg.speculation
-        return None if spec.build_ahead == "auto" else spec.build_ahead
-
-    def depth_pinned(self) -> bool:
-        return self.governance is not None and self.governance.gov.state.override == "pin_depth"

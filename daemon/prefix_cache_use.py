@@ -1,31 +1,41 @@
 """The prefix cache as the engine thread uses it: opening it, and keeping a finished turn.
 
-``_open_prefix_cache`` makes the cache for the prefill chunk in force (at start, and again
+``open_prefix_cache`` makes the cache for the prefill chunk in force (at start, and again
 when SIGHUP changes the chunk): whether off-grid chunk splits are exact on this backend, and
-the disk tier under this model's and settings' key. ``_keep_continuation`` stores a finished
+the disk tier under this model's and settings' key. ``keep_continuation`` stores a finished
 request's prompt and output for the seat's next turn. Lookups and chunk snapshots happen as
 a request starts and prefills (decode_paths.py, worker.py).
 
-``PrefixCacheUse`` is a part of ``EngineWorker`` (worker.py) kept in its own file.
+``PrefixCacheUse`` is a part of ``EngineWorker`` (worker.py), handed the configuration, the
+loaded engine (whose ``prefix_cache`` it opens and reopens) and the group.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protocol import messages as m
 
 from .logs import get_logger
 from .requests import Job
 
+if TYPE_CHECKING:
+    from .loaded_engine import LoadedEngine
+
 log = get_logger("councild.engine")
 
 
 class PrefixCacheUse:
-    """Opening the prefix cache and keeping continuations (a mixin of EngineWorker)."""
+    """Opening the prefix cache and keeping continuations."""
 
-    def _open_prefix_cache(self, chunk: int) -> None:
+    def __init__(self, cfg, engine: LoadedEngine, group):
+        self.cfg = cfg
+        self.engine = engine
+        self.group = group
+
+    def open_prefix_cache(self, chunk: int) -> None:
         """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
         backend (probed, or read from an earlier start's verdict for this chunk,
         probe_verdicts.py), and its disk tier under this model's and settings' key."""
@@ -39,7 +49,7 @@ class PrefixCacheUse:
         # their settings, and a rank with another chunk would issue other forwards (other
         # collectives); off-grid snapshots then count as inexact, the safe answer.
         if self.group is None:
-            exact, verdict = self.verdicts.get("splits", str(chunk), lambda: splits_agree(self.lm, chunk))
+            exact, verdict = self.engine.verdicts.get("splits", str(chunk), lambda: splits_agree(self.engine.lm, chunk))
         else:
             exact, verdict = False, "skipped"
         probed = exact
@@ -51,20 +61,20 @@ class PrefixCacheUse:
         if pc_cfg.disk and self.group is None:
             try:
                 root = Path(pc_cfg.disk_dir) if pc_cfg.disk_dir else cache_dir() / "prefix"
-                fingerprint = prefix_disk.model_fingerprint(self.lm.path, prefix_disk.numerics_key(self.lm, chunk))
+                fingerprint = prefix_disk.model_fingerprint(self.engine.lm.path, prefix_disk.numerics_key(self.engine.lm, chunk))
                 disk = prefix_disk.DiskTier(root, fingerprint, pc_cfg.disk_max_bytes, log,
                                             ttl_s=pc_cfg.disk_ttl_s or None, min_free_bytes=pc_cfg.disk_min_free_bytes)
             except OSError as exc:  # an unusable folder: RAM only, never a failed start
                 log.warning("prefix_cache.disk_unusable", path=str(pc_cfg.disk_dir), error=repr(exc))
-        old = getattr(self, "prefix_cache", None)
+        old = self.engine.prefix_cache
         if old is not None and old.disk is not None:
             old.disk.close()
-        self.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.lm.make_cache, disk=disk,
+        self.engine.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.engine.lm.make_cache, disk=disk,
                                         splits_exact=exact)
-        if self.governance is not None:
-            self.governance.prefix_cache = self.prefix_cache
+        if self.engine.governance is not None:
+            self.engine.governance.prefix_cache = self.engine.prefix_cache
         log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, splits_bit_identical=probed,
-                 forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=self.prefix_cache.exact_reuse,
+                 forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=self.engine.prefix_cache.exact_reuse,
                  inexact_reuse=pc_cfg.inexact_reuse,
                  verdict=verdict, probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
                  disk_files=None if disk is None else len(disk.index))
@@ -75,13 +85,13 @@ class PrefixCacheUse:
         reproduces serial steps bit for bit (the exactness probe); a batch row does where the
         batch's forward equals one-row steps for every row (its probe, and no guard)."""
         if job.batched:
-            return bool(self.batch is not None and getattr(self.batch, "exact_ok", False) and self.verify_exact)
-        return job.mode == "off" or self.verify_exact
+            return bool(self.engine.batch is not None and getattr(self.engine.batch, "exact_ok", False) and self.engine.verify_exact)
+        return job.mode == "off" or self.engine.verify_exact
 
-    def _keep_continuation(self, job: Job) -> None:
+    def keep_continuation(self, job: Job) -> None:
         """Store a finished request's state (its prompt and what it generated) for the
         seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
-        pc = self.prefix_cache
+        pc = self.engine.prefix_cache
         if pc is None:
             return
         session = None if job.msg.session is m.UNSET else job.msg.session
@@ -97,11 +107,11 @@ class PrefixCacheUse:
         try:
             cache, history = job.decode_cache, job.decode_history
             if job.batched:
-                if self.batch is None or job.key not in self.batch:
+                if self.engine.batch is None or job.key not in self.engine.batch:
                     return
                 # BatchDecoder gives (cache, next token), the speculating batch (cache,
                 # primary, head history): either cache holds a prefix of what was decoded.
-                state = self.batch.extract(job.key)
+                state = self.engine.batch.extract(job.key)
                 cache, history = state[0], (state[2] if len(state) == 3 else None)
             if cache is None:
                 return

@@ -1,17 +1,27 @@
 """What status readers see of the engine: the snapshot and its publishing.
 
 The socket loop answers status requests from ``EngineSnapshot``, a copy the engine thread
-refreshes at most every 100 ms (``EngineStatus._publish``) and the socket loop reads under
+refreshes at most every 100 ms (``EngineStatus.publish``) and the socket loop reads under
 its lock (``read_snapshot``), so a status read never waits on, or touches, engine state.
 
-``EngineStatus`` is a part of ``EngineWorker`` (worker.py) kept in its own file; it reads
-the worker's scheduler, jobs, tallies, head slot, prefix cache and governance.
+``EngineStatus`` is a part of ``EngineWorker`` (worker.py) that owns the snapshot, its lock
+and the seats' token rates; it is handed the scheduler, jobs, tallies and step use, and the
+loaded engine (head slot, prefix cache, governance) once start-up built it (``attach``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .seat_stats import SeatStats
+
+if TYPE_CHECKING:
+    from .loaded_engine import LoadedEngine
+    from .scheduler import Scheduler
+    from .stats import StepUse, Tallies
 
 
 @dataclass
@@ -60,9 +70,27 @@ class EngineSnapshot:
 
 
 class EngineStatus:
-    """Publishing the snapshot (a mixin of EngineWorker)."""
+    """The snapshot and its publishing: ``publish``, ``read_snapshot``, ``count_tokens``,
+    ``head_changed``."""
 
-    def _count_tokens(self, seat: str, n: int) -> None:
+    def __init__(self, scheduler: Scheduler, jobs: dict, tallies: Tallies, step_use: StepUse,
+                 step_budget: Callable[[], int]):
+        self.scheduler = scheduler
+        self.jobs = jobs
+        self.tallies = tallies
+        self.step_use = step_use
+        self._step_budget = step_budget
+        self.snapshot = EngineSnapshot()
+        self.snapshot_lock = threading.Lock()
+        self._seat_stats = SeatStats()
+        self.published_at = 0.0
+        self.engine: LoadedEngine | None = None
+
+    def attach(self, engine: LoadedEngine) -> None:
+        """The engine start-up built: publishing reads its head slot, prefix cache and governance."""
+        self.engine = engine
+
+    def count_tokens(self, seat: str, n: int) -> None:
         now = time.monotonic()
         self._seat_stats.count(seat, n)
         with self.snapshot_lock:
@@ -70,12 +98,12 @@ class EngineStatus:
             self.snapshot.steps_total += 1
             self.snapshot.last_step_at = now
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         """Refresh what status readers see, at most every 100 ms (not per token)."""
         now = time.monotonic()
-        if now - self._published_at < 0.1:
+        if now - self.published_at < 0.1:
             return
-        self._published_at = now
+        self.published_at = now
         import mlx.core as mx
 
         memory = {"active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
@@ -108,25 +136,25 @@ class EngineStatus:
             s["tokens_per_s"] = per_seat.get(seat, 0.0)
         with self.snapshot_lock:
             self.snapshot.active = active
-            self.snapshot.depth = self.slot.current_depth()
+            self.snapshot.depth = self.engine.slot.current_depth()
             self.snapshot.queued = {s: v["queued"] for s, v in seats.items() if v["queued"]}
             self.snapshot.recent_tokens_per_s = total_rate
             self.snapshot.seats = seats
             self.snapshot.memory = memory
             self.snapshot.stats = self.tallies.to_dict()
             self.snapshot.step = step
-            if self.prefix_cache is not None:
-                self.snapshot.prefix_cache = self.prefix_cache.stats()
-            if self.governance is not None:
-                self.snapshot.governor = self.governance.snapshot()
-                self.snapshot.shedding = self.governance.shed
+            if self.engine.prefix_cache is not None:
+                self.snapshot.prefix_cache = self.engine.prefix_cache.stats()
+            if self.engine.governance is not None:
+                self.snapshot.governor = self.engine.governance.snapshot()
+                self.snapshot.shedding = self.engine.governance.shed
 
     def read_snapshot(self) -> EngineSnapshot:
         with self.snapshot_lock:
             snap = EngineSnapshot(**vars(self.snapshot))
         return snap
 
-    def _head_changed(self, resident: bool, nbytes: int) -> None:
+    def head_changed(self, resident: bool, nbytes: int) -> None:
         # Written at once rather than at the next publish: a status read right after a
         # head.loaded / head.evicted line shows it.
         with self.snapshot_lock:

@@ -4,15 +4,23 @@ The socket loop hands it commands through a queue and it hands back encoded repl
 an inproc PUSH socket, so neither thread ever waits on the other's work. Between two decode
 cycles (the only safe points) it applies commands, expires deadlines, admits queued work
 and lets the governor act; then it advances one active request by one cycle.
+
+``EngineWorker`` is that step loop plus its parts, each an object with its own state, made
+with what it needs: ``EngineStartup`` (startup.py) builds the ``LoadedEngine`` they share
+(loaded_engine.py); ``CommandHandling`` (commands.py) applies the commands; ``DecodePaths``
+(decode_paths.py) starts a request and chooses its decode path; ``PrefixCacheUse``
+(prefix_cache_use.py) opens the prefix cache and keeps continuations; ``EngineStatus``
+(status_snapshot.py) publishes the status snapshot.
 """
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
@@ -22,29 +30,24 @@ from protocol import messages as m
 from .commands import CommandHandling, Submit
 from .config import Config
 from .decode_paths import DecodePaths
+from .loaded_engine import LoadedEngine
 from .logs import get_logger
 from .prefix_cache_use import PrefixCacheUse
 from .requests import Job
 from .scheduler import Scheduler
-from .seat_stats import SeatStats
 from .startup import EngineStartup
 from .stats import StepUse, Tallies
 from .status_snapshot import EngineSnapshot, EngineStatus
-
-if TYPE_CHECKING:
-    from .head_slot import HeadSlot
 
 log = get_logger("councild.engine")
 
 OUT_ENDPOINT = "inproc://councild-engine-out"
 
 
-class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, EngineStatus, threading.Thread):
-    """The engine thread. Its step loop and a request's per-cycle life (advance, deliver,
-    finish) are here; the other concerns are parts of this class kept in files of their
-    own: start-up (startup.py), commands (commands.py), starting a request and
-    choosing its decode path (decode_paths.py), the prefix cache's opening and
-    continuations (prefix_cache_use.py), the status snapshot (status_snapshot.py)."""
+class EngineWorker(threading.Thread):
+    """The engine thread: its step loop and a request's per-cycle life (advance, deliver,
+    finish). Its parts (the module's docstring) are made at start-up, once the engine is
+    loaded, but the status, which status readers read from the first moment."""
 
     def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None):
         super().__init__(name="councild-engine", daemon=True)
@@ -56,30 +59,82 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
         self.commands: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
         self.max_prompt_tokens = cfg.max_prompt_tokens or 0  # the model's context once loaded
-        self.snapshot = EngineSnapshot()
-        self.snapshot_lock = threading.Lock()
         self.loaded = threading.Event()
         self.load_error: BaseException | None = None
         self.hooks = hooks
-        self.lm = None
-        # The MTP head and the depth it drafts at (head_slot.py), made once the model is
-        # loaded; governance changes it between cycles, this thread reads it every cycle.
-        self.slot: HeadSlot | None = None
-        # `councild tune`'s profile when the governor loaded one (governance.py): per
-        # sampling setting, the best depth measured, which caps a request's depth.
-        self.tuned_profile: dict | None = None
-        self.governance = None
         self.scheduler = Scheduler(cfg.scheduler)
         self.jobs: dict[tuple[str, str], Job] = {}
         self._out: zmq.Socket | None = None
-        self._seat_stats = SeatStats()
-        self._stopping = False
-        self._published_at = 0.0
         self.tallies = Tallies()
         self.step_use = StepUse()
+        self.status = EngineStatus(self.scheduler, self.jobs, self.tallies, self.step_use, self._step_budget)
+        # Made by ``_load``: the engine start-up built, and the parts that use it.
+        self.engine: LoadedEngine | None = None
+        self.startup: EngineStartup | None = None
+        self.handling: CommandHandling | None = None
+        self.paths: DecodePaths | None = None
+        self.prefix_use: PrefixCacheUse | None = None
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
+
+    # ------------------------------------------------------------------ start-up
+    def _load(self) -> None:
+        # No cyclic collections while start-up builds its objects (mlx-lm and transformers'
+        # imports, the model, the traces): ~7% of the imports' time, about what the one
+        # collection after costs. That collection frees start-up's cyclic garbage (the
+        # warm-up's caches may sit in it: frozen, it would never be freed); then what lives
+        # on is frozen out of the collector's view: a full collection over it took ~100 ms
+        # on the bundled model on CPU, a stall in every stream each time one ran mid-decode.
+        gc.disable()
+        try:
+            self._load_unfrozen()
+        finally:
+            gc.collect()
+            gc.freeze()
+            gc.enable()
+
+    def _load_unfrozen(self) -> None:
+        """Start-up (startup.py) builds the engine; then the parts that use it are made,
+        and the snapshot says ready."""
+        self.startup = EngineStartup(self.cfg, self.model_path, self.group, self.status, self.hooks,
+                                     requests_holding_head=self.requests_holding_head)
+        engine = self.engine = self.startup.load()
+        self.max_prompt_tokens = engine.max_prompt_tokens
+        self.prefix_use = PrefixCacheUse(self.cfg, engine, self.group)
+        self.paths = DecodePaths(self.cfg, engine, self.scheduler, self.group, self.prefix_use,
+                                 failed=self._failed, deliver=self._deliver, depth_pinned=self.depth_pinned,
+                                 build_ahead=self.startup.build_ahead)
+        self.handling = CommandHandling(self._ready, self.scheduler, self.jobs, engine, self.status,
+                                        finish=self._finish, send=self._send, publish=self._publish)
+        self.status.attach(engine)
+        # The first status answer already has every row (step, seats, memory): publish before
+        # ready rather than at the step loop's first turn, which a status read can beat.
+        self._publish()
+        with self.status.snapshot_lock:
+            self.status.snapshot.model = self.engine.lm.name
+            self.status.snapshot.model_type = self.engine.lm.model_type
+            self.status.snapshot.decode_path = self.engine.lm.decode_path
+            self.status.snapshot.batch_decode_path = self.engine.lm.batch_decode_path
+            self.status.snapshot.ready = True
+
+    # ------------------------------------------------------------------ the parts' hooks
+    # What a tensor-parallel rank (daemon/distributed/lockstep.py) overrides or calls.
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False when the thread must stop (commands.py)."""
+        return self.handling.drain(block)
+
+    def _apply_command(self, cmd) -> bool:
+        return self.handling.apply(cmd)
+
+    def _publish(self) -> None:
+        self.status.publish()
+
+    def read_snapshot(self) -> EngineSnapshot:
+        return self.status.read_snapshot()
+
+    def depth_pinned(self) -> bool:
+        return self.engine.governance is not None and self.engine.governance.gov.state.override == "pin_depth"
 
     # ------------------------------------------------------------------ thread body
     def run(self) -> None:
@@ -95,18 +150,18 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             return
         from .intake import Intake
 
-        Intake(self.commands, self._ready, self.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat,
+        Intake(self.commands, self._ready, self.engine.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat,
                constraint=self.cfg.constraint).start()
         self.loaded.set()
         try:
             self._loop()
         except BaseException:
             log.error("engine.crashed", error=traceback.format_exc())
-            self._fail_all("internal", "the engine thread crashed; see the daemon log")
+            self.handling.fail_all("internal", "the engine thread crashed; see the daemon log")
             raise
         finally:
             self._out.close()
-            pc = getattr(self, "prefix_cache", None)
+            pc = getattr(self.engine, "prefix_cache", None)
             if pc is not None and pc.disk is not None:
                 pc.disk.close(timeout=10.0)  # snapshots still queued reach the disk
 
@@ -123,19 +178,19 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             self._expire_deadlines()
             admitted = self.scheduler.admit()
             self._log_displaced()
-            if self.batch is not None and self.scheduler.parked:
+            if self.engine.batch is not None and self.scheduler.parked:
                 self._park_batched()
             for job in admitted:
                 try:
-                    self._start(job)
+                    self.paths.start(job)
                 except Exception as exc:  # e.g. a batch row's prefill failing: that request only
                     self._failed(job, exc)
-            if not self._step() and self._stopping:
+            if not self._step() and self.handling.stopping:
                 return
-            if self.governance is not None:
-                self.governance.update_load(len(self.scheduler.active),
+            if self.engine.governance is not None:
+                self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})
-                self.governance.safe_point()
+                self.engine.governance.safe_point()
             self._publish()
             if self.hooks is not None:
                 # Liveness is this loop going round (it wakes every 0.1 s when idle), not a
@@ -180,26 +235,26 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
 
     # ------------------------------------------------------------------ decoding a cycle
     def _token_text(self, token_id: int) -> str:
-        return self.lm.tokenizer.decode([token_id])
+        return self.engine.lm.tokenizer.decode([token_id])
 
     def _prefill_chunk(self, job: Job) -> int:
         """One chunk of a job's prefill; the loop checks commands, deadlines and the drain,
         and feeds the watchdog, after each iteration's chunks. Returns the tokens forwarded."""
         try:
             n = job.prefill.step()
-            if job.prefill.pos in job.snapshot_at and self.prefix_cache is not None:
+            if job.prefill.pos in job.snapshot_at and self.engine.prefix_cache is not None:
                 pos = job.prefill.pos
-                self.prefix_cache.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
-                                        exact=self.prefix_cache.is_exact(pos, job.exact_chain), seat=job.seat)
+                self.engine.prefix_cache.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
+                                        exact=self.engine.prefix_cache.is_exact(pos, job.exact_chain), seat=job.seat)
             if job.prefill.done:
-                self._begin_decode(job)
+                self.paths.begin_decode(job)
         except Exception as exc:
             self._failed(job, exc)
             return 0
         # One cycle, as a decode step is: the seat's solo decoders are picked by this share.
         self.scheduler.charge(job, 1)
-        with self.snapshot_lock:
-            self.snapshot.prefill_tokens_total += n
+        with self.status.snapshot_lock:
+            self.status.snapshot.prefill_tokens_total += n
         return n
 
 
@@ -211,14 +266,14 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             return self._prefill_chunk(job)
         if job.batched:
             self._step_batch()
-            return self.batch.last_positions  # rows x (depth + 1) where the batch speculates
+            return self.engine.batch.last_positions  # rows x (depth + 1) where the batch speculates
         try:
             step = next(job.generator)
         except Exception as exc:
             self._failed(job, exc)
             return 1
-        if self.governance is not None:
-            self.governance.after_step(step)
+        if self.engine.governance is not None:
+            self.engine.governance.after_step(step)
         self._deliver(job, step)
         return 1 + step.drafted
 
@@ -229,20 +284,20 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
 
         t0 = time.perf_counter()
         try:
-            out = self.batch.step()
+            out = self.engine.batch.step()
         except Exception as exc:  # a failed batched forward fails every row in it
-            for job in [j for j in self.jobs.values() if j.batched and j.key in self.batch]:
+            for job in [j for j in self.jobs.values() if j.batched and j.key in self.engine.batch]:
                 self._failed(job, exc)
             return
         dt = time.perf_counter() - t0
-        steps = out if self.batch_speculates else {key: DecodeStep(tokens=[t], cycle_s=dt) for key, t in out.items()}
-        if self.governance is not None and steps:
+        steps = out if self.engine.batch_speculates else {key: DecodeStep(tokens=[t], cycle_s=dt) for key, t in out.items()}
+        if self.engine.governance is not None and steps:
             rows = list(steps.values())
-            self.governance.after_step(DecodeStep(
-                tokens=[t for s in rows for t in s.tokens], depth=getattr(self.batch, "last_depth", 0),
+            self.engine.governance.after_step(DecodeStep(
+                tokens=[t for s in rows for t in s.tokens], depth=getattr(self.engine.batch, "last_depth", 0),
                 drafted=sum(s.drafted for s in rows), accepted=sum(s.accepted for s in rows),
                 accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt,
-                transition=getattr(self.batch, "last_transition", False)), batch=len(rows))
+                transition=getattr(self.engine.batch, "last_transition", False)), batch=len(rows))
         for key, step in steps.items():
             job = self.jobs.get(key)
             if job is not None:
@@ -261,8 +316,8 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
         """A parked job must not advance with the batch: take its row out, keeping its
         cache and decided next token, so it rejoins later without recomputing its prompt."""
         for job in self.scheduler.parked:
-            if job.batched and job.parked_state is None and job.key in self.batch:
-                job.parked_state = self.batch.extract(job.key)  # (cache, next token) or (cache, primary, history)
+            if job.batched and job.parked_state is None and job.key in self.engine.batch:
+                job.parked_state = self.engine.batch.extract(job.key)  # (cache, next token) or (cache, primary, history)
 
     def _failed(self, job: Job, exc: BaseException) -> None:
         log.error("request.failed", request_id=job.request_id, seat=job.seat, error=repr(exc),
@@ -280,11 +335,11 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
             self._failed(job, constraint.error)
             return
         job.decoded.extend(step.tokens)  # what the decoder's cache now holds (prefix_cache)
-        kept = job.absorb(step, self.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None,
+        kept = job.absorb(step, self.engine.lm.eos_token_ids, self._token_text if job.msg.option("logprobs") else None,
                           complete=constraint is not None and constraint.complete)
         self._tally(job, step, kept)
         self.scheduler.charge(job, max(1, len(step.tokens)))
-        self._count_tokens(job.seat, len(kept))
+        self.status.count_tokens(job.seat, len(kept))
         if job.msg.stream:
             chunk = job.chunk(kept)
             if chunk is not None:
@@ -314,12 +369,12 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
                 return  # already finished: never a second terminal message
             self.scheduler.remove(job)
         if isinstance(terminal, m.Done):
-            self._keep_continuation(job)
+            self.prefix_use.keep_continuation(job)
         if job.generator is not None:
             job.generator.close()
             job.generator = None
-        if job.batched and self.batch is not None and job.key in self.batch:
-            self.batch.remove(job.key)  # a row whose start failed after it joined: never left behind
+        if job.batched and self.engine.batch is not None and job.key in self.engine.batch:
+            self.engine.batch.remove(job.key)  # a row whose start failed after it joined: never left behind
         job.decode_cache = job.decode_history = None
         prefilled = job.prefill.pos if job.prefill is not None else None
         job.prefill = None  # its cache goes with it
@@ -348,7 +403,7 @@ class EngineWorker(EngineStartup, CommandHandling, DecodePaths, PrefixCacheUse, 
                      message=terminal.message, prefilled_tokens=prefilled)
         self._send(job.identity, terminal, key=job.key, terminal=True)
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
-        self._published_at = 0.0  # status shows the finish at once
+        self.status.published_at = 0.0  # status shows the finish at once
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:

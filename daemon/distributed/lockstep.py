@@ -139,27 +139,27 @@ class LeaderWorker(_GroupMember, EngineWorker):
     def _load(self) -> None:
         super()._load()
         self._attach_peer_probes()
-        hello = Hello(verify_exact=self.verify_exact,
-                      batch_exact=self.batch.exact_ok if self.batch is not None else None,
-                      compiled=self.lm.compiled_decode is not None, tuned_profile=self.tuned_profile,
-                      warmup=self.warmup_mode(),
-                      compiled_batch=self.lm.compiled_decode is not None and self.lm.compiled_decode.batched)
-        mine = fingerprint(self.cfg, self.lm)
+        hello = Hello(verify_exact=self.engine.verify_exact,
+                      batch_exact=self.engine.batch.exact_ok if self.engine.batch is not None else None,
+                      compiled=self.engine.lm.compiled_decode is not None, tuned_profile=self.engine.tuned_profile,
+                      warmup=self.startup.warmup_mode(),
+                      compiled_batch=self.engine.lm.compiled_decode is not None and self.engine.lm.compiled_decode.batched)
+        mine = fingerprint(self.cfg, self.engine.lm)
         hello.fingerprint = mine
         reports = self._exchange(lambda: self.channel.send(hello))
         for r in reports:
             if r.fingerprint != mine:
                 _mismatch(0, mine, r.fingerprint, r.rank)
         self._collect(reports)
-        self._warm_up(hello.warmup)  # after the hello: every rank runs the same warm-up forwards
+        self.startup.warm_up(hello.warmup)  # after the hello: every rank runs the same warm-up forwards
         self.watchdog.started()
         log.info("group.ready", rank=0, size=self.size, backend=self.backend,
                  ranks=[{"rank": k, "host": r.host, "pid": r.pid} for k, (_, r) in sorted(self.reports.items())])
 
     def _attach_peer_probes(self) -> None:
         """The governor reads every other rank's memory too, and so acts on the worst."""
-        if self.governance is not None:
-            self.governance.gov.memory_probes += [PeerMemoryProbe(r, self.reports) for r in range(1, self.size)]
+        if self.engine.governance is not None:
+            self.engine.governance.gov.memory_probes += [PeerMemoryProbe(r, self.reports) for r in range(1, self.size)]
 
     def _collect(self, reports: list[Report], digest: int | None = None) -> None:
         """Keep each rank's report; ``digest``: this rank's token digest when the tick
@@ -175,8 +175,8 @@ class LeaderWorker(_GroupMember, EngineWorker):
                 leave_group()
 
     def _settings(self) -> Settings:
-        pc = self.prefix_cache
-        return Settings(depth=self.slot.depth, head=self.slot.resident, pinned=self.depth_pinned(),
+        pc = self.engine.prefix_cache
+        return Settings(depth=self.engine.slot.depth, head=self.engine.slot.resident, pinned=self.depth_pinned(),
                         prompt_cache_limit=pc.limit if pc is not None else None)
 
     def _wire(self, cmd):
@@ -227,14 +227,14 @@ class LeaderWorker(_GroupMember, EngineWorker):
         return go
 
     def _publish(self) -> None:
-        published = self._published_at
+        published = self.status.published_at
         super()._publish()
-        if self._published_at == published:
+        if self.status.published_at == published:
             return
         mine = self.rank_probe.report()
         ranks = [describe(mine)] + [describe(r) for _, (_, r) in sorted(self.reports.items())]
-        with self.snapshot_lock:
-            self.snapshot.group = {"size": self.size, "backend": self.backend, "ranks": ranks,
+        with self.status.snapshot_lock:
+            self.status.snapshot.group = {"size": self.size, "backend": self.backend, "ranks": ranks,
                                    "exchanges": self.channel.exchanges, "overflow_exchanges": self.channel.overflows,
                                    "peer_timeout_s": self.cfg.distributed.peer_timeout_s}
 
@@ -252,23 +252,23 @@ class FollowerWorker(_GroupMember, EngineWorker):
     def serve(self) -> int:
         self.watchdog.start()
         self._load()  # a refusal (ShardingRefused) or failure propagates to the caller
-        mine = fingerprint(self.cfg, self.lm)
+        mine = fingerprint(self.cfg, self.engine.lm)
         report = msgspec.structs.replace(self._report(), fingerprint=mine)
         hello = self._exchange(lambda: self.channel.receive_hello(report))
         if hello.fingerprint != mine:
             _mismatch(self.rank, mine, hello.fingerprint, 0)
-        self.verify_exact = hello.verify_exact
-        if self.batch is not None and hello.batch_exact is not None:
-            self.batch.exact_ok = hello.batch_exact
+        self.engine.verify_exact = hello.verify_exact
+        if self.engine.batch is not None and hello.batch_exact is not None:
+            self.engine.batch.exact_ok = hello.batch_exact
         if not hello.compiled:
-            self.lm.compiled_decode = None
-        elif not hello.compiled_batch and self.lm.compiled_decode is not None:
-            self.lm.compiled_decode.batched = False
-            self.lm.compiled_decode.batch_reason = "rank 0's batch self-check refused it"
-        self.tuned_profile = hello.tuned_profile
-        self._warm_up(hello.warmup)  # rank 0's mode, as rank 0 does, after the hello
+            self.engine.lm.compiled_decode = None
+        elif not hello.compiled_batch and self.engine.lm.compiled_decode is not None:
+            self.engine.lm.compiled_decode.batched = False
+            self.engine.lm.compiled_decode.batch_reason = "rank 0's batch self-check refused it"
+        self.engine.tuned_profile = hello.tuned_profile
+        self.startup.warm_up(hello.warmup)  # rank 0's mode, as rank 0 does, after the hello
         self.watchdog.started()
-        log.info("group.following", rank=self.rank, size=self.size, verify_exact=self.verify_exact)
+        log.info("group.following", rank=self.rank, size=self.size, verify_exact=self.engine.verify_exact)
         self._loop()
         self.watchdog.stop()
         log.info("group.stopped", rank=self.rank, exchanges=self.channel.exchanges, reason="rank 0 stopped")
@@ -309,14 +309,14 @@ class FollowerWorker(_GroupMember, EngineWorker):
         return Stop()
 
     def _apply_settings(self, s: Settings) -> None:
-        self.slot.depth = s.depth
+        self.engine.slot.depth = s.depth
         self._pinned = s.pinned
-        if s.head and not self.slot.resident:
+        if s.head and not self.engine.slot.resident:
             self._follow_head_load()
-        elif not s.head and self.slot.resident:
-            nbytes, freed = self.slot.evict()
+        elif not s.head and self.engine.slot.resident:
+            nbytes, freed = self.engine.slot.evict()
             log.info("head.evicted", rank=self.rank, bytes=nbytes, freed_bytes=freed, reason="rank 0 evicted it")
-        pc = self.prefix_cache
+        pc = self.engine.prefix_cache
         if pc is not None and pc.limit != s.prompt_cache_limit:
             pc.set_limit(s.prompt_cache_limit)
 
@@ -325,9 +325,9 @@ class FollowerWorker(_GroupMember, EngineWorker):
 
         t0 = time.perf_counter()
         try:
-            head = load_mtp_head(self.lm)
+            head = load_mtp_head(self.engine.lm)
         except Exception as exc:
             _fault(self.rank, exc, during="head load")
-        self.slot.install(head)
+        self.engine.slot.install(head)
         log.info("head.loaded", rank=self.rank, bytes=head.nbytes, ms=round((time.perf_counter() - t0) * 1000, 1),
                  reason="rank 0 loaded it")

@@ -1,0 +1,32 @@
+"""The engine start-up built (startup.py), as the engine thread's parts share it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .head_slot import HeadSlot
+
+
+@dataclass
+class LoadedEngine:
+    """What start-up built, shared by the engine thread's parts: the model, the head slot,
+    the probes' answers, the continuous batch, the prefix cache and the governance. A
+    tensor-parallel follower adopts rank 0's answers here (daemon/distributed/lockstep.py)."""
+
+    lm: Any = None
+    # The MTP head and the depth it drafts at (head_slot.py); governance changes it between
+    # cycles, the engine thread reads it every cycle.
+    slot: HeadSlot | None = None
+    max_prompt_tokens: int = 0  # the model's context once loaded
+    verify_exact: bool = True
+    verdicts: Any = None
+    batch: Any = None
+    # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
+    batch_speculates: bool = False
+    prefix_cache: Any = None  # reopened when SIGHUP changes the chunk (prefix_cache_use.py)
+    governance: Any = None
+    # `councild tune`'s profile when the governor loaded one (governance.py): per sampling
+    # setting, the best depth measured, which caps a request's depth.
+    tuned_profile: dict | None = None
