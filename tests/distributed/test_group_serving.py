@@ -1,5 +1,9 @@
 """A two-rank tensor-parallel daemon on the bundled model (ring backend over loopback)
-serves what the single-process daemon serves, token for token, at temperature 0."""
+serves what the single-process daemon serves at temperature 0: token for token except where
+the single process's top two logits are within a near-tie (a row-parallel layer sums its
+ranks' partial products, another rounding than one full product: at a 1-ulp tie the argmax
+may flip, as between any two numerics), and its exact speculation is its own serial decode,
+token for token."""
 
 from __future__ import annotations
 
@@ -26,16 +30,39 @@ def _tokens(c: Client, prompt: str, **kw) -> tuple[list[int], object]:
     return list(stream.token_ids), stream.done
 
 
+# Two bf16 ulps of a logit near 10: a top-2 margin this small is a near-tie.
+NEAR_TIE = 0.13
+
+
 @pytest.fixture(scope="module")
-def reference(_bundled_daemon_session) -> dict[str, list[int]]:
+def single(_bundled_daemon_session) -> dict[str, tuple[list[int], list[float]]]:
     """Serial greedy tokens from the single-process daemon (the session's shared one on the
-    bundled model, tests/conftest.py), the group's yardstick."""
+    bundled model, tests/conftest.py) and, per token, the margin between its top two
+    log-probabilities (= the logits' margin)."""
+    out = {}
     with Client(_bundled_daemon_session.endpoint, seat="group-ref", timeout_s=60) as c:
-        return {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS + [LONG]}
+        for p in PROMPTS + [LONG]:
+            done = c.complete(p, max_tokens=TOKENS, speculation="off", logprobs=True, top_logprobs=2)
+            margins = [t.top_logprobs[0].logprob - t.top_logprobs[1].logprob for t in done.logprobs]
+            out[p] = ([t.token_id for t in done.logprobs], margins)
+    return out
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory, reference):
+def reference(group, single) -> dict[str, list[int]]:
+    """The group's own serial greedy tokens: what its exact speculation must reproduce. They
+    are the single process's up to the first near-tie, where a flip is allowed."""
+    with Client(group.endpoint, seat="group-ref", timeout_s=60) as c:
+        ref = {p: _tokens(c, p, speculation="off")[0] for p in PROMPTS + [LONG]}
+    for p, tokens in ref.items():
+        want, margins = single[p]
+        i = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+        assert i is None or margins[i] <= NEAR_TIE, (p, i, margins[i] if i is not None else None)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
     g = start_group(tmp_path_factory.mktemp("group"), BUNDLED_MODEL, 2)
     yield g
     codes = g.stop()
@@ -44,7 +71,7 @@ def group(tmp_path_factory, reference):
 
 
 @pytest.mark.quick
-def test_greedy_output_is_the_single_process_output_at_depth_0_and_in_exact_mode(group, reference):
+def test_greedy_output_is_the_single_process_output_up_to_a_near_tie_and_exact_mode_is_its_own_serial(group, reference):
     with Client(group.endpoint, seat="fidelity", timeout_s=60) as c:
         status = c.status().detail
         assert status["exact_decode"] == "speculate"  # the exactness probe ran across the group
