@@ -1,5 +1,5 @@
 """Daemon start to ready: the start-up probes run (an empty cache folder) vs their verdicts
-read back (daemon/probe_verdicts.py), interleaved ABAB over rounds.
+read back (daemon/engine_thread/probe_verdicts.py), interleaved ABAB over rounds.
 
     .venv/bin/python bench/startup_bench.py --rounds 4 --json bench/results/startup_cpu.json
 

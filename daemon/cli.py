@@ -140,8 +140,8 @@ def cmd_serve(args) -> int:
     from .logs import configure_logging, get_logger
     from .paths import ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
-    from .endpoint import StartupError, startup_fs_error
-    from .server import Server
+    from .socket_side.endpoint import StartupError, startup_fs_error
+    from .socket_side.server import Server
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -450,7 +450,7 @@ DELEGATED = {
                            "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
-    ("keys",): ("daemon.keys", "generate a CURVE key pair for a TCP endpoint"),
+    ("keys",): ("daemon.socket_side.keys", "generate a CURVE key pair for a TCP endpoint"),
     ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),
     ("http",): ("front.main", "OpenAI-compatible HTTP API and /metrics for a running daemon (the http extra)"),
 }

@@ -151,7 +151,7 @@ class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # chat_template_kwargs override them), e.g. {enable_thinking = false} for Qwen3.5.
     template_kwargs: dict[str, str | bool | int | float] = {}
     # Where the template marks thinking (<think>...</think>), stream it in `reasoning`,
-    # apart from the answer in `text` (daemon/reasoning.py). false: one text, markers kept.
+    # apart from the answer in `text` (daemon/request_text/reasoning.py). false: one text, markers kept.
     separate_reasoning: bool = True
 
 
@@ -212,7 +212,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
-    # The kernels the model's forward runs through (daemon/kernel_choice.py). "auto": MLX's
+    # The kernels the model's forward runs through (daemon/engine_thread/kernel_choice.py). "auto": MLX's
     # where the start-up probes prove a row's logits independent of the rows and positions
     # beside it (CPU), else councild's invariant kernels (engine/invariant.py: fixed-order
     # matmul and attention, CUDA and Metal) where the probes prove those, so exact rows batch
@@ -265,7 +265,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # requests reuse on the chunk grid only (engine/prefix_cache.py).
     debug_inexact_splits: bool = False
     # Test-only, OFF unless set: the invariant kernels scale every multi-row matmul's output
-    # by (1 + 2**-6), so their start-up probe must fail and refuse them (kernel_choice.py).
+    # by (1 + 2**-6), so their start-up probe must fail and refuse them (engine_thread/kernel_choice.py).
     debug_perturb_invariant_batch: bool = False
 
     def seat(self, name: str) -> SeatConfig:

@@ -1,7 +1,7 @@
 """/metrics: the daemon's status snapshot as Prometheus series, plus the front's own.
 
 Where /metrics lives: here, in the HTTP front, reading the daemon's StatusReply at scrape
-time. The daemon already keeps every number (status detail, daemon/stats.py's counters and
+time. The daemon already keeps every number (status detail, daemon/engine_thread/stats.py's counters and
 histograms), so the daemon gains no listener, no HTTP stack and no metrics library, and a
 scrape costs it one Status message. Daemon-wide series (councild_*) cover every client,
 ZeroMQ ones included; councild_http_* are this front's own (its requests, its TTFT as an

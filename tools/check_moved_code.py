@@ -17,6 +17,9 @@ call a part, ``LoadedEngine``) is listed at the end, not compared.
 
     .venv/bin/python tools/check_moved_code.py [--base COMMIT]
 
+Item 2 then moved the files into wings (daemon/engine_thread/, ...): the new side is found
+wherever its class now lives, and relative imports are compared by the module they name.
+
 Exit status 0 when every moved function is the same code modulo the renames.
 """
 
@@ -140,7 +143,7 @@ SAME_CLASSES += [("daemon/status_snapshot.py", "EngineSnapshot"), ("daemon/decod
 SPLIT = ("daemon/startup.py", "EngineStartup._load_unfrozen",
          [("EngineStartup", "load"), ("EngineWorker", "_load_unfrozen")])
 GLUE = {  # statements of the new pieces that only build the parts (compared as ast.unparse text)
-    "from .prefix_cache_use import PrefixCacheUse",
+    "from daemon.engine_thread.prefix_cache_use import PrefixCacheUse",
     "return self.engine",
     "self.startup = EngineStartup(self.cfg, self.model_path, self.group, self.status, self.hooks, "
     "requests_holding_head=self.requests_holding_head)",
@@ -155,6 +158,15 @@ GLUE = {  # statements of the new pieces that only build the parts (compared as 
 }
 # The tail the worker took over reads the engine through self.engine and the status through self.status.
 SPLIT_TAIL_RENAMES = RENAMES["EngineStartup"]
+
+# Item 2 moved the modules into wings: a relative import is compared by the module it names,
+# the old one mapped to where that module lives now.
+WINGS = {"socket_side": ("server", "client_delivery", "endpoint", "keys", "status_reply", "notify"),
+         "engine_thread": ("worker", "startup", "loaded_engine", "decode_paths", "prefix_cache_use",
+                           "status_snapshot", "commands", "governance", "kernel_choice", "probe_verdicts", "warmup",
+                           "head_slot", "profile", "scheduler", "seat_stats", "stats"),
+         "request_text": ("requests", "intake", "tool_calls", "tool_grammar", "reasoning", "detokenize")}
+MODULE_MOVES = {f"daemon.{m}": f"daemon.{w}.{m}" for w, ms in WINGS.items() for m in ms}
 
 NEW = ["LoadedEngine (loaded_engine.py)", "EngineStartup.__init__", "CommandHandling.__init__", "DecodePaths.__init__",
        "PrefixCacheUse.__init__", "EngineStatus.__init__", "EngineStatus.attach", "EngineWorker.__init__ (rewritten)",
@@ -192,6 +204,40 @@ def _new_classes() -> dict[str, tuple[pathlib.Path, ast.Module]]:
     return found
 
 
+def _moved(mod: str) -> str:
+    for old, new in MODULE_MOVES.items():
+        if mod == old or mod.startswith(old + "."):
+            return new + mod[len(old):]
+    return mod
+
+
+def _package(path: str) -> str:
+    return ".".join(pathlib.PurePath(path).with_suffix("").parts[:-1])
+
+
+class _Absolute(ast.NodeTransformer):
+    """``from ..x import y`` -> ``from daemon.<...>.x import y`` (``remap``: old module names
+    to where they live now; ``from . import warmup`` names a module, remapped as one)."""
+
+    def __init__(self, package: str, remap: bool):
+        self.package, self.remap = package, remap
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> ast.ImportFrom:
+        if not node.level:
+            mod = node.module or ""
+        else:
+            base = self.package.split(".")
+            base = base[: len(base) - (node.level - 1)]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        if self.remap:
+            names = [f"{mod}.{a.name}" for a in node.names]
+            if all(n in MODULE_MOVES for n in names):  # `from . import warmup`
+                mod = _moved(names[0]).rpartition(".")[0]
+            else:
+                mod = _moved(mod)
+        return ast.ImportFrom(module=mod, names=node.names, level=0)
+
+
 def _renamed(src: str, renames) -> str:
     for pat, rep in renames:
         src = re.sub(pat, rep, src)
@@ -202,7 +248,7 @@ def _old_fn(path: str, qual: str, base: str, renames) -> tuple[str | None, list[
     src = _old_source(path, base)
     node = _find(ast.parse(src), qual)
     text = textwrap.dedent(ast.get_source_segment(src, node, padded=True))
-    fn = ast.parse(_renamed(text, renames)).body[0]
+    fn = _Absolute(_package(path), remap=True).visit(ast.parse(_renamed(text, renames)).body[0])
     doc, body = _split_docstring(fn)
     return doc, body, fn
 
@@ -210,6 +256,8 @@ def _old_fn(path: str, qual: str, base: str, renames) -> tuple[str | None, list[
 def _new_fn(where, cls: str | None, name: str) -> tuple[str | None, list[ast.stmt], ast.AST, pathlib.Path]:
     path, tree = where[cls or name]
     node = _find(tree, name if cls is None else f"{cls}.{name}")
+    node = _Absolute(_package(str(path.relative_to(REPO))), remap=False).visit(
+        ast.parse(textwrap.dedent(ast.get_source_segment(path.read_text(), node, padded=True))).body[0])
     doc, body = _split_docstring(node)
     return doc, body, node, path
 
@@ -245,9 +293,9 @@ def main(argv=None) -> int:
             docs.append(label)
     for old_path, cname in SAME_CLASSES:
         src = _old_source(old_path, args.base)
-        old = _find(ast.parse(src), cname)
+        old = _Absolute(_package(old_path), remap=True).visit(_find(ast.parse(src), cname))
         new_path, tree = where[cname]
-        new = _find(tree, cname)
+        new = _Absolute(_package(str(new_path.relative_to(REPO))), remap=False).visit(_find(tree, cname))
         n += 1
         same = ast.dump(old) == ast.dump(new)
         label = f"{old_path}:{cname} -> {new_path.relative_to(REPO)}:{cname}"

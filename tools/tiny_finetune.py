@@ -13,7 +13,7 @@
              and mixed by --chat-weight. Writes state.safetensors + ft_log.json to --out.
   tool-eval  with mlx-lm on the CPU: for each held-out tool (families never trained on), an
              action request, free (unconstrained) greedy generation of 128 tokens; rates of a
-             parseable call (daemon/tool_calls.py) of the right tool, of closed calls (every
+             parseable call (daemon/request_text/tool_calls.py) of the right tool, of closed calls (every
              ``<parameter=`` closed and ``</tool_call>`` present), of arguments carrying every
              required key; chit-chat with tools that calls nothing; JSON answers that parse.
   ft-card    the candidate's MODEL_CARD.md: the bundled card plus the fine-tuning's recipe and
@@ -262,7 +262,7 @@ def cmd_tool_eval(args):
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
-    from daemon.tool_calls import parse_tool_calls
+    from daemon.request_text.tool_calls import parse_tool_calls
     from protocol import messages as pm
 
     mx.set_default_device(mx.cpu)

@@ -1,6 +1,6 @@
 """The engine worker on each rank of a group: rank 0 leads, the others follow.
 
-Both run EngineWorker's own step loop (daemon/worker.py); they differ only where the loop
+Both run EngineWorker's own step loop (daemon/engine_thread/worker.py); they differ only where the loop
 reads something that is not deterministic (see the package docstring): the commands it
 drains, the clock, and the governor's settings. ``LeaderWorker._drain_commands`` drains
 the queue as the single-process worker does, applies the commands, and sends them with the
@@ -23,13 +23,13 @@ import msgspec
 from protocol import encode
 from protocol.codec import decode_client
 
-from ..commands import CancelAll, CancelJob, ReloadGovernor, ReloadScheduler, Stop, Submit
+from ..engine_thread.commands import CancelAll, CancelJob, ReloadGovernor, ReloadScheduler, Stop, Submit
 from ..config import SchedulerConfig
-from ..decode_paths import InjectedFault
+from ..engine_thread.decode_paths import InjectedFault
 from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from ..logs import get_logger
-from ..requests import Job
-from ..worker import EngineWorker
+from ..request_text.requests import Job
+from ..engine_thread.worker import EngineWorker
 from .channel import (CancelAllWire, CancelWire, Hello, JobWire, LockstepChannel, Report, SchedulerWire, Settings,
                       StopWire, Tick)
 from .group import PeerMemoryProbe, RankProbe, backend_name, describe

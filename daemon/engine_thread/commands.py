@@ -1,6 +1,6 @@
 """The commands the socket loop sends the engine thread, and how the engine applies them.
 
-The socket loop puts a command on ``EngineWorker.commands``; the intake thread (intake.py)
+The socket loop puts a command on ``EngineWorker.commands``; the intake thread (request_text/intake.py)
 tokenizes each Submit and passes every command on, in order; the engine thread drains them
 between two decode cycles (the only safe points) with ``CommandHandling.drain``.
 Nothing here touches mlx: a command changes the scheduler's queues, ends requests with their
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from protocol import messages as m
 
-from .logs import get_logger
-from .requests import Job
+from ..logs import get_logger
+from ..request_text.requests import Job
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Callable
 
 from protocol import messages as m
 
-from .detokenize import CommittedText
-from .logs import get_logger
-from .requests import Job
+from ..request_text.detokenize import CommittedText
+from ..logs import get_logger
+from ..request_text.requests import Job
 
 if TYPE_CHECKING:
     from .loaded_engine import LoadedEngine
@@ -69,9 +69,9 @@ class DecodePaths:
     def start(self, job: Job) -> None:
         """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
         chunk per cycle by the worker's ``_advance``; its decode path is chosen when that ends."""
-        from .engine.prefill import ChunkedPrefill
-        from .engine.sampling import Sampler
-        from .engine.types import SamplingParams
+        from ..engine.prefill import ChunkedPrefill
+        from ..engine.sampling import Sampler
+        from ..engine.types import SamplingParams
 
         if job.generator is not None:  # back from parking: its state was kept
             if job.parked_state is not None:
@@ -112,7 +112,7 @@ class DecodePaths:
             if pc.splits_exact:  # a chunk may end anywhere here: end one at each snapshot point
                 stops = job.snapshot_at
         if history is None and want_head:
-            from .engine.speculative import HeadHistory
+            from ..engine.speculative import HeadHistory
 
             history = HeadHistory(self.engine.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start
@@ -125,7 +125,7 @@ class DecodePaths:
         cache: speculation when it runs alone, a row in the continuous batch when others
         run too (speculating there where the batch does, engine/batch_spec.py), else its
         own serial generator."""
-        from .engine.serial import serial_decode
+        from ..engine.serial import serial_decode
 
         pre, job.prefill = job.prefill, None
         job.decode_cache = pre.cache  # the decoder advances it in place: the continuation
@@ -154,7 +154,7 @@ class DecodePaths:
             job.start(self.engine.batch.handle(job.key), CommittedText(self.engine.lm.tokenizer, job.prompt), mode)
             return
         if mode != "off" and (self.engine.slot.resident or "lookup" in drafting):
-            from .engine.speculative import speculative_decode
+            from ..engine.speculative import speculative_decode
 
             spec = self.cfg.speculation
             history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
@@ -243,8 +243,8 @@ class DecodePaths:
 
     def _drafting_options(self) -> dict:
         """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
-        from .engine.lookup import DraftStopConfig, LookupConfig
-        from .engine.model import HYBRID_MTP_TYPES
+        from ..engine.lookup import DraftStopConfig, LookupConfig
+        from ..engine.model import HYBRID_MTP_TYPES
 
         spec = self.cfg.speculation
         out: dict = {}
@@ -255,7 +255,7 @@ class DecodePaths:
         if spec.draft_stop_threshold > 0 and not pinned:
             out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
         if spec.loop_guard:  # speculative_decode arms it for sampled requests only
-            from .engine.loop_guard import LoopGuardConfig
+            from ..engine.loop_guard import LoopGuardConfig
 
             out["loop_guard"] = LoopGuardConfig()
         return out

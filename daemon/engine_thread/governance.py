@@ -29,7 +29,7 @@ from governor import (
 )
 
 from .head_slot import HeadSlot
-from .logs import get_logger
+from ..logs import get_logger
 
 log = get_logger("councild.governor")
 

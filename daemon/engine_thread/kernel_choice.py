@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .engine import invariant
-from .engine.batch import batch_matches_serial
-from .engine.compiled import enable_compiled_decode
-from .engine.exactness import ragged_verify_matches_serial, verify_matches_serial
-from .logs import get_logger
+from ..engine import invariant
+from ..engine.batch import batch_matches_serial
+from ..engine.compiled import enable_compiled_decode
+from ..engine.exactness import ragged_verify_matches_serial, verify_matches_serial
+from ..logs import get_logger
 from .probe_verdicts import ProbeVerdicts, verdicts_for
 
 log = get_logger("councild.engine")

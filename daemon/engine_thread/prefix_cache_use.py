@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from protocol import messages as m
 
-from .logs import get_logger
-from .requests import Job
+from ..logs import get_logger
+from ..request_text.requests import Job
 
 if TYPE_CHECKING:
     from .loaded_engine import LoadedEngine
@@ -39,9 +39,9 @@ class PrefixCacheUse:
         """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
         backend (probed, or read from an earlier start's verdict for this chunk,
         probe_verdicts.py), and its disk tier under this model's and settings' key."""
-        from .engine import prefix_disk
-        from .engine.prefix_cache import PrefixCache, splits_agree
-        from .paths import cache_dir
+        from ..engine import prefix_disk
+        from ..engine.prefix_cache import PrefixCache, splits_agree
+        from ..paths import cache_dir
 
         pc_cfg = self.cfg.prefix_cache
         t0 = time.perf_counter()

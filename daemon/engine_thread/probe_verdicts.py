@@ -33,14 +33,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from .logs import get_logger
-from .paths import cache_dir
+from ..logs import get_logger
+from ..paths import cache_dir
 from .profile import current_device, current_versions, model_hash
 
 log = get_logger("councild.engine")
 
 VERDICTS_FORMAT = 1
-_ENGINE_DIR = Path(__file__).resolve().parent / "engine"
+_ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
 
 
 def _engine_source_hash() -> str:

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from .config import SchedulerConfig
+from ..config import SchedulerConfig
 
 CLASS_RANK = {"interactive": 0, "normal": 1, "background": 2}
 

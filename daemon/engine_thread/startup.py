@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .loaded_engine import LoadedEngine
-from .logs import get_logger
+from ..logs import get_logger
 
 if TYPE_CHECKING:
     from .status_snapshot import EngineStatus
@@ -42,8 +42,8 @@ class EngineStartup:
         self.engine = LoadedEngine(max_prompt_tokens=cfg.max_prompt_tokens or 0)
 
     def load(self) -> LoadedEngine:
-        from .engine.loading import load_model
-        from .logs import route_library_logs
+        from ..engine.loading import load_model
+        from ..logs import route_library_logs
         from .prefix_cache_use import PrefixCacheUse
         from .probe_verdicts import CompiledStepCheck, verdicts_for
 
@@ -79,8 +79,8 @@ class EngineStartup:
         # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
         self.engine.batch_speculates = False
         if self.cfg.scheduler.batching:
-            from .engine.batch import BatchDecoder, batch_matches_serial
-            from .engine.exactness import ragged_verify_matches_serial
+            from ..engine.batch import BatchDecoder, batch_matches_serial
+            from ..engine.exactness import ragged_verify_matches_serial
 
             t0 = time.perf_counter()
             spec = self.cfg.speculation
@@ -88,7 +88,7 @@ class EngineStartup:
             # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
             exact_ok, verdict = self.engine.verdicts.get("batch", str(rows), lambda: batch_matches_serial(self.engine.lm, rows))
             if spec.in_batch and spec.mode != "off" and self.engine.slot.available and self.group is None:
-                from .engine.batch_spec import SpecBatchDecoder
+                from ..engine.batch_spec import SpecBatchDecoder
 
                 if exact_ok and self.engine.verify_exact:
                     exact_ok, verdict = self.engine.verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(self.engine.lm))
@@ -115,8 +115,8 @@ class EngineStartup:
 
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/backend_env.py).
-        from .engine import backend_env
-        from .paths import cache_dir
+        from ..engine import backend_env
+        from ..paths import cache_dir
 
         try:
             ptx: Path | None = cache_dir() / "mlx-ptx"
@@ -134,7 +134,7 @@ class EngineStartup:
         return resolve(self.cfg.warmup, mx.default_device() == mx.gpu)
 
     def warm_up(self, level: str | None = None) -> None:
-        """Run the shapes this daemon serves once before it is ready (daemon/warmup.py), after
+        """Run the shapes this daemon serves once before it is ready (daemon/engine_thread/warmup.py), after
         the start-up probes; ``warmup`` in the config says how much (``level``: rank 0's
         resolved mode, which the other ranks of a group adopt)."""
         from governor import load_config as load_governor_config
@@ -199,8 +199,8 @@ class EngineStartup:
     def _choose_kernels(self) -> None:
         """MLX's kernels or the invariant ones (kernel_choice.py), before the exactness
         probes, which then answer for the kernels chosen."""
-        from .engine import invariant
-        from .engine.speculative import resolve_rollback
+        from ..engine import invariant
+        from ..engine.speculative import resolve_rollback
         from .kernel_choice import choose_kernels, log_choice
 
         invariant.PERTURB_BATCHED = self.cfg.debug_perturb_invariant_batch
@@ -218,8 +218,8 @@ class EngineStartup:
     def _probe_exactness(self) -> None:
         """Whether a verify reproduces serial decode bit for bit on this backend, and so
         what exact temperature-0 requests get (engine/exactness.py)."""
-        from .engine.exactness import verify_matches_serial
-        from .engine.speculative import resolve_rollback
+        from ..engine.exactness import verify_matches_serial
+        from ..engine.speculative import resolve_rollback
 
         spec = self.cfg.speculation
         rollback = resolve_rollback(spec.rollback)

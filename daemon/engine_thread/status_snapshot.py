@@ -61,7 +61,7 @@ class EngineSnapshot:
     # The engine step (worker._step): StepUse.to_dict() with the budget, and the prefill
     # queue: prompts being prefilled, in the order their chunks go, with tokens left.
     step: dict = field(default_factory=dict)
-    # Start-up warm-up (daemon/warmup.py): per stage, its seconds; empty until it ran.
+    # Start-up warm-up (daemon/engine_thread/warmup.py): per stage, its seconds; empty until it ran.
     warmup: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)

@@ -28,12 +28,12 @@ from protocol import encode
 from protocol import messages as m
 
 from .commands import CommandHandling, Submit
-from .config import Config
+from ..config import Config
 from .decode_paths import DecodePaths
 from .loaded_engine import LoadedEngine
-from .logs import get_logger
+from ..logs import get_logger
 from .prefix_cache_use import PrefixCacheUse
-from .requests import Job
+from ..request_text.requests import Job
 from .scheduler import Scheduler
 from .startup import EngineStartup
 from .stats import StepUse, Tallies
@@ -54,7 +54,7 @@ class EngineWorker(threading.Thread):
         self.cfg = cfg
         self.ctx = ctx
         self.model_path = model_path
-        # The socket loop puts commands here; the intake thread (intake.py) tokenizes each
+        # The socket loop puts commands here; the intake thread (request_text/intake.py) tokenizes each
         # Submit and passes every command on, in order, to ``_ready``, which this thread reads.
         self.commands: queue.Queue = queue.Queue()
         self._ready: queue.Queue = queue.Queue()
@@ -148,7 +148,7 @@ class EngineWorker(threading.Thread):
             self.loaded.set()
             self._out.close()
             return
-        from .intake import Intake
+        from ..request_text.intake import Intake
 
         Intake(self.commands, self._ready, self.engine.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat,
                constraint=self.cfg.constraint).start()
@@ -280,7 +280,7 @@ class EngineWorker(threading.Thread):
     def _step_batch(self) -> None:
         """One cycle for every batched row (a verify of every row's drafts where the batch
         speculates, else one token each); each row's seat is charged its own tokens."""
-        from .engine.types import DecodeStep
+        from ..engine.types import DecodeStep
 
         t0 = time.perf_counter()
         try:
@@ -348,7 +348,7 @@ class EngineWorker(threading.Thread):
             self._finish(job, job.done())
 
     def _tally(self, job: Job, step, kept: list[int]) -> None:
-        """Latency and speculation counters for status readers (daemon/stats.py)."""
+        """Latency and speculation counters for status readers (daemon/engine_thread/stats.py)."""
         t = self.tallies
         if step.draft_source != "lookup":  # the head's drafts, as Done.speculation counts them
             t.drafted += step.drafted

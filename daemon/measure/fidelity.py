@@ -60,7 +60,7 @@ from ..engine.serial import serial_decode
 from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from ..engine.types import SamplingParams
 from ..head_acceptance import PROMPTS_FILE, load_prompts  # the fixed suite, shared with the pull check
-from ..kernel_choice import choose_kernels
+from ..engine_thread.kernel_choice import choose_kernels
 from .fidelity_batch import run_batched_arms
 from .progress import Progress, Quiet
 
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="batch heights of the batched arms (rows speculating together in the continuous batch); "
                          "'' skips them")
     ap.add_argument("--kernels", choices=("auto", "mlx", "invariant"), default="auto",
-                    help="the forward's kernels, chosen as the daemon chooses them (kernel_choice.py): "
+                    help="the forward's kernels, chosen as the daemon chooses them (engine_thread/kernel_choice.py): "
                          "auto keeps MLX's where the probes prove them invariant, else tries the invariant ones")
     ap.add_argument("--prefix-chunk", type=int, default=32,
                     help="the prefix-cache arms' prefill chunk (fidelity_prefix.py: exact requests resumed off the "

@@ -14,7 +14,7 @@ from the greedy measurements; the profile's ``sampling`` entries let the daemon 
 request's depth at the best depth measured for its own sampling settings.
 
 The profile (JSON) records the mlx, mlx-lm and councild versions, the device, and the
-model's path and content hash; the daemon (``daemon.profile.load_profile``) refuses a
+model's path and content hash; the daemon (``daemon.engine_thread.profile.load_profile``) refuses a
 profile made with other versions, on another device, or for another model.
 
 Default location: <cache dir>/profile-<model hash>.json (cache dir: $COUNCILD_CACHE_DIR,
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from daemon.exits import EXIT_CONFIG
 from daemon.measure.progress import Progress
-from daemon.profile import (PROFILE_FORMAT, best_depth, check_profile, current_device, current_versions,
+from daemon.engine_thread.profile import (PROFILE_FORMAT, best_depth, check_profile, current_device, current_versions,
                             default_profile_path, model_hash)
 
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "suite": {"prompts": len(prompts), "tokens": args.tokens, "source": "daemon/measure/fidelity_prompts.json"},
         **measured,  # greedy: what the governor's cost model starts from
         # Per sampling setting (greedy, the generation_config's): the worker caps a
-        # request's depth at its setting's best depth (daemon.profile.sampling_entry, best_depth).
+        # request's depth at its setting's best depth (daemon.engine_thread.profile.sampling_entry, best_depth).
         "sampling": sampling,
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,8 @@ import threading
 
 import msgspec
 
-from .engine.constraint import ConstraintError, compile_constraint
-from .logs import get_logger
+from ..engine.constraint import ConstraintError, compile_constraint
+from ..logs import get_logger
 from .reasoning import reasoning_split_for
 from .requests import Job
 from .tool_grammar import ToolGrammarError, bound_schema, budget_cap, string_slots, tool_constraint

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from protocol import messages as m
 
-from .engine.types import DecodeStep
+from ..engine.types import DecodeStep
 from .tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -98,13 +98,13 @@ class Job:
         self.token_ids: list[int] = []
         self.text = ""
         self.sent_chars = 0
-        # Set for chat requests whose template marks thinking (daemon/reasoning.py): chunks
+        # Set for chat requests whose template marks thinking (daemon/request_text/reasoning.py): chunks
         # and Done then carry the thinking in ``reasoning`` and the answer in ``text``.
         self.reasoning = None
         self.sent_reasoning = 0
         self.sent_answer = 0
         self.seq = 0
-        # Requests with tools: calls are parsed out of the answer (daemon/tool_calls.py).
+        # Requests with tools: calls are parsed out of the answer (daemon/request_text/tool_calls.py).
         self.tools = msg.option_tools() if msg.messages is not None else []
         # The one function a forced choice allows (names a call cut before its name).
         choice = msg.option_tool_choice() if self.tools else None

@@ -1,7 +1,7 @@
 """The grammar that makes a model call a tool: tool_choice "required" or a named function.
 
 Built as llguidance's Lark dialect (``Generate.constraint`` kind ``lark``) in the format the
-model's chat template teaches it (daemon/tool_calls.py parses the same two): Qwen3.5 /
+model's chat template teaches it (daemon/request_text/tool_calls.py parses the same two): Qwen3.5 /
 Qwen3-Coder XML, where each parameter is its own element, or Hermes JSON inside
 ``<tool_call>``. Arguments follow each tool's JSON Schema: in JSON, the whole arguments
 object is one ``%json`` schema; in XML, a typed parameter's value is ``%json`` of its
@@ -16,7 +16,7 @@ read it), JSON values their whole schema (``maxItems`` included). ``bound_schema
 every free string (no ``maxLength``, no ``enum``/``const``) at the request's
 ``string_max_chars`` (else the daemon's ``[constraint]`` default): a model that never ends a
 string on its own (the bundled one writes Python forever) still closes the call. The same
-cap applies to ``json_schema`` answers (daemon/intake.py).
+cap applies to ``json_schema`` answers (daemon/request_text/intake.py).
 
 Pure string building plus llguidance's grammar check (no tokenizer, no mlx): a schema that
 llguidance cannot compile is refused here, naming the construct, before any work starts.

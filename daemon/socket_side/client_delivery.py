@@ -22,8 +22,8 @@ import zmq
 from protocol import encode
 from protocol import messages as m
 
-from .commands import CancelJob
-from .logs import get_logger
+from ..engine_thread.commands import CancelJob
+from ..logs import get_logger
 
 log = get_logger("councild.server")
 

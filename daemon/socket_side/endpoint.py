@@ -14,9 +14,9 @@ from pathlib import Path
 
 import zmq
 
-from .config import Config
-from .exits import EXIT_CONFIG, EXIT_TEMPFAIL
-from .logs import get_logger
+from ..config import Config
+from ..exits import EXIT_CONFIG, EXIT_TEMPFAIL
+from ..logs import get_logger
 
 log = get_logger("councild.server")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import zmq
 
-from .exits import EXIT_CANTCREAT
+from ..exits import EXIT_CANTCREAT
 
 SECRET_NAME = "councild.key_secret"
 PUBLIC_NAME = "councild.key"

@@ -22,14 +22,14 @@ from protocol import messages as m
 from protocol.codec import peek_request_id
 
 from .client_delivery import ClientDelivery
-from .commands import CancelAll, CancelJob, GovernorOverride, ReloadGovernor, ReloadScheduler, Stop, Submit
-from .config import Config
+from ..engine_thread.commands import CancelAll, CancelJob, GovernorOverride, ReloadGovernor, ReloadScheduler, Stop, Submit
+from ..config import Config
 from .endpoint import EndpointGuard, StartupError
-from .exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
-from .logs import get_logger
-from .requests import Job
+from ..exits import EXIT_CONFIG, EXIT_OK, EXIT_SOFTWARE
+from ..logs import get_logger
+from ..request_text.requests import Job
 from .status_reply import StatusReplies
-from .worker import OUT_ENDPOINT, EngineWorker
+from ..engine_thread.worker import OUT_ENDPOINT, EngineWorker
 
 # What SIGHUP applies to a running daemon; any other key that changed needs a restart.
 LIVE_ON_RELOAD = frozenset({"scheduler", "governor", "heartbeat_timeout_s", "drain_deadline_s", "stats_interval_s"})
@@ -87,7 +87,7 @@ class Server(ClientDelivery, StatusReplies):
         if group is None:
             self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
         else:  # rank 0 of a tensor-parallel group (daemon/distributed/)
-            from .distributed.lockstep import LeaderWorker
+            from ..distributed.lockstep import LeaderWorker
 
             self.worker = LeaderWorker(cfg, self.ctx, model_path, hooks=_Hooks(self), group=group)
 
@@ -411,7 +411,7 @@ class Server(ClientDelivery, StatusReplies):
 
 
     def _reload(self) -> None:
-        from .config import ConfigError, load_config
+        from ..config import ConfigError, load_config
 
         if self.notifier:
             self.notifier.reloading()

@@ -1,6 +1,6 @@
 """The status reply: what `councild status`, /metrics and the periodic ``stats`` log read.
 
-Built by the socket loop from the engine's last published snapshot (status_snapshot.py)
+Built by the socket loop from the engine's last published snapshot (engine_thread/status_snapshot.py)
 and its own counts (in-flight requests, clients, refusals), so answering never waits on
 or touches the engine thread.
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import daemon
 from protocol import messages as m
 
-from .logs import get_logger, lines_dropped
-from .stats import Tallies
+from ..logs import get_logger, lines_dropped
+from ..engine_thread.stats import Tallies
 
 log = get_logger("councild.server")
 

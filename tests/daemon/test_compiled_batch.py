@@ -222,7 +222,7 @@ def test_a_batch_check_that_fails_to_run_leaves_batches_eager(random_model_path,
 def test_the_batch_checks_verdict_is_cached_with_the_one_row_checks(random_model_path, tmp_path, monkeypatch):
     """The first start runs the batch check and stores its verdict, the next reads it; a
     stored "differs" keeps the next start's batches eager (its one row compiled)."""
-    from daemon.probe_verdicts import CompiledStepCheck, verdicts_for
+    from daemon.engine_thread.probe_verdicts import CompiledStepCheck, verdicts_for
 
     monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
     runs = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from daemon.detokenize import CommittedText
+from daemon.request_text.detokenize import CommittedText
 from daemon.paths import BUNDLED_MODEL
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)

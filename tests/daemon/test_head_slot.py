@@ -1,4 +1,4 @@
-"""The head slot (daemon/head_slot.py): what the worker reads and governance changes, on a
+"""The head slot (daemon/engine_thread/head_slot.py): what the worker reads and governance changes, on a
 real (random-weight) checkpoint, and the rule that governance holds the slot, not the worker."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import daemon
 from daemon.engine.loading import load_model
 from daemon.engine.types import DecodeStep
-from daemon.governance import Governance
-from daemon.head_slot import HeadSlot
+from daemon.engine_thread.governance import Governance
+from daemon.engine_thread.head_slot import HeadSlot
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_no_head_is_recorded_not_raised(lm, tmp_path, random_model_path):
 def test_governance_holds_the_slot_not_the_worker():
     """Not even for annotations: the governor's hands reach the head slot and the prefix
     cache it is given, never the worker's jobs, scheduler or sockets."""
-    source = (pathlib.Path(daemon.__file__).parent / "governance.py").read_text()
+    source = (pathlib.Path(daemon.__file__).parent / "engine_thread" / "governance.py").read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):

@@ -15,7 +15,7 @@ import pytest
 
 from daemon.engine import invariant, invariant_quant
 from daemon.engine.loading import load_model
-from daemon.kernel_choice import choose_kernels
+from daemon.engine_thread.kernel_choice import choose_kernels
 
 
 def _quantized(N: int, K: int, gs: int, bits: int, dtype=mx.float32, seed: int = 0):

@@ -6,7 +6,14 @@ annotations, not dependencies, except for the circle rule):
 - the model tools (daemon/models/) do not reach up into the measurement wing;
 - the engine imports nothing of the daemon outside daemon/engine/;
 - no gate or benchmark code under daemon/engine/, and nothing the running daemon imports
-  reaches the measurement wing (daemon/measure/) or the CLI."""
+  reaches the measurement wing (daemon/measure/) or the CLI;
+- the wings of the running daemon stand in one order, bottom to top: the engine
+  (daemon/engine/), request text (daemon/request_text/), the engine thread
+  (daemon/engine_thread/), the tensor-parallel group (daemon/distributed/), the socket side
+  (daemon/socket_side/): no module imports a wing above its own, and the wings, with the
+  top-level modules and the other folders, form no circle;
+- the floor (config, exits, logs, paths, the package) imports no serving wing but the engine;
+- daemon/'s top level holds at most 14 files: the CLI, config and the floor, the demo."""
 
 from __future__ import annotations
 
@@ -20,7 +27,12 @@ pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 ROOT = pathlib.Path(daemon.__file__).parent
 # What the running daemon imports, starting from `councild serve`'s server.
-SERVING_ROOTS = ("daemon.server", "daemon.worker")
+SERVING_ROOTS = ("daemon.socket_side.server", "daemon.engine_thread.worker")
+# The running daemon's wings, bottom to top: each may import those below it, never one above.
+WINGS = ("daemon.engine", "daemon.request_text", "daemon.engine_thread", "daemon.distributed", "daemon.socket_side")
+# Top-level modules every wing may use; they import no serving wing (the engine only).
+FLOOR = ("daemon", "daemon.config", "daemon.exits", "daemon.logs", "daemon.paths")
+TOP_LEVEL_MAX = 14
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
@@ -98,6 +110,37 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _in(mod: str, package: str) -> bool:
+    return mod == package or mod.startswith(package + ".")
+
+
+def _wing(mod: str) -> str:
+    """The folder a module stands in (``daemon.engine_thread.worker`` -> ``daemon.engine_thread``);
+    a top-level module is its own node."""
+    return ".".join(mod.split(".")[:2])
+
+
+def _arrows_up(graph: dict[str, set[str]], wings=WINGS) -> list[str]:
+    rank = {w: i for i, w in enumerate(wings)}
+    found = []
+    for mod, deps in graph.items():
+        mine = rank.get(_wing(mod))
+        if mine is None:
+            continue
+        for d in sorted(deps):
+            theirs = rank.get(_wing(d))
+            if theirs is not None and theirs > mine:
+                found.append(f"{mod} -> {d}")
+    return found
+
+
+def _wing_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for mod, deps in graph.items():
+        out.setdefault(_wing(mod), set()).update(_wing(d) for d in deps if _wing(d) != _wing(mod))
+    return out
+
+
 def _reachable(graph: dict[str, set[str]], roots) -> set[str]:
     seen, todo = set(), list(roots)
     while todo:
@@ -153,8 +196,8 @@ def test_model_tools_do_not_reach_into_measurement():
 
 def test_engine_imports_only_the_engine():
     for mod, deps in _graph().items():
-        if mod.startswith("daemon.engine"):
-            outside = {d for d in deps if not d.startswith("daemon.engine")}
+        if _in(mod, "daemon.engine"):
+            outside = {d for d in deps if not _in(d, "daemon.engine")}
             assert not outside, f"{mod} imports {outside}"
 
 
@@ -165,6 +208,41 @@ def test_no_gate_or_bench_under_engine():
 
 def test_the_running_daemon_reaches_neither_measurement_nor_cli():
     reach = _reachable(_graph(), SERVING_ROOTS)
-    assert "daemon.worker" in reach and "daemon.engine.speculative" in reach
+    assert "daemon.engine_thread.worker" in reach and "daemon.engine.speculative" in reach
     bad = {m for m in reach if m.startswith("daemon.measure") or m == "daemon.cli"}
     assert not bad, bad
+
+
+def test_no_wing_imports_one_above_it():
+    """Every import, annotations included: an arrow up hidden under TYPE_CHECKING still counts."""
+    graph = _graph(type_only=True)
+    assert all(any(_wing(m) == w for m in graph) for w in WINGS), "a wing is missing: update WINGS"
+    up = _arrows_up(graph)
+    assert not up, up
+
+
+def test_a_planted_arrow_up_is_found():
+    graph = {"daemon.engine_thread.worker": {"daemon.request_text.requests", "daemon.socket_side.server"},
+             "daemon.request_text.requests": {"daemon.engine.types"}}
+    assert _arrows_up(graph) == ["daemon.engine_thread.worker -> daemon.socket_side.server"]
+
+
+def test_no_circle_between_wings():
+    """Collapsed to folders (the wings, measure, models, service) and top-level modules, the
+    import graph has no circle either."""
+    cycle = _cycle(_wing_graph(_graph(type_only=True)))
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_floor_imports_no_serving_wing():
+    serving = WINGS[1:]
+    for mod, deps in _graph(type_only=True).items():
+        if mod in FLOOR:
+            bad = {d for d in deps if any(_in(d, w) for w in serving)}
+            assert not bad, f"{mod} imports {bad}"
+
+
+def test_the_top_level_is_small():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, top
+    assert {"cli.py", "config.py", "__init__.py"} <= set(top)

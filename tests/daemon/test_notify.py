@@ -1,4 +1,4 @@
-"""daemon.notify against a real AF_UNIX datagram socket standing in for systemd."""
+"""daemon.socket_side.notify against a real AF_UNIX datagram socket standing in for systemd."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from daemon.notify import Notifier, WatchdogPacer, watchdog_interval_s
+from daemon.socket_side.notify import Notifier, WatchdogPacer, watchdog_interval_s
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

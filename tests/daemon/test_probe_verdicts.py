@@ -1,4 +1,4 @@
-"""The start-up probes' verdicts cache (daemon/probe_verdicts.py): a stored verdict is read
+"""The start-up probes' verdicts cache (daemon/engine_thread/probe_verdicts.py): a stored verdict is read
 back only for the same stack and model; a corrupt or foreign file is a miss."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 
 from daemon.engine.exactness import verify_matches_serial
 from daemon.engine.loading import load_model
-from daemon.probe_verdicts import ProbeVerdicts, verdicts_for
+from daemon.engine_thread.probe_verdicts import ProbeVerdicts, verdicts_for
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def test_the_compiled_steps_self_check_is_read_back_and_keyed_without_the_decode
     run) and still decodes on the compiled step; a stored "differs" keeps the next load
     eager. Its key is the decode path's own: the path it decides is not in it."""
     from daemon.engine import compiled
-    from daemon.probe_verdicts import CompiledStepCheck
+    from daemon.engine_thread.probe_verdicts import CompiledStepCheck
 
     monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
     runs = []

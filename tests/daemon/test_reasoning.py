@@ -1,11 +1,11 @@
-"""Thinking text apart from the answer (daemon/reasoning.py): the split, and that streaming
+"""Thinking text apart from the answer (daemon/request_text/reasoning.py): the split, and that streaming
 it in chunks cut anywhere gives exactly the final split."""
 
 from __future__ import annotations
 
 import pytest
 
-from daemon.reasoning import ReasoningSplit
+from daemon.request_text.reasoning import ReasoningSplit
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

@@ -8,7 +8,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from daemon.config import SchedulerConfig
-from daemon.scheduler import Scheduler
+from daemon.engine_thread.scheduler import Scheduler
 import pytest
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from daemon.seat_stats import SeatStats
+from daemon.engine_thread.seat_stats import SeatStats
 import pytest
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)

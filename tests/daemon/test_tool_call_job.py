@@ -1,4 +1,4 @@
-"""A request with tools on the engine thread's side (daemon/requests.py Job): committed
+"""A request with tools on the engine thread's side (daemon/request_text/requests.py Job): committed
 tokens -> Tokens chunks whose tool_calls are the Done's, thinking kept apart, no part of a
 call in any chunk's text, finish_reason tool_calls. The bundled model's real tokenizer."""
 
@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from daemon.detokenize import CommittedText
+from daemon.request_text.detokenize import CommittedText
 from daemon.engine.types import DecodeStep
 from daemon.paths import BUNDLED_MODEL
-from daemon.reasoning import ReasoningSplit
-from daemon.requests import Job
+from daemon.request_text.reasoning import ReasoningSplit
+from daemon.request_text.requests import Job
 from protocol import messages as m
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
@@ -96,9 +96,9 @@ def test_a_call_never_closed_is_still_a_call_and_never_text(tok):
 
 
 def test_the_bundled_template_shows_tools_and_calls_the_qwen35_way(tok):
-    from daemon.intake import template_message, template_tool
-    from daemon.tool_calls import parse_tool_calls
-    from daemon.tool_grammar import XML, tool_format
+    from daemon.request_text.intake import template_message, template_tool
+    from daemon.request_text.tool_calls import parse_tool_calls
+    from daemon.request_text.tool_grammar import XML, tool_format
 
     call = m.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris", "days": 2}')
     chat = [m.ChatMessage(role="user", content="hi"), m.ChatMessage(role="assistant", content="", tool_calls=[call]),

@@ -1,7 +1,7 @@
-"""The tool-call parser (daemon/tool_calls.py): both formats, streamed at every split point,
+"""The tool-call parser (daemon/request_text/tool_calls.py): both formats, streamed at every split point,
 never a partial tag in the text, never the format's markup in the text (malformed calls read
 leniently or dropped, cut calls reported as far as they go); and the grammar
-(daemon/tool_grammar.py) admits exactly what the parser reads, bounds free strings and keeps
+(daemon/request_text/tool_grammar.py) admits exactly what the parser reads, bounds free strings and keeps
 the format's tags out of values."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.tool_calls import CLOSE, OPEN, ToolCallStream, parse_tool_calls
-from daemon.tool_grammar import JSON, XML, ToolGrammarError, check_lark, tool_call_lark, tool_constraint, tool_format
+from daemon.request_text.tool_calls import CLOSE, OPEN, ToolCallStream, parse_tool_calls
+from daemon.request_text.tool_grammar import JSON, XML, ToolGrammarError, check_lark, tool_call_lark, tool_constraint, tool_format
 from protocol import messages as m
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
@@ -116,7 +116,7 @@ def test_a_forced_call_cut_before_its_name_is_still_the_forced_call():
 
 
 def test_close_json_keeps_the_longest_usable_prefix():
-    from daemon.tool_calls import _NOTHING, close_json
+    from daemon.request_text.tool_calls import _NOTHING, close_json
 
     assert close_json('{"a": [1, "x') == {"a": [1, "x"]}
     assert close_json('{"a": 1, "b') == {"a": 1}
@@ -260,7 +260,7 @@ def test_grammar_admits_what_the_parser_reads_and_refuses_what_breaks_the_schema
 
 
 def test_bound_schema_caps_free_strings_only():
-    from daemon.tool_grammar import NO_TAGS_PATTERN, bound_schema
+    from daemon.request_text.tool_grammar import NO_TAGS_PATTERN, bound_schema
 
     schema = {"type": "object", "properties": {
         "free": {"type": "string"}, "short": {"type": "string", "maxLength": 5}, "long": {"type": "string",

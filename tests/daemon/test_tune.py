@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from daemon import profile
+from daemon.engine_thread import profile
 from daemon.measure import tune
 
 

@@ -177,7 +177,7 @@ def test_ipc_permissions_another_user_cannot_connect(e2e_model):
 
 
 def test_keys_cli_writes_modes_and_loads(tmp_path):
-    from daemon import keys
+    from daemon.socket_side import keys
 
     out = subprocess.run([sys.executable, "-m", "daemon.cli", "keys", "--out", str(tmp_path / "k")], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
@@ -213,7 +213,7 @@ def test_tcp_without_key_refuses_to_start(tmp_path, e2e_model):
 
 @pytest.mark.quick
 def test_tcp_with_curve(tmp_path, e2e_model):
-    from daemon import keys
+    from daemon.socket_side import keys
 
     secret_file, _, public = keys.generate(tmp_path / "keys")
     port = _free_port()
@@ -315,15 +315,15 @@ def test_no_client_field_reaches_a_path_or_a_shell():
     path_methods = {"unlink", "write_text", "write_bytes", "read_text", "read_bytes", "mkdir", "rmdir", "rename",
                     "symlink_to", "touch", "open", "with_name"}
     reviewed = {  # file -> calls reviewed by hand, every argument traced to config or a constant
-        "daemon/server.py": {"Path", "mkdir", "with_name", "os.open", "os.chmod", "unlink"},
+        "daemon/socket_side/server.py": {"Path", "mkdir", "with_name", "os.open", "os.chmod", "unlink"},
         # the prefix cache's disk folder: prefix_cache.disk_dir from the config, else the cache dir
-        "daemon/prefix_cache_use.py": {"Path"},
+        "daemon/engine_thread/prefix_cache_use.py": {"Path"},
         # the model's folder name, from the command line or the config
-        "daemon/status_reply.py": {"Path"},
+        "daemon/socket_side/status_reply.py": {"Path"},
     }
-    audited = ("daemon/server.py", "daemon/client_delivery.py", "daemon/status_reply.py",
-               "daemon/worker.py", "daemon/commands.py", "daemon/decode_paths.py", "daemon/prefix_cache_use.py",
-               "daemon/startup.py", "daemon/status_snapshot.py", "daemon/requests.py", "daemon/scheduler.py")
+    audited = ("daemon/socket_side/server.py", "daemon/socket_side/client_delivery.py", "daemon/socket_side/status_reply.py",
+               "daemon/engine_thread/worker.py", "daemon/engine_thread/commands.py", "daemon/engine_thread/decode_paths.py", "daemon/engine_thread/prefix_cache_use.py",
+               "daemon/engine_thread/startup.py", "daemon/engine_thread/status_snapshot.py", "daemon/request_text/requests.py", "daemon/engine_thread/scheduler.py")
     assert all((REPO / rel).is_file() for rel in audited), "an audited module moved: audit its new home"
     found = []
     for path, tree in _modules("daemon"):

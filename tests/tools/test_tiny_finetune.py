@@ -14,7 +14,7 @@ import pytest
 
 from daemon.engine.chat_templates import QWEN_TOOLS_TEMPLATE
 from daemon.paths import BUNDLED_MODEL
-from daemon.tool_calls import parse_tool_calls
+from daemon.request_text.tool_calls import parse_tool_calls
 from protocol import messages as pm
 
 TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
