@@ -610,7 +610,7 @@ def run(args) -> dict:
     endpoint = args.endpoint
     if endpoint is None:
         daemon = Daemon(args.model, log_disk_bytes=args.log_disk_bytes)
-        endpoint = daemon.socket_side.endpoint
+        endpoint = daemon.endpoint
     try:
         detail = wait_ready(endpoint, proc=daemon.proc if daemon else None, curve_server_key=args.curve_server_key)
         pid = detail["pid"]

@@ -89,7 +89,7 @@ def run_one(d, msg: m.Generate):
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_every_path_matches_the_constraint_and_exact_is_serial(daemon, kind):
-    with Client(daemon.socket_side.endpoint, seat="gov", timeout_s=60) as c:
+    with Client(daemon.endpoint, seat="gov", timeout_s=60) as c:
         ref = {}
         for temperature, seed in ((0.0, None), (0.8, 7)):
             text, before, done = run_one(daemon, request(f"{kind}-off-{temperature}", kind, speculation="off",
@@ -122,13 +122,13 @@ def test_four_concurrent_constrained_requests_batch(daemon, speculation):
     msgs.append(request(f"batch-sampled-{speculation}", "json_schema", speculation=speculation, temperature=0.8,
                         seed=3))
     if speculation != "off":
-        with Client(daemon.socket_side.endpoint, seat="ops") as c:
+        with Client(daemon.endpoint, seat="ops") as c:
             assert c.governor("pin_depth", 2).ok
     try:
         got = run_all(daemon, msgs)
     finally:
         if speculation != "off":
-            with Client(daemon.socket_side.endpoint, seat="ops") as c:
+            with Client(daemon.endpoint, seat="ops") as c:
                 assert c.governor("auto").ok
     for k in kinds:
         text, _, done = got[f"batch-{k}-{speculation}"]
