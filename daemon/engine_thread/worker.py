@@ -116,7 +116,6 @@ class EngineWorker(threading.Thread):
             self.status.snapshot.model_type = self.engine.lm.model_type
             self.status.snapshot.decode_path = self.engine.lm.decode_path
             self.status.snapshot.batch_decode_path = self.engine.lm.batch_decode_path
-            self.status.snapshot.ready = True
 
     # ------------------------------------------------------------------ the parts' hooks
     # What a tensor-parallel rank (daemon/distributed/lockstep.py) overrides or calls.
@@ -152,6 +151,11 @@ class EngineWorker(threading.Thread):
 
         Intake(self.commands, self._ready, self.engine.lm, self.max_prompt_tokens, Submit, chat=self.cfg.chat,
                constraint=self.cfg.constraint).start()
+        # Status says "serving" only from here: until `loaded` is set the socket loop still
+        # answers a Generate with "still loading", and a front that read "serving" earlier
+        # (start-up's collection and freeze run after the load) let it through to a 429.
+        with self.status.snapshot_lock:
+            self.status.snapshot.ready = True
         self.loaded.set()
         try:
             self._loop()

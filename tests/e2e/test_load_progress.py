@@ -43,6 +43,16 @@ def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
                     datagrams.append(manager.recv(4096).decode())
             except (socket.timeout, BlockingIOError):
                 pass
+        # The first "serving" answer means it: a request sent at once is accepted, not refused
+        # as "still loading" (start-up's last steps ran between the two once: a front that
+        # read "serving" passed a request through to a 429).
+        first = None
+        if states and states[-1] == "serving":
+            sock.send(encode(m.Generate(request_id="first", prompt="x", max_tokens=1)))
+            while first is None:
+                got = decode_daemon(sock.recv())
+                if getattr(got, "request_id", None) == "first" and not isinstance(got, m.Tokens):
+                    first = got
         wait_ready(d)
         time.sleep(0.3)
         try:
@@ -55,6 +65,7 @@ def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
         manager.close()
         assert d.stop() == 0
     assert states and states[0] == "loading" and states[-1] == "serving", states
+    assert isinstance(first, (m.Accepted, m.Done)), first
     # A request sent during the load is refused with a retry hint, never queued half-loaded.
     assert isinstance(refused, m.Error), refused
     assert refused.code == "overloaded" and "still loading" in refused.message and refused.retry_after_s
