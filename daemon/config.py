@@ -158,10 +158,13 @@ class ChatConfig(Struct, forbid_unknown_fields=True, frozen=True):
 class ConstraintConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # The most characters of a free string (no maxLength, enum, const or format of its own)
     # inside a forced tool call (tool_choice required or named) or a json_schema answer, for
-    # requests that do not say (Generate.string_max_chars): a model that never ends a string
-    # (the bundled one writes code forever) still closes the call before max_tokens. A
-    # schema's own smaller maxLength stays. 0: no cap (a model's own judgement only).
-    string_max_chars: Annotated[int, Meta(ge=0, le=1 << 16)] = 64
+    # requests that do not say (Generate.string_max_chars), lowered per request so the
+    # strings fit in half of max_tokens (tool_grammar.budget_cap): a model that never ends a
+    # string (the bundled one writes code forever) still closes the call before max_tokens.
+    # A ceiling, not a target: a real model writing a file through a forced call ends its
+    # string itself, and a small fixed cap would cut it (64 cut every such file). A schema's
+    # own smaller maxLength stays. 0: no cap at all (a model's own judgement only).
+    string_max_chars: Annotated[int, Meta(ge=0, le=1 << 16)] = 4096
 
 
 class DistributedConfig(Struct, forbid_unknown_fields=True, frozen=True):

@@ -24,7 +24,7 @@ FORCED = ["write_file", "grep", "create_event", "resize_image", "deploy"]
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    # The bundled model, its daemon's default cap (64): the case the issue was filed on.
+    # The bundled model with the daemon's default cap: the case the issue was filed on.
     with daemon_behind_front(tmp_path_factory.mktemp("http-tool-close"), BUNDLED_MODEL) as both:
         yield both
 
@@ -54,7 +54,7 @@ def test_forced_calls_close_valid(oai, name):
     args = json.loads(call.function.arguments)
     assert call.function.name == name and errors(args, TOOLS[name][1]) == []
     assert r.usage.completion_tokens <= 128
-    # The daemon's cap (64) bounds every free string.
+    # The daemon's cap, lowered to fit max_tokens (128: 64 characters for a free string), bounds every one.
     assert all(len(v) <= 64 for v in args.values() if isinstance(v, str))
 
 
