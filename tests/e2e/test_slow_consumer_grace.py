@@ -18,8 +18,12 @@ from protocol import Done, Error, Generate, Hello, Ping, Tokens, decode_daemon, 
 GRACE_S = 5.0
 SEND_HWM = 32  # small, so the queue fills within seconds; the grace, not the HWM, decides
 # max_active 5: the bystander and a reader's four requests decode together from the start.
+# batching off: time-sliced, the five make ~a stream's rate. In one batched forward they made
+# ~1,000 messages a second, and the stopped reader's backlog passed the daemon's cap (4,096
+# messages: client_delivery.GRACE_BACKLOG_MIN) 4 s into the 5 s grace, which cuts it by
+# design before the grace could be what decides.
 CONFIG = (f"heartbeat_timeout_s = 30.0\nheartbeat_interval_s = 0.5\nclient_send_hwm = {SEND_HWM}\n"
-          f"slow_consumer_grace_s = {GRACE_S}\n[scheduler]\nmax_active = 5\n")
+          f"slow_consumer_grace_s = {GRACE_S}\n[scheduler]\nmax_active = 5\nbatching = false\n")
 TOKENS = 2000  # the stopping reader's requests: still decoding when it is cut
 # The pausing reader's: its queue is full after about 100 chunks per request (the daemon's
 # queue plus the socket's buffer), so 600 leave most of each request to arrive after the
