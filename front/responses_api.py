@@ -41,7 +41,7 @@ from protocol.client import CouncilError
 
 from .daemon_link import DaemonUnreachable
 from .errors import HTTPError, from_council, from_unreachable
-from .schema import BadRequest
+from .schema import BadRequest, number_field
 
 # Accepted and without effect here: ids, storage and routing hints of the hosted API.
 HARMLESS = {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention",
@@ -65,17 +65,6 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> Bad
 
 def _unsupported(message: str, param: str) -> BadRequest:
     return BadRequest(message, param, "unsupported_parameter")
-
-
-def _num(body: dict, key: str, kind: type, lo: float, hi: float, default=None):
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise _bad(f"'{key}' must be {'an integer' if kind is int else 'a number'}, not {v!r}", key)
-    if not lo <= v <= hi:
-        raise _bad(f"'{key}' must be in [{lo}, {hi}], not {v!r}", key)
-    return kind(v)
 
 
 def _text_parts(content: Any, where: str) -> str:
@@ -281,27 +270,27 @@ def parse_responses_request(body: Any) -> tuple[dict, bool, dict]:
         raise _bad("'text.format' json and a forced 'tool_choice' exclude each other", "text.format")
     gen["constraint"] = constraint
 
-    max_tokens = _num(body, "max_output_tokens", int, 1, m.MAX_TOKENS_CEILING)
+    max_tokens = number_field(body, "max_output_tokens", int, 1, m.MAX_TOKENS_CEILING)
     if max_tokens is not None:
         gen["max_tokens"] = max_tokens
-    gen["temperature"] = _num(body, "temperature", float, 0.0, 2.0, 1.0)  # OpenAI's default and range
-    gen["top_p"] = _num(body, "top_p", float, 0.0, 1.0, 1.0)
+    gen["temperature"] = number_field(body, "temperature", float, 0.0, 2.0, 1.0)  # OpenAI's default and range
+    gen["top_p"] = number_field(body, "top_p", float, 0.0, 1.0, 1.0)
     if gen["top_p"] <= 0.0:
         raise _bad("'top_p' must be above 0", "top_p")
-    gen["top_k"] = _num(body, "top_k", int, 0, 1 << 20, 0)
-    gen["min_p"] = _num(body, "min_p", float, 0.0, 1.0, 0.0)
-    gen["repetition_penalty"] = _num(body, "repetition_penalty", float, 0.0, 10.0, 1.0)
+    gen["top_k"] = number_field(body, "top_k", int, 0, 1 << 20, 0)
+    gen["min_p"] = number_field(body, "min_p", float, 0.0, 1.0, 0.0)
+    gen["repetition_penalty"] = number_field(body, "repetition_penalty", float, 0.0, 10.0, 1.0)
     if gen["repetition_penalty"] <= 0.0:
         raise _bad("'repetition_penalty' must be above 0", "repetition_penalty")
-    gen["seed"] = _num(body, "seed", int, 0, (1 << 63) - 1)
-    gen["deadline_ms"] = _num(body, "deadline_ms", int, 1, 7 * 24 * 3600 * 1000)
+    gen["seed"] = number_field(body, "seed", int, 0, (1 << 63) - 1)
+    gen["deadline_ms"] = number_field(body, "deadline_ms", int, 1, 7 * 24 * 3600 * 1000)
     for key, allowed in (("priority", ("interactive", "normal", "background")),
                          ("speculation", ("off", "exact", "fast"))):
         v = body.get(key)
         if v is not None and v not in allowed:
             raise _bad(f"'{key}' must be one of {', '.join(allowed)}, not {v!r}", key)
         gen[key] = v
-    if _num(body, "top_logprobs", int, 0, 20, 0):
+    if number_field(body, "top_logprobs", int, 0, 20, 0):
         raise _unsupported("'top_logprobs' is not supported on /v1/responses (chat completions has logprobs)",
                            "top_logprobs")
     include = body.get("include")

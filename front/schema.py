@@ -50,7 +50,9 @@ class Parsed:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _num(body: dict, key: str, kind: type, lo: float | None = None, hi: float | None = None, default=None):
+def number_field(body: dict, key: str, kind: type, lo: float | None = None, hi: float | None = None, default=None):
+    """``body[key]`` as ``kind`` within [lo, hi]; ``default`` when absent or null; a 400 naming
+    the field otherwise (the chat, completions and Responses routes all read numbers so)."""
     v = body.get(key, default)
     if v is None:
         return default
@@ -263,27 +265,27 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> Parsed:
         else:
             raise BadRequest("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
-    max_tokens = _num(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens",
-                      int, 1, m.MAX_TOKENS_CEILING)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = number_field(body, key, int, 1, m.MAX_TOKENS_CEILING)
     gen["max_tokens"] = max_tokens if max_tokens is not None else default_max_tokens
     # OpenAI's default temperature is 1; councild's greedy (and exact speculation) is temperature 0.
-    gen["temperature"] = _num(body, "temperature", float, 0.0, 100.0, 1.0)
-    gen["top_p"] = _num(body, "top_p", float, 0.0, 1.0, 1.0)
+    gen["temperature"] = number_field(body, "temperature", float, 0.0, 100.0, 1.0)
+    gen["top_p"] = number_field(body, "top_p", float, 0.0, 1.0, 1.0)
     if gen["top_p"] <= 0.0:
         raise BadRequest("'top_p' must be above 0", "top_p")
-    gen["top_k"] = _num(body, "top_k", int, 0, 1 << 20, 0)
-    gen["seed"] = _num(body, "seed", int, 0, (1 << 63) - 1)
+    gen["top_k"] = number_field(body, "top_k", int, 0, 1 << 20, 0)
+    gen["seed"] = number_field(body, "seed", int, 0, (1 << 63) - 1)
     gen["stop"] = _stop(body.get("stop"))
-    gen["min_p"] = _num(body, "min_p", float, 0.0, 1.0, 0.0)
-    gen["repetition_penalty"] = _num(body, "repetition_penalty", float, 0.0, 10.0, 1.0)
+    gen["min_p"] = number_field(body, "min_p", float, 0.0, 1.0, 0.0)
+    gen["repetition_penalty"] = number_field(body, "repetition_penalty", float, 0.0, 10.0, 1.0)
     if gen["repetition_penalty"] <= 0.0:
         raise BadRequest("'repetition_penalty' must be above 0", "repetition_penalty")
-    gen["presence_penalty"] = _num(body, "presence_penalty", float, -2.0, 2.0, 0.0)
-    gen["frequency_penalty"] = _num(body, "frequency_penalty", float, -2.0, 2.0, 0.0)
+    gen["presence_penalty"] = number_field(body, "presence_penalty", float, -2.0, 2.0, 0.0)
+    gen["frequency_penalty"] = number_field(body, "frequency_penalty", float, -2.0, 2.0, 0.0)
     gen["logit_bias"] = _logit_bias(body.get("logit_bias"))
-    gen["deadline_ms"] = _num(body, "deadline_ms", int, 1, 7 * 24 * 3600 * 1000)
+    gen["deadline_ms"] = number_field(body, "deadline_ms", int, 1, 7 * 24 * 3600 * 1000)
     # Cap on free strings in forced tool calls and json_schema answers (0: none); absent: the daemon's.
-    gen["string_max_chars"] = _num(body, "string_max_chars", int, 0, m.MAX_STRING_CHARS)
+    gen["string_max_chars"] = number_field(body, "string_max_chars", int, 0, m.MAX_STRING_CHARS)
     for key, allowed in (("priority", ("interactive", "normal", "background")), ("speculation", ("off", "exact", "fast"))):
         v = body.get(key)
         if v is not None and v not in allowed:
@@ -299,12 +301,12 @@ def parse_request(body: Any, chat: bool, default_max_tokens: int) -> Parsed:
         want = body.get("logprobs")
         if want is not None and not isinstance(want, bool):
             raise BadRequest("'logprobs' must be true or false", "logprobs")
-        top = _num(body, "top_logprobs", int, 0, m.MAX_TOP_LOGPROBS, 0)
+        top = number_field(body, "top_logprobs", int, 0, m.MAX_TOP_LOGPROBS, 0)
         if top and not want:
             raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         logprobs = bool(want)
     else:
-        top = _num(body, "logprobs", int, 0, 5)  # the legacy API: an int, the alternatives per token
+        top = number_field(body, "logprobs", int, 0, 5)  # the legacy API: an int, the alternatives per token
         logprobs = top is not None
         top = top or 0
     gen["logprobs"] = logprobs
