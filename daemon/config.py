@@ -223,7 +223,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # kernels (they are slower: the price of the promise). "invariant": always try them.
     kernels: Literal["auto", "mlx", "invariant"] = "auto"
     # MLX-on-CUDA sends attention of more than one query to cuDNN (head dims <= 128), which
-    # builds a plan per new key length (46-57 ms each on the H200): every speculative cycle
+    # builds a plan per new key length (37-57 ms each on the H200): every speculative cycle
     # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or
     # matmul path), whose cost does not depend on having seen a shape; true: cuDNN, with a
     # larger plan cache. Either way MLX's "cache thrashing" error is turned off

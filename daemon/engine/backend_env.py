@@ -5,7 +5,7 @@ Why (measured on the H200, MLX 0.32.4; bench/attention_first_use.py):
 - MLX's fused attention sends every query length > 1 to cuDNN when the head dimension is
   at most 128 (the bundled model's 64; a 27B Qwen3.5's 256 never goes there). cuDNN's
   execution plan is cached by the exact key length, strides and mask shape: the first call
-  at a new key length costs 46-57 ms, the same shape again 0.12 ms. Every speculative cycle
+  at a new key length costs 37-57 ms, the same shape again 0.12-0.28 ms. Every speculative cycle
   (the head's feed of 2+ positions, a verify) and every prompt remainder meets a key length
   it has not seen, so on cuDNN each pays a plan build: a depth-1 cycle cost ~10x a depth-0
   step and the governor, rightly, never speculated. With cuDNN off, MLX takes its vector
