@@ -9,6 +9,7 @@ stuck in one must not hold its clients or its service manager forever.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -30,6 +31,12 @@ def leave_group(code: int = EXIT_SOFTWARE) -> None:
     except (OSError, ValueError):
         pass
     os._exit(code)
+
+
+def _ceil_2dp(seconds: float) -> float:
+    """Rounded up, so the logged silence is past the deadline whenever the silence was
+    (round() made 3.001 s read as 3.0 against a 3.0 s deadline)."""
+    return math.ceil(seconds * 100) / 100
 
 
 class GroupWatchdog(threading.Thread):
@@ -64,7 +71,7 @@ class GroupWatchdog(threading.Thread):
             silent = self.clock() - self.last
             if silent > self.deadline_s:
                 log.error("group.peer_lost", rank=self.rank, exit_code=EXIT_SOFTWARE, size=self.size,
-                          silent_s=round(silent, 2), deadline_s=self.deadline_s, exchanges=self.exchanges,
+                          silent_s=_ceil_2dp(silent), deadline_s=self.deadline_s, exchanges=self.exchanges,
                           reason="no exchange with the group completed within the deadline: a rank died, hangs "
                                  "or cannot be reached; every rank exits so the service manager restarts the group")
                 leave_group()

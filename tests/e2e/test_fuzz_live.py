@@ -351,7 +351,10 @@ def test_flood_without_reading(fuzz_daemon):
     counts = _flood(d.endpoint, 10_000)
     print(f"\nflood 10,000: {counts}")
     assert counts["discarded"] == 0  # under the hold bound (16 x client_send_hwm): no exception used
-    assert counts["slow_consumer"] > 0 and counts["Done"] > 0 and counts["overloaded"] > 0, counts
+    assert counts["slow_consumer"] > 0 and counts["overloaded"] > 0 and counts["accepted"] > 0, counts
+    # Whether an accepted Generate ends Done or slow_consumer is a race between decoding and
+    # the cut (beside a CPU burner none finished first); each got exactly one (check_flood).
+    assert counts.get("Done", 0) + counts["slow_consumer"] >= counts["accepted"], counts
     conn = Conn(d.endpoint)
     try:
         _assert_serving(d, conn)
