@@ -230,6 +230,8 @@ class PrefixCache:
         self.hits = 0
         self.disk_hits = 0
         self.misses = 0
+        # Bumped by every snapshot taken in: a request that looked before may find more now.
+        self.generation = 0
         self.cached_tokens = 0
         self.evicted = 0
         self.continuations = 0
@@ -288,6 +290,24 @@ class PrefixCache:
                 return self._hit(snap, n)
         self.misses += 1
         return None, 0
+
+    def relookup(self, prompt: list[int], want_head: bool, allow_inexact: bool, held: int) -> tuple[Snapshot | None, int]:
+        """``lookup`` again for a request that found ``held`` tokens before and has forwarded
+        nothing since: the longer snapshot and its length, or (None, held) where there is none
+        longer. The statistics count the request once, as its better lookup."""
+        hits, misses, cached = self.hits, self.misses, self.cached_tokens
+        snap, n = self.lookup(prompt, want_head, allow_inexact=allow_inexact)
+        if snap is None or n <= held:
+            self.hits, self.misses, self.cached_tokens = hits, misses, cached
+            if snap is not None:
+                snap.hits -= 1
+            return None, held
+        if held:  # its first lookup was a hit already: it is one hit, of n tokens
+            self.hits -= 1
+            self.cached_tokens -= held
+        else:  # its first lookup was a miss: now it is a hit
+            self.misses -= 1
+        return snap, n
 
     @staticmethod
     def _usable(has_head: bool, exact: bool, want_head: bool, allow_inexact: bool) -> bool:
@@ -394,6 +414,7 @@ class PrefixCache:
             self._spill(key, snap, to_disk)
             return None
         self.entries[key] = snap
+        self.generation += 1  # requests that looked before it may look again (relookup)
         self.nbytes += snap.nbytes
         self._spill(key, snap, to_disk)
         while self.nbytes > self.budget:

@@ -69,7 +69,6 @@ class DecodePaths:
     def start(self, job: Job) -> None:
         """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
         chunk per cycle by the worker's ``_advance``; its decode path is chosen when that ends."""
-        from ..engine.prefill import ChunkedPrefill
         from ..engine.sampling import Sampler
         from ..engine.types import SamplingParams
 
@@ -92,6 +91,16 @@ class DecodePaths:
         if (job.mode == "exact" and job.sampler.greedy and not self.engine.verify_exact
                 and self.cfg.speculation.exact_on_inexact_backend == "serial"):
             job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+        job.started_at = time.monotonic()
+        self._open_prefill(job)
+
+    def _open_prefill(self, job: Job, relook: bool = False) -> bool:
+        """Give the job its chunked prefill from the longest prefix the prefix cache holds
+        now. ``relook``: the job's prefill has not forwarded a token yet and the cache took
+        snapshots since it looked: it starts from a longer prefix if one is there now (False,
+        and the job untouched, if not)."""
+        from ..engine.prefill import ChunkedPrefill
+
         chunk = self.scheduler.cfg.prefill_chunk
         want_head = job.mode != "off" and self.engine.slot.resident
         cache, history, start, stops = None, None, 0, ()
@@ -103,7 +112,13 @@ class DecodePaths:
             # Inexact snapshots (engine/prefix_cache.py) only for requests that accept
             # near-tie flips, unless the operator allows them for all.
             allow_inexact = self.cfg.prefix_cache.inexact_reuse or job.mode == "fast"
-            snap, start = pc.lookup(job.prompt, want_head, allow_inexact=allow_inexact)
+            job.looked_at = pc.generation
+            if relook:
+                snap, start = pc.relookup(job.prompt, want_head, allow_inexact, held=job.cached_tokens)
+                if snap is None:
+                    return False
+            else:
+                snap, start = pc.lookup(job.prompt, want_head, allow_inexact=allow_inexact)
             job.exact_chain = snap is None or snap.exact
             if snap is not None:
                 cache, history = pc.restore(snap, job.prompt[start], self.engine.slot.head if want_head else None)
@@ -111,14 +126,33 @@ class DecodePaths:
                                             fine=pc.splits_exact or allow_inexact)
             if pc.splits_exact:  # a chunk may end anywhere here: end one at each snapshot point
                 stops = job.snapshot_at
+        elif relook:
+            return False
         if history is None and want_head:
             from ..engine.speculative import HeadHistory
 
             history = HeadHistory(self.engine.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start
-        job.started_at = time.monotonic()
         job.prefill = ChunkedPrefill(self.engine.lm, job.prompt, chunk, cache if cache is not None else self.engine.lm.make_cache(),
                                      history, start=start, stops=stops)
+        return True
+
+    def refresh_prefill(self, job: Job) -> bool:
+        """A prompt admitted beside others that share its prefix (a council's system prompt)
+        looked the prefix cache up before any of them had prefilled it, and waits while the
+        first one does (prompts keep the chunks first-come). Before its own first chunk, look
+        again: where the prefix is cached now, it starts from there instead of prefilling it
+        once more. True when the job now starts from a longer prefix."""
+        pc = self.engine.prefix_cache
+        pre = job.prefill
+        if pc is None or pre is None or pre.pos != pre.start or job.looked_at == pc.generation:
+            return False
+        before = job.cached_tokens
+        if not self._open_prefill(job, relook=True):
+            return False
+        log.info("prefix_cache.relooked", request_id=job.request_id, seat=job.seat, cached_tokens=job.cached_tokens,
+                 was=before, prompt_tokens=len(job.prompt))
+        return True
 
     def begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled

@@ -208,6 +208,9 @@ class EngineWorker(threading.Thread):
         False when there was nothing to do."""
         job = self.scheduler.pick_decoder()
         spent = self._advance(job) if job is not None else 0
+        for waiting in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
+            if waiting.prefill is not None:
+                self.paths.refresh_prefill(waiting)
         plan = self.scheduler.prefill_plan(spent)
         prefilled = 0
         for pjob, chunks in plan:

@@ -143,6 +143,8 @@ class Job:
         # prefill stores); every token its decoder committed, and the decoder's cache and
         # head history, for the continuation kept when it finishes.
         self.exact_chain = True
+        # The prefix cache's generation when this job looked it up (decode_paths.refresh_prefill).
+        self.looked_at: int | None = None
         self.decoded: list[int] = []
         self.decode_cache = None
         self.decode_history = None

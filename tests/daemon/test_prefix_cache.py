@@ -204,3 +204,26 @@ def test_a_snapshot_holds_no_spare_kv_capacity(lm):
     assert all(c.keys.shape[2] == c.offset == 40 for c in snap.base if hasattr(c, "keys") and c.keys is not None)
     cache, _ = pc.restore(snap, prompt[40], head=None)
     assert mx.array_equal(next_logits(lm, cache, prompt[40]), next_logits(lm, live, prompt[40])).item()
+
+
+@pytest.mark.quick
+def test_a_second_look_counts_one_request_once(lm):
+    """relookup: a request that missed (or hit less) looks again after others stored more;
+    the statistics count it as its better lookup, and a look that finds nothing longer
+    leaves them as they were. Every snapshot taken in bumps the generation."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(1, 500) for _ in range(70)]
+    pc = PrefixCache(max_bytes=1 << 30, chunk=16)
+    g0 = pc.generation
+    assert pc.lookup(prompt, want_head=False) == (None, 0)  # a miss
+    assert pc.relookup(prompt, False, False, held=0) == (None, 0) and pc.stats()["misses"] == 1
+    pc.store(prompt[:32], prefilled(lm, prompt[:32], 16), None)
+    assert pc.generation == g0 + 1
+    snap, n = pc.relookup(prompt, False, False, held=0)
+    assert n == 32 and snap.tokens == tuple(prompt[:32])
+    assert (pc.stats()["hits"], pc.stats()["misses"], pc.stats()["cached_tokens"]) == (1, 0, 32)
+    pc.store(prompt[:64], prefilled(lm, prompt[:64], 16), None)
+    assert pc.relookup(prompt, False, False, held=32)[1] == 64
+    assert (pc.stats()["hits"], pc.stats()["misses"], pc.stats()["cached_tokens"]) == (1, 0, 64)
+    assert pc.relookup(prompt, False, False, held=64) == (None, 64)  # nothing longer: unchanged
+    assert (pc.stats()["hits"], pc.stats()["misses"], pc.stats()["cached_tokens"]) == (1, 0, 64)

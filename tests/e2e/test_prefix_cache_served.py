@@ -201,3 +201,39 @@ def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tm
     probes = [set(json.loads(p.read_text())["verdicts"]) for p in stored]
     assert sorted("compiled_step" in v for v in probes) == [False, False, True], probes
     assert all(v == {"compiled_step"} or "splits" in v for v in probes), probes
+
+
+@pytest.mark.quick
+def test_prompts_sent_together_share_the_prefix_the_first_one_prefills(cached, cold):
+    """A council's seats send their first turns at once: each looked the cache up on
+    admission, before any had prefilled their shared system prompt. The first prefills it
+    (a snapshot at the system message's end); the others look again before their own first
+    chunk and start from there instead of prefilling it once more, with a cold run's tokens
+    (decode_paths.refresh_prefill)."""
+    import threading
+
+    system = "".join(f"def shared{i}(z):\n    return z + {i}\n\n" for i in range(30))
+    chats = {f"council-{i}": [{"role": "system", "content": system},
+                              {"role": "user", "content": f"Seat {i} asks about item {i * 7}."}] for i in range(3)}
+    got: dict = {}
+
+    def ask(endpoint, seat, out):
+        with Client(endpoint, seat=seat, timeout_s=120) as c:
+            s = c.generate(messages=chats[seat], max_tokens=8, speculation="exact")
+            done = s.result()
+            out[seat] = (list(s.token_ids), done)
+
+    threads = [threading.Thread(target=ask, args=(cached.endpoint, seat, got)) for seat in chats]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    cached_tokens = sorted(done.usage.cached_tokens for _, done in got.values())
+    assert cached_tokens[0] == 0 and cached_tokens[1] > 200 and cached_tokens[1] == cached_tokens[2], cached_tokens
+    relooked = [e for e in cached.events() if e["event"] == "prefix_cache.relooked" and e["seat"].startswith("council-")]
+    assert len(relooked) == 2 and all(e["was"] == 0 and e["cached_tokens"] == cached_tokens[1] for e in relooked), relooked
+    cold_got: dict = {}
+    for seat in chats:
+        ask(cold.endpoint, seat, cold_got)
+        assert got[seat][0] == cold_got[seat][0], seat  # token-identical to a cold run
+        assert cold_got[seat][1].usage.cached_tokens == 0
