@@ -13,6 +13,11 @@ the last is left for the first decode step, which then continues from ``cache`` 
 message's or the prompt's exact end), on a backend where splitting a prefill there leaves
 the same state as the cold run's grid (prefix_cache.py ``splits_agree``); without them the
 chunks are [start, start + chunk), ... as before.
+
+``step(limit)`` cuts the piece at ``limit`` tokens as well, and ``next_piece(limit)`` says how
+long it will be: batched_prefill.prefill_together forwards several requests' pieces of one
+common length in one forward and then does each one's bookkeeping (``check_head``,
+``absorb``) as ``step`` does, so the two paths cannot drift apart.
 """
 
 from __future__ import annotations
@@ -52,24 +57,51 @@ class ChunkedPrefill:
     def last_token(self) -> int:
         return self.prompt[-1]
 
-    def step(self) -> int:
-        """Forward the next chunk; return how many tokens it held (0 when done)."""
+    def next_piece(self, limit: int | None = None) -> int:
+        """How many tokens the next step forwards (0 when done): the chunk, cut at the next
+        stop, at what is left, and at ``limit`` (a together step's common length)."""
         if self.done:
             return 0
-        if self.history is not None and getattr(self.history.head, "unloaded", False):
-            self.history = None  # the governor evicted the head: this request decodes serially
-        n = min(self.chunk, self.total - self.pos)
+        if limit is not None and limit < 1:
+            raise ValueError(f"a piece limit must be at least 1 token (got {limit})")
         while self.stops and self.stops[0] <= self.pos:
             self.stops.pop(0)
+        n = min(self.chunk, self.total - self.pos)
         if self.stops:
             n = min(n, self.stops[0] - self.pos)
-        chunk = self.ids[self.pos : self.pos + n]
-        h = self.lm.prefill_hidden(chunk[None], self.cache)  # chunked GatedDeltaNet where enabled
-        arrays = [c.state for c in self.cache]
+        return n if limit is None else min(n, int(limit))
+
+    def step(self, limit: int | None = None) -> int:
+        """Forward the next piece (at most ``limit`` tokens); return how many tokens it held
+        (0 when done)."""
+        n = self.next_piece(limit)
+        if n == 0:
+            return 0
+        self.check_head()
+        h = self.lm.prefill_hidden(self.piece_ids(n)[None], self.cache)  # chunked GatedDeltaNet where enabled
+        mx.eval([c.state for c in self.cache] + self.absorb(h, n))
+        return n
+
+    # -- the bookkeeping a step shares with batched_prefill.prefill_together -----------------
+
+    def check_head(self) -> None:
+        """Before a forward: drop a history whose head the governor evicted (this request
+        then decodes serially)."""
+        if self.history is not None and getattr(self.history.head, "unloaded", False):
+            self.history = None
+
+    def piece_ids(self, n: int) -> mx.array:
+        """The next n prompt tokens, [n] uint32."""
+        return self.ids[self.pos : self.pos + n]
+
+    def absorb(self, h: mx.array, n: int) -> list:
+        """After the forward of the next n tokens (``h``: their hidden states, [1, n, H]):
+        feed the head history, move ``pos``; returns the history's arrays to evaluate
+        (lazy, so a together step evaluates every row in one go)."""
+        arrays = []
         if self.history is not None:
             self.history.add(h, self.ids[self.pos + 1 : self.pos + n + 1])
             self.history.feed(keep_last=True)
             arrays += [h] + self.history.state()
-        mx.eval(arrays)
         self.pos += n
-        return n
+        return arrays
