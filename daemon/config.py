@@ -70,6 +70,14 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # prompt's first token sooner), longer gaps for the others (on a CPU, where prefill is
     # compute-bound, about in proportion: bench/results/engine_step_cpu.md).
     step_token_budget: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    # While others decode, an iteration (their decode phase, then a prompt's prefill) takes
+    # at most this many decode phases' time: the prefill phase gets the tokens that fit in
+    # the rest, measured (engine_thread/prefill_pacer.py), at least 16. So the decoding
+    # streams' gap during a long prompt stays near this multiple of their quiet gap, and the
+    # long prompt's first token comes later (more iterations). Where off-grid splits change
+    # the numbers, exact requests keep whole chunks (OPERATIONS.md, "The engine step").
+    # 0: whole chunks (prefill_chunk / step_token_budget) whatever the decode phase costs.
+    decode_gap_bound: Annotated[float, Meta(ge=0.0, le=1000.0)] = 3.0
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 
@@ -341,6 +349,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
 
 def _check_relations(cfg: Config, where: str) -> None:
     """Rules between keys, which no single key's type can say."""
+    bound = cfg.scheduler.decode_gap_bound
+    if 0 < bound <= 1:
+        # An iteration is at least its decode phase: a bound of one phase or less leaves the
+        # prefill nothing (0 is how to switch pacing off).
+        raise ConfigError(
+            f"invalid configuration{where}: decode_gap_bound ({bound}) must be 0 (off) or above 1 "
+            f"(an iteration's time in decode phases) - at `$.scheduler.decode_gap_bound`")
     if cfg.heartbeat_interval_s >= cfg.heartbeat_timeout_s:
         # Clients ping every interval (the daemon tells them in Welcome); an interval at or
         # above the timeout would cut every idle client that is doing exactly as told.

@@ -162,6 +162,19 @@ def _engine_step(step: dict, seats: dict):
         yield g
         if "budget_use" in step:
             yield _histogram("councild_step_budget_use_ratio", "an iteration's tokens over the budget", step["budget_use"])
+        pacing = step.get("pacing") or {}
+        if pacing:
+            g = GaugeMetricFamily("councild_step_decode_gap_bound",
+                                  "an iteration's time in decode phases while others decode (scheduler.decode_gap_bound; 0: off)")
+            g.add_metric([], float(pacing.get("bound", 0.0)))
+            yield g
+            g = GaugeMetricFamily("councild_prefill_piece_tokens",
+                                  "the latest paced prefill piece (0: whole chunks, nobody decoding)")
+            g.add_metric([], float(pacing.get("last_piece") or 0))
+            yield g
+            c = CounterMetricFamily("councild_step_paced", "engine iterations whose prefill the pacer cut to a piece")
+            c.add_metric([], pacing.get("paced_iterations", 0))
+            yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
         g.add_metric([], float(len(queue)))

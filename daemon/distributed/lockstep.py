@@ -100,6 +100,11 @@ class _GroupMember:
         self.digest = zlib.crc32(b"".join(int(t).to_bytes(4, "little") for t in step.tokens), self.digest)
         super()._deliver(job, step)
 
+    def _prefill_piece(self, decoding: bool) -> int | None:
+        """Whole chunks: the pacer's piece comes from this rank's clock, and every rank must
+        run the same forwards (a group does not pace its prefill; OPERATIONS.md)."""
+        return None
+
     def _now(self) -> float:
         return self._tick_now
 

@@ -124,10 +124,15 @@ class DecodePaths:
                 cache, history = pc.restore(snap, job.prompt[start], self.engine.slot.head if want_head else None)
             job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
                                             fine=pc.splits_exact or allow_inexact)
-            if pc.splits_exact:  # a chunk may end anywhere here: end one at each snapshot point
-                stops = job.snapshot_at
         elif relook:
             return False
+        # The pacer may cut this prompt's chunks anywhere where that leaves a cold run's state
+        # (off-grid splits bit-identical here), and a fast request's anyway (its snapshots
+        # then count as inexact: worker._prefill_chunk).
+        job.prefill_splits_exact = pc is not None and pc.splits_exact
+        job.prefill_may_cut = job.prefill_splits_exact or job.mode == "fast"
+        if pc is not None and job.prefill_may_cut:
+            stops = job.snapshot_at  # a chunk may end anywhere: end one at each snapshot point
         if history is None and want_head:
             from ..engine.speculative import HeadHistory
 

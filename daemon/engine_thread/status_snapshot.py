@@ -20,6 +20,7 @@ from .seat_stats import SeatStats
 
 if TYPE_CHECKING:
     from .loaded_engine import LoadedEngine
+    from .prefill_pacer import PrefillPacer
     from .scheduler import Scheduler
     from .stats import StepUse, Tallies
 
@@ -74,11 +75,12 @@ class EngineStatus:
     ``head_changed``."""
 
     def __init__(self, scheduler: Scheduler, jobs: dict, tallies: Tallies, step_use: StepUse,
-                 step_budget: Callable[[], int]):
+                 step_budget: Callable[[], int], pacer: PrefillPacer):
         self.scheduler = scheduler
         self.jobs = jobs
         self.tallies = tallies
         self.step_use = step_use
+        self.pacer = pacer
         self._step_budget = step_budget
         self.snapshot = EngineSnapshot()
         self.snapshot_lock = threading.Lock()
@@ -127,6 +129,7 @@ class EngineStatus:
             seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0}).update(w)
         step = self.step_use.to_dict() | {
             "budget": self._step_budget(),
+            "pacing": self.pacer.to_dict(),
             "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
                                "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
         for seat, n in stats.totals.items():

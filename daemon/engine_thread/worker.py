@@ -32,6 +32,7 @@ from ..config import Config
 from .decode_paths import DecodePaths
 from .loaded_engine import LoadedEngine
 from ..logs import get_logger
+from .prefill_pacer import PrefillPacer
 from .prefix_cache_use import PrefixCacheUse
 from ..request_text.requests import Job
 from .scheduler import Scheduler
@@ -67,7 +68,8 @@ class EngineWorker(threading.Thread):
         self._out: zmq.Socket | None = None
         self.tallies = Tallies()
         self.step_use = StepUse()
-        self.status = EngineStatus(self.scheduler, self.jobs, self.tallies, self.step_use, self._step_budget)
+        self.pacer = PrefillPacer(cfg.scheduler.decode_gap_bound)
+        self.status = EngineStatus(self.scheduler, self.jobs, self.tallies, self.step_use, self._step_budget, self.pacer)
         # Made by ``_load``: the engine start-up built, and the parts that use it.
         self.engine: LoadedEngine | None = None
         self.startup: EngineStartup | None = None
@@ -207,20 +209,31 @@ class EngineWorker(threading.Thread):
         what is left of ``scheduler.step_token_budget``; scheduler.prefill_plan says which).
         False when there was nothing to do."""
         job = self.scheduler.pick_decoder()
+        decoding = job is not None and job.prefill is None
+        t0 = time.perf_counter()
         spent = self._advance(job) if job is not None else 0
+        if decoding:
+            self.pacer.decode_done(time.perf_counter() - t0)
         for waiting in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
             if waiting.prefill is not None:
                 self.paths.refresh_prefill(waiting)
-        plan = self.scheduler.prefill_plan(spent)
+        piece = self._prefill_piece(decoding)
+        plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
         prefilled = 0
         for pjob, chunks in plan:
             for _ in range(chunks):
                 if self.jobs.get(pjob.key) is not pjob or pjob.prefill is None:
                     break  # failed, or done: the plan counted its tokens as they were
-                prefilled += self._prefill_chunk(pjob)
+                prefilled += self._prefill_chunk(pjob, piece)
         if job is not None or plan:
             self.step_use.record(spent, prefilled, self._step_budget())
         return job is not None or bool(plan)
+
+    def _prefill_piece(self, decoding: bool) -> int | None:
+        """While others decode, the prefill phase's piece that keeps their gap within the
+        bound (prefill_pacer.py); None: whole chunks."""
+        self.pacer.bound = self.scheduler.cfg.decode_gap_bound
+        return self.pacer.allowance(decoding, self.scheduler.cfg.prefill_chunk)
 
     def _step_budget(self) -> int:
         """The token budget in force (0 in the config means one prefill chunk)."""
@@ -244,11 +257,20 @@ class EngineWorker(threading.Thread):
     def _token_text(self, token_id: int) -> str:
         return self.engine.lm.tokenizer.decode([token_id])
 
-    def _prefill_chunk(self, job: Job) -> int:
-        """One chunk of a job's prefill; the loop checks commands, deadlines and the drain,
-        and feeds the watchdog, after each iteration's chunks. Returns the tokens forwarded."""
+    def _prefill_chunk(self, job: Job, piece: int | None = None) -> int:
+        """One chunk of a job's prefill, cut at ``piece`` tokens where the pacer asks and the
+        job may be cut (``prefill_may_cut``); the loop checks commands, deadlines and the
+        drain, and feeds the watchdog, after each iteration's chunks. Returns the tokens
+        forwarded."""
         try:
-            n = job.prefill.step()
+            limit = piece if job.prefill_may_cut else None
+            whole = job.prefill.next_piece()
+            t0 = time.perf_counter()
+            n = job.prefill.step(limit)
+            self.pacer.prefill_done(n, time.perf_counter() - t0)
+            job.prefill_forwards += n > 0
+            if n < whole and not job.prefill_splits_exact:
+                job.exact_chain = False  # cut off the grid where that changes the numbers (fast only)
             if job.prefill.pos in job.snapshot_at and self.engine.prefix_cache is not None:
                 pos = job.prefill.pos
                 self.engine.prefix_cache.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
@@ -395,7 +417,7 @@ class EngineWorker(threading.Thread):
             log.info("request.done", request_id=job.request_id, seat=job.seat,
                      finish_reason=terminal.finish_reason, completion_tokens=terminal.usage.completion_tokens,
                      prompt_tokens=terminal.usage.prompt_tokens, cached_tokens=terminal.usage.cached_tokens,
-                     prefilled_tokens=prefilled, batched=job.batched,
+                     prefilled_tokens=prefilled, prefill_forwards=job.prefill_forwards, batched=job.batched,
                      tokens_per_s=round(terminal.timings.tokens_per_s, 2),
                      ttft_s=round(terminal.timings.ttft_s, 4),
                      speculation=terminal.speculation and {

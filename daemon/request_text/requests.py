@@ -145,6 +145,11 @@ class Job:
         self.exact_chain = True
         # The prefix cache's generation when this job looked it up (decode_paths.refresh_prefill).
         self.looked_at: int | None = None
+        # Whether the prefill pacer may cut this prompt's chunks, and whether a cut keeps a cold
+        # run's numbers (decode_paths._open_prefill).
+        self.prefill_may_cut = False
+        self.prefill_splits_exact = False
+        self.prefill_forwards = 0  # forwards its prefill took (more than its chunks where paced)
         self.decoded: list[int] = []
         self.decode_cache = None
         self.decode_history = None
