@@ -17,8 +17,20 @@ where the server reports them; for councild the governor's depth table and the b
 speculation counters from status after each arm. Medians and ranges over the rounds, and
 per-round ratios against mlx_lm.server.
 
+Long prompt (``--long-tokens N``, off by default; bench/long_prompt_phase.py, issue 40): after
+each arm's workload, in the same (round, arm) slot, ``--long-streamers`` clients stream long
+greedy completions (end-of-text banned through ``logit_bias``) and, after a quiet window, one
+more sends a ~N-token prompt salted per round and arm. Reported per arm: the streams'
+inter-chunk gap p50/p95 in the quiet window, their gap p95 over the gaps that overlap the long
+prompt's [send, first token] window, the ratio during p95 / quiet p95 (council_workload.py's
+ratio; the goal is <= 3x), the longest gap (a server that prefills in one step stalls each
+stream once, which a pooled p95 can miss) and the long prompt's TTFT; medians and ranges over
+the rounds and paired ratios against mlx_lm.server. The module's docstring has the details.
+
     .venv/bin/python bench/council_http.py --rounds 3 --json bench/results/council_http_cpu.json \\
         --markdown bench/results/council_http_cpu.md
+    .venv/bin/python bench/council_http.py --seats 2 --turns 1 --system-tokens 200 --max-tokens 16 \\
+        --rounds 1 --arms default,mlx_lm.server --long-tokens 600 --json /tmp/lp.json --markdown /tmp/lp.md
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import long_prompt_phase as lp  # noqa: E402
 from bench.council_workload import SYSTEM_LINE, pct, text_of_tokens  # noqa: E402  (one workload text)
 from bench.http_servers import start_councild_http, start_mlx_lm_server, stop  # noqa: E402
 from daemon.measure.bench_io import spread, write_results  # noqa: E402
@@ -116,13 +129,17 @@ async def bench(args, arms: dict, endpoint: str, tok) -> dict:
                 res = await workload(clients[arm], model, extra, args, tok, salt=f"round {r} arm {arm}")
                 if arm != "mlx_lm.server":
                     res["councild"] = councild_status(endpoint)
+                print(f"round {r}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s, TTFT p50 "
+                      f"{res['ttft_p50'] * 1e3:.0f} ms" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
+                if args.long_tokens:
+                    res["long_prompt"] = await lp.long_prompt_phase(clients[arm], model, extra, args, tok,
+                                                                    salt=f"round {r} arm {arm}")
+                    print(f"round {r}/{args.rounds} {arm}: " + lp.line(res["long_prompt"]), file=sys.stderr, flush=True)
                 if r:
                     samples[arm].append(res)
                 else:
-                    samples["first_round"].append({"arm": arm, "tok_s": res["tok_s"], "ttft_p50": res["ttft_p50"],
-                                                   "ttft_p95": res["ttft_p95"]})
-                print(f"round {r}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s, TTFT p50 "
-                      f"{res['ttft_p50'] * 1e3:.0f} ms" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
+                    first = {k: res[k] for k in ("tok_s", "ttft_p50", "ttft_p95", "long_prompt") if k in res}
+                    samples["first_round"].append({"arm": arm, **first})
     finally:
         for c in clients.values():
             await c.close()
@@ -132,7 +149,9 @@ async def bench(args, arms: dict, endpoint: str, tok) -> dict:
 def report(args, samples: dict) -> tuple[dict, str]:
     out = {"benchmark": "council_http", "model": args.model, "seats": args.seats, "turns": args.turns,
            "system_tokens": args.system_tokens, "message_tokens": args.message_tokens, "max_tokens": args.max_tokens,
-           "rounds": args.rounds, "machine": platform.platform(), "cpus": os.cpu_count(),
+           "rounds": args.rounds, "long_tokens": args.long_tokens, "long_streamers": args.long_streamers,
+           "long_max_tokens": args.long_max_tokens, "long_quiet_s": args.long_quiet_s,
+           "machine": platform.platform(), "cpus": os.cpu_count(),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "arms": {}, "vs_mlx_lm_server": {}}
     lines = ["| arm | aggregate tok/s (min-max) | TTFT p50 ms (min-max) | TTFT p95 ms | cached / prompt tokens | "
              "seat shares |", "|---|---|---|---|---|---|"]
@@ -162,6 +181,9 @@ def report(args, samples: dict) -> tuple[dict, str]:
             out["vs_mlx_lm_server"][arm] = {"tok_s_ratio": tok, "ttft_p50_ratio": ttft}
             lines.append(f"| {arm} | {tok['median']:.2f} ({tok['min']:.2f}-{tok['max']:.2f}) | "
                          f"{ttft['median']:.2f} ({ttft['min']:.2f}-{ttft['max']:.2f}) |")
+    if args.long_tokens:
+        out["long_prompt"], out["long_prompt_vs_mlx_lm_server"], long_lines = lp.report(args, samples)
+        lines += long_lines
     lines += ["", "| first round after start-up (round 0, in the order run) | tok/s | TTFT p50 ms | TTFT p95 ms |",
               "|---|---|---|---|"]
     lines += [f"| {f['arm']} | {f['tok_s']:.1f} | {f['ttft_p50'] * 1e3:.0f} | {f['ttft_p95'] * 1e3:.0f} |"
@@ -183,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config-extra", default="", help="TOML appended to the daemon's config")
     ap.add_argument("--json", default="bench/out/council_http.json")
     ap.add_argument("--markdown")
+    lp.add_options(ap)
     ap.add_argument("--logs", type=Path, help="copy the servers' logs (daemon, front, mlx_lm.server) here at the end")
     args = ap.parse_args(argv)
     from tokenizers import Tokenizer
