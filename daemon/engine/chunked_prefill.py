@@ -34,14 +34,16 @@ Where: on by default on a GPU without Metal (``default_enabled``); elsewhere on 
 Scope: prefill only (``prefill_hidden``). Decode steps and speculative verifies keep
 mlx-lm's token-by-token path (or the compiled one), which the exactness probe and the
 fidelity gate govern; serial and speculative decode both prefill through here, so the
-caches they start from are the same.
+caches they start from are the same. Several prompts' pieces of one length may go through
+in one forward (batched_prefill.py: rows' attention caches merged, left-padded; their
+GatedDeltaNet states stacked, unpadded).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from .forward import backbone_layers, gdn_conv_qkv, gdn_projections
 
@@ -147,8 +149,9 @@ def chunk_gated_delta(
 
 
 def gdn_prefill_forward(attn: nn.Module, inputs: mx.array, cache: ArraysCache, chunk: int = CHUNK) -> mx.array:
-    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections) for one
-    unpadded sequence with a cache, with the recurrence chunked. Updates ``cache``."""
+    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections) for unpadded
+    rows (B >= 1, each writing all S tokens) with a cache, with the recurrence chunked.
+    Updates ``cache``."""
     B, S, _ = inputs.shape
     qkv, z, b, a = gdn_projections(attn, inputs)
     conv_state = cache[0]
@@ -173,16 +176,21 @@ def gdn_prefill_forward(attn: nn.Module, inputs: mx.array, cache: ArraysCache, c
 
 
 def applies(lm, tokens: mx.array, cache: list | None) -> bool:
-    """A prompt chunk this path handles: one unpadded sequence of at least MIN_T tokens
-    through a qwen3_5 / qwen3_next backbone held on one process, linear layers unsharded."""
+    """A prompt chunk this path handles: rows of at least MIN_T tokens through a qwen3_5 /
+    qwen3_next backbone held on one process, linear layers unsharded, each GatedDeltaNet
+    cache unpadded (every row writes all T tokens: no per-row lengths or left padding).
+    One row: its plain caches. Several rows (batched_prefill.py): the attention layers hold
+    batch caches of that many rows (BatchKVCache), whose masks carry each row's left
+    padding; the chunked recurrence itself takes any batch."""
     bb = lm.backbone
-    if cache is None or tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] < MIN_T:
+    if cache is None or tokens.ndim != 2 or tokens.shape[1] < MIN_T:
         return False
     if not lm.supports_mtp or getattr(bb, "pipeline_size", 1) > 1:
         return False
     layers = backbone_layers(bb)
     if len(cache) != len(layers):
         return False
+    B = tokens.shape[0]
     for layer, c in zip(layers, cache):
         if layer.is_linear:
             attn = layer.linear_attn
@@ -190,13 +198,18 @@ def applies(lm, tokens: mx.array, cache: list | None) -> bool:
                 return False
             if getattr(attn, "sharding_group", None) is not None:
                 return False
+            if B > 1 and any(x is not None and x.shape[0] != B for x in c.cache):
+                return False
+        elif B > 1 and not (isinstance(c, BatchKVCache) and c.offset.shape[0] == B):
+            return False
     return True
 
 
 def prefill_hidden(lm, tokens: mx.array, cache: list, chunk: int = CHUNK) -> mx.array:
     """The backbone forward of mlx-lm's qwen3_5 / qwen3_next (DecoderLayer: h = x +
     mixer(norm(x)); h + mlp(norm2(h))) with chunked GatedDeltaNet layers; final-normed
-    hidden states [1, T, H]. The caller checked ``applies``."""
+    hidden states [B, T, H]. The caller checked ``applies``. The attention layers take the
+    mask of their cache: causal for one row, the batch cache's left-padded one for several."""
     from mlx_lm.models.base import create_attention_mask
 
     bb = lm.backbone
