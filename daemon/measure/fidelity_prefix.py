@@ -10,13 +10,18 @@ prompt from scratch (the gate's reference), token for token:
   prompt (prompt i then prompt i+1) resumes there;
 - "continuation": prompt i is decoded speculatively and its finished state (prompt plus
   every committed token) kept as the seat's continuation; the next turn (that transcript
-  then prompt i+1) resumes there.
+  then prompt i+1) resumes there;
+- "paced pieces": a prompt (prompt i then prompt i+1) prefilled cold in pieces of random
+  sizes cut out of its chunks, as the engine step's prefill pacer cuts them while other
+  streams decode (engine_thread/prefill_pacer.py; it cuts exact requests only where this
+  probe passes).
 Where the probe says no, exact requests reuse on the chunk grid only and no arm runs (the
 report says so).
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable
 
@@ -27,7 +32,7 @@ from ..engine.sampling import Sampler
 from ..engine.speculative import DEFAULT_ROLLBACK, HeadHistory, speculative_decode
 from ..engine.types import SamplingParams
 
-KINDS = ("prompt end", "continuation")
+KINDS = ("prompt end", "continuation", "paced pieces")
 
 
 def run_prefix_arms(
@@ -52,13 +57,14 @@ def run_prefix_arms(
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
     pc = PrefixCache(1 << 40, chunk, make_cache=lm.make_cache, splits_exact=True)
 
-    def prefill(tokens: list[int], cache=None, history=None, start: int = 0) -> ChunkedPrefill:
-        """The engine's prefill of ``tokens``, snapshots at its exact end (as _start sets)."""
+    def prefill(tokens: list[int], cache=None, history=None, start: int = 0, pieces=None) -> ChunkedPrefill:
+        """The engine's prefill of ``tokens``, snapshots at its exact end (as _start sets);
+        ``pieces``: a random source cutting each step to a piece of 1..chunk tokens."""
         stops = pc.boundaries(len(tokens), start)
         pre = ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
                              history if history is not None else HeadHistory(head), start=start, stops=stops)
         while not pre.done:
-            pre.step()
+            pre.step(None if pieces is None else pieces.randint(1, chunk))
             if pre.pos in stops:
                 pc.store(tokens[: pre.pos], pre.cache, pre.history)
         return pre
@@ -86,10 +92,17 @@ def run_prefix_arms(
 
     arms = []
     for kind in KINDS:
-        arm = new_arm(mode="exact", depth=depth, drafting=f"mtp, resumed at a {kind}")
+        label = "mtp, prefilled in paced pieces" if kind == "paced pieces" else f"mtp, resumed at a {kind}"
+        arm = new_arm(mode="exact", depth=depth, drafting=label)
         t0 = time.perf_counter()
         for pi, first in enumerate(encoded):
             nxt = encoded[(pi + 1) % len(encoded)]
+            if kind == "paced pieces":
+                later = first + nxt
+                got = decode(prefill(later, pieces=random.Random(pi)), arm)
+                arm.resumed_at.append(0)
+                arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
+                continue
             if kind == "prompt end":
                 prefill(first)
                 later = first + nxt

@@ -87,10 +87,11 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     data = json.loads(out.read_text())
     # exact and fast at depths 1 and 3, then exact again with the logit processors on, then
     # exact requests resumed off the chunk grid (the prefix-cache arms, at depth 3)
-    assert data["passed"] is True and len(data["arms"]) == 8
+    assert data["passed"] is True and len(data["arms"]) == 9
     assert [(a["mode"], a["processors"]) for a in data["arms"][4:6]] == [("exact", True), ("exact", True)]
     prefix = data["arms"][6:]
-    assert [a["drafting"] for a in prefix] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation"]
+    assert [a["drafting"] for a in prefix] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation",
+                                               "mtp, prefilled in paced pieces"]
     assert all(a["identical"] == a["prompts"] == 2 and a["depth"] == 3 and len(a["resumed_at"]) == 2 for a in prefix)
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
     captured = capsys.readouterr()
@@ -107,7 +108,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     whats = [m[3] for m in steps]
     assert "arm mtp exact depth 3, prompt 2/2" in whats and "arm mtp exact depth 1 +processors, prompt 1/2" in whats
     assert whats[-1].startswith("verify-vs-serial logit deviation")
-    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 16 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
+    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 18 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
     assert "[fidelity" not in captured.out  # the report on stdout stays clean
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
@@ -243,7 +244,8 @@ def test_prefix_arms_resume_off_the_grid_with_serials_tokens():
     head = load_mtp_head(blm)
     prompts = load_prompts()[:3]
     arms, exact_here = run_prefix_arms(blm, head, prompts, ArmResult, _serial_tokens, chunk=16, max_tokens=16, depth=3)
-    assert exact_here and [a.drafting for a in arms] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation"]
+    assert exact_here and [a.drafting for a in arms] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation",
+                                                         "mtp, prefilled in paced pieces"]
     report = FidelityReport(model="bundled", rollback="capture", guard_margin=None, max_tokens=16, arms=arms)
     assert report.passed and all(a.identical == a.prompts == 3 for a in arms), [a.first_divergence for a in arms]
     encoded = [blm.encode_prompt(p, None, None) for p in prompts]
