@@ -78,6 +78,11 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # the numbers, exact requests keep whole chunks (OPERATIONS.md, "The engine step").
     # 0: whole chunks (prefill_chunk / step_token_budget) whatever the decode phase costs.
     decode_gap_bound: Annotated[float, Meta(ge=0.0, le=1000.0)] = 3.0
+    # Prompts whose remainder fits one chunk (prefix-cache hits' tails, short prompts) are
+    # prefilled together: one forward carries a piece of each (engine/batched_prefill.py).
+    # Exact greedy requests join only where the start-up probe finds it bit-identical to
+    # prefilling each alone (this CPU: yes). Not in a tensor-parallel group.
+    prefill_together: bool = True
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 

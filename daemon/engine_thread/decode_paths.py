@@ -128,7 +128,7 @@ class DecodePaths:
             return False
         # The pacer may cut this prompt's chunks anywhere where that leaves a cold run's state
         # (off-grid splits bit-identical here), and a fast request's anyway (its snapshots
-        # then count as inexact: worker._prefill_chunk).
+        # then count as inexact: prefill_phase._after_piece).
         job.prefill_splits_exact = pc is not None and pc.splits_exact
         job.prefill_may_cut = job.prefill_splits_exact or job.mode == "fast"
         if pc is not None and job.prefill_may_cut:

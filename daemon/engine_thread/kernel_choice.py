@@ -53,7 +53,8 @@ def _probe(lm, verdicts: ProbeVerdicts, rollback: str, rows: int, ragged: bool) 
 
 def _forget_probes(lm) -> None:
     """The probes cache their answers on the model object; a kernel swap makes them stale."""
-    for key in ("_verify_matches_serial", "_batch_matches_serial", "_ragged_verify_matches_serial"):
+    for key in ("_verify_matches_serial", "_batch_matches_serial", "_ragged_verify_matches_serial",
+                "_prefill_together_matches_solo"):
         lm.__dict__.pop(key, None)
 
 

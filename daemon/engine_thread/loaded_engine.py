@@ -26,6 +26,9 @@ class LoadedEngine:
     # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
     batch_speculates: bool = False
     prefix_cache: Any = None  # reopened when SIGHUP changes the chunk (prefix_cache_use.py)
+    # Prompts' pieces prefilled in one forward (engine/batched_prefill.py): None when off, else
+    # whether exact greedy requests may join (the start-up probe's verdict).
+    prefill_together_exact: bool | None = None
     governance: Any = None
     # `councild tune`'s profile when the governor loaded one (governance.py): per sampling
     # setting, the best depth measured, which caps a request's depth.

@@ -103,6 +103,18 @@ class EngineStartup:
             log.info("batch.ready", rows=self.engine.batch.max_rows, exact_rows_batch=self.engine.batch.exact_ok, verdict=verdict,
                      speculates=self.engine.batch_speculates, batch_decode_path=self.engine.lm.batch_decode_path,
                      probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+        self.engine.prefill_together_exact = None
+        if self.cfg.scheduler.prefill_together and self.group is None:
+            from ..engine.batched_prefill import together_matches_solo
+
+            t0 = time.perf_counter()
+            rows = self.cfg.scheduler.max_active
+            exact_ok, verdict = self.engine.verdicts.get(
+                "prefill_together", f"{rows}-{int(self.engine.lm.chunked_prefill)}",
+                lambda: together_matches_solo(self.engine.lm, rows))
+            self.engine.prefill_together_exact = exact_ok
+            log.info("prefill_together.ready", rows=rows, exact_rows=exact_ok, verdict=verdict,
+                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         if self.cfg.governor_enabled:
             from .governance import Governance
 

@@ -21,6 +21,7 @@ from .seat_stats import SeatStats
 if TYPE_CHECKING:
     from .loaded_engine import LoadedEngine
     from .prefill_pacer import PrefillPacer
+    from .prefill_phase import PrefillPhase
     from .scheduler import Scheduler
     from .stats import StepUse, Tallies
 
@@ -81,6 +82,7 @@ class EngineStatus:
         self.tallies = tallies
         self.step_use = step_use
         self.pacer = pacer
+        self.prefill_phase: PrefillPhase | None = None  # the worker's, once start-up built the engine
         self._step_budget = step_budget
         self.snapshot = EngineSnapshot()
         self.snapshot_lock = threading.Lock()
@@ -130,6 +132,7 @@ class EngineStatus:
         step = self.step_use.to_dict() | {
             "budget": self._step_budget(),
             "pacing": self.pacer.to_dict(),
+            "together": self.prefill_phase.to_dict() if self.prefill_phase is not None else None,
             "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
                                "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
         for seat, n in stats.totals.items():
@@ -151,6 +154,10 @@ class EngineStatus:
             if self.engine.governance is not None:
                 self.snapshot.governor = self.engine.governance.snapshot()
                 self.snapshot.shedding = self.engine.governance.shed
+
+    def count_prefilled(self, tokens: int) -> None:
+        with self.snapshot_lock:
+            self.snapshot.prefill_tokens_total += tokens
 
     def read_snapshot(self) -> EngineSnapshot:
         with self.snapshot_lock:

@@ -33,6 +33,7 @@ from .decode_paths import DecodePaths
 from .loaded_engine import LoadedEngine
 from ..logs import get_logger
 from .prefill_pacer import PrefillPacer
+from .prefill_phase import PrefillPhase
 from .prefix_cache_use import PrefixCacheUse
 from ..request_text.requests import Job
 from .scheduler import Scheduler
@@ -107,6 +108,10 @@ class EngineWorker(threading.Thread):
         self.paths = DecodePaths(self.cfg, engine, self.scheduler, self.group, self.prefix_use,
                                  failed=self._failed, deliver=self._deliver, depth_pinned=self.depth_pinned,
                                  build_ahead=self.startup.build_ahead)
+        self.prefill_phase = PrefillPhase(engine, self.scheduler, self.paths, self.pacer, self.jobs,
+                                          failed=self._failed, piece=self._prefill_piece,
+                                          count_prefilled=self.status.count_prefilled)
+        self.status.prefill_phase = self.prefill_phase
         self.handling = CommandHandling(self._ready, self.scheduler, self.jobs, engine, self.status,
                                         finish=self._finish, send=self._send, publish=self._publish)
         self.status.attach(engine)
@@ -214,20 +219,10 @@ class EngineWorker(threading.Thread):
         spent = self._advance(job) if job is not None else 0
         if decoding:
             self.pacer.decode_done(time.perf_counter() - t0)
-        for waiting in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
-            if waiting.prefill is not None:
-                self.paths.refresh_prefill(waiting)
-        piece = self._prefill_piece(decoding)
-        plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
-        prefilled = 0
-        for pjob, chunks in plan:
-            for _ in range(chunks):
-                if self.jobs.get(pjob.key) is not pjob or pjob.prefill is None:
-                    break  # failed, or done: the plan counted its tokens as they were
-                prefilled += self._prefill_chunk(pjob, piece)
-        if job is not None or plan:
+        prefilled, planned = self.prefill_phase.run(spent, decoding)
+        if job is not None or planned:
             self.step_use.record(spent, prefilled, self._step_budget())
-        return job is not None or bool(plan)
+        return job is not None or planned
 
     def _prefill_piece(self, decoding: bool) -> int | None:
         """While others decode, the prefill phase's piece that keeps their gap within the
@@ -257,42 +252,12 @@ class EngineWorker(threading.Thread):
     def _token_text(self, token_id: int) -> str:
         return self.engine.lm.tokenizer.decode([token_id])
 
-    def _prefill_chunk(self, job: Job, piece: int | None = None) -> int:
-        """One chunk of a job's prefill, cut at ``piece`` tokens where the pacer asks and the
-        job may be cut (``prefill_may_cut``); the loop checks commands, deadlines and the
-        drain, and feeds the watchdog, after each iteration's chunks. Returns the tokens
-        forwarded."""
-        try:
-            limit = piece if job.prefill_may_cut else None
-            whole = job.prefill.next_piece()
-            t0 = time.perf_counter()
-            n = job.prefill.step(limit)
-            self.pacer.prefill_done(n, time.perf_counter() - t0)
-            job.prefill_forwards += n > 0
-            if n < whole and not job.prefill_splits_exact:
-                job.exact_chain = False  # cut off the grid where that changes the numbers (fast only)
-            if job.prefill.pos in job.snapshot_at and self.engine.prefix_cache is not None:
-                pos = job.prefill.pos
-                self.engine.prefix_cache.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
-                                        exact=self.engine.prefix_cache.is_exact(pos, job.exact_chain), seat=job.seat)
-            if job.prefill.done:
-                self.paths.begin_decode(job)
-        except Exception as exc:
-            self._failed(job, exc)
-            return 0
-        # One cycle, as a decode step is: the seat's solo decoders are picked by this share.
-        self.scheduler.charge(job, 1)
-        with self.status.snapshot_lock:
-            self.status.snapshot.prefill_tokens_total += n
-        return n
-
-
     def _advance(self, job: Job) -> int:
         """One cycle of a decoding job; returns the tokens its forward held (the step's
         budget use): a batch's positions (its rows, times depth + 1 where it speculates), or
         a solo cycle's verified positions."""
         if job.prefill is not None:  # a one-token prompt: nothing to prefill, decode next
-            return self._prefill_chunk(job)
+            return self.prefill_phase.run_piece(job)
         if job.batched:
             self._step_batch()
             return self.engine.batch.last_positions  # rows x (depth + 1) where the batch speculates

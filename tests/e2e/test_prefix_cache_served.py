@@ -208,8 +208,8 @@ def test_prompts_sent_together_share_the_prefix_the_first_one_prefills(cached, c
     """A council's seats send their first turns at once: each looked the cache up on
     admission, before any had prefilled their shared system prompt. The first prefills it
     (a snapshot at the system message's end); the others look again before their own first
-    chunk and start from there instead of prefilling it once more, with a cold run's tokens
-    (decode_paths.refresh_prefill)."""
+    chunk and start from there instead of prefilling it once more (decode_paths.refresh_prefill),
+    their tails in forwards together, with a cold run's tokens."""
     import threading
 
     system = "".join(f"def shared{i}(z):\n    return z + {i}\n\n" for i in range(30))
@@ -232,6 +232,11 @@ def test_prompts_sent_together_share_the_prefix_the_first_one_prefills(cached, c
     assert cached_tokens[0] == 0 and cached_tokens[1] > 200 and cached_tokens[1] == cached_tokens[2], cached_tokens
     relooked = [e for e in cached.events() if e["event"] == "prefix_cache.relooked" and e["seat"].startswith("council-")]
     assert len(relooked) == 2 and all(e["was"] == 0 and e["cached_tokens"] == cached_tokens[1] for e in relooked), relooked
+    # Their tails (each within one chunk) went through forwards together (batched_prefill.py).
+    with Client(cached.endpoint, seat="status") as c:
+        together = c.status().detail["step"]["together"]
+    assert together["enabled"] and together["exact_rows"] and together["forwards"] >= 1, together
+    assert together["rows"] >= 2 * together["forwards"], together
     cold_got: dict = {}
     for seat in chats:
         ask(cold.endpoint, seat, cold_got)

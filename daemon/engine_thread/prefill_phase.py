@@ -1,0 +1,161 @@
+"""The engine step's prefill phase: which prompts' pieces run after the decode phase, and how.
+
+After the decode phase (worker._step) this part:
+1. looks the prefix cache up again for prompts that have not forwarded a token yet and may
+   now start from a snapshot another prompt took since (decode_paths.refresh_prefill);
+2. asks the pacer for the piece that keeps the decoding streams' gap within the bound
+   (prefill_pacer.py; None: whole chunks), and the scheduler for the plan (whose chunks go);
+3. runs the plan: the first prompt's piece together with the other prompts whose remainder
+   fits one chunk (prefix-cache hits' tails, short prompts) in one forward where that is
+   allowed (engine/batched_prefill.py), else each chunk alone;
+4. after each piece: a prefix-cache snapshot where the prompt reached one of its snapshot
+   points, the decode path once the prompt is done, the seat charged one cycle.
+
+``DecodePaths`` (decode_paths.py) decided at each prompt's start whether its chunks may be cut
+(``prefill_may_cut``: off-grid splits bit-identical here, or a fast request).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable
+
+from ..engine.batched_prefill import may_prefill_together, prefill_together
+from ..request_text.requests import Job
+
+if TYPE_CHECKING:
+    from .decode_paths import DecodePaths
+    from .loaded_engine import LoadedEngine
+    from .prefill_pacer import PrefillPacer
+    from .scheduler import Scheduler
+
+
+class PrefillPhase:
+    def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, pacer: PrefillPacer,
+                 jobs: dict, *, failed: Callable, piece: Callable[[bool], int | None],
+                 count_prefilled: Callable[[int], None]):
+        self.engine = engine
+        self.scheduler = scheduler
+        self.paths = paths
+        self.pacer = pacer
+        self._count_prefilled = count_prefilled  # status's prompt-token counter
+        self.jobs = jobs
+        self._failed = failed
+        self._piece = piece  # the worker's: a tensor-parallel rank never paces
+        self.together_forwards = 0  # forwards that carried several prompts' pieces
+        self.together_rows = 0  # the pieces those forwards carried
+
+    def run(self, spent: int, decoding: bool) -> tuple[int, bool]:
+        """This iteration's prefill phase after a decode phase that forwarded ``spent``
+        tokens (``decoding``: some stream decoded). Returns (tokens forwarded, whether a
+        plan ran)."""
+        for job in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
+            if job.prefill is not None:
+                self.paths.refresh_prefill(job)
+        piece = self._piece(decoding)
+        plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
+        if plan:
+            group = self._together(plan[0][0], piece, decoding, spent)
+            if len(group) > 1:
+                return self.run_together(group, piece if piece is not None else self._budget_piece(group, decoding, spent)), True
+        prefilled = 0
+        for job, chunks in plan:
+            for _ in range(chunks):
+                if self.jobs.get(job.key) is not job or job.prefill is None:
+                    break  # failed, or done: the plan counted its tokens as they were
+                prefilled += self.run_piece(job, piece)
+        return prefilled, bool(plan)
+
+    # ------------------------------------------------------------------ one prompt
+    def run_piece(self, job: Job, piece: int | None = None) -> int:
+        """One chunk of a job's prefill, cut at ``piece`` tokens where the pacer asks and the
+        job may be cut; returns the tokens forwarded."""
+        try:
+            limit = piece if job.prefill_may_cut else None
+            whole = job.prefill.next_piece()
+            t0 = time.perf_counter()
+            n = job.prefill.step(limit)
+            self.pacer.prefill_done(n, time.perf_counter() - t0)
+            self._after_piece(job, n, whole)
+        except Exception as exc:
+            self._failed(job, exc)
+            return 0
+        return n
+
+    # ------------------------------------------------------------------ prompts together
+    def _together(self, lead: Job, piece: int | None, decoding: bool, spent: int) -> list[Job]:
+        """The plan's first prompt and the prompts that may share its forward: of its class
+        (the prefill order's), remainder within one chunk, each allowed by the probe
+        (``may_prefill_together``) and allowed to be cut (its piece may end where the
+        shortest one's does), up to the batch height the probe covered."""
+        verdict = self.engine.prefill_together_exact
+        if verdict is None or lead.prefill is None or not self._joins(lead, verdict):
+            return [lead]
+        group = [lead]
+        for job in self.scheduler.prefill_order():
+            if len(group) >= self.scheduler.cfg.max_active:
+                break
+            if job is lead or job.prefill is None or job.prefill_left > job.prefill.chunk:
+                continue
+            if self._joins(job, verdict):
+                group.append(job)
+        return group
+
+    @staticmethod
+    def _joins(job: Job, verdict: bool) -> bool:
+        return job.prefill_may_cut and may_prefill_together(job.exact, job.sampler.greedy, verdict)
+
+    def _budget_piece(self, group: list[Job], decoding: bool, spent: int) -> int | None:
+        """Unpaced (pacing off, or nobody decoding): while others decode, the rows' pieces
+        together stay within what one iteration may spend (``step_token_budget`` less the
+        decode phase's tokens, at least a chunk); with nobody decoding, each a whole piece."""
+        if not decoding:
+            return None
+        cfg = self.scheduler.cfg
+        return max(1, max(cfg.step_token_budget - spent, cfg.prefill_chunk) // len(group))
+
+    def run_together(self, group: list[Job], piece: int | None) -> int:
+        """One forward carrying a piece of each prompt in ``group``; with ``piece`` (the
+        pacer's, or the budget's) the pieces together stay within it. Returns the tokens
+        forwarded. A failed forward fails every prompt in it."""
+        limit = None if piece is None else max(1, piece // len(group))
+        try:
+            wholes = [job.prefill.next_piece() for job in group]
+            t0 = time.perf_counter()
+            ns = prefill_together([job.prefill for job in group], limit)
+            self.pacer.prefill_done(sum(ns), time.perf_counter() - t0)
+        except Exception as exc:
+            for job in group:
+                self._failed(job, exc)
+            return 0
+        self.together_forwards += 1
+        self.together_rows += len(group)
+        for job, n, whole in zip(group, ns, wholes):
+            try:
+                self._after_piece(job, n, whole)
+            except Exception as exc:
+                self._failed(job, exc)
+        return sum(ns)
+
+    # ------------------------------------------------------------------ after a piece
+    def _after_piece(self, job: Job, n: int, whole: int) -> None:
+        """A piece of ``n`` tokens of the job's prompt ran (``whole``: the piece it would have
+        run uncut)."""
+        job.prefill_forwards += n > 0
+        if n < whole and not job.prefill_splits_exact:
+            job.exact_chain = False  # cut off the grid where that changes the numbers (fast only)
+        pc = self.engine.prefix_cache
+        if job.prefill.pos in job.snapshot_at and pc is not None:
+            pos = job.prefill.pos
+            pc.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
+                     exact=pc.is_exact(pos, job.exact_chain), seat=job.seat)
+        if job.prefill.done:
+            self.paths.begin_decode(job)
+        # One cycle, as a decode step is: the seat's solo decoders are picked by this share.
+        self.scheduler.charge(job, 1)
+        self._count_prefilled(n)
+
+    def to_dict(self) -> dict:
+        return {"enabled": self.engine.prefill_together_exact is not None,
+                "exact_rows": bool(self.engine.prefill_together_exact), "forwards": self.together_forwards,
+                "rows": self.together_rows}
