@@ -7,7 +7,8 @@ CPU: ~2 ms a prompt token against a ~20-60 ms decode step), so a long prompt str
 others' gaps ~20x. The pacer keeps an iteration within ``bound`` decode phases
 (``scheduler.decode_gap_bound``, default 3): it measures the decode phase and the prefill's
 cost per forward (a + b * tokens: a forward's fixed cost, then per token) and gives the
-prefill phase the tokens that fit in the rest, ``(bound - 1) * decode``. With nobody
+prefill phase the tokens that fit in the rest, ``(bound - 1) * decode``, less a margin for
+how much a forward's time scatters around the fit. With nobody
 decoding, or before anything was measured, prompts prefill whole chunks as before.
 
 The piece it allows is a cap on one forward: the prefill cuts its chunk there. Where that
@@ -20,6 +21,7 @@ Pure bookkeeping: no mlx, no clock of its own (the worker times the phases).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # A piece never goes below this: past some point a smaller forward costs its fixed part and
@@ -28,6 +30,10 @@ MIN_PIECE = 16
 # Weight of the newest sample in the running estimates: a council's decode phase changes with
 # its batch height and speculation depth, so old samples fade within ~10 iterations.
 DECAY = 0.8
+# The piece leaves this many standard deviations of the fit's error unspent, so that most
+# iterations (not just the average one) stay within the bound: a forward's time scatters
+# (other processes on the cores, the allocator), and the benchmark reads the gaps' p95.
+MARGIN_SD = 2.0
 
 
 @dataclass
@@ -41,6 +47,7 @@ class PrefillPacer:
     _nn: float = 0.0
     _s: float = 0.0
     _ns: float = 0.0
+    _err: float | None = None  # running mean of the fit's squared error, seconds^2
     last_piece: int | None = None  # the latest allowance given (None: whole chunks)
     paced_iterations: int = 0
 
@@ -54,6 +61,10 @@ class PrefillPacer:
         """One prefill forward of ``tokens`` tokens took ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
+        cost = self.cost()
+        if cost is not None:  # how far the fit so far was off: the margin the piece keeps
+            miss = (seconds - cost[0] - cost[1] * tokens) ** 2
+            self._err = miss if self._err is None else DECAY * self._err + (1 - DECAY) * miss
         self._w = DECAY * self._w + 1.0
         self._n = DECAY * self._n + tokens
         self._nn = DECAY * self._nn + tokens * tokens
@@ -81,7 +92,7 @@ class PrefillPacer:
             self.last_piece = None
             return None
         a, b = cost
-        room = (self.bound - 1.0) * self.decode_s - a
+        room = (self.bound - 1.0) * self.decode_s - a - MARGIN_SD * math.sqrt(self._err or 0.0)
         piece = int(room / b + 1e-6) if room > 0 else 0  # 47.99999 from float sums is 48
         piece = max(min(self.min_piece, chunk), min(piece, chunk))
         self.last_piece = piece
@@ -93,4 +104,5 @@ class PrefillPacer:
         return {"bound": self.bound, "decode_ms": None if self.decode_s is None else round(self.decode_s * 1e3, 3),
                 "prefill_forward_ms": None if cost is None else round(cost[0] * 1e3, 3),
                 "prefill_token_ms": None if cost is None else round(cost[1] * 1e3, 4),
+                "prefill_error_ms": None if self._err is None else round(math.sqrt(self._err) * 1e3, 3),
                 "last_piece": self.last_piece, "paced_iterations": self.paced_iterations}

@@ -20,12 +20,13 @@ def test_it_fits_a_forwards_fixed_cost_and_its_cost_per_token():
 
 def test_the_piece_fills_what_the_bound_leaves_after_the_decode_phase():
     p = PrefillPacer(bound=3.0)
-    for n in (256, 32):
+    for n in (256, 32) * 20:  # the fit's early error (one size seen: all per token) fades
         p.prefill_done(n, 0.004 + 0.002 * n)
     p.decode_done(0.050)
-    # (3 - 1) * 50 ms = 100 ms for the prefill phase: (100 - 4) / 2 = 48 tokens.
-    assert p.allowance(decoding=True, chunk=256) == 48
-    assert p.to_dict()["last_piece"] == 48 and p.to_dict()["paced_iterations"] == 1
+    # (3 - 1) * 50 ms = 100 ms for the prefill phase: (100 - 4) / 2 = 48 tokens, less what is
+    # left of the early error's margin (a fraction of a token).
+    assert p.allowance(decoding=True, chunk=256) in (47, 48)
+    assert p.to_dict()["last_piece"] in (47, 48) and p.to_dict()["paced_iterations"] == 1
     assert p.allowance(decoding=True, chunk=32) == 32  # never more than a chunk
     p.bound = 100.0
     assert p.allowance(decoding=True, chunk=256) == 256
@@ -67,3 +68,16 @@ def test_a_bound_of_one_decode_phase_or_less_is_refused(bound):
     with pytest.raises(ConfigError, match="decode_gap_bound"):
         load_config(overrides={"scheduler": {"decode_gap_bound": bound}})
     assert load_config(overrides={"scheduler": {"decode_gap_bound": 0}}).scheduler.decode_gap_bound == 0
+
+
+def test_a_scattered_prefill_cost_leaves_a_margin():
+    exact, noisy = PrefillPacer(bound=3.0), PrefillPacer(bound=3.0)
+    for i, n in enumerate((256, 32, 128, 64, 200, 16, 100, 50)):
+        exact.prefill_done(n, 0.002 * n)
+        noisy.prefill_done(n, 0.002 * n * (1.3 if i % 2 else 0.7))
+    for p in (exact, noisy):
+        p.decode_done(0.1)
+    assert exact.to_dict()["prefill_error_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert exact.allowance(decoding=True, chunk=256) == 100
+    assert noisy.to_dict()["prefill_error_ms"] > 10
+    assert MIN_PIECE <= noisy.allowance(decoding=True, chunk=256) < 90
