@@ -71,8 +71,8 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # compute-bound, about in proportion: bench/results/engine_step_cpu.md).
     step_token_budget: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     # While others decode, an iteration (their decode phase, then a prompt's prefill) takes
-    # at most this many decode phases' time: the prefill phase gets the tokens that fit in
-    # the rest, measured (engine_thread/prefill_pacer.py), at least 16. So the decoding
+    # at most this many times an iteration that prefills nothing: the prefill phase gets the
+    # tokens that fit, measured (engine_thread/prefill_pacer.py), at least 16. So the decoding
     # streams' gap during a long prompt stays near this multiple of their quiet gap, and the
     # long prompt's first token comes later (more iterations). Where off-grid splits change
     # the numbers, exact requests keep whole chunks (OPERATIONS.md, "The engine step").
@@ -360,7 +360,7 @@ def _check_relations(cfg: Config, where: str) -> None:
         # prefill nothing (0 is how to switch pacing off).
         raise ConfigError(
             f"invalid configuration{where}: decode_gap_bound ({bound}) must be 0 (off) or above 1 "
-            f"(an iteration's time in decode phases) - at `$.scheduler.decode_gap_bound`")
+            f"(an iteration's time in quiet iterations) - at `$.scheduler.decode_gap_bound`")
     if cfg.heartbeat_interval_s >= cfg.heartbeat_timeout_s:
         # Clients ping every interval (the daemon tells them in Welcome); an interval at or
         # above the timeout would cut every idle client that is doing exactly as told.

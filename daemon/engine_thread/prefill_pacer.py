@@ -1,22 +1,30 @@
 """How much of a prompt one engine iteration prefills while other streams decode.
 
 An iteration is a decode phase (every decoding stream's next cycle) then a prefill phase, so
-a decoding stream's gap between tokens is the decode phase plus whatever prefill ran beside
-it. A whole chunk (256 tokens) costs many decode steps where prefill is compute-bound (this
-CPU: ~2 ms a prompt token against a ~20-60 ms decode step), so a long prompt stretched the
-others' gaps ~20x. The pacer keeps an iteration within ``bound`` decode phases
-(``scheduler.decode_gap_bound``, default 3): it measures the decode phase and the prefill's
-cost per forward (a + b * tokens: a forward's fixed cost, then per token) and gives the
-prefill phase the tokens that fit in the rest, ``(bound - 1) * decode``, less a margin for
-how much a forward's time scatters around the fit. With nobody
-decoding, or before anything was measured, prompts prefill whole chunks as before.
+a decoding stream's gap between tokens is the whole iteration. A whole chunk (256 tokens)
+costs many decode phases where prefill is compute-bound (this CPU: ~2 ms a prompt token
+against a ~20 ms decode phase of the bundled model), so a long prompt stretched the others'
+gaps ~20x. The pacer keeps an iteration within ``bound`` quiet iterations
+(``scheduler.decode_gap_bound``, default 3): it measures
 
-The piece it allows is a cap on one forward: the prefill cuts its chunk there. Where that
-cut changes the numbers (a backend whose off-grid splits are not bit-identical, the prefix
-cache's split probe), exact requests keep whole chunks and the bound does not hold for them
-(decode_paths marks which prompts may be cut).
+- the quiet iteration: one that decoded and prefilled nothing (a running mean: it follows
+  the batch's height and depth);
+- the iteration that decoded and prefilled n tokens, fitted as ``c + b * n`` (c: the decode
+  phase plus a forward's fixed cost; b: per prompt token), with the fit's error;
 
-Pure bookkeeping: no mlx, no clock of its own (the worker times the phases).
+and gives the prefill phase the n for which ``c + b * n`` stays within ``bound`` quiet
+iterations, less two standard deviations of the fit's error (so most iterations, not the
+average one, keep the bound), at least ``MIN_PIECE`` and at most a chunk. Whole iterations
+are timed, not the phases: the decode phase's forward is issued ahead and runs while the
+prefill's is evaluated (MLX evaluates lazily, one stream after another), so a phase's own
+clock would hand the decode's cost to the prefill. With nobody decoding, prompts prefill
+whole chunks as before; decoding with nothing fitted yet, a ``MIN_PIECE`` piece measures.
+
+The piece caps one forward: the prefill cuts its chunk there. Where that cut changes the
+numbers (a backend whose off-grid splits are not bit-identical, the prefix cache's split
+probe), exact requests keep whole chunks (decode_paths marks which prompts may be cut).
+
+Pure bookkeeping: no mlx, no clock of its own (the worker times the iterations).
 """
 
 from __future__ import annotations
@@ -27,21 +35,22 @@ from dataclasses import dataclass
 # A piece never goes below this: past some point a smaller forward costs its fixed part and
 # little else, and the prompt would crawl (the bound then holds as well as it can).
 MIN_PIECE = 16
-# Weight of the newest sample in the running estimates: a council's decode phase changes with
-# its batch height and speculation depth, so old samples fade within ~10 iterations.
+# Weight of the older samples in the running estimates: a council's decode phase changes
+# with its batch height and speculation depth, so old samples fade within ~10 iterations.
 DECAY = 0.8
-# The piece leaves this many standard deviations of the fit's error unspent, so that most
-# iterations (not just the average one) stay within the bound: a forward's time scatters
-# (other processes on the cores, the allocator), and the benchmark reads the gaps' p95.
+# The piece leaves this many standard deviations of the fit's error unspent: an iteration's
+# time scatters (other processes on the cores, the allocator), and a gap's p95 is what a
+# streaming client feels.
 MARGIN_SD = 2.0
 
 
 @dataclass
 class PrefillPacer:
-    bound: float  # an iteration's time in decode phases; 0 turns pacing off
+    bound: float  # an iteration's time in quiet iterations; 0 turns pacing off
     min_piece: int = MIN_PIECE
-    decode_s: float | None = None
-    # Exponentially weighted sums for the least-squares fit of a forward's seconds on its tokens.
+    quiet_s: float | None = None  # an iteration that decoded and prefilled nothing
+    # Exponentially weighted sums for the least-squares fit of a decoding iteration's
+    # seconds on the prompt tokens it prefilled.
     _w: float = 0.0
     _n: float = 0.0
     _nn: float = 0.0
@@ -51,49 +60,54 @@ class PrefillPacer:
     last_piece: int | None = None  # the latest allowance given (None: whole chunks)
     paced_iterations: int = 0
 
-    def decode_done(self, seconds: float) -> None:
-        """A decode phase took ``seconds`` (one cycle of the decoding streams)."""
-        if seconds <= 0:
+    def iteration_done(self, seconds: float, prefilled: int, decoding: bool) -> None:
+        """An iteration took ``seconds``: it decoded (``decoding``) and prefilled
+        ``prefilled`` prompt tokens. Iterations that decoded nothing say nothing of a gap."""
+        if not decoding or seconds <= 0:
             return
-        self.decode_s = seconds if self.decode_s is None else DECAY * self.decode_s + (1 - DECAY) * seconds
-
-    def prefill_done(self, tokens: int, seconds: float) -> None:
-        """One prefill forward of ``tokens`` tokens took ``seconds``."""
-        if tokens <= 0 or seconds <= 0:
+        if prefilled <= 0:
+            self.quiet_s = seconds if self.quiet_s is None else DECAY * self.quiet_s + (1 - DECAY) * seconds
             return
         cost = self.cost()
         if cost is not None:  # how far the fit so far was off: the margin the piece keeps
-            miss = (seconds - cost[0] - cost[1] * tokens) ** 2
+            miss = (seconds - cost[0] - cost[1] * prefilled) ** 2
             self._err = miss if self._err is None else DECAY * self._err + (1 - DECAY) * miss
         self._w = DECAY * self._w + 1.0
-        self._n = DECAY * self._n + tokens
-        self._nn = DECAY * self._nn + tokens * tokens
+        self._n = DECAY * self._n + prefilled
+        self._nn = DECAY * self._nn + prefilled * prefilled
         self._s = DECAY * self._s + seconds
-        self._ns = DECAY * self._ns + tokens * seconds
+        self._ns = DECAY * self._ns + prefilled * seconds
 
     def cost(self) -> tuple[float, float] | None:
-        """(seconds a forward costs whatever its size, seconds per token), or None before the
-        first prefill sample. From samples of one size only, all of it is per token."""
+        """(c, b): a decoding iteration costs about ``c + b * n`` seconds when it prefills n
+        tokens; None before the first such iteration. From pieces of one size the quiet
+        iteration is the intercept where known (else all of it counts per token)."""
         if self._w == 0.0:
             return None
         spread = self._w * self._nn - self._n * self._n
-        if spread > 1e-9 * self._w * self._nn:  # pieces of several sizes: fit a + b * n
+        if spread > 1e-9 * self._w * self._nn:  # pieces of several sizes: fit c + b * n
             b = (self._w * self._ns - self._n * self._s) / spread
-            a = (self._s - b * self._n) / self._w
-            if b > 0 and a >= 0:
-                return a, b
-        return 0.0, self._s / self._n
+            c = (self._s - b * self._n) / self._w
+            if b > 0 and c >= 0:
+                return c, b
+        mean_s, mean_n = self._s / self._w, self._n / self._w
+        c = self.quiet_s if self.quiet_s is not None and self.quiet_s < mean_s else 0.0
+        return c, (mean_s - c) / mean_n
 
     def allowance(self, decoding: bool, chunk: int) -> int | None:
         """Tokens the prefill phase may forward this iteration, at most ``chunk``; None for
-        a whole chunk (pacing off, nobody decoding, or nothing measured yet)."""
-        cost = self.cost()
-        if self.bound <= 0 or not decoding or self.decode_s is None or cost is None:
+        a whole chunk (pacing off, or nobody decoding)."""
+        if self.bound <= 0 or not decoding:
             self.last_piece = None
             return None
-        a, b = cost
-        room = (self.bound - 1.0) * self.decode_s - a - MARGIN_SD * math.sqrt(self._err or 0.0)
-        piece = int(room / b + 1e-6) if room > 0 else 0  # 47.99999 from float sums is 48
+        cost = self.cost()
+        if cost is None:
+            piece = self.min_piece  # nothing fitted yet: a small piece measures
+        else:
+            c, b = cost
+            quiet = self.quiet_s if self.quiet_s is not None else c
+            room = self.bound * quiet - c - MARGIN_SD * math.sqrt(self._err or 0.0)
+            piece = int(room / b + 1e-6) if room > 0 else 0  # 47.99999 from float sums is 48
         piece = max(min(self.min_piece, chunk), min(piece, chunk))
         self.last_piece = piece
         self.paced_iterations += 1
@@ -101,8 +115,8 @@ class PrefillPacer:
 
     def to_dict(self) -> dict:
         cost = self.cost()
-        return {"bound": self.bound, "decode_ms": None if self.decode_s is None else round(self.decode_s * 1e3, 3),
-                "prefill_forward_ms": None if cost is None else round(cost[0] * 1e3, 3),
+        return {"bound": self.bound, "quiet_ms": None if self.quiet_s is None else round(self.quiet_s * 1e3, 3),
+                "iteration_ms": None if cost is None else round(cost[0] * 1e3, 3),
                 "prefill_token_ms": None if cost is None else round(cost[1] * 1e3, 4),
-                "prefill_error_ms": None if self._err is None else round(math.sqrt(self._err) * 1e3, 3),
+                "error_ms": None if self._err is None else round(math.sqrt(self._err) * 1e3, 3),
                 "last_piece": self.last_piece, "paced_iterations": self.paced_iterations}

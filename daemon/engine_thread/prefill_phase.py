@@ -3,8 +3,9 @@
 After the decode phase (worker._step) this part:
 1. looks the prefix cache up again for prompts that have not forwarded a token yet and may
    now start from a snapshot another prompt took since (decode_paths.refresh_prefill);
-2. asks the pacer for the piece that keeps the decoding streams' gap within the bound
-   (prefill_pacer.py; None: whole chunks), and the scheduler for the plan (whose chunks go);
+2. asks the worker for the pacer's piece that keeps the decoding streams' gap within the
+   bound (prefill_pacer.py; None: whole chunks), and the scheduler for the plan (whose
+   chunks go);
 3. runs the plan: the first prompt's piece together with the other prompts whose remainder
    fits one chunk (prefix-cache hits' tails, short prompts) in one forward where that is
    allowed (engine/batched_prefill.py), else each chunk alone;
@@ -17,7 +18,6 @@ After the decode phase (worker._step) this part:
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Callable
 
 from ..engine.batched_prefill import may_prefill_together, prefill_together
@@ -26,18 +26,15 @@ from ..request_text.requests import Job
 if TYPE_CHECKING:
     from .decode_paths import DecodePaths
     from .loaded_engine import LoadedEngine
-    from .prefill_pacer import PrefillPacer
     from .scheduler import Scheduler
 
 
 class PrefillPhase:
-    def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, pacer: PrefillPacer,
-                 jobs: dict, *, failed: Callable, piece: Callable[[bool], int | None],
+    def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, jobs: dict, *, failed: Callable, piece: Callable[[bool], int | None],
                  count_prefilled: Callable[[int], None]):
         self.engine = engine
         self.scheduler = scheduler
         self.paths = paths
-        self.pacer = pacer
         self._count_prefilled = count_prefilled  # status's prompt-token counter
         self.jobs = jobs
         self._failed = failed
@@ -73,9 +70,7 @@ class PrefillPhase:
         try:
             limit = piece if job.prefill_may_cut else None
             whole = job.prefill.next_piece()
-            t0 = time.perf_counter()
             n = job.prefill.step(limit)
-            self.pacer.prefill_done(n, time.perf_counter() - t0)
             self._after_piece(job, n, whole)
         except Exception as exc:
             self._failed(job, exc)
@@ -121,9 +116,7 @@ class PrefillPhase:
         limit = None if piece is None else max(1, piece // len(group))
         try:
             wholes = [job.prefill.next_piece() for job in group]
-            t0 = time.perf_counter()
             ns = prefill_together([job.prefill for job in group], limit)
-            self.pacer.prefill_done(sum(ns), time.perf_counter() - t0)
         except Exception as exc:
             for job in group:
                 self._failed(job, exc)

@@ -108,7 +108,7 @@ class EngineWorker(threading.Thread):
         self.paths = DecodePaths(self.cfg, engine, self.scheduler, self.group, self.prefix_use,
                                  failed=self._failed, deliver=self._deliver, depth_pinned=self.depth_pinned,
                                  build_ahead=self.startup.build_ahead)
-        self.prefill_phase = PrefillPhase(engine, self.scheduler, self.paths, self.pacer, self.jobs,
+        self.prefill_phase = PrefillPhase(engine, self.scheduler, self.paths, self.jobs,
                                           failed=self._failed, piece=self._prefill_piece,
                                           count_prefilled=self.status.count_prefilled)
         self.status.prefill_phase = self.prefill_phase
@@ -217,9 +217,10 @@ class EngineWorker(threading.Thread):
         decoding = job is not None and job.prefill is None
         t0 = time.perf_counter()
         spent = self._advance(job) if job is not None else 0
-        if decoding:
-            self.pacer.decode_done(time.perf_counter() - t0)
         prefilled, planned = self.prefill_phase.run(spent, decoding)
+        # The whole iteration is what a decoding stream waits (its forward runs while the
+        # prefill's is evaluated): the pacer learns from that, not from each phase's clock.
+        self.pacer.iteration_done(time.perf_counter() - t0, prefilled, decoding)
         if job is not None or planned:
             self.step_use.record(spent, prefilled, self._step_budget())
         return job is not None or planned

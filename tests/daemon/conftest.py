@@ -27,3 +27,13 @@ def head(lm):
     from daemon.engine.mtp_head import load_mtp_head
 
     return load_mtp_head(lm)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The bundled model (daemon/assets/tiny-qwen35: trained, so its head's drafts are
+    accepted), loaded once per module that asks."""
+    from daemon.engine.loading import load_model
+    from daemon.paths import BUNDLED_MODEL
+
+    return load_model(BUNDLED_MODEL)

@@ -15,16 +15,8 @@ from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.types import DecodeStep, SamplingParams  # noqa: E402
-from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 N = 24
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    if not (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("bundled model not present")
-    return load_model(BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")

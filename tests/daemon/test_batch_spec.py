@@ -9,24 +9,15 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 
 from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
-from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 TEXTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
          "for i in range(10):\n    print(", "# utilities\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
 N = 20
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    if not (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("bundled model not present")
-    return load_model(BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -15,23 +15,14 @@ mx = pytest.importorskip("mlx.core")
 from daemon.engine import batched_prefill as bp  # noqa: E402
 from daemon.engine import chunked_prefill as cp  # noqa: E402
 from daemon.engine.forward import cache_arrays  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.speculative import HeadHistory, speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
-from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 N = 12
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    if not (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("bundled model not present")
-    return load_model(BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")

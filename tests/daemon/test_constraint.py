@@ -18,26 +18,17 @@ from daemon.engine.constraint import (  # noqa: E402
     ConstraintViolation,
     compile_constraint,
 )
-from daemon.engine.loading import load_model  # noqa: E402
 from daemon.engine.lookup import DraftStopConfig, LookupConfig  # noqa: E402
 from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.sampling import Sampler  # noqa: E402
 from daemon.engine.serial import serial_decode  # noqa: E402
 from daemon.engine.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
-from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 from constraint_cases import CASES as CONSTRAINTS, check_output  # noqa: E402
 
 CASES = list(CONSTRAINTS.items())  # (kind, value)
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\nimport sys\n\ndef main():\n"]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    if not (BUNDLED_MODEL / "config.json").exists():
-        pytest.skip("bundled model not present")
-    return load_model(BUNDLED_MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The prefill pacer's arithmetic (pure: the worker times the phases and feeds it)."""
+"""The prefill pacer's arithmetic (pure: the worker times the iterations and feeds it)."""
 
 from __future__ import annotations
 
@@ -10,57 +10,80 @@ from daemon.engine_thread.prefill_pacer import MIN_PIECE, PrefillPacer
 pytestmark = pytest.mark.quick
 
 
-def test_it_fits_a_forwards_fixed_cost_and_its_cost_per_token():
-    p = PrefillPacer(bound=3.0)
-    for n in (256, 16, 64, 256, 40, 128):
-        p.prefill_done(n, 0.004 + 0.002 * n)  # 4 ms a forward, 2 ms a token
-    a, b = p.cost()
-    assert a == pytest.approx(0.004) and b == pytest.approx(0.002)
+def _iterations(p: PrefillPacer, sizes, quiet=0.020, fixed=0.004, per_token=0.002, scatter=lambda i: 1.0):
+    """Decoding iterations that prefilled each of ``sizes`` tokens, after quiet ones."""
+    for _ in range(5):
+        p.iteration_done(quiet, 0, decoding=True)
+    for i, n in enumerate(sizes):
+        p.iteration_done((quiet + fixed + per_token * n) * scatter(i), n, decoding=True)
 
 
-def test_the_piece_fills_what_the_bound_leaves_after_the_decode_phase():
+def test_it_fits_an_iterations_cost_on_the_tokens_it_prefilled():
     p = PrefillPacer(bound=3.0)
-    for n in (256, 32) * 20:  # the fit's early error (one size seen: all per token) fades
-        p.prefill_done(n, 0.004 + 0.002 * n)
-    p.decode_done(0.050)
-    # (3 - 1) * 50 ms = 100 ms for the prefill phase: (100 - 4) / 2 = 48 tokens, less what is
-    # left of the early error's margin (a fraction of a token).
-    assert p.allowance(decoding=True, chunk=256) in (47, 48)
-    assert p.to_dict()["last_piece"] in (47, 48) and p.to_dict()["paced_iterations"] == 1
+    _iterations(p, (256, 16, 64, 256, 40, 128))
+    c, b = p.cost()
+    assert c == pytest.approx(0.024) and b == pytest.approx(0.002)  # the decode phase + a forward's fixed part
+    assert p.quiet_s == pytest.approx(0.020)
+
+
+def test_the_piece_keeps_the_iteration_within_bound_quiet_iterations():
+    p = PrefillPacer(bound=3.0)
+    _iterations(p, (256, 32) * 20)  # the fit's early error (one size seen) fades
+    # 3 x 20 ms = 60 ms an iteration: 60 - 24 = 36 ms of prefill = 18 tokens (less what is
+    # left of the early error's margin: a fraction of a token).
+    assert p.allowance(decoding=True, chunk=256) in (17, 18)
+    assert p.to_dict()["last_piece"] in (17, 18) and p.to_dict()["paced_iterations"] == 1
+    p.bound = 10.0  # 200 ms: 88 tokens
+    assert p.allowance(decoding=True, chunk=256) in (87, 88)
     assert p.allowance(decoding=True, chunk=32) == 32  # never more than a chunk
-    p.bound = 100.0
+    p.bound = 1000.0
     assert p.allowance(decoding=True, chunk=256) == 256
 
 
-def test_whole_chunks_when_nobody_decodes_off_or_unmeasured():
+def test_pieces_of_one_size_take_the_quiet_iteration_as_their_intercept():
     p = PrefillPacer(bound=3.0)
-    assert p.allowance(decoding=True, chunk=256) is None  # nothing measured yet
-    p.decode_done(0.05)
-    assert p.allowance(decoding=True, chunk=256) is None  # no prefill sample yet
-    p.prefill_done(256, 0.5)
+    _iterations(p, (40,) * 10, fixed=0.0)
+    c, b = p.cost()
+    assert c == pytest.approx(0.020) and b == pytest.approx(0.002)
+    assert p.allowance(decoding=True, chunk=256) == 20  # (60 - 20) / 2
+
+
+def test_whole_chunks_when_nobody_decodes_or_off_and_a_small_first_piece():
+    p = PrefillPacer(bound=3.0)
+    assert p.allowance(decoding=True, chunk=256) == MIN_PIECE  # nothing fitted yet: a small piece measures
+    p.iteration_done(0.5, 256, decoding=False)  # no stream waited on it: says nothing of a gap
+    assert p.cost() is None
+    _iterations(p, (64,) * 5)
     assert p.allowance(decoding=False, chunk=256) is None and p.to_dict()["last_piece"] is None
-    assert p.allowance(decoding=True, chunk=256) == 51  # one size only: all per token, 100 ms / 1.95 ms
     p.bound = 0.0
     assert p.allowance(decoding=True, chunk=256) is None
 
 
 def test_a_piece_never_goes_below_the_floor():
     p = PrefillPacer(bound=1.5)
-    p.prefill_done(256, 0.030 + 0.002 * 256)
-    p.prefill_done(16, 0.030 + 0.002 * 16)
-    p.decode_done(0.010)  # half a decode phase (5 ms) is less than a forward's fixed 30 ms
+    _iterations(p, (256, 16) * 10, fixed=0.030)  # half a quiet iteration is less than a forward's fixed 30 ms
     assert p.allowance(decoding=True, chunk=256) == MIN_PIECE
     assert p.allowance(decoding=True, chunk=8) == 8
 
 
-def test_the_estimates_follow_a_changing_decode_phase():
+def test_a_scattered_cost_leaves_a_margin():
+    steady, scattered = PrefillPacer(bound=6.0), PrefillPacer(bound=6.0)
+    sizes = (256, 32, 128, 64, 200, 16, 100, 50) * 3
+    _iterations(steady, sizes, fixed=0.0)
+    _iterations(scattered, sizes, fixed=0.0, scatter=lambda i: 1.3 if i % 2 else 0.7)
+    assert steady.to_dict()["error_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert steady.allowance(decoding=True, chunk=256) == 50  # (120 - 20) / 2
+    assert scattered.to_dict()["error_ms"] > 10
+    assert MIN_PIECE <= scattered.allowance(decoding=True, chunk=256) < 40
+
+
+def test_the_quiet_iteration_follows_a_changing_batch():
     p = PrefillPacer(bound=3.0)
-    p.prefill_done(100, 0.2)
     for _ in range(30):
-        p.decode_done(0.010)
+        p.iteration_done(0.010, 0, decoding=True)
     for _ in range(30):
-        p.decode_done(0.040)
-    assert p.decode_s == pytest.approx(0.040, rel=0.01)
+        p.iteration_done(0.040, 0, decoding=True)
+    assert p.quiet_s == pytest.approx(0.040, rel=0.01)
 
 
 @pytest.mark.parametrize("bound", [0.5, 1.0])
@@ -68,16 +91,3 @@ def test_a_bound_of_one_decode_phase_or_less_is_refused(bound):
     with pytest.raises(ConfigError, match="decode_gap_bound"):
         load_config(overrides={"scheduler": {"decode_gap_bound": bound}})
     assert load_config(overrides={"scheduler": {"decode_gap_bound": 0}}).scheduler.decode_gap_bound == 0
-
-
-def test_a_scattered_prefill_cost_leaves_a_margin():
-    exact, noisy = PrefillPacer(bound=3.0), PrefillPacer(bound=3.0)
-    for i, n in enumerate((256, 32, 128, 64, 200, 16, 100, 50)):
-        exact.prefill_done(n, 0.002 * n)
-        noisy.prefill_done(n, 0.002 * n * (1.3 if i % 2 else 0.7))
-    for p in (exact, noisy):
-        p.decode_done(0.1)
-    assert exact.to_dict()["prefill_error_ms"] == pytest.approx(0.0, abs=1e-6)
-    assert exact.allowance(decoding=True, chunk=256) == 100
-    assert noisy.to_dict()["prefill_error_ms"] > 10
-    assert MIN_PIECE <= noisy.allowance(decoding=True, chunk=256) < 90
