@@ -14,7 +14,11 @@ prompt from scratch (the gate's reference), token for token:
 - "paced pieces": a prompt (prompt i then prompt i+1) prefilled cold in pieces of random
   sizes cut out of its chunks, as the engine step's prefill pacer cuts them while other
   streams decode (engine_thread/prefill_pacer.py; it cuts exact requests only where this
-  probe passes).
+  probe passes);
+- "prefilled together": two prompts (prompt i then i+1, resumed from the first's snapshot,
+  and i+1 then i, cold) prefilled in one forward per piece, pieces of random sizes
+  (engine/batched_prefill.py, as the engine step runs prompts' tails together); only where
+  ``together_matches_solo`` passes too, as the engine lets exact requests join only then.
 Where the probe says no, exact requests reuse on the chunk grid only and no arm runs (the
 report says so).
 """
@@ -25,6 +29,7 @@ import random
 import time
 from typing import Callable
 
+from ..engine.batched_prefill import prefill_together, together_matches_solo
 from ..engine.model import LoadedModel
 from ..engine.prefill import ChunkedPrefill
 from ..engine.prefix_cache import PrefixCache, splits_agree
@@ -32,7 +37,8 @@ from ..engine.sampling import Sampler
 from ..engine.speculative import DEFAULT_ROLLBACK, HeadHistory, speculative_decode
 from ..engine.types import SamplingParams
 
-KINDS = ("prompt end", "continuation", "paced pieces")
+KINDS = ("prompt end", "continuation", "paced pieces", "prefilled together")
+LABELS = {"paced pieces": "mtp, prefilled in paced pieces", "prefilled together": "mtp, prefilled together"}
 
 
 def run_prefix_arms(
@@ -90,10 +96,25 @@ def run_prefix_arms(
         cache, history = pc.restore(snap, tokens[start], head) if snap is not None else (None, None)
         return decode(prefill(tokens, cache, history, start), arm)
 
+    def together(prompts: list[list[int]], arm, pieces: random.Random) -> list[list[int]]:
+        """Each prompt from its longest snapshot (or cold), prefilled together piece by piece;
+        then each decoded."""
+        rows = []
+        for tokens in prompts:
+            snap, start = pc.lookup(tokens, want_head=True)
+            cache, history = pc.restore(snap, tokens[start], head) if snap is not None else (None, None)
+            arm.resumed_at.append(start)
+            rows.append(ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
+                                       history if history is not None else HeadHistory(head), start=start,
+                                       stops=pc.boundaries(len(tokens), start)))
+        while not all(r.done for r in rows):
+            prefill_together([r for r in rows if not r.done], pieces.randint(1, chunk))
+        return [decode(r, arm) for r in rows]
+
+    kinds = KINDS if together_matches_solo(lm) else tuple(k for k in KINDS if k != "prefilled together")
     arms = []
-    for kind in KINDS:
-        label = "mtp, prefilled in paced pieces" if kind == "paced pieces" else f"mtp, resumed at a {kind}"
-        arm = new_arm(mode="exact", depth=depth, drafting=label)
+    for kind in kinds:
+        arm = new_arm(mode="exact", depth=depth, drafting=LABELS.get(kind, f"mtp, resumed at a {kind}"))
         t0 = time.perf_counter()
         for pi, first in enumerate(encoded):
             nxt = encoded[(pi + 1) % len(encoded)]
@@ -102,6 +123,11 @@ def run_prefix_arms(
                 got = decode(prefill(later, pieces=random.Random(pi)), arm)
                 arm.resumed_at.append(0)
                 arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
+                continue
+            if kind == "prefilled together":
+                pair = [first + nxt, nxt + first]
+                for tokens, got in zip(pair, together(pair, arm, random.Random(pi))):
+                    arm.compare(serial_tokens(lm, tokens, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
                 continue
             if kind == "prompt end":
                 prefill(first)

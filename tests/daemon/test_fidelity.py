@@ -87,12 +87,14 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     data = json.loads(out.read_text())
     # exact and fast at depths 1 and 3, then exact again with the logit processors on, then
     # exact requests resumed off the chunk grid (the prefix-cache arms, at depth 3)
-    assert data["passed"] is True and len(data["arms"]) == 9
+    assert data["passed"] is True and len(data["arms"]) == 10
     assert [(a["mode"], a["processors"]) for a in data["arms"][4:6]] == [("exact", True), ("exact", True)]
     prefix = data["arms"][6:]
     assert [a["drafting"] for a in prefix] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation",
-                                               "mtp, prefilled in paced pieces"]
-    assert all(a["identical"] == a["prompts"] == 2 and a["depth"] == 3 and len(a["resumed_at"]) == 2 for a in prefix)
+                                               "mtp, prefilled in paced pieces", "mtp, prefilled together"]
+    assert all(a["identical"] == a["prompts"] and a["depth"] == 3 for a in prefix)
+    assert [a["prompts"] for a in prefix] == [2, 2, 2, 4] and [len(a["resumed_at"]) for a in prefix] == [2, 2, 2, 4]
+    assert any(n > 0 for n in prefix[3]["resumed_at"])  # one of each pair resumed from a snapshot
     assert [d["depth"] for d in data["deviation"]] == [1, 3]  # verify-vs-serial logit deviation
     captured = capsys.readouterr()
     assert "| exact | off | - | 3 |" in captured.out  # drafting, mode, processors, constraint, depth
@@ -108,7 +110,7 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     whats = [m[3] for m in steps]
     assert "arm mtp exact depth 3, prompt 2/2" in whats and "arm mtp exact depth 1 +processors, prompt 1/2" in whats
     assert whats[-1].startswith("verify-vs-serial logit deviation")
-    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 18 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
+    assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 22 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
     assert "[fidelity" not in captured.out  # the report on stdout stays clean
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
                         "--no-deviation"])
@@ -245,9 +247,10 @@ def test_prefix_arms_resume_off_the_grid_with_serials_tokens():
     prompts = load_prompts()[:3]
     arms, exact_here = run_prefix_arms(blm, head, prompts, ArmResult, _serial_tokens, chunk=16, max_tokens=16, depth=3)
     assert exact_here and [a.drafting for a in arms] == ["mtp, resumed at a prompt end", "mtp, resumed at a continuation",
-                                                         "mtp, prefilled in paced pieces"]
+                                                         "mtp, prefilled in paced pieces", "mtp, prefilled together"]
     report = FidelityReport(model="bundled", rollback="capture", guard_margin=None, max_tokens=16, arms=arms)
-    assert report.passed and all(a.identical == a.prompts == 3 for a in arms), [a.first_divergence for a in arms]
+    assert report.passed and [a.identical for a in arms] == [a.prompts for a in arms] == [3, 3, 3, 6], \
+        [a.first_divergence for a in arms]
     encoded = [blm.encode_prompt(p, None, None) for p in prompts]
     assert arms[0].resumed_at == [len(p) - 1 for p in encoded]  # each prompt's exact end
     assert all(n > len(p) for n, p in zip(arms[1].resumed_at, encoded))  # past the prompt: the continuation
@@ -264,4 +267,5 @@ def test_prefix_arms_fail_on_a_divergence(lm, copy_head):
         return [t + 1 for t in _serial_tokens(lm_, prompt, n, params)]
 
     arms, _ = run_prefix_arms(lm, copy_head, load_prompts()[:2], ArmResult, shifted, chunk=8, max_tokens=6)
-    assert all(a.identical == 0 and a.flips == 2 and a.first_divergence["token"] == 0 for a in arms)
+    assert all(a.identical == 0 and a.flips == a.prompts and a.first_divergence["token"] == 0 for a in arms)
+    assert [a.prompts for a in arms] == [2, 2, 2, 4]
