@@ -78,11 +78,14 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # the numbers, exact requests keep whole chunks (OPERATIONS.md, "The engine step").
     # 0: whole chunks (prefill_chunk / step_token_budget) whatever the decode phase costs.
     decode_gap_bound: Annotated[float, Meta(ge=0.0, le=1000.0)] = 3.0
-    # Prompts whose remainder fits one chunk (prefix-cache hits' tails, short prompts) are
+    # Prompts whose remainder fits one chunk (prefix-cache hits' tails, short prompts)
     # prefilled together: one forward carries a piece of each (engine/batched_prefill.py).
-    # Exact greedy requests join only where the start-up probe finds it bit-identical to
-    # prefilling each alone (this CPU: yes). Not in a tensor-parallel group.
-    prefill_together: bool = True
+    # "auto": where start-up measures that a forward of max_active rows costs less than
+    # (max_active + 1) / 2 one-row forwards (so the prompts' first tokens come sooner on
+    # average: a GPU, not this CPU); "on" / "off" whatever it costs. Exact greedy requests
+    # join only where the start-up probe finds it bit-identical to prefilling each alone.
+    # Not in a tensor-parallel group.
+    prefill_together: Literal["auto", "on", "off"] = "auto"
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
+import time
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
@@ -184,6 +186,36 @@ def together_matches_solo(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> 
         pieces = PROBE_PIECES + ((MIN_T,) if lm.chunked_prefill else ())
         probed[key] = all(d == 0.0 for d in max_prefill_diff(lm, heights, pieces).values())
     return probed[key]
+
+
+def together_cost_ratio(lm: LoadedModel, rows: int, piece: int = 16, reps: int = 2, seed: int = 0) -> float:
+    """What one forward of ``rows`` fresh rows x ``piece`` tokens costs, over one row's: the
+    median of ``reps`` paired timings, after one untimed run of each (first-use compiles).
+    Small pieces: a tail's size, and a start-up cost of ~0.3 s on this CPU.
+    Where the device is idle at one row (a GPU, a small model) this is near 1; where a
+    forward is compute-bound (a CPU) near ``rows``."""
+    rng = random.Random(seed)
+    V = lm.text_args.vocab_size
+
+    def seconds(B: int) -> float:
+        caches = [lm.make_cache() for _ in range(B)]
+        tokens = mx.array([[rng.randrange(V) for _ in range(piece)] for _ in range(B)], dtype=mx.uint32)
+        t0 = time.perf_counter()
+        h = lm.prefill_hidden(tokens, caches[0]) if B == 1 else forward_rows(lm, caches, tokens)
+        mx.eval(h, [c.state for cache in caches for c in cache])
+        return time.perf_counter() - t0
+
+    seconds(1), seconds(rows)
+    return statistics.median(seconds(rows) / seconds(1) for _ in range(reps))
+
+
+def together_pays(ratio: float, rows: int) -> bool:
+    """Whether prompts should share forwards at this cost ratio: together, every one of
+    ``rows`` prompts waits for the one forward (``ratio`` one-row forwards); one after
+    another, the k-th waits k. Together pays on average when ratio < (rows + 1) / 2. (On
+    this CPU the bundled model's 4 rows cost 3.1-3.2: a council's time to first token rose
+    1.8x with rows together while its tokens per second rose 1.2x, bench/results/README.md.)"""
+    return ratio < (rows + 1) / 2
 
 
 def _arrays(cache: list) -> list[mx.array]:

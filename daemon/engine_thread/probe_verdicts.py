@@ -85,6 +85,19 @@ class ProbeVerdicts:
         self._write(stored)
         return value, "probed"
 
+    def measure(self, probe: str, variant: str, run: Callable[[], float]) -> float:
+        """A start-up measurement kept like a verdict (e.g. what a forward of several rows
+        costs over one row's: the backend's answer, not the moment's load): read from the
+        file when it holds it, else ``run()`` and stored."""
+        stored = self._read()
+        value = stored.get(probe, {}).get(variant)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        value = float(run())
+        stored.setdefault(probe, {})[variant] = value
+        self._write(stored)
+        return value
+
     def _read(self) -> dict:
         if self.path is None:
             return {}

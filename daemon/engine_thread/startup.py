@@ -103,18 +103,7 @@ class EngineStartup:
             log.info("batch.ready", rows=self.engine.batch.max_rows, exact_rows_batch=self.engine.batch.exact_ok, verdict=verdict,
                      speculates=self.engine.batch_speculates, batch_decode_path=self.engine.lm.batch_decode_path,
                      probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-        self.engine.prefill_together_exact = None
-        if self.cfg.scheduler.prefill_together and self.group is None:
-            from ..engine.batched_prefill import together_matches_solo
-
-            t0 = time.perf_counter()
-            rows = self.cfg.scheduler.max_active
-            exact_ok, verdict = self.engine.verdicts.get(
-                "prefill_together", f"{rows}-{int(self.engine.lm.chunked_prefill)}",
-                lambda: together_matches_solo(self.engine.lm, rows))
-            self.engine.prefill_together_exact = exact_ok
-            log.info("prefill_together.ready", rows=rows, exact_rows=exact_ok, verdict=verdict,
-                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+        self._prefill_together()
         if self.cfg.governor_enabled:
             from .governance import Governance
 
@@ -124,6 +113,35 @@ class EngineStartup:
         if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
             self.warm_up()
         return self.engine
+
+    def _prefill_together(self) -> None:
+        """Whether prompts' pieces share forwards (engine/batched_prefill.py): "auto" times a
+        forward of max_active rows against one row's (cached with the probes' verdicts: the
+        answer is the backend's, not the moment's load); exact greedy rows join where the
+        probe finds the rows bit-identical to each alone."""
+        from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
+
+        self.engine.prefill_together_exact = None
+        mode = self.cfg.scheduler.prefill_together
+        if mode == "off" or self.group is not None:
+            return
+        t0 = time.perf_counter()
+        lm, rows = self.engine.lm, self.cfg.scheduler.max_active
+        variant = f"{rows}-{int(lm.chunked_prefill)}"
+        ratio = None
+        if mode == "auto":
+            ratio = self.engine.verdicts.measure("prefill_together_cost", variant, lambda: together_cost_ratio(lm, rows))
+            if not together_pays(ratio, rows):
+                log.info("prefill_together.ready", mode=mode, enabled=False, rows=rows, cost_ratio=round(ratio, 3),
+                         reason=f"a forward of {rows} rows costs {ratio:.2f} one-row forwards here, not under "
+                                f"{(rows + 1) / 2}: prompts' first tokens would come later on average",
+                         probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+                return
+        exact_ok, verdict = self.engine.verdicts.get("prefill_together", variant, lambda: together_matches_solo(lm, rows))
+        self.engine.prefill_together_exact = exact_ok
+        log.info("prefill_together.ready", mode=mode, enabled=True, rows=rows, exact_rows=exact_ok, verdict=verdict,
+                 cost_ratio=None if ratio is None else round(ratio, 3),
+                 probe_ms=round((time.perf_counter() - t0) * 1000, 1))
 
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/backend_env.py).

@@ -245,3 +245,13 @@ def test_chunked_recurrence_takes_several_unpadded_rows(tiny):
     finally:
         tiny.chunked_prefill = saved
         cp.prefill_hidden = original
+
+
+@pytest.mark.quick
+def test_the_cost_ratio_and_when_sharing_pays(tiny):
+    """A forward of 3 rows costs more than one row's and less than ~6 here; sharing pays
+    when the prompts' average wait falls: ratio < (rows + 1) / 2."""
+    ratio = bp.together_cost_ratio(tiny, 3, piece=8, reps=1)
+    assert 0.5 < ratio < 6.0, ratio
+    assert bp.together_pays(1.1, 4) and bp.together_pays(2.4, 4)
+    assert not bp.together_pays(2.5, 4) and not bp.together_pays(3.6, 4)

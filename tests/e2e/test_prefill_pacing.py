@@ -86,3 +86,16 @@ def test_a_long_prompt_is_paced_beside_decoding_streams_and_decodes_what_it_woul
     assert ref_done.usage.cached_tokens == 0 and ids == ref_ids
     ref = [e for e in whole_chunks.events() if e["event"] == "request.done" and e["seat"] == "long"][-1]
     assert ref["prefill_forwards"] == -(-(len(long_prompt) - 1) // CHUNK)
+
+
+def test_auto_prefill_together_follows_what_start_up_measured(paced):
+    """prefill_together = "auto" (the default): start-up times a forward of max_active rows
+    against one row's and turns sharing on only where it pays (batched_prefill.together_pays)."""
+    from daemon.engine.batched_prefill import together_pays
+
+    ready = [e for e in paced.events() if e["event"] == "prefill_together.ready"][-1]
+    assert ready["mode"] == "auto" and ready["rows"] == 4 and ready["cost_ratio"] > 0, ready
+    assert ready["enabled"] == together_pays(ready["cost_ratio"], 4), ready
+    with Client(paced.endpoint, seat="status") as c:
+        together = c.status().detail["step"]["together"]
+    assert together["enabled"] == ready["enabled"], together

@@ -21,6 +21,8 @@ mode = "exact"
 depth = 2
 [scheduler]
 prefill_chunk = {CHUNK}
+# Prompts' tails share forwards whatever start-up measures they cost (auto: not on this CPU).
+prefill_together = "on"
 [prefix_cache]
 enabled = {{enabled}}
 """
