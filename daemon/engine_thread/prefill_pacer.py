@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 # A piece never goes below this: past some point a smaller forward costs its fixed part and
 # little else, and the prompt would crawl (the bound then holds as well as it can).
-MIN_PIECE = 16
+MIN_PIECE = 4
 # Weight of the older samples in the running estimates: a council's decode phase changes
 # with its batch height and speculation depth, so old samples fade within ~10 iterations.
 DECAY = 0.8

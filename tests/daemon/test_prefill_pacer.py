@@ -63,7 +63,7 @@ def test_a_piece_never_goes_below_the_floor():
     p = PrefillPacer(bound=1.5)
     _iterations(p, (256, 16) * 10, fixed=0.030)  # half a quiet iteration is less than a forward's fixed 30 ms
     assert p.allowance(decoding=True, chunk=256) == MIN_PIECE
-    assert p.allowance(decoding=True, chunk=8) == 8
+    assert p.allowance(decoding=True, chunk=2) == 2  # a chunk below the floor: the chunk
 
 
 def test_a_scattered_cost_leaves_a_margin():
