@@ -4,8 +4,8 @@ After the decode phase (worker._step) this part:
 1. looks the prefix cache up again for prompts that have not forwarded a token yet and may
    now start from a snapshot another prompt took since (decode_paths.refresh_prefill);
 2. asks the worker for the pacer's piece that keeps the decoding streams' gap within the
-   bound (prefill_pacer.py; None: whole chunks), and the scheduler for the plan (whose
-   chunks go);
+   bound (prefill_pacer.py; None: whole chunks) where the first prompt is longer than a
+   chunk (a short one runs whole), and the scheduler for the plan (whose chunks go);
 3. runs the plan: the first prompt's piece together with the other prompts whose remainder
    fits one chunk (prefix-cache hits' tails, short prompts) in one forward where that is
    allowed (engine/batched_prefill.py), else each chunk alone;
@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 
+def _short(job: Job) -> bool:
+    """A prompt that had at most one chunk to prefill when it began (a turn's new message
+    after a prefix-cache hit, a short prompt). The pacer leaves these whole: a turn's first
+    token is what an agent waits for, and the others' stall is one chunk at most, once. A
+    longer prompt is paced to its end (its last chunk too)."""
+    pre = job.prefill
+    return pre.total - pre.start <= pre.chunk
+
+
 class PrefillPhase:
     def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, jobs: dict, *, failed: Callable, piece: Callable[[bool], int | None],
                  count_prefilled: Callable[[int], None]):
@@ -50,6 +59,9 @@ class PrefillPhase:
             if job.prefill is not None:
                 self.paths.refresh_prefill(job)
         piece = self._piece(decoding)
+        order = self.scheduler.prefill_order()
+        if piece is not None and order and _short(order[0]):
+            piece = None  # a prompt of one chunk or less runs whole: its first token matters more
         plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
         if plan:
             group = self._together(plan[0][0], piece, decoding, spent)

@@ -1,5 +1,6 @@
 """The prefill pacer against a real daemon: while other streams decode, a long prompt is
-prefilled in pieces sized to keep their gaps within ``decode_gap_bound`` decode phases
+prefilled in pieces sized to keep their gaps within ``decode_gap_bound`` quiet iterations
+(a prompt of one chunk or less runs whole)
 (engine_thread/prefill_pacer.py), and its tokens are what whole chunks give (exact, greedy:
 this CPU's off-grid splits are bit-identical, the prefix cache's split probe says so)."""
 
@@ -71,6 +72,8 @@ def test_a_long_prompt_is_paced_beside_decoding_streams_and_decodes_what_it_woul
     for t in threads:
         t.start()
     assert started.wait(120)
+    # A prompt of less than a chunk runs whole beside them (a turn's first token first).
+    _generate(paced.endpoint, "short", _tokens(100, seed=12), max_tokens=2)
     ids, done = _generate(paced.endpoint, "long", long_prompt, max_tokens=12)
     for t in threads:
         t.join(timeout=300)
@@ -79,7 +82,9 @@ def test_a_long_prompt_is_paced_beside_decoding_streams_and_decodes_what_it_woul
         pacing = c.status().detail["step"]["pacing"]
     assert pacing["bound"] == 3.0 and pacing["paced_iterations"] > 0 and pacing["quiet_ms"] > 0, pacing
     ev = [e for e in paced.events() if e["event"] == "request.done" and e["seat"] == "long"][-1]
-    assert ev["prefill_forwards"] > -(-(len(long_prompt) - 1) // CHUNK), ev  # cut into smaller pieces while others decoded
+    assert ev["prefill_forwards"] > -(-(len(long_prompt) - 1) // CHUNK), ev
+    short = [e for e in paced.events() if e["event"] == "request.done" and e["seat"] == "short"][-1]
+    assert short["prefill_forwards"] == 1, short  # cut into smaller pieces while others decoded
     # The same prompt on a daemon that prefills whole chunks (decode_gap_bound = 0): the
     # same tokens.
     ref_ids, ref_done = _generate(whole_chunks.endpoint, "long", long_prompt, max_tokens=12)
