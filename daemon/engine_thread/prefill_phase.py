@@ -39,8 +39,8 @@ def _short(job: Job) -> bool:
 
 
 class PrefillPhase:
-    def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, jobs: dict, *, failed: Callable, piece: Callable[[bool], int | None],
-                 count_prefilled: Callable[[int], None]):
+    def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, jobs: dict, *,
+                 failed: Callable, piece: Callable[[bool], int | None], count_prefilled: Callable[[int], None]):
         self.engine = engine
         self.scheduler = scheduler
         self.paths = paths
@@ -58,13 +58,13 @@ class PrefillPhase:
         for job in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
             if job.prefill is not None:
                 self.paths.refresh_prefill(job)
-        piece = self._piece(decoding)
         order = self.scheduler.prefill_order()
-        if piece is not None and order and _short(order[0]):
-            piece = None  # a prompt of one chunk or less runs whole: its first token matters more
+        # A prompt of one chunk or less runs whole (its first token matters more); a longer
+        # one gets the pacer's piece.
+        piece = self._piece(decoding) if order and not _short(order[0]) else None
         plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
         if plan:
-            group = self._together(plan[0][0], piece, decoding, spent)
+            group = self._together(plan[0][0])
             if len(group) > 1:
                 return self.run_together(group, piece if piece is not None else self._budget_piece(group, decoding, spent)), True
         prefilled = 0
@@ -90,7 +90,7 @@ class PrefillPhase:
         return n
 
     # ------------------------------------------------------------------ prompts together
-    def _together(self, lead: Job, piece: int | None, decoding: bool, spent: int) -> list[Job]:
+    def _together(self, lead: Job) -> list[Job]:
         """The plan's first prompt and the prompts that may share its forward: of its class
         (the prefill order's), remainder within one chunk, each allowed by the probe
         (``may_prefill_together``) and allowed to be cut (its piece may end where the
