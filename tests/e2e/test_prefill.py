@@ -1,5 +1,6 @@
-"""Chunked prefill against a real daemon: a long prompt is prefilled in chunks that take
-turns with other streams' decode cycles, and cancel and deadlines land between chunks."""
+"""Chunked prefill against a real daemon: a long prompt is prefilled in chunks (or the prefill
+pacer's smaller pieces) that take turns with other streams' decode cycles, and cancel and
+deadlines land between them."""
 
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ def test_cancel_during_a_long_prefill_lands_between_chunks_while_others_stream(p
     # depends on this machine's load, so this bound is loose; the engine checks its
     # commands after every chunk.)
     assert before_cancel <= prefilled < len(prompt) - 1, (before_cancel, prefilled)
-    assert prefilled % CHUNK == 0 or prefilled == len(prompt) - 1
+    # Between pieces: whole chunks, or the pacer's smaller pieces while the other seat
+    # decoded (then more forwards than whole chunks would take).
+    assert prefilled % CHUNK == 0 or ev[0]["prefill_forwards"] > prefilled // CHUNK, ev[0]
 
 
 def test_deadline_mid_prefill(prefill_daemon):
