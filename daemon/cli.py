@@ -272,6 +272,27 @@ def _uptime(seconds: float) -> str:
     return (f"{days}d " if days else "") + f"{hours}h {minutes:02d}m {s:02d}s"
 
 
+def _prefill_row(pacing: dict, together: dict) -> str:
+    """How the engine step prefills beside decoding streams (OPERATIONS.md, The engine step)."""
+    parts = []
+    if pacing:
+        if not pacing.get("bound"):
+            parts.append("paced: off (whole chunks)")
+        else:
+            quiet = pacing.get("quiet_ms")
+            parts.append(f"paced within {pacing['bound']:g}x a quiet iteration"
+                         + (f" ({quiet:.1f} ms)" if quiet is not None else "")
+                         + (f", last piece {pacing['last_piece']} tokens" if pacing.get("last_piece") else "")
+                         + f", {pacing.get('paced_iterations', 0)} paced iterations")
+    if together:
+        if together.get("enabled"):
+            parts.append(f"prompts together: on ({together.get('forwards', 0)} forwards, "
+                         f"{together.get('rows', 0)} pieces{'' if together.get('exact_rows') else '; exact rows alone'})")
+        else:
+            parts.append("prompts together: off")
+    return "; ".join(parts)
+
+
 def _decoding(d: dict) -> str:
     """The decode path (one row; batches where the daemon says), and what exact
     temperature-0 requests get on this backend."""
@@ -337,6 +358,9 @@ def format_status(reply) -> str:
         rows.append(("step", f"budget {step.get('budget')} tokens; last: {last.get('decode_tokens', 0)} decode + "
                              f"{last.get('prefill_tokens', 0)} prefill; prefill queue {len(queue)} "
                              f"({sum(q.get('left', 0) for q in queue)} tokens left)"))
+        pacing, together = step.get("pacing") or {}, step.get("together") or {}
+        if pacing or together:
+            rows.append(("prefill", _prefill_row(pacing, together)))
     pc = d.get("prefix_cache")
     if pc:
         rows.append(("prefix cache", f"{pc['entries']} snapshots, {_mb(pc['bytes'])} of {_mb(pc['max_bytes'])}, "

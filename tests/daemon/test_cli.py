@@ -185,3 +185,15 @@ def test_status_step_row():
     r = rows(format_status(reply(**detail)))
     assert r["step"] == "budget 256 tokens; last: 3 decode + 128 prefill; prefill queue 2 (917 tokens left)"
     assert "step" not in rows(format_status(reply(**FULL)))  # an older daemon, or no iteration yet
+
+
+def test_status_prefill_row_says_how_prompts_are_paced_and_shared():
+    step = {"budget": 256, "steps": 40, "last": {}, "prefill_queue": [],
+            "pacing": {"bound": 3.0, "quiet_ms": 14.2, "last_piece": 9, "paced_iterations": 120},
+            "together": {"enabled": True, "exact_rows": True, "forwards": 7, "rows": 19}}
+    r = rows(format_status(reply(**{**FULL, "step": step})))
+    assert r["prefill"] == ("paced within 3x a quiet iteration (14.2 ms), last piece 9 tokens, 120 paced iterations; "
+                            "prompts together: on (7 forwards, 19 pieces)")
+    step = {**step, "pacing": {"bound": 0.0, "paced_iterations": 0}, "together": {"enabled": False}}
+    assert rows(format_status(reply(**{**FULL, "step": step})))["prefill"] == "paced: off (whole chunks); prompts together: off"
+    assert "prefill" not in rows(format_status(reply(**FULL)))
