@@ -42,6 +42,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .batch import DEFAULT_MAX_ROWS
 from .batch_rows import extract_layer
+from .forward import cache_arrays
 from .model import LoadedModel
 from .prefill import ChunkedPrefill
 
@@ -167,7 +168,7 @@ def max_prefill_diff(lm: LoadedModel, heights=(2, 3, 4), pieces=PROBE_PIECES, se
             mx.eval(h_solo, h_together, [c.state for cache in solo + together for c in cache])
             diffs = [_diff(h_solo[i][0], h_together[i]) for i in range(B)]
             for a, b in zip(solo, together):
-                diffs += [_diff(x, y) for x, y in zip(_arrays(a), _arrays(b), strict=True)]
+                diffs += [_diff(x, y) for x, y in zip(cache_arrays(a), cache_arrays(b), strict=True)]
             worst = max(worst, *diffs)
         out[B] = worst
     return out
@@ -216,17 +217,6 @@ def together_pays(ratio: float, rows: int) -> bool:
     this CPU the bundled model's 4 rows cost 3.1-3.2: a council's time to first token rose
     1.8x with rows together while its tokens per second rose 1.2x, bench/results/README.md.)"""
     return ratio < (rows + 1) / 2
-
-
-def _arrays(cache: list) -> list[mx.array]:
-    """A row's cache arrays, KV cut to the filled slots (spare capacity is not state)."""
-    out = []
-    for c in cache:
-        if isinstance(c, KVCache):
-            out += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-        else:
-            out += [x for x in c.cache if x is not None]
-    return out
 
 
 def _diff(a: mx.array, b: mx.array) -> float:
