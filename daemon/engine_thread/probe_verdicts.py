@@ -76,27 +76,27 @@ class ProbeVerdicts:
         """The verdict of ``probe`` (e.g. "verify", "batch") for ``variant`` (a rollback
         strategy, a batch height), and "cached" or "probed": read from the file when it
         holds it, else ``run()`` and stored."""
-        stored = self._read()
-        value = stored.get(probe, {}).get(variant)
-        if isinstance(value, bool):
-            return value, "cached"
-        value = bool(run())
-        stored.setdefault(probe, {})[variant] = value
-        self._write(stored)
-        return value, "probed"
+        return self._kept(probe, variant, lambda: bool(run()), lambda v: isinstance(v, bool))
 
     def measure(self, probe: str, variant: str, run: Callable[[], float]) -> float:
         """A start-up measurement kept like a verdict (e.g. what a forward of several rows
         costs over one row's: the backend's answer, not the moment's load): read from the
         file when it holds it, else ``run()`` and stored."""
+        value, _ = self._kept(probe, variant, lambda: float(run()),
+                              lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+        return float(value)
+
+    def _kept(self, probe: str, variant: str, run: Callable, valid: Callable[[object], bool]) -> tuple:
+        """The stored value of ``probe``/``variant`` where ``valid`` takes it ("cached"), else
+        ``run()``'s, stored ("probed")."""
         stored = self._read()
         value = stored.get(probe, {}).get(variant)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        value = float(run())
+        if valid(value):
+            return value, "cached"
+        value = run()
         stored.setdefault(probe, {})[variant] = value
         self._write(stored)
-        return value
+        return value, "probed"
 
     def _read(self) -> dict:
         if self.path is None:
