@@ -62,9 +62,9 @@ class PrefillPhase:
         # A prompt of one chunk or less runs whole (its first token matters more); a longer
         # one gets the pacer's piece.
         piece = self._piece(decoding) if order and not _short(order[0]) else None
-        plan = self.scheduler.prefill_plan(spent, paced=piece is not None)
+        plan = self.scheduler.prefill_plan(spent, paced=piece is not None, order=order)
         if plan:
-            group = self._together(plan[0][0])
+            group = self._together(plan[0][0], order)
             if len(group) > 1:
                 return self.run_together(group, piece if piece is not None else self._budget_piece(group, decoding, spent)), True
         prefilled = 0
@@ -90,16 +90,16 @@ class PrefillPhase:
         return n
 
     # ------------------------------------------------------------------ prompts together
-    def _together(self, lead: Job) -> list[Job]:
+    def _together(self, lead: Job, order: list[Job]) -> list[Job]:
         """The plan's first prompt and the prompts that may share its forward: of its class
-        (the prefill order's), remainder within one chunk, each allowed by the probe
+        (``order``, the prefill order's), remainder within one chunk, each allowed by the probe
         (``may_prefill_together``) and allowed to be cut (its piece may end where the
         shortest one's does), up to the batch height the probe covered."""
         verdict = self.engine.prefill_together_exact
         if verdict is None or lead.prefill is None or not self._joins(lead, verdict):
             return [lead]
         group = [lead]
-        for job in self.scheduler.prefill_order():
+        for job in order:
             if len(group) >= self.scheduler.cfg.max_active:
                 break
             if job is lead or job.prefill is None or job.prefill_left > job.prefill.chunk:

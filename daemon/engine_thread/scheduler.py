@@ -299,15 +299,16 @@ class Scheduler:
         keyed = [(key(j), n, j) for n, j in enumerate(prompts)]  # n: arrival order, stable
         return [j for _, _, j in sorted(keyed, key=lambda x: (x[0], x[1]))]
 
-    def prefill_plan(self, spent: int, paced: bool = False) -> list[tuple[object, int]]:
+    def prefill_plan(self, spent: int, paced: bool = False, order: list | None = None) -> list[tuple[object, int]]:
         """(prompt, chunks) to run in this iteration's prefill phase, in order, after a
         decode phase that forwarded ``spent`` tokens: whole chunks while they fit in
         ``step_token_budget - spent``, one prompt at a time, and at least one chunk (so a
         budget of 0 is one chunk per iteration). ``paced``: others decode and the prefill
-        pacer cut this iteration's prefill to one piece: the first prompt's, one chunk."""
+        pacer cut this iteration's prefill to one piece: the first prompt's, one chunk.
+        ``order``: ``prefill_order()`` when the caller has it already."""
         left = 0 if paced else self.cfg.step_token_budget - spent
         plan: list[tuple[object, int]] = []
-        for job in self.prefill_order():
+        for job in self.prefill_order() if order is None else order:
             rest, n = prefill_left(job), 0
             while rest > 0:
                 size = min(job.prefill_chunk, rest)
