@@ -66,7 +66,7 @@ class PrefillPhase:
         if plan:
             group = self._together(plan[0][0], order)
             if len(group) > 1:
-                return self.run_together(group, piece if piece is not None else self._budget_piece(group, decoding, spent)), True
+                return self.run_together(group, piece if piece is not None else self._budget_piece(decoding, spent)), True
         prefilled = 0
         for job, chunks in plan:
             for _ in range(chunks):
@@ -112,14 +112,14 @@ class PrefillPhase:
     def _joins(job: Job, verdict: bool) -> bool:
         return job.prefill_may_cut and may_prefill_together(job.exact, job.sampler.greedy, verdict)
 
-    def _budget_piece(self, group: list[Job], decoding: bool, spent: int) -> int | None:
+    def _budget_piece(self, decoding: bool, spent: int) -> int | None:
         """Unpaced (pacing off, or nobody decoding): while others decode, the rows' pieces
         together stay within what one iteration may spend (``step_token_budget`` less the
         decode phase's tokens, at least a chunk); with nobody decoding, each a whole piece."""
         if not decoding:
             return None
         cfg = self.scheduler.cfg
-        return max(1, max(cfg.step_token_budget - spent, cfg.prefill_chunk) // len(group))
+        return max(cfg.step_token_budget - spent, cfg.prefill_chunk)  # run_together splits it among the rows
 
     def run_together(self, group: list[Job], piece: int | None) -> int:
         """One forward carrying a piece of each prompt in ``group``; with ``piece`` (the
