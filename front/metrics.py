@@ -165,7 +165,7 @@ def _engine_step(step: dict, seats: dict):
         pacing = step.get("pacing") or {}
         if pacing:
             g = GaugeMetricFamily("councild_step_decode_gap_bound",
-                                  "an iteration's time in decode phases while others decode (scheduler.decode_gap_bound; 0: off)")
+                                  "an iteration's time in quiet iterations while others decode (scheduler.decode_gap_bound; 0: off)")
             g.add_metric([], float(pacing.get("bound", 0.0)))
             yield g
             g = GaugeMetricFamily("councild_prefill_piece_tokens",

@@ -210,9 +210,9 @@ class EngineWorker(threading.Thread):
 
     def _step(self) -> bool:
         """One engine iteration: a decode phase (one cycle: the batch's one step for every
-        batched row, or one solo decoder's cycle), then a prefill phase (whole chunks filling
-        what is left of ``scheduler.step_token_budget``; scheduler.prefill_plan says which).
-        False when there was nothing to do."""
+        batched row, or one solo decoder's cycle), then a prefill phase (prefill_phase.py:
+        whole chunks filling what is left of ``scheduler.step_token_budget``, or the pacer's
+        piece while others decode). False when there was nothing to do."""
         job = self.scheduler.pick_decoder()
         decoding = job is not None and job.prefill is None
         t0 = time.perf_counter()
