@@ -63,16 +63,29 @@ def run_prefix_arms(
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
     pc = PrefixCache(1 << 40, chunk, make_cache=lm.make_cache, splits_exact=True)
 
-    def prefill(tokens: list[int], cache=None, history=None, start: int = 0, pieces=None) -> ChunkedPrefill:
-        """The engine's prefill of ``tokens``, snapshots at its exact end (as _start sets);
-        ``pieces``: a random source cutting each step to a piece of 1..chunk tokens."""
-        stops = pc.boundaries(len(tokens), start)
-        pre = ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
-                             history if history is not None else HeadHistory(head), start=start, stops=stops)
+    def opened(tokens: list[int], arm=None) -> ChunkedPrefill:
+        """The engine's prefill of ``tokens`` (snapshot stops at its exact end, as _start sets
+        them), cold, or with ``arm`` from the longest snapshot it starts with (noted in the
+        arm's ``resumed_at``)."""
+        cache, history, start = None, None, 0
+        if arm is not None:
+            snap, start = pc.lookup(tokens, want_head=True)
+            arm.resumed_at.append(start)
+            if snap is not None:
+                cache, history = pc.restore(snap, tokens[start], head)
+        return ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
+                              history if history is not None else HeadHistory(head), start=start,
+                              stops=pc.boundaries(len(tokens), start))
+
+    def prefill(pre: ChunkedPrefill, pieces=None) -> ChunkedPrefill:
+        """Run ``pre`` to its end, storing a snapshot at each of its snapshot points (its
+        prompt's exact end among them); ``pieces``: a random source cutting each step to a
+        piece of 1..chunk tokens."""
+        stops = pc.boundaries(len(pre.prompt), pre.start)
         while not pre.done:
             pre.step(None if pieces is None else pieces.randint(1, chunk))
             if pre.pos in stops:
-                pc.store(tokens[: pre.pos], pre.cache, pre.history)
+                pc.store(pre.prompt[: pre.pos], pre.cache, pre.history)
         return pre
 
     def decode(pre: ChunkedPrefill, arm) -> list[int]:
@@ -90,23 +103,10 @@ def run_prefix_arms(
         gen.close()
         return got
 
-    def resumed(tokens: list[int], arm) -> list[int]:
-        snap, start = pc.lookup(tokens, want_head=True)
-        arm.resumed_at.append(start)
-        cache, history = pc.restore(snap, tokens[start], head) if snap is not None else (None, None)
-        return decode(prefill(tokens, cache, history, start), arm)
-
     def together(prompts: list[list[int]], arm, pieces: random.Random) -> list[list[int]]:
         """Each prompt from its longest snapshot (or cold), prefilled together piece by piece;
         then each decoded."""
-        rows = []
-        for tokens in prompts:
-            snap, start = pc.lookup(tokens, want_head=True)
-            cache, history = pc.restore(snap, tokens[start], head) if snap is not None else (None, None)
-            arm.resumed_at.append(start)
-            rows.append(ChunkedPrefill(lm, tokens, chunk, cache if cache is not None else lm.make_cache(),
-                                       history if history is not None else HeadHistory(head), start=start,
-                                       stops=pc.boundaries(len(tokens), start)))
+        rows = [opened(tokens, arm) for tokens in prompts]
         while not all(r.done for r in rows):
             prefill_together([r for r in rows if not r.done], pieces.randint(1, chunk))
         return [decode(r, arm) for r in rows]
@@ -120,7 +120,7 @@ def run_prefix_arms(
             nxt = encoded[(pi + 1) % len(encoded)]
             if kind == "paced pieces":
                 later = first + nxt
-                got = decode(prefill(later, pieces=random.Random(pi)), arm)
+                got = decode(prefill(opened(later), pieces=random.Random(pi)), arm)
                 arm.resumed_at.append(0)
                 arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
                 continue
@@ -130,14 +130,15 @@ def run_prefix_arms(
                     arm.compare(serial_tokens(lm, tokens, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
                 continue
             if kind == "prompt end":
-                prefill(first)
+                prefill(opened(first))
                 later = first + nxt
             else:
-                pre = prefill(first)
+                pre = prefill(opened(first))
                 said = decode(pre, arm)  # every committed token (a cycle may pass max_tokens)
                 pc.store_final(first + said, pre.cache, pre.history, seat=f"seat-{pi}")
                 later = first + said + nxt
-            arm.compare(serial_tokens(lm, later, max_tokens), resumed(later, arm)[:max_tokens], max_tokens, prompt=pi)
+            got = decode(prefill(opened(later, arm)), arm)  # resumed from the snapshot just taken
+            arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
         arm.seconds = time.perf_counter() - t0
         arms.append(arm)
     return arms, True
