@@ -79,6 +79,10 @@ class Server(ClientDelivery, StatusReplies):
         self._init_delivery(cfg)  # the send queues' grace, held terminals, cut clients
         self._router: zmq.Socket | None = None
         self.draining_since: float | None = None
+        # True from the serving loop's first turn: Status says "serving" only once a Generate
+        # read next is accepted (the engine's snapshot turns ready a moment before the loading
+        # loop lets go, and a "serving" answer followed by "still loading" was seen).
+        self.accepting = False
         self.stop_now = False
         self.reload_requested = False
         self.endpoint_guard = EndpointGuard(cfg, endpoint, self.ctx)
@@ -160,6 +164,7 @@ class Server(ClientDelivery, StatusReplies):
         poller.register(engine_out, zmq.POLLIN)
         last_housekeeping = 0.0
         stop_sent = False
+        self.accepting = True
         try:
             while not self.stop_now:
                 events = dict(poller.poll(50))

@@ -44,7 +44,7 @@ class StatusReplies:
                 "endpoint": self.endpoint,
                 "model_type": snap.model_type,
                 "draining": self.draining_since is not None,
-                "state": ("loading" if not snap.ready else "draining" if self.draining_since is not None
+                "state": ("loading" if not (snap.ready and self.accepting) else "draining" if self.draining_since is not None
                           else "serving"),
                 "load_progress": snap.load_progress,
                 "head_resident": snap.head_resident,

@@ -37,20 +37,24 @@ def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
     reader.start()
     d = start_daemon(tmp_path, e2e_model, env={"NOTIFY_SOCKET": notify_path}, wait=False)
     sock = d.raw_socket(timeout_ms=200)
+    # Sent now, before the daemon's process has even imported its modules: the socket holds
+    # it until the daemon binds (which it does before the load starts) and the daemon reads it
+    # with the load's first Status. Sent at the first "loading" answer instead, it raced the
+    # load's end: a load whose socket thread got the GIL only near the end answered "loading"
+    # and then accepted the Generate (CI, 2026-12-02).
+    sock.send(encode(m.Generate(request_id="early", prompt="x", max_tokens=1)))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and "serving" not in states:
             sock.send(encode(m.Status()))
             try:
-                reply = decode_daemon(sock.recv())
-                states.append(reply.detail["state"])
-                if reply.detail["state"] == "loading" and refused is None:
-                    # Sent at the first "loading" answer, seconds before the load ends.
-                    sock.send(encode(m.Generate(request_id="early", prompt="x", max_tokens=1)))
-                    while refused is None:
-                        got = decode_daemon(sock.recv())  # (earlier Status answers may come first)
-                        if getattr(got, "request_id", None) == "early":
-                            refused = got
+                while True:  # this Status's answer, and the early Generate's where it comes first
+                    reply = decode_daemon(sock.recv())
+                    if getattr(reply, "request_id", None) == "early":
+                        refused = reply
+                        continue
+                    states.append(reply.detail["state"])
+                    break
             except Exception:  # zmq.Again: the socket is not bound yet, or no answer yet
                 pass
         # The first "serving" answer means it: a request sent at once is accepted, not refused
