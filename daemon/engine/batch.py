@@ -63,6 +63,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .batch_rows import RowBatch
 from .constraint import ConstraintError, ConstraintViolation
+from .mixed_forward import Ride, hidden_with
 from .model import LoadedModel
 from .sampling import Sampler, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK, prefill
@@ -235,9 +236,10 @@ class BatchDecoder(RowBatch):
         mx.eval(self._next, [c.state for c in self._cache])
 
     # ------------------------------------------------------------------ decoding
-    def step(self) -> dict:
-        """Emit one token per row; issue the batched forward that decides the next ones.
-        Returns {row_id: token}."""
+    def step(self, ride: Ride | None = None) -> dict:
+        """Emit one token per row; issue the batched forward that decides the next ones,
+        carrying ``ride``'s prompt piece where given (mixed_forward.py; ``ride.hidden`` is
+        set). Returns {row_id: token}."""
         if not self._rows:
             return {}
         self._settle()  # with a guard pending this waits for the last forward
@@ -251,7 +253,7 @@ class BatchDecoder(RowBatch):
             # GDN state before the forward, by reference (the forward replaces, not mutates).
             pre = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
 
-        logits = self.lm.logits(self.lm.hidden(inputs[:, None], self._cache))[:, -1, :]
+        logits = self.lm.logits(hidden_with(self.lm, inputs[:, None], self._cache, ride))[:, -1, :]
         tokens = None
         if any(r.sampler.constraint is not None for r in rows):
             # A constrained row's mask follows the token it emits now: queue the forward, read
@@ -274,6 +276,8 @@ class BatchDecoder(RowBatch):
         nxt = nxt.astype(mx.uint32)
         self._next = nxt
         to_eval = [nxt] + [c.state for c in self._cache]
+        if ride is not None:
+            to_eval += [ride.hidden] + [c.state for c in ride.cache]
         if pre is not None:
             mask = mx.array([i in guard_rows for i in range(B)])
             flags = mx.logical_and(near_tie(lp, logits, self.guard_margin), mask)

@@ -53,6 +53,7 @@ from .batch_rows import RowBatch
 from .capture import capture_hidden
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
+from .mixed_forward import Ride, hidden_with
 from .model import LoadedModel
 from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
@@ -309,8 +310,11 @@ class SpecBatchDecoder(RowBatch):
             row.sampler.constraint.error = exc
             return logits
 
-    def step(self) -> dict[Hashable, DecodeStep]:
-        """One cycle for every row; returns {row_id: DecodeStep} (tokens may run past EOS)."""
+    def step(self, ride: Ride | None = None) -> dict[Hashable, DecodeStep]:
+        """One cycle for every row; returns {row_id: DecodeStep} (tokens may run past EOS).
+        ``ride``: a prompt's piece a depth-0 forward of this step may carry
+        (mixed_forward.py); ``ride.hidden`` is set where one did (a cycle that drafts never
+        carries one: its verify's positions are the rows' own)."""
         if not self._rows:
             return {}
         t0 = time.perf_counter()
@@ -326,7 +330,7 @@ class SpecBatchDecoder(RowBatch):
         self.last_depth = K
         self.last_positions = B * (K + 1)
         if K == 0 and self._pipelines():
-            return self._step_ahead(head, k, t0)
+            return self._step_ahead(head, k, t0, ride)
         self._discard_ahead()
         if K:
             drafts, logq = self._drafts(head, K, ks)
@@ -341,7 +345,7 @@ class SpecBatchDecoder(RowBatch):
         # 2. verify every row at once, keeping the per-position GatedDeltaNet states.
         # (At depth 0 every row keeps its one position: the plain forward, BatchDecoder's.)
         rec: list = []
-        hid = capture_hidden(self.lm, tokens, self._cache, rec) if K else self.lm.hidden(tokens, self._cache)
+        hid = capture_hidden(self.lm, tokens, self._cache, rec) if K else hidden_with(self.lm, tokens, self._cache, ride)
         logits = self.lm.logits(hid)  # [B, T, V]
         plain_lp = _logprobs(logits) if any(r.plain for r in rows) else None
         plain_picks = mx.argmax(plain_lp, axis=-1) if plain_lp is not None else None  # [B, T]
@@ -406,7 +410,8 @@ class SpecBatchDecoder(RowBatch):
             for c in self._hcache:
                 c.trim(spec_slots)
         mx.async_eval([c.state for c in self._cache + (self._hcache or [])]
-                      + [h for r in rows for h in r.pending_h[-1:]])
+                      + [h for r in rows for h in r.pending_h[-1:]]
+                      + ([] if ride is None or ride.hidden is None else [ride.hidden]))
         return self._end_cycle(steps, t0)
 
     def _end_cycle(self, steps: dict[Hashable, DecodeStep], t0: float) -> dict[Hashable, DecodeStep]:
@@ -439,14 +444,16 @@ class SpecBatchDecoder(RowBatch):
     def _primaries(self) -> mx.array:
         return mx.array([r.primary for r in self._rows], dtype=mx.uint32)
 
-    def _issue_d0(self, inputs: mx.array) -> _Ahead:
-        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and each row's next token."""
+    def _issue_d0(self, inputs: mx.array, ride: Ride | None = None) -> _Ahead:
+        """Queue one depth-0 forward over ``inputs`` [B] (lazy) and each row's next token,
+        carrying ``ride``'s piece where given. Undoing the cycle (``_discard_ahead``) undoes the
+        rows' part only: the piece's cache is its own, and its result stands."""
         rows = self._rows
         saved = [list(c.cache) if isinstance(c, ArraysCache) else None for c in self._cache]
         # Before the draws: what undoing puts back. (Processors' counts need nothing: a cycle
         # queued ahead commits nothing; its tokens are counted when a step adopts it.)
         keys = [r.sampler._key for r in rows]
-        hid = self.lm.hidden(inputs[:, None], self._cache)
+        hid = hidden_with(self.lm, inputs[:, None], self._cache, ride)
         logits = self.lm.logits(hid)  # [B, 1, V]
         # serial_decode's ops: the argmax of the logprobs (a near-tie can merge in the
         # subtraction); other rows through their own processors, drawing with their own key
@@ -463,7 +470,8 @@ class SpecBatchDecoder(RowBatch):
                 cols.append(mx.argmax(lp, axis=-1) if r.sampler.greedy else r.sampler(lp).reshape(-1))
             picks = mx.concatenate(cols)
         picks = picks.astype(mx.uint32)
-        mx.async_eval([picks, hid] + [c.state for c in self._cache])
+        mx.async_eval([picks, hid] + [c.state for c in self._cache]
+                      + ([] if ride is None else [ride.hidden] + [c.state for c in ride.cache]))
         return _Ahead(hid, picks, lps, saved, keys)
 
     def _discard_ahead(self) -> None:
@@ -484,22 +492,25 @@ class SpecBatchDecoder(RowBatch):
         """Whether the next cycle (every row then has a pair to draft from) is depth 0."""
         return k == 0 or all(r.depth is not None and int(r.depth()) <= 0 for r in self._rows)
 
-    def _step_ahead(self, head, k: int, t0: float) -> dict[Hashable, DecodeStep]:
+    def _step_ahead(self, head, k: int, t0: float, ride: Ride | None = None) -> dict[Hashable, DecodeStep]:
         rows, B = self._rows, len(self._rows)
         if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
             self._feed(head)  # keep the head's history whole while nobody drafts
             # Evaluate the fed history now: left lazy, the head's KV graph holds the head's
             # weights, so an eviction between depth-0 cycles could not free them.
             mx.async_eval([c.state for c in self._hcache])
+        # The piece rides in the first forward this step issues: this cycle's where none was
+        # queued ahead, else the next one's (queued now, evaluated when the caller absorbs the
+        # piece's hidden states: this iteration pays for it, as for a piece of its own).
         if self._ahead is not None:
             cur = self._ahead
             self.stats.ahead_used += 1
         else:
-            cur = self._issue_d0(self._primaries())
+            cur, ride = self._issue_d0(self._primaries(), ride), None
         for i, r in enumerate(rows):  # processors count this cycle's tokens (lazily) before the next reads them
             r.sampler.commit(cur.picks[i : i + 1])
         # Queue the next cycle behind this one before reading it (the read waits for this one only).
-        self._ahead = self._issue_d0(cur.picks) if self._next_is_d0(k) else None
+        self._ahead = self._issue_d0(cur.picks, ride) if self._next_is_d0(k) else None
         picks = cur.picks.tolist()
         steps = {}
         for i, (r, tok) in enumerate(zip(rows, picks)):

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
+import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -29,6 +32,24 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 from .forward import backbone_layers, gdn_conv_qkv, gdn_projections
 from .serial import prefill
+
+
+@dataclass
+class Ride:
+    """A prompt's piece carried by a decode forward (``hidden_with``): its tokens [1, L] and
+    its plain cache, which the forward advances by L; ``hidden`` [1, L, H] (lazy) once a
+    forward carried it, None while none has."""
+    tokens: mx.array
+    cache: list
+    hidden: mx.array | None = None
+
+
+def hidden_with(lm, tokens: mx.array, cache: list, ride: Ride | None) -> mx.array:
+    """``lm.hidden(tokens, cache)``, carrying ``ride``'s piece in the same forward when given."""
+    if ride is None:
+        return lm.hidden(tokens, cache)
+    h, ride.hidden = mixed_hidden(lm, [(tokens, cache), (ride.tokens, ride.cache)])
+    return h
 
 
 def _attention(attn: nn.Module, x: mx.array, sizes: list[tuple[int, int]], masks: list, caches: list) -> mx.array:
@@ -119,7 +140,7 @@ def mixed_hidden(lm, groups: list[tuple[mx.array, list]]) -> list[mx.array]:
     return out
 
 
-def _states(caches: list) -> list[mx.array]:
+def cache_states(caches: list) -> list[mx.array]:
     """Every array the caches hold (their ``state``), flattened."""
     return [v for _, v in tree_flatten([c.state for c in caches]) if v is not None]
 
@@ -143,14 +164,60 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
             if prefix:
                 prefill(lm, [rng.randrange(V) for _ in range(prefix + 1)], c)
             groups.append((mx.array([[rng.randrange(V) for _ in range(L)]], dtype=mx.uint32), c))
-        mx.eval([g[0] for g in groups], [_states(c) for _, c in groups])
+        mx.eval([g[0] for g in groups], [cache_states(c) for _, c in groups])
         mixed = [(tokens, copy.deepcopy(cache)) for tokens, cache in groups]
         alone = [lm.hidden(tokens, cache) for tokens, cache in groups]
         together = mixed_hidden(lm, mixed)
-        mx.eval(alone, together, [_states(c) for _, c in groups + mixed])
+        mx.eval(alone, together, [cache_states(c) for _, c in groups + mixed])
         if not all(mx.array_equal(a, b).item() for a, b in zip(alone, together)):
             return False
         for (_, a), (_, b) in zip(groups, mixed):
-            if not all(mx.array_equal(x, y).item() for x, y in zip(_states(a), _states(b))):
+            if not all(mx.array_equal(x, y).item() for x, y in zip(cache_states(a), cache_states(b))):
                 return False
     return True
+
+
+def mixed_cost_ratio(lm, rows: int, piece: int = 8, reps: int = 3, seed: int = 0) -> float:
+    """What one forward carrying ``rows`` decoding rows and a ``piece``-token prompt piece
+    costs, over the two forwards it replaces (the rows' step, then the piece's): the median
+    of ``reps`` paired timings after one untimed run of each (first-use compiles). Near 1
+    where a forward is compute-bound (this CPU: 0.96-1.06 at pieces of 4-32 tokens,
+    bench/results/mixed_step_cpu.json); lower where launches dominate (a GPU)."""
+    rng = random.Random(seed)
+    V = lm.text_args.vocab_size
+
+    caches = []
+    for _ in range(rows):
+        c = lm.make_cache()
+        prefill(lm, [rng.randrange(V) for _ in range(rng.choice((3, 9, 17)))], c)
+        caches.append(c)
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    piece_cache = lm.make_cache()
+    prefill(lm, [rng.randrange(V) for _ in range(12)], piece_cache)
+    toks = mx.array([[rng.randrange(V)] for _ in range(rows)], dtype=mx.uint32)
+    ids = mx.array([[rng.randrange(V) for _ in range(piece)]], dtype=mx.uint32)
+    mx.eval(toks, ids, cache_states(batch + piece_cache))
+
+    def seconds(mixed: bool) -> float:
+        b, pc = copy.deepcopy(batch), copy.deepcopy(piece_cache)
+        t0 = time.perf_counter()
+        if mixed:
+            hd, hp = mixed_hidden(lm, [(toks, b), (ids, pc)])
+            mx.eval(lm.logits(hd), hp, cache_states(b + pc))
+        else:
+            logits = lm.logits(lm.hidden(toks, b))
+            mx.async_eval(logits, cache_states(b))
+            hp = lm.hidden(ids, pc)
+            mx.eval(logits, hp, cache_states(b + pc))
+        return time.perf_counter() - t0
+
+    seconds(False), seconds(True)
+    return statistics.median(seconds(True) / seconds(False) for _ in range(reps))
+
+
+def mixed_pays(ratio: float) -> bool:
+    """Whether decode forwards should carry prompts' pieces at this cost ratio: only for a
+    clear saving of a fifth. On this CPU the start-up timing read 0.91-0.98 (short caches)
+    where the benchmark's long-cache iterations read 0.94-1.04: a nearer threshold would turn
+    on for noise."""
+    return ratio < 0.8

@@ -84,6 +84,14 @@ class ChunkedPrefill:
 
     # -- the bookkeeping a step shares with batched_prefill.prefill_together -----------------
 
+    def ridden(self, h: mx.array, n: int) -> None:
+        """The next n tokens went through another forward (a decode step's, mixed_forward.py),
+        which advanced ``cache``: evaluate it and do a step's bookkeeping (``h``: their
+        hidden states, [1, n, H])."""
+        if n != self.next_piece(n):
+            raise ValueError(f"a ridden piece of {n} tokens runs past this prefill's next piece")
+        mx.eval([c.state for c in self.cache] + self.absorb(h, n))
+
     def check_head(self) -> None:
         """Before a forward: drop a history whose head the governor evicted (this request
         then decodes serially)."""

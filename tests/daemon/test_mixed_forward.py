@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import copy
 import random
+from itertools import islice
 
 import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.mixed_forward import _states, mixed_hidden, mixed_matches_alone  # noqa: E402
-from daemon.engine.serial import prefill  # noqa: E402
+from daemon.engine.batch import BatchDecoder  # noqa: E402
+from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.mixed_forward import Ride, cache_states, mixed_hidden, mixed_matches_alone  # noqa: E402
+from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
+from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.types import SamplingParams  # noqa: E402
 
 
 def _ids(lm, n, rng):
@@ -43,7 +49,7 @@ def test_each_group_is_its_own_forward_bit_for_bit(lm, rows, L):
     rng = random.Random(rows * 100 + L)
     groups = [_decoding_rows(lm, [rng.choice((3, 11, 30)) for _ in range(rows)], rng),
               _piece(lm, 0, L, rng), _piece(lm, 19, L + 2, rng)]
-    mx.eval([t for t, _ in groups], [_states(c) for _, c in groups])
+    mx.eval([t for t, _ in groups], [cache_states(c) for _, c in groups])
     mixed = [(t, copy.deepcopy(c)) for t, c in groups]
     alone = [lm.hidden(t, c) for t, c in groups]
     together = mixed_hidden(lm, mixed)
@@ -54,7 +60,7 @@ def test_each_group_is_its_own_forward_bit_for_bit(lm, rows, L):
     for (_, a), (_, b) in zip(groups, mixed):
         assert [c.offset if isinstance(c.offset, int) else c.offset.tolist() for c in a if hasattr(c, "offset")] == \
                [c.offset if isinstance(c.offset, int) else c.offset.tolist() for c in b if hasattr(c, "offset")]
-        assert all(mx.array_equal(x, y).item() for x, y in zip(_states(a), _states(b)))
+        assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(a), cache_states(b)))
 
 
 def test_decoding_on_after_mixed_steps_is_serial_decode(lm):
@@ -76,7 +82,7 @@ def test_decoding_on_after_mixed_steps_is_serial_decode(lm):
         got.append(toks.reshape(-1).tolist())
         want.append(solo_toks.reshape(-1).tolist())
     assert got == want
-    assert all(mx.array_equal(x, y).item() for x, y in zip(_states(piece_cache), _states(cold)))
+    assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(piece_cache), cache_states(cold)))
 
 
 @pytest.mark.quick
@@ -84,3 +90,79 @@ def test_the_probe_passes_here_and_bad_calls_are_refused(lm):
     assert mixed_matches_alone(lm, rows=2, pieces=(3,))
     with pytest.raises(ValueError, match="at least one group"):
         mixed_hidden(lm, [])
+
+
+def _serial(lm, prompt, n):
+    return [s.tokens[0] for s in islice(serial_decode(lm, prompt, Sampler(SamplingParams())), n)]
+
+
+def _ride_along(bd, lm, prompt, step_rows, pieces=5):
+    """Drive ``bd`` (rows added already) for as long as ``step_rows`` says, offering each step
+    the prompt's next piece; a piece no forward carried runs alone, as the worker's prefill
+    phase runs it. Returns (rows' tokens, pieces carried, pieces run alone, the prefill)."""
+    pre = ChunkedPrefill(lm, prompt, 64, lm.make_cache())
+    got, carried, alone = {r: [] for r in bd.row_ids}, 0, 0
+    cycle = 0
+    while step_rows(bd, cycle, got):
+        n = pre.next_piece(pieces)
+        ride = Ride(pre.piece_ids(n)[None], pre.cache) if n else None
+        for r, s in bd.step(ride).items():
+            got[r] += s.tokens if hasattr(s, "tokens") else [s]
+        if ride is not None and ride.hidden is not None:
+            pre.ridden(ride.hidden, n)
+            carried += 1
+        elif n:
+            pre.step(n)
+            alone += 1
+        cycle += 1
+    return got, carried, alone, pre
+
+
+def test_the_plain_batch_carries_pieces_and_stays_serial(lm):
+    rng = random.Random(3)
+    prompts = [_ids(lm, n, rng) for n in (6, 19, 11)]
+    prompt = _ids(lm, 41, rng)
+    refs = {i: _serial(lm, p, 12) for i, p in enumerate(prompts)}
+    bd = BatchDecoder(lm, max_rows=4)
+    for i, p in enumerate(prompts):
+        bd.add(i, Sampler(SamplingParams()), p, exact=True)
+    got, carried, alone, pre = _ride_along(bd, lm, prompt, lambda bd, cycle, got: cycle < 12)
+    assert {i: got[i][:12] for i in refs} == refs
+    assert carried == 8 and alone == 0 and pre.done  # 40 tokens in pieces of 5
+    cold = lm.make_cache()
+    prefill(lm, prompt, cold)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(pre.cache), cache_states(cold)))
+
+
+def test_the_speculating_batch_carries_pieces_in_depth_zero_cycles_only_and_stays_serial(lm, head):
+    """Depth 0 with cycles queued ahead (a piece rides in the next cycle's forward), depth 2
+    in between (a drafting cycle carries nothing: the piece runs alone), a row joining while a
+    cycle carrying a piece is queued ahead (undone: the rows' part only). Every row decodes
+    serial's tokens; the prompt's state is its cold prefill's."""
+    rng = random.Random(4)
+    prompts = [_ids(lm, n, rng) for n in (6, 19, 11)]
+    prompt = _ids(lm, 61, rng)
+    N = 24
+    refs = {i: _serial(lm, p, N) for i, p in enumerate(prompts)}
+    depth = {"k": 0}
+    bd = SpecBatchDecoder(lm, lambda: head, lambda B: depth["k"], max_rows=4)
+    assert bd.exact_ok
+    for i in range(2):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+
+    def step_rows(bd, cycle, got):
+        depth["k"] = 2 if cycle % 7 in (3, 4) else 0
+        if cycle == 2:
+            bd.add(2, Sampler(SamplingParams()), prompts[2], exact=True)
+            got[2] = []
+        for r in [r for r in bd.row_ids if len(got[r]) >= N]:
+            bd.remove(r)
+        return len(bd) > 0
+
+    got, carried, alone, pre = _ride_along(bd, lm, prompt, step_rows)
+    assert {i: got[i][:N] for i in refs} == refs
+    assert carried > 0 and alone > 0 and bd.stats.ahead_undone > 0 and bd.stats.drafted > 0
+    assert pre.done
+    cold = lm.make_cache()
+    prefill(lm, prompt, cold)
+    assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(pre.cache), cache_states(cold)))
