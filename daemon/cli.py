@@ -272,7 +272,7 @@ def _uptime(seconds: float) -> str:
     return (f"{days}d " if days else "") + f"{hours}h {minutes:02d}m {s:02d}s"
 
 
-def _prefill_row(pacing: dict, together: dict) -> str:
+def _prefill_row(pacing: dict, together: dict, mixed: dict) -> str:
     """How the engine step prefills beside decoding streams (OPERATIONS.md, The engine step)."""
     parts = []
     if pacing:
@@ -290,6 +290,12 @@ def _prefill_row(pacing: dict, together: dict) -> str:
                          f"{together.get('rows', 0)} pieces{'' if together.get('exact_rows') else '; exact rows alone'})")
         else:
             parts.append("prompts together: off")
+    if mixed:
+        if mixed.get("enabled"):
+            parts.append(f"pieces in decode forwards: on ({mixed.get('forwards', 0)} forwards, "
+                         f"{mixed.get('tokens', 0)} tokens{'' if mixed.get('exact_rows') else '; not beside exact rows'})")
+        else:
+            parts.append("pieces in decode forwards: off")
     return "; ".join(parts)
 
 
@@ -358,9 +364,9 @@ def format_status(reply) -> str:
         rows.append(("step", f"budget {step.get('budget')} tokens; last: {last.get('decode_tokens', 0)} decode + "
                              f"{last.get('prefill_tokens', 0)} prefill; prefill queue {len(queue)} "
                              f"({sum(q.get('left', 0) for q in queue)} tokens left)"))
-        pacing, together = step.get("pacing") or {}, step.get("together") or {}
-        if pacing or together:
-            rows.append(("prefill", _prefill_row(pacing, together)))
+        pacing, together, mixed = step.get("pacing") or {}, step.get("together") or {}, step.get("mixed") or {}
+        if pacing or together or mixed:
+            rows.append(("prefill", _prefill_row(pacing, together, mixed)))
     pc = d.get("prefix_cache")
     if pc:
         rows.append(("prefix cache", f"{pc['entries']} snapshots, {_mb(pc['bytes'])} of {_mb(pc['max_bytes'])}, "

@@ -181,6 +181,12 @@ def _engine_step(step: dict, seats: dict):
             c = CounterMetricFamily(f"councild_prefill_together_{key}", doc)
             c.add_metric([], together.get(key, 0))
             yield c
+        mixed = step.get("mixed") or {}
+        for key, doc in (("forwards", "decode forwards that carried a prompt's paced piece (mixed steps)"),
+                         ("tokens", "prompt tokens those forwards carried")):
+            c = CounterMetricFamily(f"councild_step_mixed_{key}", doc)
+            c.add_metric([], mixed.get(key, 0))
+            yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
         g.add_metric([], float(len(queue)))

@@ -29,6 +29,9 @@ class LoadedEngine:
     # Prompts' pieces prefilled in one forward (engine/batched_prefill.py): None when off, else
     # whether exact greedy requests may join (the start-up probe's verdict).
     prefill_together_exact: bool | None = None
+    # Decode forwards carrying a prompt's paced piece (engine/mixed_forward.py): None when off,
+    # else whether exact greedy rows and prompts may (the start-up probe's verdict).
+    mixed_exact: bool | None = None
     governance: Any = None
     # `councild tune`'s profile when the governor loaded one (governance.py): per sampling
     # setting, the best depth measured, which caps a request's depth.

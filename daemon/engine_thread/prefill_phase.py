@@ -18,9 +18,12 @@ After the decode phase (worker._step) this part:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from ..engine import chunked_prefill
 from ..engine.batched_prefill import may_prefill_together, prefill_together
+from ..engine.mixed_forward import Ride
 from ..request_text.requests import Job
 
 if TYPE_CHECKING:
@@ -38,6 +41,19 @@ def _short(job: Job) -> bool:
     return pre.total - pre.start <= pre.chunk
 
 
+@dataclass
+class Riding:
+    """The first prompt's paced piece, offered to the decode phase's batched forward
+    (``PrefillPhase.riding``): ``whole`` the piece it would run uncut, ``piece`` the pacer's
+    allowance this iteration (asked once: the pacer counts its iterations); ``ride`` None
+    where the piece cannot ride (the prefill phase then runs it with that allowance)."""
+    job: Job
+    whole: int
+    n: int
+    piece: int
+    ride: Ride | None
+
+
 class PrefillPhase:
     def __init__(self, engine: LoadedEngine, scheduler: Scheduler, paths: DecodePaths, jobs: dict, *,
                  failed: Callable, piece: Callable[[bool], int | None], count_prefilled: Callable[[int], None]):
@@ -50,18 +66,24 @@ class PrefillPhase:
         self._piece = piece  # the worker's: a tensor-parallel rank never paces
         self.together_forwards = 0  # forwards that carried several prompts' pieces
         self.together_rows = 0  # the pieces those forwards carried
+        self.mixed_forwards = 0  # decode forwards that carried a prompt's piece
+        self.mixed_tokens = 0  # the prompt tokens they carried
 
-    def run(self, spent: int, decoding: bool) -> tuple[int, bool]:
+    def run(self, spent: int, decoding: bool, riding: Riding | None = None) -> tuple[int, bool]:
         """This iteration's prefill phase after a decode phase that forwarded ``spent``
-        tokens (``decoding``: some stream decoded). Returns (tokens forwarded, whether a
-        plan ran)."""
-        for job in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
-            if job.prefill is not None:
-                self.paths.refresh_prefill(job)
+        tokens (``decoding``: some stream decoded; ``riding``: what ``riding`` offered it).
+        Returns (tokens forwarded, whether a plan ran)."""
+        if riding is not None and riding.ride is not None and riding.ride.hidden is not None:
+            return self._absorb(riding), True
+        if riding is None:
+            self._refresh()
         order = self.scheduler.prefill_order()
         # A prompt of one chunk or less runs whole (its first token matters more); a longer
         # one gets the pacer's piece.
-        piece = self._piece(decoding) if order and not _short(order[0]) else None
+        if riding is not None:
+            piece = riding.piece
+        else:
+            piece = self._piece(decoding) if order and not _short(order[0]) else None
         plan = self.scheduler.prefill_plan(spent, paced=piece is not None, order=order)
         if plan:
             group = self._together(plan[0][0], order)
@@ -74,6 +96,61 @@ class PrefillPhase:
                     break  # failed, or done: the plan counted its tokens as they were
                 prefilled += self.run_piece(job, piece)
         return prefilled, bool(plan)
+
+    def _refresh(self) -> None:
+        for job in self.scheduler.active:  # before planning: a prompt that finds more now is shorter
+            if job.prefill is not None:
+                self.paths.refresh_prefill(job)
+
+    # ------------------------------------------------------------------ riding a decode forward
+    def riding(self, decoding: bool) -> Riding | None:
+        """Before a batched decode phase: the first prompt's paced piece for its forward to
+        carry (engine/mixed_forward.py), where mixed steps are on, a stream decodes, the pacer
+        cuts this iteration's prefill to one piece, and exactness allows (the start-up probe
+        found mixed forwards bit-identical, or neither the prompt nor any batched row is exact
+        greedy); None: the prefill phase runs its own forwards."""
+        verdict = self.engine.mixed_exact
+        if verdict is None or not decoding:
+            return None
+        self._refresh()
+        order = self.scheduler.prefill_order()
+        if not order or _short(order[0]):
+            return None
+        job = order[0]
+        if not verdict and (self._exact_greedy(job) or any(self._exact_greedy(j) for j in self.jobs.values() if j.batched)):
+            return None
+        piece = self._piece(decoding)
+        if piece is None:
+            return None
+        pre = job.prefill
+        whole = pre.next_piece()
+        n = pre.next_piece(piece if job.prefill_may_cut else None)
+        tokens = pre.piece_ids(n)[None]
+        if self.engine.lm.chunked_prefill and chunked_prefill.applies(self.engine.lm, tokens, pre.cache):
+            # Its own forward would run the chunked recurrence, which rounds differently.
+            return Riding(job, whole, n, piece, None)
+        pre.check_head()
+        self.scheduler.prefill_plan(0, paced=True, order=order)  # its turn is taken (the plan's round robin)
+        return Riding(job, whole, n, piece, Ride(tokens, pre.cache))
+
+    @staticmethod
+    def _exact_greedy(job: Job) -> bool:
+        return job.exact and job.sampler is not None and job.sampler.greedy
+
+    def _absorb(self, riding: Riding) -> int:
+        """After a decode forward carried the piece: the prompt's bookkeeping, as after its own."""
+        job = riding.job
+        if self.jobs.get(job.key) is not job or job.prefill is None:
+            return 0  # failed with the forward that carried it
+        try:
+            job.prefill.ridden(riding.ride.hidden, riding.n)
+            self._after_piece(job, riding.n, riding.whole)
+        except Exception as exc:
+            self._failed(job, exc)
+            return 0
+        self.mixed_forwards += 1
+        self.mixed_tokens += riding.n
+        return riding.n
 
     # ------------------------------------------------------------------ one prompt
     def run_piece(self, job: Job, piece: int | None = None) -> int:
@@ -164,3 +241,7 @@ class PrefillPhase:
         return {"enabled": self.engine.prefill_together_exact is not None,
                 "exact_rows": bool(self.engine.prefill_together_exact), "forwards": self.together_forwards,
                 "rows": self.together_rows}
+
+    def mixed_dict(self) -> dict:
+        return {"enabled": self.engine.mixed_exact is not None, "exact_rows": bool(self.engine.mixed_exact),
+                "forwards": self.mixed_forwards, "tokens": self.mixed_tokens}

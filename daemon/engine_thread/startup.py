@@ -104,6 +104,7 @@ class EngineStartup:
                      speculates=self.engine.batch_speculates, batch_decode_path=self.engine.lm.batch_decode_path,
                      probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         self._prefill_together()
+        self._mixed_steps()
         if self.cfg.governor_enabled:
             from .governance import Governance
 
@@ -116,32 +117,59 @@ class EngineStartup:
 
     def _prefill_together(self) -> None:
         """Whether prompts' pieces share forwards (engine/batched_prefill.py): "auto" times a
-        forward of max_active rows against one row's (cached with the probes' verdicts: the
-        answer is the backend's, not the moment's load); exact greedy rows join where the
-        probe finds the rows bit-identical to each alone."""
+        forward of max_active rows against one row's; exact greedy rows join where the probe
+        finds the rows bit-identical to each alone."""
         from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
-        self.engine.prefill_together_exact = None
-        mode = self.cfg.scheduler.prefill_together
-        if mode == "off" or self.group is not None:
-            return
-        t0 = time.perf_counter()
         lm, rows = self.engine.lm, self.cfg.scheduler.max_active
-        variant = f"{rows}-{int(lm.chunked_prefill)}"
+        self.engine.prefill_together_exact = self._measured_choice(
+            "prefill_together", self.cfg.scheduler.prefill_together, f"{rows}-{int(lm.chunked_prefill)}",
+            cost=lambda: together_cost_ratio(lm, rows), pays=lambda r: together_pays(r, rows),
+            why_not=lambda r: (f"a forward of {rows} rows costs {r:.2f} one-row forwards here, not under "
+                               f"{(rows + 1) / 2}: prompts' first tokens would come later on average"),
+            exact=lambda: together_matches_solo(lm, rows), rows=rows)
+
+    def _mixed_steps(self) -> None:
+        """Whether the batch's decode forwards carry a prompt's paced piece
+        (engine/mixed_forward.py): "auto" times one mixed forward against the two it replaces;
+        exact greedy rows and prompts take part where the probe finds every group's numbers
+        bit-identical to its own forward's."""
+        from ..engine.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
+
+        self.engine.mixed_exact = None
+        if self.engine.batch is None:
+            return
+        lm, rows = self.engine.lm, self.cfg.scheduler.max_active
+        self.engine.mixed_exact = self._measured_choice(
+            "mixed_steps", self.cfg.scheduler.mixed_steps, str(rows),
+            cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
+            why_not=lambda r: (f"a decode forward of {rows} rows carrying a prompt's piece costs {r:.2f} of the two "
+                               "forwards it replaces here: not a fifth less"),
+            exact=lambda: mixed_matches_alone(lm, rows), rows=rows)
+
+    def _measured_choice(self, probe: str, mode: str, variant: str, *, cost: Callable[[], float],
+                         pays: Callable[[float], bool], why_not: Callable[[float], str], exact: Callable[[], bool],
+                         **fields) -> bool | None:
+        """A start-up choice of an optional way to run the step: None (off) for "off" or in a
+        tensor-parallel group; with "auto", where ``cost`` (a cost ratio, timed once and kept
+        with the probes' verdicts: the backend's answer, not the moment's load) does not
+        ``pay``; else whether exact greedy requests may take part (``exact``'s verdict, kept
+        likewise). Logs ``<probe>.ready`` either way."""
+        if mode == "off" or self.group is not None:
+            return None
+        t0 = time.perf_counter()
         ratio = None
         if mode == "auto":
-            ratio = self.engine.verdicts.measure("prefill_together_cost", variant, lambda: together_cost_ratio(lm, rows))
-            if not together_pays(ratio, rows):
-                log.info("prefill_together.ready", mode=mode, enabled=False, rows=rows, cost_ratio=round(ratio, 3),
-                         reason=f"a forward of {rows} rows costs {ratio:.2f} one-row forwards here, not under "
-                                f"{(rows + 1) / 2}: prompts' first tokens would come later on average",
-                         probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-                return
-        exact_ok, verdict = self.engine.verdicts.get("prefill_together", variant, lambda: together_matches_solo(lm, rows))
-        self.engine.prefill_together_exact = exact_ok
-        log.info("prefill_together.ready", mode=mode, enabled=True, rows=rows, exact_rows=exact_ok, verdict=verdict,
+            ratio = self.engine.verdicts.measure(f"{probe}_cost", variant, cost)
+            if not pays(ratio):
+                log.info(f"{probe}.ready", mode=mode, enabled=False, **fields, cost_ratio=round(ratio, 3),
+                         reason=why_not(ratio), probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+                return None
+        exact_ok, verdict = self.engine.verdicts.get(probe, variant, exact)
+        log.info(f"{probe}.ready", mode=mode, enabled=True, **fields, exact_rows=exact_ok, verdict=verdict,
                  cost_ratio=None if ratio is None else round(ratio, 3),
                  probe_ms=round((time.perf_counter() - t0) * 1000, 1))
+        return exact_ok
 
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/backend_env.py).

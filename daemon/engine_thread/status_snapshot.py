@@ -133,6 +133,7 @@ class EngineStatus:
             "budget": self._step_budget(),
             "pacing": self.pacer.to_dict(),
             "together": self.prefill_phase.to_dict() if self.prefill_phase is not None else None,
+            "mixed": self.prefill_phase.mixed_dict() if self.prefill_phase is not None else None,
             "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
                                "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
         for seat, n in stats.totals.items():

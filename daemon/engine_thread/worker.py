@@ -33,7 +33,7 @@ from .decode_paths import DecodePaths
 from .loaded_engine import LoadedEngine
 from ..logs import get_logger
 from .prefill_pacer import PrefillPacer
-from .prefill_phase import PrefillPhase
+from .prefill_phase import PrefillPhase, Riding
 from .prefix_cache_use import PrefixCacheUse
 from ..request_text.requests import Job
 from .scheduler import Scheduler
@@ -216,8 +216,10 @@ class EngineWorker(threading.Thread):
         job = self.scheduler.pick_decoder()
         decoding = job is not None and job.prefill is None
         t0 = time.perf_counter()
-        spent = self._advance(job) if job is not None else 0
-        prefilled, planned = self.prefill_phase.run(spent, decoding)
+        # A batched decode forward may carry the first prompt's paced piece (mixed steps).
+        riding = self.prefill_phase.riding(decoding) if decoding and job.batched else None
+        spent = self._advance(job, riding) if job is not None else 0
+        prefilled, planned = self.prefill_phase.run(spent, decoding, riding)
         # The whole iteration is what a decoding stream waits (its forward runs while the
         # prefill's is evaluated): the pacer learns from that, not from each phase's clock.
         self.pacer.iteration_done(time.perf_counter() - t0, prefilled, decoding)
@@ -253,14 +255,15 @@ class EngineWorker(threading.Thread):
     def _token_text(self, token_id: int) -> str:
         return self.engine.lm.tokenizer.decode([token_id])
 
-    def _advance(self, job: Job) -> int:
+    def _advance(self, job: Job, riding: Riding | None = None) -> int:
         """One cycle of a decoding job; returns the tokens its forward held (the step's
         budget use): a batch's positions (its rows, times depth + 1 where it speculates), or
-        a solo cycle's verified positions."""
+        a solo cycle's verified positions. ``riding``: a prompt's piece the batch's forward
+        may carry (prefill_phase.py)."""
         if job.prefill is not None:  # a one-token prompt: nothing to prefill, decode next
             return self.prefill_phase.run_piece(job)
         if job.batched:
-            self._step_batch()
+            self._step_batch(riding)
             return self.engine.batch.last_positions  # rows x (depth + 1) where the batch speculates
         try:
             step = next(job.generator)
@@ -272,17 +275,20 @@ class EngineWorker(threading.Thread):
         self._deliver(job, step)
         return 1 + step.drafted
 
-    def _step_batch(self) -> None:
+    def _step_batch(self, riding: Riding | None = None) -> None:
         """One cycle for every batched row (a verify of every row's drafts where the batch
         speculates, else one token each); each row's seat is charged its own tokens."""
         from ..engine.types import DecodeStep
 
         t0 = time.perf_counter()
+        ride = riding.ride if riding is not None else None
         try:
-            out = self.engine.batch.step()
-        except Exception as exc:  # a failed batched forward fails every row in it
+            out = self.engine.batch.step(ride) if ride is not None else self.engine.batch.step()
+        except Exception as exc:  # a failed batched forward fails every row in it, and a piece it carried
             for job in [j for j in self.jobs.values() if j.batched and j.key in self.engine.batch]:
                 self._failed(job, exc)
+            if ride is not None and self.jobs.get(riding.job.key) is riding.job:
+                self._failed(riding.job, exc)
             return
         dt = time.perf_counter() - t0
         steps = out if self.engine.batch_speculates else {key: DecodeStep(tokens=[t], cycle_s=dt) for key, t in out.items()}

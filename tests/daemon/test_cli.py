@@ -196,4 +196,10 @@ def test_status_prefill_row_says_how_prompts_are_paced_and_shared():
                             "prompts together: on (7 forwards, 19 pieces)")
     step = {**step, "pacing": {"bound": 0.0, "paced_iterations": 0}, "together": {"enabled": False}}
     assert rows(format_status(reply(**{**FULL, "step": step})))["prefill"] == "paced: off (whole chunks); prompts together: off"
+    step = {**step, "mixed": {"enabled": True, "exact_rows": False, "forwards": 31, "tokens": 248}}
+    assert rows(format_status(reply(**{**FULL, "step": step})))["prefill"] == (
+        "paced: off (whole chunks); prompts together: off; "
+        "pieces in decode forwards: on (31 forwards, 248 tokens; not beside exact rows)")
+    step = {**step, "mixed": {"enabled": False}}
+    assert rows(format_status(reply(**{**FULL, "step": step})))["prefill"].endswith("pieces in decode forwards: off")
     assert "prefill" not in rows(format_status(reply(**FULL)))

@@ -54,30 +54,58 @@ def _generate(endpoint: str, seat: str, prompt: list[int], max_tokens: int) -> t
         return list(s.token_ids), done
 
 
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, e2e_model):
+    """Pieces ride in the batch's decode forwards (forced on: start-up's timing leaves them
+    off on this CPU); depth 0, so every batch cycle is a forward that may carry one."""
+    d = start_daemon(tmp_path_factory.mktemp("mixed"), e2e_model,
+                     config=CONFIG.replace("[scheduler]", '[scheduler]\nmixed_steps = "on"')
+                     .replace('mode = "exact"', 'mode = "exact"\ndepth = 0'))
+    yield d
+    assert d.stop() == 0
+
+
+class Streamers:
+    """Streams decoding until told to stop (then cancelled): they decode for as long as the
+    test's long prompt takes, however slow the box (streams of a fixed length could end first
+    and leave nothing to pace beside)."""
+
+    def __init__(self, endpoint: str, n: int):
+        self.stop, self.started = threading.Event(), threading.Event()
+        self.results: dict = {}
+        self.prompts = {f"streamer-{i}": _tokens(20, i) for i in range(n)}
+        self.threads = [threading.Thread(target=self._stream, args=(endpoint, seat)) for seat in self.prompts]
+        for t in self.threads:
+            t.start()
+
+    def _stream(self, endpoint: str, seat: str) -> None:
+        with Client(endpoint, seat=seat, timeout_s=300) as c:
+            s = c.generate(prompt_tokens=self.prompts[seat], max_tokens=2000)
+            for i, _ in enumerate(s):
+                if i == 3:
+                    self.started.set()
+                if self.stop.is_set():
+                    s.cancel()
+            self.results[seat] = (s.result(), list(s.token_ids))
+
+    def finish(self) -> dict:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=300)
+        # Cancelled, so they decoded all along.
+        assert all(done.finish_reason == "cancelled" for done, _ in self.results.values()), self.results
+        return self.results
+
+
 @pytest.mark.quick
 def test_a_long_prompt_is_paced_beside_decoding_streams_and_decodes_what_it_would_alone(paced, whole_chunks):
     long_prompt = _tokens(700, seed=11)
-    streams: dict = {}
-    started = threading.Event()
-
-    def stream(seat: str, seed: int) -> None:
-        with Client(paced.endpoint, seat=seat, timeout_s=300) as c:
-            s = c.generate(prompt_tokens=_tokens(20, seed), max_tokens=160)
-            for i, _ in enumerate(s):
-                if i == 3:
-                    started.set()
-            streams[seat] = s.result()
-
-    threads = [threading.Thread(target=stream, args=(f"streamer-{i}", i)) for i in range(2)]
-    for t in threads:
-        t.start()
-    assert started.wait(120)
+    streamers = Streamers(paced.endpoint, 2)
+    assert streamers.started.wait(120)
     # A prompt of less than a chunk runs whole beside them (a turn's first token first).
     _generate(paced.endpoint, "short", _tokens(100, seed=12), max_tokens=2)
     ids, done = _generate(paced.endpoint, "long", long_prompt, max_tokens=12)
-    for t in threads:
-        t.join(timeout=300)
-    assert all(d.finish_reason == "length" for d in streams.values()), streams
+    streamers.finish()
     with Client(paced.endpoint, seat="status") as c:
         pacing = c.status().detail["step"]["pacing"]
     assert pacing["bound"] == 3.0 and pacing["paced_iterations"] > 0 and pacing["quiet_ms"] > 0, pacing
@@ -91,6 +119,28 @@ def test_a_long_prompt_is_paced_beside_decoding_streams_and_decodes_what_it_woul
     assert ref_done.usage.cached_tokens == 0 and ids == ref_ids
     ref = [e for e in whole_chunks.events() if e["event"] == "request.done" and e["seat"] == "long"][-1]
     assert ref["prefill_forwards"] == -(-(len(long_prompt) - 1) // CHUNK)
+
+
+def test_pieces_ride_in_decode_forwards_and_every_stream_decodes_what_it_would_alone(mixed, whole_chunks):
+    """scheduler.mixed_steps = "on": the long prompt's paced pieces go through the batch's
+    decode forwards (status counts them), and both the prompt's tokens and the streamers'
+    (exact, greedy) are the whole-chunk daemon's."""
+    long_prompt = _tokens(600, seed=21)
+    streamers = Streamers(mixed.endpoint, 2)
+    assert streamers.started.wait(120)
+    ids, _ = _generate(mixed.endpoint, "long", long_prompt, max_tokens=12)
+    results = streamers.finish()
+    with Client(mixed.endpoint, seat="status") as c:
+        step = c.status().detail["step"]
+    assert step["mixed"]["enabled"] and step["mixed"]["exact_rows"], step["mixed"]
+    assert step["mixed"]["forwards"] > 0 and 0 < step["mixed"]["tokens"] <= len(long_prompt), step["mixed"]
+    ready = [e for e in mixed.events() if e["event"] == "mixed_steps.ready"][-1]
+    assert ready["mode"] == "on" and ready["enabled"] and ready["cost_ratio"] is None, ready
+    ref_ids, _ = _generate(whole_chunks.endpoint, "long", long_prompt, max_tokens=12)
+    assert ids == ref_ids
+    for seat, (_, got) in results.items():
+        want, _ = _generate(whole_chunks.endpoint, seat, streamers.prompts[seat], max_tokens=len(got))
+        assert got == want, seat
 
 
 def test_auto_prefill_together_follows_what_start_up_measured(paced):
