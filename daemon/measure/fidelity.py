@@ -33,10 +33,12 @@ serial decode of the whole prompt, where the split probe says such snapshots are
 
 Batched arms (fidelity_batch.py, ``--batched 2,4,8``): the same token identity for rows
 speculating together in the continuous batch, 2-8 rows of mixed prompts and depths joining
-and leaving mid-stream, every third with the processors.
+and leaving mid-stream, every third with the processors; and their "pieces riding" twins
+(``--no-riding`` leaves them out), where prompts are prefilled in pieces the batch's depth-0
+forwards carry (scheduler.mixed_steps) and each rider's decode is compared too.
 
 CLI: ``councild gate fidelity [--model PATH] [--depths 1,2,3,4] [--tokens N] [--batched 2,4,8]
-[--batched-only] [--json OUT]``.
+[--batched-only] [--no-riding] [--json OUT]``.
 """
 
 from __future__ import annotations
@@ -544,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-chunk", type=int, default=32,
                     help="the prefix-cache arms' prefill chunk (fidelity_prefix.py: exact requests resumed off the "
                          "chunk grid, where the split probe allows it); 0 skips them")
+    ap.add_argument("--no-riding", action="store_true",
+                    help="leave out the batched arms' 'pieces riding' twins (prompts prefilled in pieces carried by the "
+                         "batch's depth-0 forwards, scheduler.mixed_steps)")
     ap.add_argument("--batched-only", action="store_true",
                     help="run only the batched arms (no solo arms, deviation or temperature>0 tests)")
     args = ap.parse_args(argv)
@@ -580,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         report.arms += run_batched_arms(
             lm, head, prompts, ArmResult, _serial_tokens, PROCESSORS if args.processors else None,
             heights=[int(b) for b in args.batched.split(",")], max_tokens=args.tokens, modes=modes,
-            depth=max(int(d) for d in args.depths.split(",")))
+            depth=max(int(d) for d in args.depths.split(",")), riding=not args.no_riding)
     if args.batched_only:
         print(format_report(report))
         if args.json:

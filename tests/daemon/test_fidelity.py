@@ -128,8 +128,13 @@ def test_cli_batched_arms(random_model_path, tmp_path):
     assert rc == 0
     data = json.loads(out.read_text())
     arms = data["arms"]
-    assert [(a["mode"], a["batch_rows"]) for a in arms] == [("exact", 2), ("exact", 3), ("fast", 2), ("fast", 3)]
-    assert all(a["identical"] == a["prompts"] == 2 * a["batch_rows"] for a in arms) and data["passed"]
+    assert [(a["mode"], a["batch_rows"], a["drafting"]) for a in arms] == [
+        (mode, B, f"batch x{B}" + riding) for mode in ("exact", "fast") for B in (2, 3) for riding in ("", ", pieces riding")]
+    plain = [a for a in arms if "riding" not in a["drafting"]]
+    assert all(a["identical"] == a["prompts"] == 2 * a["batch_rows"] for a in plain) and data["passed"]
+    # The riding twins: the same rows, plus the riders decoded from the caches their pieces built.
+    riding = [a for a in arms if "riding" in a["drafting"]]
+    assert all(a["identical"] == a["prompts"] > 2 * a["batch_rows"] for a in riding), riding
     assert all(a["depth"] == 3 and a["processors"] for a in arms)
 
 
@@ -141,9 +146,10 @@ def test_batched_arms_fail_on_a_divergence(lm, copy_head):
 
     report = FidelityReport(model="random", rollback="capture", guard_margin=None, max_tokens=6)
     report.arms += run_batched_arms(lm, copy_head, load_prompts()[:2], ArmResult, shifted, None, heights=(2,),
-                                    max_tokens=6, modes=("exact",), depth=2)
-    arm = report.arms[0]
+                                    max_tokens=6, modes=("exact",), depth=2, riding=True)
+    arm, riding = report.arms
     assert arm.identical == 0 and arm.flips == arm.prompts == 4 and arm.first_divergence["token"] == 0
+    assert riding.identical == 0 and riding.flips == riding.prompts > 4  # the riders are compared too
     assert not report.passed
 
 
