@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import zmq
@@ -97,3 +99,52 @@ def wait_ready(d: DaemonProcess, timeout_s: float = 90.0) -> None:
     wait_until_answering(d.endpoint, d.proc, timeout_s=timeout_s, log_path=d.log_path)
 
 
+
+
+class HeldLoad:
+    """A copy of a model whose config.json is a FIFO: a daemon started on ``path`` blocks at
+    the load's first read of it (after it has bound its socket and logged daemon.loading) until
+    ``release()``, which hands that read the file's bytes and puts the real file in the FIFO's
+place. A test then acts "during the
+    load" for certain, however fast the load would be (the small test model's takes ~0.3 s).
+    ``close()`` (also on exit of a ``with``) ends the writer."""
+
+    def __init__(self, tmp: Path, model: Path):
+        self.path = tmp / "held-model"
+        shutil.copytree(model, self.path)
+        fifo = self.path / "config.json"
+        self._text = fifo.read_bytes()
+        self._real = tmp / "held-config.json"
+        fifo.rename(self._real)
+        os.mkfifo(fifo)
+        self._fifo = fifo
+        self._released, self._closed = threading.Event(), threading.Event()
+        self._writer = threading.Thread(target=self._serve, daemon=True)
+        self._writer.start()
+
+    def _serve(self) -> None:
+        self._released.wait()
+        with open(self._fifo, "wb") as f:  # returns once the daemon has opened it to read
+            if self._closed.is_set():
+                return
+            # Later opens find the real file; the reader holding the FIFO gets its bytes once.
+            os.replace(self._real, self._fifo)
+            f.write(self._text)
+
+    def release(self) -> None:
+        self._released.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._released.set()
+        try:  # a reader that opens and closes at once frees a writer blocked in open()
+            os.close(os.open(self._fifo, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        self._writer.join(5)
+
+    def __enter__(self) -> "HeldLoad":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from e2e_harness import REPO, DaemonProcess, start_daemon, wait_ready
+from e2e_harness import REPO, DaemonProcess, HeldLoad, start_daemon, wait_ready
 from protocol import Accepted, Done, Error, Generate, Hello, Ping, Pong, Tokens, decode_daemon, encode
 
 
@@ -235,18 +235,21 @@ def test_second_sigterm_exits_at_once(tmp_path, e2e_model):
 
 
 def test_sighup_while_the_model_loads_does_not_kill_the_daemon(tmp_path, e2e_model):
-    d = start_daemon(tmp_path, e2e_model, config="", wait=False)
-    try:
-        wait_event(d, "daemon.loading", timeout=60)
-        # Start-up is still under way (the weights, then the probes and the warm-up): the
-        # random model's weights alone can load within one poll, so the test asks only that
-        # the daemon is not serving yet.
-        assert "daemon.start" not in {e["event"] for e in d.events()}, "started too fast to test"
-        d.proc.send_signal(signal.SIGHUP)
-        wait_ready(d)  # raises if the daemon died
-        assert ping(d)
-    finally:
-        assert d.stop(timeout=30) == 0
+    with HeldLoad(tmp_path, e2e_model) as held:  # the load waits for the test (the small model's takes ~0.3 s)
+        d = start_daemon(tmp_path, held.path, config="", wait=False)
+        try:
+            wait_event(d, "daemon.loading", timeout=60)
+            d.proc.send_signal(signal.SIGHUP)
+            time.sleep(0.3)  # the signal is delivered, the load still held
+            assert d.proc.poll() is None and "daemon.start" not in {e["event"] for e in d.events()}
+            held.release()
+            wait_ready(d)  # raises if the daemon died
+            assert ping(d)
+            # The reload was kept for after the start, not lost.
+            names = [e["event"] for e in d.events()]
+            assert "config.reloaded" in names and names.index("config.reloaded") > names.index("daemon.start"), names
+        finally:
+            assert d.stop(timeout=30) == 0
 
 
 # ---------------------------------------------------------------------------- exit codes

@@ -11,7 +11,7 @@ import time
 from protocol import decode_daemon, encode
 from protocol import messages as m
 
-from e2e_harness import start_daemon, wait_ready
+from e2e_harness import HeldLoad, start_daemon, wait_ready
 
 
 def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
@@ -35,17 +35,18 @@ def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
 
     reader = threading.Thread(target=listen, daemon=True)
     reader.start()
-    d = start_daemon(tmp_path, e2e_model, env={"NOTIFY_SOCKET": notify_path}, wait=False)
+    # The load is held at its first read of config.json until the test has its answers from
+    # "during the load": the small model loads in ~0.3 s, and a Generate sent at a "loading"
+    # answer raced the load's end (CI failed on it twice, 2026-12-02).
+    held = HeldLoad(tmp_path, e2e_model)
+    d = start_daemon(tmp_path, held.path, env={"NOTIFY_SOCKET": notify_path}, wait=False)
     sock = d.raw_socket(timeout_ms=200)
-    # Sent now, before the daemon's process has even imported its modules: the socket holds
-    # it until the daemon binds (which it does before the load starts) and the daemon reads it
-    # with the load's first Status. Sent at the first "loading" answer instead, it raced the
-    # load's end: a load whose socket thread got the GIL only near the end answered "loading"
-    # and then accepted the Generate (CI, 2026-12-02).
-    sock.send(encode(m.Generate(request_id="early", prompt="x", max_tokens=1)))
+    sock.send(encode(m.Generate(request_id="early", prompt="x", max_tokens=1)))  # held until the daemon binds
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and "serving" not in states:
+            if refused is not None and "loading" in states:
+                held.release()
             sock.send(encode(m.Status()))
             try:
                 while True:  # this Status's answer, and the early Generate's where it comes first
@@ -70,6 +71,7 @@ def test_load_progress_status_and_systemd_timeout(tmp_path, e2e_model):
         wait_ready(d)
         time.sleep(0.3)
     finally:
+        held.close()
         sock.close()
         listening.clear()
         reader.join(5)

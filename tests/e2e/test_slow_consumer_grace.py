@@ -163,9 +163,12 @@ def test_a_reader_that_stops_is_cut_after_the_grace(grace_daemon):
     assert {t.code for t in terminals if isinstance(t, Error)} == {"slow_consumer"}
     assert all(isinstance(t, Error) for t in terminals), terminals
     assert dropped["reason"] == "slow_consumer" and sorted(dropped["requests"]) == sorted(r.rids)
-    waited = _ts(dropped) - (_ts(backlog) - backlog["full_s"])  # from when the queue filled
-    # Cut once the grace has passed (checked every 0.25 s), not before; slack for a loaded box.
-    assert GRACE_S <= waited < GRACE_S + 5.0, waited
-    assert dropped["held_s"] >= GRACE_S
+    # Cut once the grace has passed, not before: held_s is the daemon's own interval on one
+    # clock from when the queue filled (it cuts at the first check past the grace, so the
+    # excess is a message gap: rebuilt from two log timestamps and a rounded full_s, the
+    # interval once read 4.7 ms over the grace, inside those stamps' own error).
+    assert dropped["held_s"] >= GRACE_S, dropped
+    waited = _ts(dropped) - (_ts(backlog) - backlog["full_s"])  # the same interval from the log's clock
+    assert waited < GRACE_S + 5.0, waited  # and not long after it; slack for a loaded box
     cut = [e for e in d.events() if e["event"] == "request.error" and e["request_id"] in r.rids]
     assert sorted(e["request_id"] for e in cut) == sorted(r.rids) and {e["code"] for e in cut} == {"slow_consumer"}
