@@ -122,12 +122,16 @@ class EngineStartup:
         from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
         lm, rows = self.engine.lm, self.cfg.scheduler.max_active
-        self.engine.prefill_together_exact = self._measured_choice(
+        self.engine.prefill_together_exact = None
+        if self.cfg.scheduler.prefill_together == "off" or self.group is not None:
+            return
+        self.engine.prefill_together_exact, fields = self._measured_choice(
             "prefill_together", self.cfg.scheduler.prefill_together, f"{rows}-{int(lm.chunked_prefill)}",
             cost=lambda: together_cost_ratio(lm, rows), pays=lambda r: together_pays(r, rows),
             why_not=lambda r: (f"a forward of {rows} rows costs {r:.2f} one-row forwards here, not under "
                                f"{(rows + 1) / 2}: prompts' first tokens would come later on average"),
             exact=lambda: together_matches_solo(lm, rows), rows=rows)
+        log.info("prefill_together.ready", **fields)
 
     def _mixed_steps(self) -> None:
         """Whether the batch's decode forwards carry a prompt's paced piece
@@ -137,39 +141,36 @@ class EngineStartup:
         from ..engine.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
 
         self.engine.mixed_exact = None
-        if self.engine.batch is None:
+        if self.engine.batch is None or self.cfg.scheduler.mixed_steps == "off" or self.group is not None:
             return
         lm, rows = self.engine.lm, self.cfg.scheduler.max_active
-        self.engine.mixed_exact = self._measured_choice(
+        self.engine.mixed_exact, fields = self._measured_choice(
             "mixed_steps", self.cfg.scheduler.mixed_steps, str(rows),
             cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
             why_not=lambda r: (f"a decode forward of {rows} rows carrying a prompt's piece costs {r:.2f} of the two "
                                "forwards it replaces here: not a fifth less"),
             exact=lambda: mixed_matches_alone(lm, rows), rows=rows)
+        log.info("mixed_steps.ready", **fields)
 
     def _measured_choice(self, probe: str, mode: str, variant: str, *, cost: Callable[[], float],
                          pays: Callable[[float], bool], why_not: Callable[[float], str], exact: Callable[[], bool],
-                         **fields) -> bool | None:
-        """A start-up choice of an optional way to run the step: None (off) for "off" or in a
-        tensor-parallel group; with "auto", where ``cost`` (a cost ratio, timed once and kept
-        with the probes' verdicts: the backend's answer, not the moment's load) does not
-        ``pay``; else whether exact greedy requests may take part (``exact``'s verdict, kept
-        likewise). Logs ``<probe>.ready`` either way."""
-        if mode == "off" or self.group is not None:
-            return None
+                         **fields) -> tuple[bool | None, dict]:
+        """A start-up choice of an optional way to run the step ("auto" or "on"): with "auto",
+        off (None) where ``cost`` (a cost ratio, timed once and kept with the probes'
+        verdicts: the backend's answer, not the moment's load) does not ``pay``; else whether
+        exact greedy requests may take part (``exact``'s verdict, kept likewise). Returns it
+        with the fields of the caller's ``.ready`` log event."""
         t0 = time.perf_counter()
         ratio = None
         if mode == "auto":
             ratio = self.engine.verdicts.measure(f"{probe}_cost", variant, cost)
             if not pays(ratio):
-                log.info(f"{probe}.ready", mode=mode, enabled=False, **fields, cost_ratio=round(ratio, 3),
-                         reason=why_not(ratio), probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-                return None
+                return None, {"mode": mode, "enabled": False, **fields, "cost_ratio": round(ratio, 3),
+                              "reason": why_not(ratio), "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
         exact_ok, verdict = self.engine.verdicts.get(probe, variant, exact)
-        log.info(f"{probe}.ready", mode=mode, enabled=True, **fields, exact_rows=exact_ok, verdict=verdict,
-                 cost_ratio=None if ratio is None else round(ratio, 3),
-                 probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-        return exact_ok
+        return exact_ok, {"mode": mode, "enabled": True, **fields, "exact_rows": exact_ok, "verdict": verdict,
+                          "cost_ratio": None if ratio is None else round(ratio, 3),
+                          "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/backend_env.py).

@@ -402,9 +402,11 @@ class EngineWorker(threading.Thread):
         else:
             log.info("request.error", request_id=job.request_id, seat=job.seat, code=terminal.code,
                      message=terminal.message, prefilled_tokens=prefilled)
-        self._send(job.identity, terminal, key=job.key, terminal=True)
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
-        self.status.published_at = 0.0  # status shows the finish at once
+        # Published before the terminal goes, as a governor override's reply is: whoever has
+        # the terminal reads a status (and /metrics) that counts it.
+        self._publish()
+        self._send(job.identity, terminal, key=job.key, terminal=True)
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, identity: bytes, msg, key: tuple[str, str] | None = None, terminal: bool = False) -> None:

@@ -144,10 +144,11 @@ class Notifier:
         """STATUS=...: one line shown by `systemctl --user status councild`."""
         return self.notify(*self._status_line(text))
 
-    def extend_timeout(self, seconds: float) -> bool:
+    def extend_timeout(self, seconds: float, status: str | None = None) -> bool:
         """EXTEND_TIMEOUT_USEC: the current start/stop phase needs up to `seconds` more
-        (e.g. while loading a large model past TimeoutStartSec)."""
-        return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}")
+        (e.g. while loading a large model past TimeoutStartSec); with ``status``, its STATUS
+        line in the same datagram."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={max(0, int(seconds * 1_000_000))}", *self._status_line(status))
 
     # -- the transport ---------------------------------------------------------------
 

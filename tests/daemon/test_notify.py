@@ -65,6 +65,8 @@ def test_messages_reach_the_socket(manager):
     assert m.recv() == {"STOPPING": "1"}
     assert n.extend_timeout(2.5)
     assert m.recv() == {"EXTEND_TIMEOUT_USEC": "2500000"}
+    assert n.extend_timeout(120, status="loading x: 40%")
+    assert m.recv() == {"EXTEND_TIMEOUT_USEC": "120000000", "STATUS": "loading x: 40%"}  # one datagram
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert n.reloading()
     msg = m.recv()
