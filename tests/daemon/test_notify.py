@@ -166,15 +166,24 @@ def test_pacer_rate_limits_to_half_the_interval(manager):
 def test_pacer_with_real_clock(manager):
     m, path = manager
     n = Notifier({"NOTIFY_SOCKET": path})
-    pacer = WatchdogPacer(n, interval_s=0.2)  # period 0.1 s
+    seen: list[float] = []
+
+    def clock() -> float:  # the real clock, its readings kept
+        seen.append(time.monotonic())
+        return seen[-1]
+
+    pacer = WatchdogPacer(n, interval_s=0.2, clock=clock)  # period 0.1 s
     deadline = time.monotonic() + 0.35
-    calls = 0
+    sent_at = []
     while time.monotonic() < deadline:
-        pacer.tick()
-        calls += 1
-    got = len(m.pending())
-    assert calls > 100
-    assert 3 <= got <= 5, got
+        if pacer.tick():
+            sent_at.append(seen[-1])
+    assert len(m.pending()) == len(sent_at) >= 2
+    # Each send came at the first tick at least a period after the one before (whatever
+    # the scheduler allowed between ticks on a busy box), never earlier.
+    for prev, at in zip(sent_at, sent_at[1:]):
+        assert at - prev >= 0.1
+        assert not [t for t in seen if prev + 0.1 <= t < at], (prev, at)
 
 
 def test_pacer_disabled_without_watchdog(manager):

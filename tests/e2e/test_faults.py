@@ -51,6 +51,7 @@ import sys, time, zmq
 from protocol import Accepted, Generate, Hello, Tokens, decode_daemon, encode
 stream = sys.argv[2] == "stream"
 s = zmq.Context.instance().socket(zmq.DEALER)
+s.setsockopt(zmq.RCVTIMEO, 30000)  # cut before it started (a terminal, then silence): exit, never hang the test
 s.connect(sys.argv[1])
 s.send(encode(Hello(seat="victim")))
 s.send(encode(Generate(request_id="victim-1", prompt="def victim():", max_tokens=4000, stream=stream)))
@@ -149,7 +150,8 @@ def test_retried_generate_is_not_run_twice(faults_daemon):
             Client(d.endpoint, seat="planner", timeout_s=30) as retry:
         # stream=False: nothing flows back until the Done, so this connection's small send
         # queue (SEND_HWM) cannot fill while the test talks to the other one.
-        s1 = first.generate("def retried():", max_tokens=300, request_id=rid, stream=False)
+        # Long enough to outlast the retry however slow the box (it is cancelled after it).
+        s1 = first.generate("def retried():", max_tokens=4000, request_id=rid, stream=False)
         deadline = time.monotonic() + 60
         while not any(r["request_id"] == rid for r in first.status().detail["active_requests"]):
             assert time.monotonic() < deadline, "the first request never started"
@@ -157,8 +159,9 @@ def test_retried_generate_is_not_run_twice(faults_daemon):
         with pytest.raises(InvalidRequest) as exc:
             retry.generate("def retried():", max_tokens=300, request_id=rid).result()
         assert exc.value.code == "duplicate_request"
+        s1.cancel()
         done = s1.result()
-        assert done.usage.completion_tokens == 300
+        assert done.finish_reason == "cancelled" and 0 < done.usage.completion_tokens < 4000
         # Once the first has finished, the id is free again in the seat.
         again = retry.generate("def retried():", max_tokens=5, request_id=rid).result()
         assert again.usage.completion_tokens == 5

@@ -18,7 +18,7 @@ import pytest
 import zmq
 
 from e2e_harness import REPO, DaemonProcess, HeldLoad, start_daemon, wait_ready
-from protocol import Accepted, Done, Error, Generate, Hello, Ping, Pong, Tokens, decode_daemon, encode
+from protocol import Accepted, Cancel, Done, Error, Generate, Hello, Ping, Pong, Tokens, decode_daemon, encode
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -150,8 +150,6 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
             n += isinstance(reply, Tokens)
             assert not isinstance(reply, (Done, Error)), reply
         t1 = time.monotonic()
-        from protocol import Cancel
-
         sock.send(encode(Cancel(request_id="wd")))
         _, term = read_until_terminal(sock, "wd")
         assert isinstance(term, Done) and term.finish_reason == "cancelled"
@@ -162,6 +160,11 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         # shutting_down; STOPPING=1; exit 0 with daemon.draining and daemon.stop.
         sock.send(encode(Generate(request_id="drained", prompt="class A:", max_tokens=300)))
         early = wait_tokens(sock, "drained", 3)
+        # A second stream holds the drain open until the too-late request has its answer (the
+        # 300 tokens alone could be done first on a fast box, and the daemon gone).
+        holder = d.raw_socket()
+        holder.send(encode(Generate(request_id="holder", prompt="def held():", max_tokens=4000)))
+        wait_tokens(holder, "holder", 1)
         d.proc.send_signal(signal.SIGTERM)
         t_term = time.monotonic()
         listener.wait_for("STOPPING", timeout=10)
@@ -172,6 +175,10 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         reply = decode_daemon(late.recv())
         assert isinstance(reply, Error) and reply.code == "shutting_down" and reply.request_id == "too-late", reply
         late.close()
+        holder.send(encode(Cancel(request_id="holder")))
+        _, held = read_until_terminal(holder, "holder")
+        assert isinstance(held, Done) and held.finish_reason == "cancelled", held
+        holder.close()
         chunks, term = read_until_terminal(sock, "drained")
         assert isinstance(term, Done) and term.finish_reason == "length", term
         assert term.usage.completion_tokens == 300 == sum(len(c.token_ids) for c in early + chunks)
@@ -181,7 +188,7 @@ def test_notify_ready_watchdog_status_and_graceful_drain(tmp_path, e2e_model):
         events = d.events()
         draining = [e for e in events if e["event"] == "daemon.draining"]
         stop = [e for e in events if e["event"] == "daemon.stop"]
-        assert len(draining) == 1 and draining[0]["in_flight"] == 1 and draining[0]["deadline_s"] == 30.0
+        assert len(draining) == 1 and draining[0]["in_flight"] == 2 and draining[0]["deadline_s"] == 30.0
         assert len(stop) == 1 and stop[0]["forced"] is False
         rejected = [e for e in events if e["event"] == "request.rejected" and e.get("request_id") == "too-late"]
         assert rejected and rejected[0]["code"] == "shutting_down" and rejected[0]["seat"] == "latecomer"

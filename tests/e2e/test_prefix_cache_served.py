@@ -219,17 +219,31 @@ def test_prompts_sent_together_share_the_prefix_the_first_one_prefills(cached, c
                               {"role": "user", "content": f"Seat {i} asks about item {i * 7}."}] for i in range(3)}
     got: dict = {}
 
+    def ask_on(c, seat, out, together=None):
+        if together is not None:
+            together.wait(30)
+        s = c.generate(messages=chats[seat], max_tokens=8, speculation="exact")
+        done = s.result()
+        out[seat] = (list(s.token_ids), done)
+
     def ask(endpoint, seat, out):
         with Client(endpoint, seat=seat, timeout_s=120) as c:
-            s = c.generate(messages=chats[seat], max_tokens=8, speculation="exact")
-            done = s.result()
-            out[seat] = (list(s.token_ids), done)
+            ask_on(c, seat, out)
 
-    threads = [threading.Thread(target=ask, args=(cached.endpoint, seat, got)) for seat in chats]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    # Connected first, then sent at one moment (a barrier): a thread that took its turn to
+    # connect after the first prompt's snapshot existed would find it on admission (a hit,
+    # not a second look).
+    clients = {seat: Client(cached.endpoint, seat=seat, timeout_s=120) for seat in chats}
+    barrier = threading.Barrier(len(chats))
+    threads = [threading.Thread(target=ask_on, args=(clients[seat], seat, got, barrier)) for seat in chats]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        for c in clients.values():
+            c.close()
     cached_tokens = sorted(done.usage.cached_tokens for _, done in got.values())
     assert cached_tokens[0] == 0 and cached_tokens[1] > 200 and cached_tokens[1] == cached_tokens[2], cached_tokens
     relooked = [e for e in cached.events() if e["event"] == "prefix_cache.relooked" and e["seat"].startswith("council-")]

@@ -81,6 +81,15 @@ def test_two_seats_share_by_weight_under_saturation(sched_daemon):
     assert abs(heavy / light - 3.0) <= 0.15 * 3.0, (heavy, light)
 
 
+def _wait_active(c: Client, seat: str, n: int, timeout_s: float = 60.0) -> None:
+    """Until the daemon reports ``n`` of ``seat``'s requests active (a sleep stood in for this:
+    on a loaded box the requests could still be waiting for their slots)."""
+    deadline = time.monotonic() + timeout_s
+    while c.status().detail["seats"].get(seat, {}).get("active", 0) < n:
+        assert time.monotonic() < deadline, f"{seat} never had {n} active requests"
+        time.sleep(0.05)
+
+
 def test_interactive_overtakes_ten_background_requests(sched_daemon):
     with Client(sched_daemon.endpoint, seat="batch", timeout_s=60) as bg, \
             Client(sched_daemon.endpoint, seat="chat", timeout_s=60) as fg:
@@ -89,7 +98,7 @@ def test_interactive_overtakes_ten_background_requests(sched_daemon):
         for _ in range(10):
             submitted.append(time.monotonic())
             background.append(bg.generate("import os\n", max_tokens=200))
-        time.sleep(0.3)  # accepted; four of them are decoding
+        _wait_active(fg, "batch", 4)  # four of them are decoding, six wait
         urgent = fg.generate("def main():", max_tokens=8)
         next(iter(urgent))
         t_first = time.monotonic()
@@ -112,8 +121,8 @@ def test_deadline_in_queue_and_mid_stream(sched_daemon):
                 pass
         assert err.value.code == "deadline_exceeded" and "mid-generation" in err.value.message
         # In the queue: fill every active slot, then a request whose deadline passes waiting.
-        hogs = [c.generate("def g():", max_tokens=400) for _ in range(4)]
-        time.sleep(0.2)
+        hogs = [c.generate("def g():", max_tokens=4000) for _ in range(4)]
+        _wait_active(c, "light", 4)
         q = c.generate("x = 1", max_tokens=5, deadline_ms=150, priority="background")
         with pytest.raises(RequestAborted) as err:
             q.result()
@@ -126,8 +135,8 @@ def test_deadline_in_queue_and_mid_stream(sched_daemon):
 @pytest.mark.quick
 def test_cancel_in_queue(sched_daemon):
     with Client(sched_daemon.endpoint, seat="light", timeout_s=60) as c:
-        hogs = [c.generate("def g():", max_tokens=400) for _ in range(4)]
-        time.sleep(0.2)
+        hogs = [c.generate("def g():", max_tokens=4000) for _ in range(4)]
+        _wait_active(c, "light", 4)
         waiting = c.generate("y = 2", max_tokens=50, priority="background")
         time.sleep(0.1)
         waiting.cancel()
@@ -164,11 +173,13 @@ def test_a_seat_filling_every_slot_does_not_starve_another(sched_daemon):
             seats = b.status().detail["seats"]
             if seats.get("hog", {}).get("active") == 4 and seats["hog"].get("tokens", 0) > 0:
                 break
+            a.ping()  # A's connection is alive too (its client heartbeats only while it waits)
             time.sleep(0.1)
         else:
             pytest.fail("seat A never held all four slots")
         done = b.generate("x = 1", max_tokens=4).result()
         assert done.usage.completion_tokens == 4
+        a.ping()
         # Every one of A's requests is still running: B did not wait for them.
         hog = b.status().detail["seats"]["hog"]  # one snapshot: two reads can straddle a park
         assert hog["active"] + hog["queued"] == 4, hog
