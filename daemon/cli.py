@@ -272,6 +272,16 @@ def _uptime(seconds: float) -> str:
     return (f"{days}d " if days else "") + f"{hours}h {minutes:02d}m {s:02d}s"
 
 
+def _shared_forwards(what: str, d: dict, unit: str, key: str, not_exact: str) -> list[str]:
+    """One of the prefill row's parts: a way of sharing forwards, on (its counts) or off."""
+    if not d:
+        return []
+    if not d.get("enabled"):
+        return [f"{what}: off"]
+    return [f"{what}: on ({d.get('forwards', 0)} forwards, {d.get(key, 0)} {unit}"
+            f"{'' if d.get('exact_rows') else '; ' + not_exact})"]
+
+
 def _prefill_row(pacing: dict, together: dict, mixed: dict) -> str:
     """How the engine step prefills beside decoding streams (OPERATIONS.md, The engine step)."""
     parts = []
@@ -284,18 +294,8 @@ def _prefill_row(pacing: dict, together: dict, mixed: dict) -> str:
                          + (f" ({quiet:.1f} ms)" if quiet is not None else "")
                          + (f", last piece {pacing['last_piece']} tokens" if pacing.get("last_piece") else "")
                          + f", {pacing.get('paced_iterations', 0)} paced iterations")
-    if together:
-        if together.get("enabled"):
-            parts.append(f"prompts together: on ({together.get('forwards', 0)} forwards, "
-                         f"{together.get('rows', 0)} pieces{'' if together.get('exact_rows') else '; exact rows alone'})")
-        else:
-            parts.append("prompts together: off")
-    if mixed:
-        if mixed.get("enabled"):
-            parts.append(f"pieces in decode forwards: on ({mixed.get('forwards', 0)} forwards, "
-                         f"{mixed.get('tokens', 0)} tokens{'' if mixed.get('exact_rows') else '; not beside exact rows'})")
-        else:
-            parts.append("pieces in decode forwards: off")
+    parts += _shared_forwards("prompts together", together, "pieces", "rows", "exact rows alone")
+    parts += _shared_forwards("pieces in decode forwards", mixed, "tokens", "tokens", "not beside exact rows")
     return "; ".join(parts)
 
 

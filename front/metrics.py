@@ -175,18 +175,15 @@ def _engine_step(step: dict, seats: dict):
             c = CounterMetricFamily("councild_step_paced", "engine iterations whose prefill the pacer cut to a piece")
             c.add_metric([], pacing.get("paced_iterations", 0))
             yield c
-        together = step.get("together") or {}
-        for key, doc in (("forwards", "prefill forwards that carried several prompts' pieces"),
-                         ("rows", "prompts' pieces those forwards carried")):
-            c = CounterMetricFamily(f"councild_prefill_together_{key}", doc)
-            c.add_metric([], together.get(key, 0))
-            yield c
-        mixed = step.get("mixed") or {}
-        for key, doc in (("forwards", "decode forwards that carried a prompt's paced piece (mixed steps)"),
-                         ("tokens", "prompt tokens those forwards carried")):
-            c = CounterMetricFamily(f"councild_step_mixed_{key}", doc)
-            c.add_metric([], mixed.get(key, 0))
-            yield c
+        for part, prefix, counts in (
+                ("together", "councild_prefill_together", (("forwards", "prefill forwards that carried several prompts' pieces"),
+                                                           ("rows", "prompts' pieces those forwards carried"))),
+                ("mixed", "councild_step_mixed", (("forwards", "decode forwards that carried a prompt's paced piece (mixed steps)"),
+                                                  ("tokens", "prompt tokens those forwards carried")))):
+            for key, doc in counts:
+                c = CounterMetricFamily(f"{prefix}_{key}", doc)
+                c.add_metric([], (step.get(part) or {}).get(key, 0))
+                yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
         g.add_metric([], float(len(queue)))
