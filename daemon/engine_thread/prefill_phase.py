@@ -119,6 +119,8 @@ class PrefillPhase:
         job = order[0]
         if not verdict and (self._exact_greedy(job) or any(self._exact_greedy(j) for j in self.jobs.values() if j.batched)):
             return None
+        if len(self._together(job, order)) > 1:
+            return None  # other prompts' tails share its forward instead (run_together)
         piece = self._piece(decoding)
         if piece is None:
             return None
