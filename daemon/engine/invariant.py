@@ -424,13 +424,20 @@ class InvariantAttention(qwen3_next.Qwen3NextAttention):
         else:
             queries = self.rope(queries)
             keys = self.rope(keys)
-        if B * L > MAX_ROWS:  # a prompt chunk: MLX's fused attention
-            output = qwen3_next.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
-                                                             mask=mask)
-        else:
-            output = invariant_sdpa(queries, keys, values, self.scale, mask)
+        output = self.attend(queries, keys, values, cache, mask)
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
+
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
+        """The attention proper for queries [B, H, L, D] (after rope and the cache update):
+        the invariant kernel for decode-sized forwards, MLX's fused one for a prompt chunk.
+        mixed_forward.py calls it per group, so a group gets the kernel its own forward would."""
+        B, _, L, _ = queries.shape
+        if B * L > MAX_ROWS:  # a prompt chunk: MLX's fused attention
+            return qwen3_next.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
+                                                           mask=mask)
+        return invariant_sdpa(queries, keys, values, self.scale, mask)
 
 
 class InvariantLinear(nn.Linear):

@@ -68,7 +68,10 @@ def _attention(attn: nn.Module, x: mx.array, sizes: list[tuple[int, int]], masks
         queries = attn.rope(queries, offset=cache.offset)
         keys = attn.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
+        if hasattr(attn, "attend"):  # the invariant attention (invariant.py): the kernel its own forward picks
+            out = attn.attend(queries, keys, values, cache, mask)
+        else:
+            out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         outs.append((out.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)).reshape(1, n, -1))
         start += n
     return attn.o_proj(mx.concatenate(outs, axis=1))
@@ -149,7 +152,9 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
     """True when a mixed forward leaves every group's hidden states and caches bit-identical
     to the group's own forward on this backend: ``rows`` decoding rows (prompts of different
     lengths, so their merged attention caches are left-padded) beside a prompt's piece of
-    each length in ``pieces``, one resumed from a prefix and one fresh."""
+    each length in ``pieces``, one resumed from a prefix and one fresh. The caller includes
+    the longest piece it will carry (a chunk): the invariant kernels (invariant.py) take
+    forwards up to a height and MLX's above it, which a short piece alone would not reach."""
     rng = random.Random(seed)
     V = lm.text_args.vocab_size
     for L in pieces:

@@ -143,13 +143,13 @@ class EngineStartup:
         self.engine.mixed_exact = None
         if self.engine.batch is None or self.cfg.scheduler.mixed_steps == "off" or self.group is not None:
             return
-        lm, rows = self.engine.lm, self.cfg.scheduler.max_active
+        lm, rows, chunk = self.engine.lm, self.cfg.scheduler.max_active, self.cfg.scheduler.prefill_chunk
         self.engine.mixed_exact, fields = self._measured_choice(
-            "mixed_steps", self.cfg.scheduler.mixed_steps, str(rows),
+            "mixed_steps", self.cfg.scheduler.mixed_steps, f"{rows}-{chunk}",
             cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
             why_not=lambda r: (f"a decode forward of {rows} rows carrying a prompt's piece costs {r:.2f} of the two "
                                "forwards it replaces here: not a fifth less"),
-            exact=lambda: mixed_matches_alone(lm, rows), rows=rows)
+            exact=lambda: mixed_matches_alone(lm, rows, pieces=(1, 6, chunk)), rows=rows)
         log.info("mixed_steps.ready", **fields)
 
     def _measured_choice(self, probe: str, mode: str, variant: str, *, cost: Callable[[], float],

@@ -166,3 +166,21 @@ def test_the_speculating_batch_carries_pieces_in_depth_zero_cycles_only_and_stay
     cold = lm.make_cache()
     prefill(lm, prompt, cold)
     assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(pre.cache), cache_states(cold)))
+
+
+def test_with_the_invariant_kernels_each_group_gets_its_own_forwards_kernels_and_the_probe_can_say_no(lm):
+    """Through the invariant classes (reference ops on this CPU) a group's attention is the
+    kernel its own forward picks (InvariantAttention.attend), so mixed forwards stay
+    bit-identical, up to and past the kernels' height (where the flattened projections fall
+    back to MLX's matmul: the same bits as the reference on this CPU, not on a GPU, which is why
+    start-up probes a whole chunk's piece); a perturbed multi-row product makes the probe say no."""
+    from daemon.engine import invariant
+
+    invariant.install(lm.text_module)
+    try:
+        assert mixed_matches_alone(lm, rows=2, pieces=(1, 6, invariant.MAX_ROWS))
+        invariant.PERTURB_BATCHED = True
+        assert not mixed_matches_alone(lm, rows=2, pieces=(6,))
+    finally:
+        invariant.PERTURB_BATCHED = False
+        invariant.uninstall(lm.text_module)
