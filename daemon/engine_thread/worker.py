@@ -405,6 +405,7 @@ class EngineWorker(threading.Thread):
         self.tallies.finished(job.seat, terminal.finish_reason if isinstance(terminal, m.Done) else terminal.code)
         # Published before the terminal goes, as a governor override's reply is: whoever has
         # the terminal reads a status (and /metrics) that counts it.
+        self.status.published_at = 0.0
         self._publish()
         self._send(job.identity, terminal, key=job.key, terminal=True)
 
