@@ -89,7 +89,7 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # The batch's decode forwards carry the paced piece of the prompt being prefilled (one
     # forward instead of two an iteration: engine/mixed_forward.py). "auto": where start-up
     # measures that such a forward costs under 0.8 of the two it replaces (launch-bound
-    # devices; this CPU measures 0.91-1.0, so off here); "on" / "off" whatever it costs. Exact
+    # devices; this CPU measures 0.91-1.04, so off here); "on" / "off" whatever it costs. Exact
     # greedy rows and prompts take part only where the start-up probe finds every group's
     # numbers bit-identical to its own forward's. Only while the pacer cuts pieces
     # (decode_gap_bound > 0, a stream decoding). Not in a tensor-parallel group.

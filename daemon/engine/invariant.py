@@ -428,7 +428,6 @@ class InvariantAttention(qwen3_next.Qwen3NextAttention):
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(output * mx.sigmoid(gate))
 
-
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
         """The attention proper for queries [B, H, L, D] (after rope and the cache update):
         the invariant kernel for decode-sized forwards, MLX's fused one for a prompt chunk.

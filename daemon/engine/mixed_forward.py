@@ -148,6 +148,19 @@ def cache_states(caches: list) -> list[mx.array]:
     return [v for _, v in tree_flatten([c.state for c in caches]) if v is not None]
 
 
+def _decoding_rows(lm, rows: int, lengths: tuple[int, ...], rng: random.Random) -> tuple[mx.array, list]:
+    """``rows`` rows that prefilled random prompts of the given lengths (in turn, at random),
+    merged as the continuous batch merges them (left-padded attention caches), with each
+    row's next input token [rows, 1]: the probes' decoding group."""
+    V = lm.text_args.vocab_size
+    states = []
+    for _ in range(rows):
+        c = lm.make_cache()
+        states.append((c, prefill(lm, [rng.randrange(V) for _ in range(rng.choice(lengths))], c)))
+    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*[c for c, _ in states])]
+    return mx.concatenate([last for _, last in states])[:, None], batch
+
+
 def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool:
     """True when a mixed forward leaves every group's hidden states and caches bit-identical
     to the group's own forward on this backend: ``rows`` decoding rows (prompts of different
@@ -158,12 +171,7 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
     rng = random.Random(seed)
     V = lm.text_args.vocab_size
     for L in pieces:
-        states = []
-        for _ in range(rows):
-            c = lm.make_cache()
-            states.append((c, prefill(lm, [rng.randrange(V) for _ in range(rng.choice((2, 9, 23)))], c)))
-        batch = [type(layer[0]).merge(list(layer)) for layer in zip(*[c for c, _ in states])]
-        groups = [(mx.concatenate([last for _, last in states])[:, None], batch)]
+        groups = [_decoding_rows(lm, rows, (2, 9, 23), rng)]
         for prefix in (0, 13):
             c = lm.make_cache()
             if prefix:
@@ -191,15 +199,9 @@ def mixed_cost_ratio(lm, rows: int, piece: int = 8, reps: int = 3, seed: int = 0
     rng = random.Random(seed)
     V = lm.text_args.vocab_size
 
-    caches = []
-    for _ in range(rows):
-        c = lm.make_cache()
-        prefill(lm, [rng.randrange(V) for _ in range(rng.choice((3, 9, 17)))], c)
-        caches.append(c)
-    batch = [type(layer[0]).merge(list(layer)) for layer in zip(*caches)]
+    toks, batch = _decoding_rows(lm, rows, (3, 9, 17), rng)
     piece_cache = lm.make_cache()
     prefill(lm, [rng.randrange(V) for _ in range(12)], piece_cache)
-    toks = mx.array([[rng.randrange(V)] for _ in range(rows)], dtype=mx.uint32)
     ids = mx.array([[rng.randrange(V) for _ in range(piece)]], dtype=mx.uint32)
     mx.eval(toks, ids, cache_states(batch + piece_cache))
 
@@ -222,7 +224,7 @@ def mixed_cost_ratio(lm, rows: int, piece: int = 8, reps: int = 3, seed: int = 0
 
 def mixed_pays(ratio: float) -> bool:
     """Whether decode forwards should carry prompts' pieces at this cost ratio: only for a
-    clear saving of a fifth. On this CPU the start-up timing read 0.91-0.98 (short caches)
+    clear saving of a fifth. On this CPU the start-up timing read 0.91-1.04 (short caches)
     where the benchmark's long-cache iterations read 0.94-1.04: a nearer threshold would turn
     on for noise."""
     return ratio < 0.8
