@@ -513,21 +513,24 @@ def attention_layers(backbone) -> list:
 REFUSED: dict[str, str] = {}
 
 
-def install(text_module, max_rows: int = MAX_ROWS) -> int:
+def install(text_module, max_rows: int = MAX_ROWS, *, quantized_only: bool = False) -> int:
     """Raise MAX_ROWS to ``max_rows`` (the largest decode forward the caller will run) and
     swap ``text_module``'s gated attention, plain linear layers and embedding (the tied
     output head), and its quantized linears and quantized embedding (engine/invariant_quant.py),
     to their invariant classes, in place (weights untouched); returns how many modules were
     swapped. A quantized layer the kernel cannot take (``invariant_quant.refusal``) and
     foreign layers are left as they are (the refused ones, with the reason, in ``REFUSED``):
-    the start-up probe (exactness.py) then finds the model not invariant and says so."""
+    the start-up probe (exactness.py) then finds the model not invariant and says so.
+    ``quantized_only`` swaps the quantized layers alone: on CUDA their decode forwards then run
+    on the tensor-core kernel (engine/quant_mma.py), faster than MLX's at every height it
+    takes, whatever the exactness of the rest of the model."""
     global MAX_ROWS
     MAX_ROWS = max(MAX_ROWS, max_rows)
     REFUSED.clear()
     n = 0
     for path, m in text_module.named_modules():
         cls = _SWAPS.get(type(m))
-        if cls is None:
+        if cls is None or (quantized_only and cls not in _QUANTIZED):
             continue
         if cls in _QUANTIZED:
             why = invariant_quant.refusal(m)

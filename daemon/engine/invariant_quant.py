@@ -43,6 +43,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import quant_mma
+
 BITS = (2, 4, 8)  # power-of-two widths: a word holds 32 / bits whole elements
 FLOAT_INPUTS = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -228,12 +230,13 @@ def reference_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biase
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                      backend: str | None, *, cols_per_warp: int | None = None, warps_per_block: int | None = None,
-                     row_tile: int | None = None) -> mx.array:
+                     row_tile: int | None = None, scalar: bool = False, mma: dict | None = None) -> mx.array:
     """x [..., K] times the quantized w [N, K] transposed, each output summed in an order
     fixed by K alone (see the module docstring), on ``backend`` ("cuda" or "metal"; None, the
     CPU: ``reference_quantized_matmul``). The keyword arguments override the launch shape
     (for the device check's sweep). engine/invariant.py's ``invariant_quantized_matmul``
-    calls it with the process's backend."""
+    calls it with the process's backend. On CUDA a layer engine/quant_mma.py takes runs on the
+    tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel."""
     if backend is None:
         return reference_quantized_matmul(x, w, scales, biases, group_size, bits)
     why = layout_refusal(w, scales, biases, group_size, bits)
@@ -245,11 +248,16 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
         raise ValueError(f"invariant quantized matmul: input dimension {K} does not match weight {tuple(w.shape)}")
     if x.dtype not in FLOAT_INPUTS:
         raise ValueError(f"invariant quantized matmul takes floating-point inputs, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    # The tensor-core kernel where it takes the layer (a property of the layer and the
+    # activations' dtype, never of M, so a layer sums in one order at every height).
+    if backend == "cuda" and not scalar and quant_mma.mma_refusal(x.dtype, N, K, group_size, bits) is None:
+        y = quant_mma.quantized_matmul_mma(x2, w, scales, biases, group_size, bits, **(mma or {}))
+        return y.reshape(*lead, N)
     ncw = cols_per_warp or COLS_PER_WARP
     wpb = warps_per_block or WARPS_PER_BLOCK
     mt = row_tile or ROW_TILE
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
     warps = -(-N // ncw)
     (y,) = _get_kernel(backend)(
         inputs=[x2, w, scales, biases],

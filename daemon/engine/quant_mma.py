@@ -1,0 +1,331 @@
+"""A small-M quantized matmul on CUDA's tensor cores, near the weight-read bound, in a fixed order.
+
+A decode step of a large quantized model is bound by reading its weights: carrying 1 or 32
+positions through the same weights should cost about the same. MLX's ``quantized_matmul`` on
+the H200 does not (a 5120 -> 17408 4-bit layer: 66 us at M = 1, 211 us at M = 4, a quarter of
+the weight-read bound at M = 1), nor did engine/invariant_quant.py's scalar fixed-order kernel
+(its float32 FMAs grow with M: 617 us at M = 32). This kernel streams each weight byte once for
+all rows and does the products on the tensor cores (``mma.sync m16n8k16``, bf16 or fp16
+operands, float32 accumulators), so rows cost almost nothing until the tensor cores fill.
+
+Layout, for MLX's affine groups as ``nn.QuantizedLinear`` stores them (``weight`` uint32
+[N, K * bits / 32], ``scales`` and ``biases`` [N, K / group_size]):
+- a warp owns 16 output columns (the MMA's 16 "rows" are weight rows); a block of S warps
+  shares those 16 columns and splits K: warp w takes the chunks w, w + S, w + 2S, ... of CK
+  inputs (CK = 128 at 4 bits, 64 at 8), each lane 16 bytes of each of two weight rows per
+  chunk (one 16-byte load each), so a block reads S * 64 contiguous bytes of a weight row;
+- the activations are the MMA's B operand: x rows in tiles of 8 (the MMA's n), MT tiles per
+  pass over the weights (M <= 8 * MT: one pass);
+- 4-bit weights are dequantized in pairs with bf16x2 / f16x2 arithmetic (the exponent trick:
+  a nibble OR'd into 128.0's bits is 128 + q exactly; minus 128, then one fused q * s + b),
+  8-bit in float32 (a byte OR'd into 2^23's bits), then rounded once to the operand type;
+- the partial sums of the S warps are added in warp order through shared memory.
+
+The order in which an output element is summed is fixed by K (and bits and S) alone: each MMA
+sums a fixed set of 16 inputs (the k order inside a chunk is a fixed permutation that matches
+the pairs the dequantization produces, the same for weights and activations), the chunks of a
+warp in increasing order, the warps in order. A row's place in its tile of 8 and the other
+rows beside it change nothing (a tensor-core MMA computes each output element from its own
+row and column), and neither do MT, the unroll U or how many passes M needs: they only change
+the speed. So a row gets the same bits at M = 1 as in a batch of 32 or a 9-position verify:
+exact rows batch and speculate. S is looked up per (N, K, bits) (``split_for``), never per M.
+
+What it takes (``mma_refusal``): bf16 or fp16 activations, 4- or 8-bit affine weights with
+biases, N a multiple of 16, K a multiple of CK, a group size that is a multiple of the 32 (4-bit)
+or 16 (8-bit) inputs a lane holds. Anything else goes to engine/invariant_quant.py's scalar
+kernel, decided per layer (never per M). Pointers that are not 16-byte aligned take a slower
+load of four words (checked once per launch). CUDA only: Metal keeps the scalar kernel (MLX's
+own Metal qmv already reads a 2-position verify at ~1.14x a step).
+This module imports nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import mlx.core as mx
+
+MMA_BITS = (4, 8)
+MMA_INPUTS = (mx.bfloat16, mx.float16)
+MAX_TILES = 8  # row tiles of 8 per pass over the weights: M <= 64 in one pass
+
+_HEADER = """
+struct qmm_u4 { unsigned x, y, z, w; };
+
+__device__ __forceinline__ qmm_u4 qmm_load16(const void* p, bool aligned) {
+    qmm_u4 r;
+    if (aligned) {
+        const uint4 v = *reinterpret_cast<const uint4*>(p);
+        r.x = v.x; r.y = v.y; r.z = v.z; r.w = v.w;
+    } else {
+        const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+        r.x = h[0] | (unsigned(h[1]) << 16); r.y = h[2] | (unsigned(h[3]) << 16);
+        r.z = h[4] | (unsigned(h[5]) << 16); r.w = h[6] | (unsigned(h[7]) << 16);
+    }
+    return r;
+}
+
+// Two floats to one register of two 16-bit operands: lo in bits 0-15, hi in 16-31.
+template <bool BF> __device__ __forceinline__ unsigned qmm_pack(float lo, float hi) {
+    unsigned d;
+    if (BF) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+template <bool BF> __device__ __forceinline__ unsigned qmm_fma2(unsigned a, unsigned b, unsigned c) {
+    unsigned d;
+    if (BF) asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    else asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+template <bool BF> __device__ __forceinline__ void qmm_mma(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                                          unsigned a3, unsigned b0, unsigned b1) {
+    if (BF) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+// 4-bit: nibble pair (j, j + 4) of a word as two operands, q * s + b rounded once.
+// OR'd into the exponent of 128.0 (bf16 0x4300) or 1024.0 (f16 0x6400), a nibble is
+// 128 + q (1024 + q) exactly; one fma takes the offset off exactly, one applies s and b.
+template <bool BF> __device__ __forceinline__ unsigned qmm_nibbles(unsigned q, int j, unsigned s2, unsigned b2) {
+    const unsigned magic = BF ? 0x43004300u : 0x64006400u;
+    const unsigned one = BF ? 0x3F803F80u : 0x3C003C00u;
+    const unsigned neg = BF ? 0xC300C300u : 0xE400E400u;  // -128 / -1024
+    const unsigned v = ((q >> (4 * j)) & 0x000F000Fu) | magic;
+    return qmm_fma2<BF>(qmm_fma2<BF>(v, one, neg), s2, b2);
+}
+
+// 8-bit: byte j of a word in float32 (OR'd into 2^23's bits, minus 2^23: exact), q * s + b.
+__device__ __forceinline__ float qmm_byte(unsigned q, int j, float s, float b) {
+    const float v = __uint_as_float(((q >> (8 * j)) & 0xFFu) | 0x4B000000u) - 8388608.0f;
+    return fmaf(v, s, b);
+}
+"""
+
+_SOURCE = """
+    constexpr bool BF = XBF != 0;
+    constexpr int CK = BITS == 4 ? 128 : 64;      // inputs per chunk (4 lanes x 16 bytes)
+    constexpr int KT = CK / 4;                    // inputs a lane holds per row per chunk
+    const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+    const int G = scales_shape[1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int n0 = blockIdx.x * 16;
+    const int NC = K / CK;
+    const size_t row_bytes = (size_t)K * BITS / 8;
+    const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(w);
+    const unsigned char* ra = wbytes + (size_t)(n0 + g) * row_bytes;
+    const unsigned char* rb = wbytes + (size_t)(n0 + g + 8) * row_bytes;
+    const bool aligned = ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) == 0 && (K % 8) == 0;
+    __shared__ float red[S * 32 * 4];
+
+    for (int m0 = 0; m0 < M; m0 += 8 * MT) {
+        float acc[MT][4];
+        #pragma unroll
+        for (int j = 0; j < MT; ++j) { acc[j][0] = 0.f; acc[j][1] = 0.f; acc[j][2] = 0.f; acc[j][3] = 0.f; }
+        for (int cu = warp; cu < NC; cu += S * U) {
+            qmm_u4 wa[U], wb[U];
+            float sa[U], ba[U], sb[U], bb[U];
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = cu + u * S;
+                if (c < NC) {
+                    const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
+                    wa[u] = qmm_load16(ra + off, aligned);
+                    wb[u] = qmm_load16(rb + off, aligned);
+                    const int grp = (c * CK + t * KT) / GS;
+                    sa[u] = static_cast<float>(scales[(size_t)(n0 + g) * G + grp]);
+                    ba[u] = static_cast<float>(biases[(size_t)(n0 + g) * G + grp]);
+                    sb[u] = static_cast<float>(scales[(size_t)(n0 + g + 8) * G + grp]);
+                    bb[u] = static_cast<float>(biases[(size_t)(n0 + g + 8) * G + grp]);
+                }
+            }
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int c = cu + u * S;
+                if (c >= NC) break;
+                const int kl = c * CK + t * KT;     // this lane's first input of the chunk
+                const unsigned wra[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
+                const unsigned wrb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
+                if constexpr (BITS == 4) {
+                    const unsigned sa2 = qmm_pack<BF>(sa[u], sa[u]), ba2 = qmm_pack<BF>(ba[u], ba[u]);
+                    const unsigned sb2 = qmm_pack<BF>(sb[u], sb[u]), bb2 = qmm_pack<BF>(bb[u], bb[u]);
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
+                        unsigned A[2][4];
+                        #pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            A[h][0] = qmm_nibbles<BF>(wra[i], 2 * h, sa2, ba2);      // (k 2h, 2h+4), row g
+                            A[h][1] = qmm_nibbles<BF>(wrb[i], 2 * h, sb2, bb2);      // row g + 8
+                            A[h][2] = qmm_nibbles<BF>(wra[i], 2 * h + 1, sa2, ba2);  // (k 2h+1, 2h+5)
+                            A[h][3] = qmm_nibbles<BF>(wrb[i], 2 * h + 1, sb2, bb2);
+                        }
+                        #pragma unroll
+                        for (int j = 0; j < MT; ++j) {
+                            const int m = m0 + 8 * j + g;
+                            qmm_u4 xv = {0u, 0u, 0u, 0u};
+                            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+                            // the activations paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                            qmm_mma<BF>(acc[j], A[0][0], A[0][1], A[0][2], A[0][3],
+                                        __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
+                            qmm_mma<BF>(acc[j], A[1][0], A[1][1], A[1][2], A[1][3],
+                                        __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
+                        }
+                    }
+                } else {
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
+                        const unsigned a0 = qmm_pack<BF>(qmm_byte(wra[i], 0, sa[u], ba[u]), qmm_byte(wra[i], 1, sa[u], ba[u]));
+                        const unsigned a2 = qmm_pack<BF>(qmm_byte(wra[i], 2, sa[u], ba[u]), qmm_byte(wra[i], 3, sa[u], ba[u]));
+                        const unsigned a1 = qmm_pack<BF>(qmm_byte(wrb[i], 0, sb[u], bb[u]), qmm_byte(wrb[i], 1, sb[u], bb[u]));
+                        const unsigned a3 = qmm_pack<BF>(qmm_byte(wrb[i], 2, sb[u], bb[u]), qmm_byte(wrb[i], 3, sb[u], bb[u]));
+                        #pragma unroll
+                        for (int j = 0; j < MT; ++j) {
+                            const int m = m0 + 8 * j + g;
+                            unsigned b0 = 0u, b1 = 0u;
+                            if (m < M) {
+                                const unsigned* xp = reinterpret_cast<const unsigned*>(x + (size_t)m * K + kl + 4 * i);
+                                if (aligned) { const uint2 v = *reinterpret_cast<const uint2*>(xp); b0 = v.x; b1 = v.y; }
+                                else {
+                                    const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
+                                    b0 = hp[0] | (unsigned(hp[1]) << 16); b1 = hp[2] | (unsigned(hp[3]) << 16);
+                                }
+                            }
+                            qmm_mma<BF>(acc[j], a0, a1, a2, a3, b0, b1);
+                        }
+                    }
+                }
+            }
+        }
+        // The S warps' partial sums, added in warp order; one tile of 8 rows at a time.
+        #pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            if (S > 1) {
+                __syncthreads();
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * 4 + e] = acc[j][e];
+                __syncthreads();
+            }
+            if (warp == 0) {
+                float s[4] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+                for (int v = 1; v < S; ++v) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[e] += red[(v * 32 + lane) * 4 + e];
+                }
+                // C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]: weight row (column of y) g / g+8, x row 2t / 2t+1
+                const int mA = m0 + 8 * j + 2 * t;
+                if (mA < M) {
+                    y[(size_t)mA * N + n0 + g] = static_cast<T>(s[0]);
+                    y[(size_t)mA * N + n0 + g + 8] = static_cast<T>(s[2]);
+                }
+                if (mA + 1 < M) {
+                    y[(size_t)(mA + 1) * N + n0 + g] = static_cast<T>(s[1]);
+                    y[(size_t)(mA + 1) * N + n0 + g + 8] = static_cast<T>(s[3]);
+                }
+            }
+        }
+    }
+"""
+
+# The kernel's name carries a hash of its source: MLX caches compiled kernels on disk by name
+# (MLX_PTX_CACHE_DIR), so an edited kernel must never be served a stale binary.
+_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdigest()[:10]
+
+# Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
+# measured on the H200 (bench/qmm_device.py); shapes not listed take ``default_split``.
+SPLITS: dict[tuple[int, int, int], int] = {}
+# Chunks in flight per warp (U) by row-tile count: speed only.
+UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
+
+_kernel: list = []
+
+
+def _get_kernel():
+    if not _kernel:
+        _kernel.append(mx.fast.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
+                                           output_names=["y"], source=_SOURCE, header=_HEADER))
+    return _kernel[0]
+
+
+def chunk_inputs(bits: int) -> int:
+    return 128 if bits == 4 else 64
+
+
+def mma_refusal(x_dtype, N: int, K: int, group_size: int, bits: int, has_biases: bool = True) -> str | None:
+    """Why the tensor-core kernel cannot take this layer, or None. A layout check only (the
+    scalar kernel's ``layout_refusal`` has passed before this is asked)."""
+    if x_dtype not in MMA_INPUTS:
+        return f"{x_dtype} activations: the tensor-core kernel takes bfloat16 or float16"
+    if bits not in MMA_BITS:
+        return f"{bits}-bit weights: the tensor-core kernel takes 4 or 8 bits"
+    if not has_biases:
+        return "no biases"
+    if N % 16:
+        return f"{N} output columns: the tensor-core kernel takes multiples of 16"
+    ck = chunk_inputs(bits)
+    if K % ck:
+        return f"input dimension {K}: the tensor-core kernel takes multiples of {ck} at {bits} bits"
+    if group_size % (ck // 4):
+        return f"group size {group_size}: the tensor-core kernel needs a multiple of {ck // 4} at {bits} bits"
+    return None
+
+
+def default_split(N: int, K: int, bits: int) -> int:
+    """Warps per block for a shape the table does not list: enough blocks x warps to fill an
+    H200-sized chip (132 SMs, ~16 resident warps each) while each warp keeps >= 4 chunks."""
+    tiles = N // 16
+    chunks = K // chunk_inputs(bits)
+    s = 1
+    while s < 16 and tiles * s < 132 * 16 and chunks // (2 * s) >= 4:
+        s *= 2
+    return s
+
+
+def split_for(N: int, K: int, bits: int) -> int:
+    return SPLITS.get((N, K, bits)) or default_split(N, K, bits)
+
+
+def tiles_for(M: int) -> int:
+    return max(1, min(MAX_TILES, -(-M // 8)))
+
+
+def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+                         *, split: int | None = None, unroll: int | None = None, tiles: int | None = None) -> mx.array:
+    """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
+    output summed in an order fixed by K, bits and the split (see the module docstring). The
+    keyword arguments override the launch (for the device check's sweep); ``split`` changes the
+    order, the others only the speed."""
+    M, K = x2.shape
+    N = w.shape[0]
+    S = split or split_for(N, K, bits)
+    MT = tiles or tiles_for(M)
+    U = unroll or UNROLL_BY_TILES.get(MT, 1)
+    (y,) = _get_kernel()(
+        inputs=[x2, w, scales, biases],
+        template=[("T", x2.dtype), ("XBF", int(x2.dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
+                  ("S", S), ("MT", MT), ("U", U)],
+        grid=(32 * S * (N // 16), 1, 1),
+        threadgroup=(32 * S, 1, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[x2.dtype],
+    )
+    return y
+
+
+def kernel_source() -> str:
+    """The header and body, for error reports and compile checks."""
+    return _HEADER + "\n// ---- body ----\n" + _SOURCE
+
+
