@@ -239,11 +239,11 @@ def apply_sweep() -> None:
 
 
 @section("timing", 45)
-def timing() -> dict:
+def timing(bit_widths=(4, 8)) -> dict:
     apply_sweep()
     bw = bandwidth()
     rows = []
-    for bits in (4, 8):
+    for bits in bit_widths:
         for name, (N, K, count) in SHAPES_27B.items():
             q, s, b = quantized(N, K, 64, bits, seed=N)
             for M in (1, 2, 4, 8, 16, 32):
@@ -261,7 +261,7 @@ def timing() -> dict:
             del q, s, b
             mx.clear_cache()
     goals = {}
-    for bits in (4, 8):
+    for bits in bit_widths:
         for name, (N, K, _) in SHAPES_27B.items():
             by = {r["M"]: r for r in rows if r["bits"] == bits and r["shape"] == name}
             goals[f"b{bits} {name}"] = {"m1_bound_frac": by[1]["bound_us"] / by[1]["kernel_us"],
@@ -269,7 +269,7 @@ def timing() -> dict:
                                         "m32_over_m1": by[32]["kernel_us"] / by[1]["kernel_us"],
                                         "mlx_m1_over_kernel": by[1]["mlx_us"] / by[1]["kernel_us"]}
     per_step = {}
-    for bits in (4, 8):
+    for bits in bit_widths:
         for M in (1, 2, 4, 8, 16, 32):
             sel = [r for r in rows if r["bits"] == bits and r["M"] == M]
             per_step[f"b{bits}_M{M}"] = {k: sum(r[k] * r["count_in_27b"] for r in sel) / 1e3
@@ -324,7 +324,8 @@ def forward_costs(lm, arms, shapes, context: int, rounds: int) -> dict:
 
 
 @section("steps", 150)
-def steps(skip_decoders: bool) -> dict:
+def steps(skip_decoders: bool, arms=("mlx", "qmm", "invariant"),
+          shapes=((1, 1), (1, 2), (1, 4), (4, 1), (4, 2), (8, 1))) -> dict:
     from gpu_batch_spec import BatchOracleHead, run_arm
     from gpu_bench import PROFILES, QWEN35_27B, build_model, quantize_4bit
 
@@ -334,8 +335,7 @@ def steps(skip_decoders: bool) -> dict:
     quantize_4bit(lm, head)
     mx.clear_cache()
     log(f"27B 4-bit built in {time.perf_counter() - t:.0f}s, active {mx.get_active_memory() / 1e9:.1f} GB")
-    out = {"forward": forward_costs(lm, ["mlx", "qmm", "invariant"], [(1, 1), (1, 2), (1, 4), (4, 1), (4, 2), (8, 1)],
-                                    context=256, rounds=2)}
+    out = {"forward": forward_costs(lm, list(arms), list(shapes), context=256, rounds=2)}
     RESULTS["steps"] = out
     save()
     if skip_decoders or BUDGET - (time.perf_counter() - T0) < 60:
