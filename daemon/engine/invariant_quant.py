@@ -228,6 +228,34 @@ def reference_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biase
     return y.astype(x.dtype).reshape(*lead, N)
 
 
+# Which kernel a layer takes, by everything that decides it (its layout, the activations'
+# dtype, the backend): the checks cost more host time than the launch in an eager decode step.
+_routes: dict[tuple, str] = {}
+
+
+def _route(backend: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+           scalar: bool) -> str:
+    """"mma" (engine/quant_mma.py: a property of the layer and the activations' dtype, never of
+    M, so a layer sums in one order at every height), "scalar" (this module's kernel) or why
+    neither can take the call."""
+    key = (backend, w.shape, w.dtype, scales.shape, scales.dtype, None if biases is None else (biases.shape, biases.dtype),
+           x.shape[-1], x.dtype, group_size, bits, scalar)
+    got = _routes.get(key)
+    if got is None:
+        K = x.shape[-1]
+        N, KW = w.shape if w.ndim == 2 else (0, 0)
+        got = layout_refusal(w, scales, biases, group_size, bits)
+        if got is None and K * bits != KW * 32:
+            got = f"input dimension {K} does not match weight {tuple(w.shape)}"
+        if got is None and x.dtype not in FLOAT_INPUTS:
+            got = f"takes floating-point inputs, got {x.dtype}"
+        if got is None:
+            use_mma = backend == "cuda" and not scalar and quant_mma.mma_refusal(x.dtype, N, K, group_size, bits) is None
+            got = "mma" if use_mma else "scalar"
+        _routes[key] = got
+    return got
+
+
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                      backend: str | None, *, cols_per_warp: int | None = None, warps_per_block: int | None = None,
                      row_tile: int | None = None, scalar: bool = False, mma: dict | None = None) -> mx.array:
@@ -239,20 +267,14 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel."""
     if backend is None:
         return reference_quantized_matmul(x, w, scales, biases, group_size, bits)
-    why = layout_refusal(w, scales, biases, group_size, bits)
-    if why is not None:
-        raise ValueError(f"invariant quantized matmul: {why}")
     K = x.shape[-1]
-    N, KW = w.shape
-    if K * bits != KW * 32:
-        raise ValueError(f"invariant quantized matmul: input dimension {K} does not match weight {tuple(w.shape)}")
-    if x.dtype not in FLOAT_INPUTS:
-        raise ValueError(f"invariant quantized matmul takes floating-point inputs, got {x.dtype}")
+    N = w.shape[0]
+    route = _route(backend, x, w, scales, biases, group_size, bits, scalar)
+    if route != "mma" and route != "scalar":
+        raise ValueError(f"invariant quantized matmul: {route}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    # The tensor-core kernel where it takes the layer (a property of the layer and the
-    # activations' dtype, never of M, so a layer sums in one order at every height).
-    if backend == "cuda" and not scalar and quant_mma.mma_refusal(x.dtype, N, K, group_size, bits) is None:
+    if route == "mma":
         y = quant_mma.quantized_matmul_mma(x2, w, scales, biases, group_size, bits, **(mma or {}))
         return y.reshape(*lead, N)
     ncw = cols_per_warp or COLS_PER_WARP
