@@ -15,13 +15,18 @@ matmul and attention) pass them on the H200 for the bundled model; they cost spe
   kernels where the backend can run them and the probes prove them; else MLX's.
 Every probe answer is cached across starts (probe_verdicts.py, keyed by the kernels too).
 The decision and its reasons go to the log (``engine.kernels``) and to status.
+
+Where "auto" or "invariant" ends on MLX's kernels on CUDA, the quantized layers still take the
+faster of MLX's kernel and the tensor-core one by row count (engine/quant_route.py, measured on
+the H200): kernels "mlx+qmm". Exactness is unchanged by it (exact rows decode alone there, the
+probes re-run under the routed kernels); a configured "mlx" keeps MLX's everywhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine import invariant
+from ..engine import invariant, quant_route
 from ..engine.batch import batch_matches_serial
 from ..engine.compiled import enable_compiled_decode
 from ..engine.exactness import ragged_verify_matches_serial, verify_matches_serial
@@ -37,7 +42,7 @@ MAX_VERIFY_POSITIONS = 9
 
 @dataclass
 class KernelChoice:
-    kernels: str  # "mlx" or "invariant"
+    kernels: str  # "mlx", "invariant" or "mlx+qmm" (MLX's, the quantized layers routed for speed)
     reason: str
     verdicts: ProbeVerdicts
     probes: dict = field(default_factory=dict)  # {"mlx": {...}, "invariant": {...}}: what each probe said
@@ -58,9 +63,12 @@ def _forget_probes(lm) -> None:
         lm.__dict__.pop(key, None)
 
 
-def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool) -> None:
+def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool, route_quantized: bool = False) -> None:
     """Put ``lm`` on the invariant kernels (for decode forwards of up to ``rows`` rows) or
-    back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this."""
+    back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this.
+    ``route_quantized``: back on MLX's, but on CUDA the quantized layers take the faster kernel
+    by row count (engine/quant_route.py)."""
+    quant_route.uninstall(lm.text_module)
     if to_invariant:
         invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)
         if invariant.REFUSED:  # quantized layers the fixed-order kernel cannot take: MLX's, the probes decide
@@ -74,6 +82,8 @@ def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool) -> Non
     # A perturbed run (the test hook) is another kernel set: its failing verdicts must not be
     # read back by an unperturbed start.
     lm.kernels = ("invariant-perturbed" if invariant.PERTURB_BATCHED else "invariant") if to_invariant else "mlx"
+    if not to_invariant and route_quantized and invariant.backend() == "cuda" and quant_route.install(lm.text_module):
+        lm.kernels = "mlx+qmm"
     _forget_probes(lm)
     # The compiled one-token forward traced the old layers: trace it again (it checks itself
     # against the eager forward before it is used, as at load).
@@ -108,14 +118,23 @@ def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, com
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here is refused, not fatal
         swap_kernels(lm, False, rows, compile_decode)
         return KernelChoice("mlx", f"the invariant kernels raised {type(exc).__name__}: {str(exc)[:500]}: refused, "
-                                   "MLX's kept", verdicts, probes)
+                                   "MLX's kept (and the quantized layers not routed)", verdicts, probes)
     if all(probes["invariant"].values()):
         why = ("MLX's kernels failed " + ", ".join(k for k, v in probes["mlx"].items() if not v) + "; "
                if "mlx" in probes else "configured; ")
         return KernelChoice("invariant", why + "the invariant kernels passed every probe", inv_verdicts, probes)
-    swap_kernels(lm, False, rows, compile_decode)
+    swap_kernels(lm, False, rows, compile_decode, route_quantized=True)
     failed = ", ".join(k for k, v in probes["invariant"].items() if not v)
-    return KernelChoice("mlx", f"the invariant kernels failed {failed}: refused, MLX's kept", verdicts, probes)
+    return _routed_choice(lm, group, f"the invariant kernels failed {failed}: refused, MLX's kept", verdicts, probes)
+
+
+def _routed_choice(lm, group, reason: str, verdicts: ProbeVerdicts, probes: dict) -> KernelChoice:
+    """The choice of MLX's kernels, said as "mlx+qmm" where swap_kernels routed the quantized
+    layers (their verdicts are then their own: a new key in the verdicts cache)."""
+    if lm.kernels != "mlx+qmm":
+        return KernelChoice("mlx", reason, verdicts, probes)
+    return KernelChoice("mlx+qmm", reason + "; the quantized layers take the tensor-core kernel where it is faster "
+                                           "by row count", verdicts_for(lm, group), probes)
 
 
 def log_choice(choice: KernelChoice, backend: str | None) -> None:

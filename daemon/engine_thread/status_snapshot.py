@@ -39,7 +39,7 @@ class EngineSnapshot:
     # What an exact temperature-0 request gets here: "speculate" (verify is bit-identical
     # to serial), "serial" or "guarded" (it is not; speculation.exact_on_inexact_backend).
     exact_decode: str = "speculate"
-    # "mlx" or "invariant" (kernel_choice.py), and why.
+    # "mlx", "invariant" or "mlx+qmm" (kernel_choice.py), and why.
     kernels: str = "mlx"
     kernels_reason: str = ""
     decode_path: str = ""

@@ -1,0 +1,120 @@
+"""Which kernel a quantized layer takes, on the CPU: the tensor-core kernel's layout rules
+(engine/quant_mma.py), the per-layer route in engine/invariant_quant.py, and the speed route by
+row count (engine/quant_route.py) with the CUDA kernel replaced by a recorder (the kernel itself
+runs only on a GPU: bench/qmm_device.py; bench/results/qmm_h200_2026-12-03)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from daemon.engine import invariant, invariant_quant, quant_mma, quant_route
+from daemon.engine_thread.kernel_choice import swap_kernels
+
+pytestmark = pytest.mark.quick
+
+
+def _layer(N=64, K=256, bits=4, gs=64, dtype=mx.bfloat16):
+    mx.random.seed(4)
+    q = nn.QuantizedLinear.from_linear(nn.Linear(K, N, bias=False), group_size=gs, bits=bits)
+    q.update({k: v.astype(dtype) for k, v in q.parameters().items() if k in ("scales", "biases")})
+    return q
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(x_dtype=mx.float32), "float32"), (dict(bits=2), "2-bit"), (dict(N=40), "multiples of 16"),
+    (dict(K=192), "multiples of 128"), (dict(bits=8, K=96), "multiples of 64"), (dict(group_size=16), "group size"),
+])
+def test_the_tensor_core_kernel_refuses_what_it_cannot_take(kw, needle):
+    args = dict(x_dtype=mx.bfloat16, N=64, K=256, group_size=64, bits=4) | kw
+    why = quant_mma.mma_refusal(**args)
+    assert why is not None and needle in why, why
+    assert quant_mma.mma_refusal(mx.float16, 48, 5120, 64, 8) is None
+    assert quant_mma.mma_refusal(mx.bfloat16, 248320, 5120, 32, 4) is None
+
+
+def test_the_split_of_k_depends_on_the_shape_never_on_rows():
+    """S is part of the summation order: one value per (N, K, bits), within the block limit."""
+    for N, K, bits in ((17408, 5120, 4), (5120, 17408, 4), (48, 5120, 8), (1024, 256, 4)):
+        s = quant_mma.split_for(N, K, bits)
+        assert 1 <= s <= 16 and s & (s - 1) == 0
+    assert quant_mma.tiles_for(1) == 1 and quant_mma.tiles_for(8) == 1 and quant_mma.tiles_for(9) == 2
+    assert quant_mma.tiles_for(1000) == quant_mma.MAX_TILES
+
+
+def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
+    lay = _layer()
+    w, s, b = lay["weight"], lay["scales"], lay["biases"]
+    xb = mx.zeros((3, 256), dtype=mx.bfloat16)
+    assert invariant_quant._route("cuda", xb, w, s, b, 64, 4, False) == "mma"
+    assert invariant_quant._route("cuda", xb[:1], w, s, b, 64, 4, False) == "mma"  # rows never decide
+    assert invariant_quant._route("cuda", xb, w, s, b, 64, 4, True) == "scalar"
+    assert invariant_quant._route("metal", xb, w, s, b, 64, 4, False) == "scalar"
+    assert invariant_quant._route("cuda", xb.astype(mx.float32), w, s, b, 64, 4, False) == "scalar"
+    assert "do not fit" in invariant_quant._route("cuda", xb, w, s, b, 32, 4, False)
+
+
+@pytest.mark.parametrize("rows,want", [(1, True), (3, True), (6, True), (8, True), (12, False), (40, False)])
+def test_the_speed_route_reads_the_measured_table(rows, want):
+    assert quant_route.use_mma(17408, 5120, 4, rows) is want
+
+
+def test_a_shape_the_table_lacks_takes_the_nearest_measured_one_of_its_bits():
+    assert quant_route.use_mma(16384, 5120, 4, 1) is quant_route.use_mma(17408, 5120, 4, 1) is True
+    assert quant_route.use_mma(16384, 5120, 8, 1) is False  # 8-bit at one row: MLX's was faster
+    assert quant_route.use_mma(64, 256, 4, 2) is quant_route.use_mma(48, 5120, 4, 2)
+
+
+@pytest.fixture
+def recorded_kernel(monkeypatch):
+    """The process looks like CUDA and the tensor-core kernel records its calls (returning the
+    reference's product, so the layer's output is still a product)."""
+    calls = []
+
+    def fake(x2, w, scales, biases, group_size, bits, **launch):
+        calls.append(x2.shape[0])
+        return invariant_quant.reference_quantized_matmul(x2, w, scales, biases, group_size, bits)
+
+    monkeypatch.setattr(invariant, "backend", lambda: "cuda")
+    monkeypatch.setattr(quant_mma, "quantized_matmul_mma", fake)
+    return calls
+
+
+def test_routed_layers_take_the_kernel_only_at_the_rows_it_wins(recorded_kernel, monkeypatch):
+    lay = _layer()
+    monkeypatch.setitem(quant_route.MEASURED_FASTER, (64, 256, 4), (2, 4))
+    quant_route.use_mma.cache_clear()
+    model = nn.Sequential(lay)
+    assert quant_route.install(model) == 1 and quant_route.installed(model)
+    x = mx.random.normal((1, 40, 256)).astype(mx.bfloat16)
+    mlx_out = {r: nn.QuantizedLinear.__call__(lay, x[:, :r]) for r in (1, 3, 20)}
+    got = {r: lay(x[:, :r]) for r in (1, 3, 20)}
+    assert recorded_kernel == [3]  # 1 row and 20 rows: MLX's; 3 rows (bucket 4): the kernel
+    assert mx.array_equal(got[1], mlx_out[1]).item() and mx.array_equal(got[20], mlx_out[20]).item()
+    ref = invariant_quant.reference_quantized_matmul(x[:, :3], lay.weight, lay.scales, lay.biases, 64, 4)
+    assert mx.array_equal(got[3], ref).item()  # the recorder's product, not MLX's
+    quant_route.uninstall(model)
+    assert type(lay) is nn.QuantizedLinear
+    quant_route.use_mma.cache_clear()
+
+
+def test_float32_activations_stay_on_mlx_when_routed(recorded_kernel):
+    lay = _layer(dtype=mx.float32)
+    model = nn.Sequential(lay)
+    quant_route.install(model)
+    lay(mx.random.normal((2, 256)))
+    assert recorded_kernel == []
+    quant_route.uninstall(model)
+
+
+def test_on_the_cpu_the_daemon_never_routes(tmp_path):
+    """swap_kernels back to MLX's with routing asked: no CUDA here, so nothing is swapped and the
+    kernels stay "mlx" (the verdicts cache key unchanged)."""
+    from daemon.engine.loading import load_model
+    from daemon.engine.random_model import build_random_model
+
+    lm = load_model(build_random_model(tmp_path / "m", seed=5), compile_decode=False)
+    nn.quantize(lm.text_module, group_size=32, bits=4)
+    swap_kernels(lm, False, rows=2, compile_decode=False, route_quantized=True)
+    assert lm.kernels == "mlx" and not quant_route.installed(lm.text_module)
