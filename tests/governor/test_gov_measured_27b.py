@@ -1,0 +1,51 @@
+"""The governor on the costs measured for a 27B-shaped 4-bit model on the H200 with the
+tensor-core quantized matmul (bench/results/qmm_h200_2026-12-03, call 3: the daemon's decoders
+with oracle drafts), replayed on a fake clock: where speculation wins it must draft, where it
+loses it must not.
+
+Cycle costs in serial steps (one row, depth 0: 25.9 ms, 38.6 tok/s), from each arm's tokens/s
+and tokens per row per cycle: one row at depth 1 1.85 tokens in 41.0 ms (1.58 steps), depth 2
+2.34 in 51.0 ms (1.97); four rows at depth 0 24.1 ms a cycle (0.93 steps: the kernel is flat in
+rows), depth 1 50.4 ms (1.95), depth 2 60.3 ms (2.33): a batch's drafting costs more than its
+verify saves there. Depths 3-4 were not measured: priced as depth 2 plus the 1 -> 2 step."""
+
+from __future__ import annotations
+
+import pytest
+
+from governor.config import GovernorConfig
+from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe, RecordingLogger, SimEngine
+from governor.runtime import Governor
+
+pytestmark = pytest.mark.quick
+
+MiB = 1 << 20
+STEP_S = 0.0259
+
+
+def _extend(row: list[float]) -> list[float]:
+    step = row[-1] - row[-2]
+    return row + [row[-1] + step, row[-1] + 2 * step]
+
+
+QMM_27B = {1: _extend([1.00, 1.58, 1.97]), 4: _extend([0.93, 1.95, 2.33])}
+
+
+def _run(streams: int, seconds: float = 90.0) -> Governor:
+    clock = FakeClock(0.0)
+    gov = Governor(GovernorConfig(), clock=clock, memory_probes=[FakeMemoryProbe()], load=FakeLoad(active=1),
+                   head_resident=True, head_bytes=850 * MiB, logger=RecordingLogger())
+    eng = SimEngine(gov, lambda k, load: STEP_S * QMM_27B[1][k], acceptance=0.85, load_fn=lambda: 0.0,
+                    streams_fn=lambda: streams, batch_cost_fn=lambda n, k: STEP_S * QMM_27B[n][k])
+    eng.run(seconds, clock)
+    return gov
+
+
+def test_one_stream_speculates_on_the_measured_27b_costs():
+    gov = _run(streams=1)
+    assert gov.depth_for(1) >= 1
+
+
+def test_a_batch_of_four_stays_at_depth_0_on_the_measured_27b_costs():
+    gov = _run(streams=4)
+    assert gov.depth_for(4) == 0
