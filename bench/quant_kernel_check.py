@@ -11,7 +11,7 @@ section runs), the JSON rewritten after every section (DIR/quant_kernel_check.js
 1. env: backend, device, mlx version; copy bandwidth (a + 1 over 2 GiB of bf16).
 2. compile: one small call per bits (4, 8) x group (32, 64, 128) x dtype (bf16, fp16, fp32).
 3. correctness: the kernel against the dequantized weight's float32 product computed on the
-   CPU (exact float32 reference), bits 4/8, groups 32/64/128, M in 1, 2, 4, 8, 16, 32 (and the
+   device in plain ops (exact float32 reference; on the CPU it took >100 s per 27B shape), bits 4/8, groups 32/64/128, M in 1, 2, 4, 8, 16, 32 (and the
    tile edges 3, 9, 17, 33), shapes incl. the 27B MLP's 5120 -> 17408 and 17408 -> 5120 and an
    N that is not a multiple of the columns per warp. Bound: |err| <= 2^-8 |ref| (one bf16
    rounding of the output; 2^-20 for fp32 outputs) + 1e-5 * sum_k |x w| (float32 order).
@@ -169,13 +169,14 @@ def mlx_qmm(x, q, s, b, gs, bits):
 
 
 def cpu_reference(x, q, s, b, gs, bits) -> tuple[mx.array, mx.array]:
-    """The exact float32 product (and sum_k |x w|, the scale of float32 order error), on the CPU."""
-    with mx.stream(mx.cpu):
-        wf = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
-        xf = x.astype(mx.float32)
-        ref = xf @ wf.T
-        mag = mx.abs(xf) @ mx.abs(wf).T
-        mx.eval(ref, mag)
+    """The exact float32 product (and sum_k |x w|, the scale of float32 order error), on the
+    default device: on a GPU in plain elementwise ops and a reduction (invariant_quant's
+    reference: no matmul unit, so no TF32), which takes seconds where the CPU took minutes a
+    27B shape; the magnitude, only a bound's scale, through a matmul."""
+    ref = invariant_quant.reference_quantized_matmul(x.astype(mx.float32), q, s, b, gs, bits)
+    wf = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
+    mag = mx.abs(x.astype(mx.float32)) @ mx.abs(wf).T
+    mx.eval(ref, mag)
     return ref, mag
 
 
