@@ -542,12 +542,21 @@ def install(text_module, max_rows: int = MAX_ROWS, *, quantized_only: bool = Fal
     return n
 
 
-def uninstall(text_module) -> None:
+def restore_classes(text_module, back: dict) -> None:
+    """Put every module whose class is a key of ``back`` back on its value (a swap undone)."""
     for _, m in text_module.named_modules():
-        cls = _BACK.get(type(m))
+        cls = back.get(type(m))
         if cls is not None:
             m.__class__ = cls
 
 
+def holds_classes(text_module, classes) -> bool:
+    return any(type(m) in classes for _, m in text_module.named_modules())
+
+
+def uninstall(text_module) -> None:
+    restore_classes(text_module, _BACK)
+
+
 def installed(text_module) -> bool:
-    return any(type(m) in _BACK for _, m in text_module.named_modules())
+    return holds_classes(text_module, _BACK)

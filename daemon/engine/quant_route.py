@@ -119,11 +119,8 @@ def install(text_module) -> int:
 
 
 def uninstall(text_module) -> None:
-    for _, m in text_module.named_modules():
-        cls = _BACK.get(type(m))
-        if cls is not None:
-            m.__class__ = cls
+    invariant.restore_classes(text_module, _BACK)
 
 
 def installed(text_module) -> bool:
-    return any(type(m) in _BACK for _, m in text_module.named_modules())
+    return invariant.holds_classes(text_module, _BACK)
