@@ -35,6 +35,16 @@ near-tie. Requests in speculation mode "fast" (which already accept near-tie fli
 them; exact and serial requests use them only when the operator sets
 ``prefix_cache.inexact_reuse`` (config.py), and otherwise reuse on the chunk grid only.
 
+Snapshot points (``boundaries``). An exact end serves its own continuation (the seat's
+next turn); a grid point inside the prompt serves every other prompt that shares that
+much: another seat's prompt that differs in its last lines, a raw prompt (which has no
+message ends), a chat that diverges inside a long message. So a prefill stores both: the
+prompt's and each message's exact end where splits are exact, and the last grid point
+before each such end (where that lies past the end before it), so a prompt sharing a
+prefix with an earlier one re-prefills less than a chunk of it when it diverges within
+the chunk before one of the earlier prompt's ends. Denser points along a long prompt
+would cover divergence anywhere, at one whole snapshot (KV up to that point) each.
+
 The MTP head's committed history is part of the snapshot: the head's KV (one slot per
 position but the last) and the base hidden at the last position, which pairs with whatever
 token the next request has there. A hit primes the head exactly as a cold prefill does.
@@ -245,15 +255,30 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
     def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:
         """Positions (tokens in the cache) at which a prefill of this prompt, from ``start``,
-        takes a snapshot. Where splits are exact: the prompt's end and each segment end
-        (chat messages), exactly (the prefill cuts its chunks there, ``ChunkedPrefill``'s
-        ``stops``). Elsewhere: the last aligned boundary of the prompt and of each segment
-        end; with ``fine``, the prompt's exact end too (the last chunk ends there anyway)."""
+        takes a snapshot.
+
+        Where splits are exact: the prompt's end and each segment end (chat messages),
+        exactly (the prefill cuts its chunks there, ``ChunkedPrefill``'s ``stops``), and the
+        last chunk-grid point before each of those that lies past the point before it. The
+        grid points are what another prompt sharing a long prefix resumes from: an exact
+        end is a prefix of nothing but its own continuation, so without them a raw prompt
+        (no segments) that diverges from an earlier one in its last lines, or a chat that
+        diverges in the middle of a long message, would re-prefill everything; with them it
+        re-prefills less than a chunk of what it shares, when it diverges within the chunk
+        before one of those ends. (A grid point at or before the previous point adds
+        nothing: that point serves every prompt it would.) Elsewhere: the last grid point
+        of the prompt and of each segment end; with ``fine``, the prompt's exact end too
+        (the last chunk ends there anyway)."""
         last = prompt_len - 1  # the last prompt token is never prefilled
+        c = self.chunk
         if self.splits_exact:
-            out = {last} | {min(e, last) for e in segment_ends}
+            ends = sorted({last} | {min(e, last) for e in segment_ends})
+            out, before = set(ends), 0
+            for e in ends:
+                if e // c * c > before:
+                    out.add(e // c * c)
+                before = e
         else:
-            c = self.chunk
             out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
             if fine:
                 out.add(last)

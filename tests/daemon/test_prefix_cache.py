@@ -122,8 +122,9 @@ def test_the_split_probe_refuses_a_forward_whose_numbers_depend_on_the_split(lm,
 
 
 def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_cold_run(lm):
-    """Splits exact: the snapshot points are the prompt's and the messages' exact ends; the
-    prefill cuts its chunks there; a later prompt resumes from the off-grid snapshot and
+    """Splits exact: the snapshot points are the prompt's and the messages' exact ends and
+    the grid point before each; the prefill cuts its chunks there; a later prompt resumes
+    from the off-grid snapshot and
     leaves the cold run's state bit for bit (and the same next logits)."""
     from daemon.engine.prefill import ChunkedPrefill
 
@@ -131,8 +132,8 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
     rng = random.Random(4)
     prompt = [rng.randrange(1, 500) for _ in range(101)]
     pc = PrefixCache(max_bytes=1 << 30, chunk=chunk, splits_exact=True)
-    assert pc.boundaries(len(prompt), 0, [41]) == {100, 41}
-    assert pc.boundaries(len(prompt), 41, [41]) == {100}
+    assert pc.boundaries(len(prompt), 0, [41]) == {100, 96, 41, 32}
+    assert pc.boundaries(len(prompt), 41, [41]) == {100, 96}
     assert "any token" in pc.stats()["exact_reuse"]
     pre = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), stops=pc.boundaries(len(prompt), 0, [41]))
     sizes = []
@@ -140,7 +141,7 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
         sizes.append(pre.step())
         if pre.pos == 41:
             assert pc.store(prompt[:41], pre.cache, None) is not None  # exact off the grid here
-    assert sizes == [32, 9, 32, 27]
+    assert sizes == [32, 9, 32, 23, 4]
     cold = prefilled(lm, prompt[:-1], chunk)  # the grid: 32, 32, 32, 4
     assert _same(_state_bits(pre.cache), _state_bits(cold))
     # A later prompt sharing the first message: it resumes at 41 and forwards off the grid.
@@ -154,6 +155,20 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
     ref = prefilled(lm, later[:-1], chunk)
     assert _same(_state_bits(resumed.cache), _state_bits(ref))
     assert mx.array_equal(next_logits(lm, resumed.cache, later[-1]), next_logits(lm, ref, later[-1])).item()
+
+
+@pytest.mark.quick
+def test_where_splits_are_exact_a_grid_point_sits_before_each_end():
+    """An exact end serves only its own continuation; the grid point before it serves
+    prompts that share less. One before the prompt's end (a raw prompt has no other), one
+    before each message end that lies past the end before it."""
+    pc = PrefixCache(max_bytes=1 << 30, chunk=32, splits_exact=True)
+    assert pc.boundaries(101, 0) == {100, 96}  # a raw prompt: its end and the grid point below
+    assert pc.boundaries(97, 0) == {96}  # its end on the grid: one point
+    assert pc.boundaries(101, 0, [10, 20, 41]) == {10, 20, 41, 32, 100, 96}  # 10 and 20: no grid point past 0
+    assert pc.boundaries(101, 0, [33, 40]) == {33, 40, 32, 100, 96}  # 40's grid point is 33's
+    assert pc.boundaries(101, 97, [41]) == {100}  # resumed past the grid point: only the end
+    assert pc.boundaries(101, 50, [41]) == {100, 96}
 
 
 def test_where_splits_are_not_exact_exact_requests_refuse_off_grid_snapshots(lm):
