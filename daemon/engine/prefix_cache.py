@@ -39,11 +39,11 @@ Snapshot points (``boundaries``). An exact end serves its own continuation (the 
 next turn); a grid point inside the prompt serves every other prompt that shares that
 much: another seat's prompt that differs in its last lines, a raw prompt (which has no
 message ends), a chat that diverges inside a long message. So a prefill stores both: the
-prompt's and each message's exact end where splits are exact, and the last grid point
-before each such end (where that lies past the end before it), so a prompt sharing a
-prefix with an earlier one re-prefills less than a chunk of it when it diverges within
-the chunk before one of the earlier prompt's ends. Denser points along a long prompt
-would cover divergence anywhere, at one whole snapshot (KV up to that point) each.
+prompt's and each message's exact end where splits are exact, the last two grid points
+before the prompt's end and the last one before each message end (where they lie past
+the end before them). A prompt that diverges from an earlier one anywhere in its last
+chunk then re-prefills less than a chunk of what they share. Denser points along a long
+prompt would cover divergence anywhere, at one whole snapshot (KV up to that point) each.
 
 The MTP head's committed history is part of the snapshot: the head's KV (one slot per
 position but the last) and the base hidden at the last position, which pairs with whatever
@@ -257,31 +257,32 @@ class PrefixCache:
         """Positions (tokens in the cache) at which a prefill of this prompt, from ``start``,
         takes a snapshot.
 
-        Where splits are exact: the prompt's end and each segment end (chat messages),
-        exactly (the prefill cuts its chunks there, ``ChunkedPrefill``'s ``stops``), and the
-        last chunk-grid point before each of those that lies past the point before it. The
-        grid points are what another prompt sharing a long prefix resumes from: an exact
-        end is a prefix of nothing but its own continuation, so without them a raw prompt
-        (no segments) that diverges from an earlier one in its last lines, or a chat that
-        diverges in the middle of a long message, would re-prefill everything; with them it
-        re-prefills less than a chunk of what it shares, when it diverges within the chunk
-        before one of those ends. (A grid point at or before the previous point adds
-        nothing: that point serves every prompt it would.) Elsewhere: the last grid point
-        of the prompt and of each segment end; with ``fine``, the prompt's exact end too
-        (the last chunk ends there anyway)."""
+        An exact end serves only its own continuation; grid points (multiples of the
+        chunk) inside the prompt serve other prompts that share less. Before the prompt's
+        end, the last two grid points: a prompt that diverges anywhere in this one's last
+        chunk (another seat's last lines) then resumes less than a chunk before where it
+        diverges, whether or not a grid point falls between (with only the last grid
+        point, one that diverged a token before it would resume nowhere). Before each
+        message end, the last grid point (for a history rewritten near a message's end).
+        A grid point at or before an earlier end adds nothing: that end serves every
+        prompt it would.
+
+        Where splits are exact, the prompt's end and each segment end (chat messages)
+        exactly too (the prefill cuts its chunks at every point, ``ChunkedPrefill``'s
+        ``stops``). Elsewhere the grid points only; with ``fine``, the prompt's exact end
+        too (the last chunk ends there anyway)."""
         last = prompt_len - 1  # the last prompt token is never prefilled
         c = self.chunk
-        if self.splits_exact:
-            ends = sorted({last} | {min(e, last) for e in segment_ends})
-            out, before = set(ends), 0
-            for e in ends:
-                if e // c * c > before:
-                    out.add(e // c * c)
-                before = e
-        else:
-            out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
-            if fine:
-                out.add(last)
+        ends = sorted({last} | {min(e, last) for e in segment_ends})
+        out, before = set(), 0
+        for e in ends:
+            grid = {e // c * c, e // c * c - c} if e == last else {e // c * c}
+            out |= {g for g in grid if g > before}
+            if self.splits_exact:
+                out.add(e)
+                before = e  # an exact end serves whatever a grid point below it would
+        if fine:
+            out.add(last)
         return {p for p in out if p > start and p > 0}
 
     def lookup(self, prompt: list[int], want_head: bool, allow_inexact: bool = False) -> tuple[Snapshot | None, int]:
