@@ -102,7 +102,6 @@ def _second_seat_reuses(cached, cold, tok, form: str, a, b, seats: str, speculat
     return got, shared
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("form", ["text", "tokens"])
 def test_a_raw_prompt_that_differs_in_its_last_line_reuses_the_other_seats_prefill(cached, cold, tok, form):
     """Raw prompts have no message ends: B resumes at the grid point before A's end (A's
