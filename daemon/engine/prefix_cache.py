@@ -262,7 +262,8 @@ class PrefixCache:
         end, the last two grid points: a prompt that diverges anywhere in this one's last
         chunk (another seat's last lines) then resumes less than a chunk before where it
         diverges, whether or not a grid point falls between (with only the last grid
-        point, one that diverged a token before it would resume nowhere). Before each
+        point, one that diverged a token before it would fall back to the point before:
+        for a raw prompt, its start). Before each
         message end, the last grid point (for a history rewritten near a message's end).
         A grid point at or before an earlier end adds nothing: that end serves every
         prompt it would.
