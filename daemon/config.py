@@ -144,8 +144,10 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
 
 
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # Keep state snapshots at prefill-chunk-aligned boundaries (a prompt's last one, and a
-    # chat's first message's) and continue later prompts that start with them.
+    # Keep state snapshots (the prompt's last two prefill-chunk grid points, the grid point
+    # below each message end looked for, and where splits are exact the prompt's and those
+    # messages' exact ends: engine/prefix_cache.py) and continue later prompts that start
+    # with them.
     enabled: bool = True
     # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
     max_bytes: Annotated[int, Meta(ge=1, le=1 << 42)] = 1 << 30

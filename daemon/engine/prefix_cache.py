@@ -35,6 +35,16 @@ near-tie. Requests in speculation mode "fast" (which already accept near-tie fli
 them; exact and serial requests use them only when the operator sets
 ``prefix_cache.inexact_reuse`` (config.py), and otherwise reuse on the chunk grid only.
 
+Snapshot points (``boundaries``). An exact end serves its own continuation (the seat's
+next turn); a grid point inside the prompt serves every other prompt that shares that
+much: another seat's prompt that differs in its last lines, a raw prompt (which has no
+message ends), a chat that diverges inside a long message. So a prefill stores both: the
+prompt's and each message's exact end where splits are exact, the last two grid points
+before the prompt's end and the last one before each message end (where they lie past
+the end before them). A prompt that diverges from an earlier one anywhere in its last
+chunk then re-prefills less than a chunk of what they share. Denser points along a long
+prompt would cover divergence anywhere, at one whole snapshot (KV up to that point) each.
+
 The MTP head's committed history is part of the snapshot: the head's KV (one slot per
 position but the last) and the base hidden at the last position, which pairs with whatever
 token the next request has there. A hit primes the head exactly as a cold prefill does.
@@ -245,18 +255,35 @@ class PrefixCache:
     # ------------------------------------------------------------------ lookup
     def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:
         """Positions (tokens in the cache) at which a prefill of this prompt, from ``start``,
-        takes a snapshot. Where splits are exact: the prompt's end and each segment end
-        (chat messages), exactly (the prefill cuts its chunks there, ``ChunkedPrefill``'s
-        ``stops``). Elsewhere: the last aligned boundary of the prompt and of each segment
-        end; with ``fine``, the prompt's exact end too (the last chunk ends there anyway)."""
+        takes a snapshot.
+
+        An exact end serves only its own continuation; grid points (multiples of the
+        chunk) inside the prompt serve other prompts that share less. Before the prompt's
+        end, the last two grid points: a prompt that diverges anywhere in this one's last
+        chunk (another seat's last lines) then resumes less than a chunk before where it
+        diverges, whether or not a grid point falls between (with only the last grid
+        point, one that diverged a token before it would fall back to the point before:
+        for a raw prompt, its start). Before each
+        message end, the last grid point (for a history rewritten near a message's end).
+        A grid point at or before an earlier end adds nothing: that end serves every
+        prompt it would.
+
+        Where splits are exact, the prompt's end and each segment end (chat messages)
+        exactly too (the prefill cuts its chunks at every point, ``ChunkedPrefill``'s
+        ``stops``). Elsewhere the grid points only; with ``fine``, the prompt's exact end
+        too (the last chunk ends there anyway)."""
         last = prompt_len - 1  # the last prompt token is never prefilled
-        if self.splits_exact:
-            out = {last} | {min(e, last) for e in segment_ends}
-        else:
-            c = self.chunk
-            out = {last // c * c} | {min(e, last) // c * c for e in segment_ends}
-            if fine:
-                out.add(last)
+        c = self.chunk
+        ends = sorted({last} | {min(e, last) for e in segment_ends})
+        out, before = set(), 0
+        for e in ends:
+            grid = {e // c * c, e // c * c - c} if e == last else {e // c * c}
+            out |= {g for g in grid if g > before}
+            if self.splits_exact:
+                out.add(e)
+                before = e  # an exact end serves whatever a grid point below it would
+        if fine:
+            out.add(last)
         return {p for p in out if p > start and p > 0}
 
     def lookup(self, prompt: list[int], want_head: bool, allow_inexact: bool = False) -> tuple[Snapshot | None, int]:

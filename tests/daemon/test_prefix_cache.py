@@ -25,8 +25,8 @@ def test_longest_aligned_prefix_wins_and_snapshots_stay_pristine(lm):
     rng = random.Random(0)
     prompt = [rng.randrange(1, 500) for _ in range(100)]
     pc = PrefixCache(max_bytes=1 << 30, chunk=16)
-    assert pc.boundaries(len(prompt), 0) == {96}
-    assert pc.boundaries(len(prompt), 0, [40]) == {96, 32}
+    assert pc.boundaries(len(prompt), 0) == {96, 80}  # the prompt's last two grid points
+    assert pc.boundaries(len(prompt), 0, [40]) == {96, 80, 32}
     for p in (32, 64):
         assert pc.store(prompt[:p], prefilled(lm, prompt[:p], 16), None) is not None
     assert pc.store(prompt[:50], prefilled(lm, prompt[:50], 16), None) is None  # unaligned: refused
@@ -122,8 +122,9 @@ def test_the_split_probe_refuses_a_forward_whose_numbers_depend_on_the_split(lm,
 
 
 def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_cold_run(lm):
-    """Splits exact: the snapshot points are the prompt's and the messages' exact ends; the
-    prefill cuts its chunks there; a later prompt resumes from the off-grid snapshot and
+    """Splits exact: the snapshot points are the prompt's and the messages' exact ends and
+    the grid point before each; the prefill cuts its chunks there; a later prompt resumes
+    from the off-grid snapshot and
     leaves the cold run's state bit for bit (and the same next logits)."""
     from daemon.engine.prefill import ChunkedPrefill
 
@@ -131,8 +132,8 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
     rng = random.Random(4)
     prompt = [rng.randrange(1, 500) for _ in range(101)]
     pc = PrefixCache(max_bytes=1 << 30, chunk=chunk, splits_exact=True)
-    assert pc.boundaries(len(prompt), 0, [41]) == {100, 41}
-    assert pc.boundaries(len(prompt), 41, [41]) == {100}
+    assert pc.boundaries(len(prompt), 0, [41]) == {100, 96, 64, 41, 32}
+    assert pc.boundaries(len(prompt), 41, [41]) == {100, 96, 64}
     assert "any token" in pc.stats()["exact_reuse"]
     pre = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), stops=pc.boundaries(len(prompt), 0, [41]))
     sizes = []
@@ -140,7 +141,7 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
         sizes.append(pre.step())
         if pre.pos == 41:
             assert pc.store(prompt[:41], pre.cache, None) is not None  # exact off the grid here
-    assert sizes == [32, 9, 32, 27]
+    assert sizes == [32, 9, 23, 32, 4]
     cold = prefilled(lm, prompt[:-1], chunk)  # the grid: 32, 32, 32, 4
     assert _same(_state_bits(pre.cache), _state_bits(cold))
     # A later prompt sharing the first message: it resumes at 41 and forwards off the grid.
@@ -154,6 +155,26 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
     ref = prefilled(lm, later[:-1], chunk)
     assert _same(_state_bits(resumed.cache), _state_bits(ref))
     assert mx.array_equal(next_logits(lm, resumed.cache, later[-1]), next_logits(lm, ref, later[-1])).item()
+
+
+@pytest.mark.quick
+def test_where_splits_are_exact_a_grid_point_sits_before_each_end():
+    """An exact end serves only its own continuation; grid points below it serve prompts
+    that share less: the last two before the prompt's end (a raw prompt has no other end),
+    the last one before each message end, each only past the end before it."""
+    pc = PrefixCache(max_bytes=1 << 30, chunk=32, splits_exact=True)
+    assert pc.boundaries(101, 0) == {100, 96, 64}  # a raw prompt: its end and two grid points below
+    assert pc.boundaries(97, 0) == {96, 64}  # its end on the grid
+    assert pc.boundaries(40, 0) == {39, 32}
+    assert pc.boundaries(101, 0, [10, 20, 41]) == {10, 20, 41, 32, 100, 96, 64}  # 10 and 20: no grid point past 0
+    assert pc.boundaries(101, 0, [33, 40]) == {33, 40, 32, 100, 96, 64}  # 40's grid point is 33's
+    assert pc.boundaries(101, 0, [70]) == {64, 70, 100, 96}  # 100's second grid point is 70's
+    assert pc.boundaries(101, 97, [41]) == {100}  # resumed past the grid points: only the end
+    assert pc.boundaries(101, 50, [41]) == {100, 96, 64}
+    # Where splits are not exact: the same grid points, no exact ends.
+    grid = PrefixCache(max_bytes=1 << 30, chunk=32, splits_exact=False)
+    assert grid.boundaries(101, 0, [10, 20, 41, 70]) == {32, 64, 96}
+    assert grid.boundaries(101, 0, fine=True) == {100, 96, 64}
 
 
 def test_where_splits_are_not_exact_exact_requests_refuse_off_grid_snapshots(lm):

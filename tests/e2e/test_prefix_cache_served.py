@@ -98,6 +98,30 @@ def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
     assert [e["cached_tokens"] for e in events] == [0, want]
 
 
+@pytest.mark.quick
+def test_another_seats_raw_prompt_that_differs_in_its_last_line_resumes_at_a_grid_point(cached, cold):
+    """A raw prompt has no message ends and its exact end is a prefix of nothing else: the
+    grid point before it is what another seat's prompt, the same but for its last line,
+    resumes from (tests/e2e/test_prefix_cache_shared.py covers the other forms)."""
+    context = "".join(f"seat_{i} = council.vote({i}, quorum={i % 3})\n" for i in range(13))
+    a, b = context + "# member A: my view\n", context + "# member B: my view\n"
+    ta, tb = _encode(a), _encode(b)
+    shared = next(k for k, (x, y) in enumerate(zip(ta, tb)) if x != y)
+    grid = (len(ta) - 1) // CHUNK * CHUNK
+    assert 2 * CHUNK <= grid <= shared < len(ta) - 1  # a few tokens short: a grid point serves
+    with Client(cached.endpoint, seat="raw-a", timeout_s=120) as c:
+        done_a = c.generate(a, max_tokens=4, speculation="exact").result()
+    assert done_a.usage.cached_tokens == 0 and done_a.usage.prompt_tokens == len(ta)
+    with Client(cached.endpoint, seat="raw-b", timeout_s=120) as c:
+        s = c.generate(b, max_tokens=12, speculation="exact")
+        done_b = s.result()
+    assert done_b.usage.cached_tokens == grid
+    with Client(cold.endpoint, seat="raw-b", timeout_s=120) as c:
+        s_cold = c.generate(b, max_tokens=12, speculation="exact")
+        s_cold.result()
+    assert list(s.token_ids) == list(s_cold.token_ids)
+
+
 @pytest.mark.parametrize("mode", ["off", "exact"])
 def test_an_exact_request_resumes_at_a_prompts_exact_end(cached, cold, mode):
     """A prompt's exact end (139 here, mid-chunk) is a snapshot; another prompt that starts
