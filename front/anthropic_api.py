@@ -27,6 +27,7 @@ from starlette.routing import Route
 from protocol import messages as m
 from protocol.client import CouncilError
 
+from .body import ClientGone
 from .daemon_link import DaemonUnreachable
 from .errors import HTTPError, from_council
 from .schema import BadRequest
@@ -287,6 +288,8 @@ class AnthropicAPI:
             return JSONResponse({"input_tokens": done.usage.prompt_tokens})
         except HTTPError as exc:
             return self._error_response(exc)
+        except ClientGone:
+            return Response(status_code=499)
         except DaemonUnreachable as exc:
             return self._unreachable(exc)
         except CouncilError as exc:
@@ -316,6 +319,9 @@ class AnthropicAPI:
         except HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return self._error_response(exc)
+        except ClientGone:
+            self.front.metrics.request(route, seat, 499, "disconnected")
+            return Response(status_code=499)
         except CouncilError as exc:
             err = from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
