@@ -33,6 +33,7 @@ from .errors import HTTPError
 # below it (a tool's JSON Schema nested ten properties deep is ~25 levels).
 MAX_DEPTH = 64
 _decoder = msgspec.json.Decoder()
+_CONTAINERS = frozenset((dict, list))
 # A JSON escape of a UTF-16 surrogate (\uD800..\uDFFF), paired or not.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
@@ -66,15 +67,19 @@ def too_large(max_bytes: int) -> HTTPError:
 
 def _too_deep(value: Any, limit: int) -> bool:
     """Whether objects and arrays in ``value`` nest more than ``limit`` levels (no recursion)."""
-    if not isinstance(value, (dict, list)):
+    if type(value) is not dict and type(value) is not list:
         return False
     stack = [(value, 1)]
     while stack:
         v, depth = stack.pop()
         if depth > limit:
             return True
-        for item in (v.values() if isinstance(v, dict) else v):
-            if isinstance(item, (dict, list)):
+        items = v.values() if type(v) is dict else v
+        if len(items) > 32 and _CONTAINERS.isdisjoint(map(type, items)):
+            continue  # a long array of numbers or strings (token ids), passed over at C speed
+        for item in items:
+            kind = type(item)
+            if kind is dict or kind is list:
                 stack.append((item, depth + 1))
     return False
 
