@@ -120,7 +120,9 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
     choice_raw = body.get("tool_choice")
     if choice_raw is None:
         return tools, None, None
-    kind = choice_raw.get("type") if isinstance(choice_raw, dict) else None
+    if not isinstance(choice_raw, dict):
+        raise BadRequest("tool_choice must be an object with 'type' (auto, any, tool or none)", "tool_choice")
+    kind = choice_raw.get("type")
     parallel = None if not choice_raw.get("disable_parallel_tool_use") else False
     if kind == "auto" or kind == "none":
         return tools, kind, parallel

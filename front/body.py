@@ -1,7 +1,6 @@
 """A request's JSON body, read and decoded the same way on every route, within documented limits.
 
-- size: at most ``http.max_body_bytes`` (a Content-Length above it is refused before reading;
-  a body that grows past it while streaming in, at that point): 413 ``request_too_large``;
+- size: at most ``http.max_body_bytes``: 413 ``request_too_large`` (read_body says when);
 - decoding: msgspec's JSON decoder (strict RFC 8259: UTF-8, no NaN or Infinity literals,
   nothing after the value): otherwise 400 ``invalid_json`` with the decoder's reason;
 - nesting: at most MAX_DEPTH levels of objects and arrays: 400 ``json_too_deep``;
@@ -44,19 +43,26 @@ class ClientGone(Exception):
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The raw body, at most ``max_bytes``; 413 beyond."""
+    """The raw body, at most ``max_bytes``; 413 beyond. A body up to twice the limit is read
+    to its end (and dropped) before the 413, as nginx's lingering close does: a server that
+    answers and closes while the client is still sending resets the connection, and the
+    client sees the reset instead of the answer. A longer one is answered at once."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    declared_size = int(declared) if declared is not None and declared.isdigit() and len(declared) < 19 else None
+    if declared_size is not None and declared_size > 2 * max_bytes:
         raise too_large(max_bytes)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_bytes:
-                raise too_large(max_bytes)
-            chunks.append(chunk)
+            if size > 2 * max_bytes:
+                break
+            if size <= max_bytes:
+                chunks.append(chunk)
     except ClientDisconnect:
         raise ClientGone() from None
+    if size > max_bytes:
+        raise too_large(max_bytes)
     return b"".join(chunks)
 
 

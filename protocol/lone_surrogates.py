@@ -32,7 +32,7 @@ class LoneSurrogate:
         where = self.path or "the body"
         thing = "an object key" if self.in_key else "the string"
         return (f"{where}: {thing} holds a lone UTF-16 surrogate (\\u{self.code_point:04x} at character "
-                f"{self.index}), which is not valid Unicode; send whole characters (a surrogate pair is one character)")
+                f"{self.index}), which is not valid Unicode; send whole characters")
 
 
 def _bad_index(text: str) -> int | None:
