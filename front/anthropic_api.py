@@ -16,6 +16,7 @@ reverse; the error type is front/errors.py's.
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import suppress
 from typing import Any
 
@@ -35,6 +36,7 @@ from .schema import BadRequest
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
               504: "api_error"}
+log = logging.getLogger("councild.http")
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
 KNOWN = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
          "metadata", "tools", "tool_choice", "thinking", "service_tier",
@@ -372,6 +374,15 @@ class AnthropicAPI:
             self.front.metrics.request(route, seat, err.status, exc.code)
             yield event("error", {"type": "error", "error": {"type": ERROR_TYPE.get(err.status, "api_error"),
                                                              "message": err.message}})
+        except Exception as exc:  # a fault of the front's own: the work stopped, still one error event
+            ended = True
+            self.front.metrics.request(route, seat, 500, "internal")
+            log.exception("http.unexpected_error path=/v1/messages error=%s (mid-stream)", type(exc).__name__)
+            with anyio.CancelScope(shield=True):
+                with suppress(Exception):
+                    await stream.cancel()
+            yield event("error", {"type": "error", "error": {"type": "api_error", "message":
+                                                             f"the front failed mid-stream ({type(exc).__name__})"}})
         finally:
             if not ended:  # the client went away: stop the work
                 self.front.metrics.request(route, seat, 499, "disconnected")

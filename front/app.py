@@ -189,7 +189,9 @@ class Front:
         """Starlette's own errors (no such route, a method the route does not take) in the
         route's API shape, not plain text."""
         err = HTTPError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
-        return shaped_response(request.url.path, err)
+        response = shaped_response(request.url.path, err)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
         """A fault of the front's own that a route did not catch: still a JSON error in the
@@ -316,6 +318,15 @@ class Front:
             err = from_council(exc)
             self.metrics.request(route, seat, err.status, exc.code)
             yield sse(err.body())
+        except Exception as exc:  # a fault of the front's own: the work stopped, still one error event
+            ended = True
+            self.metrics.request(route, seat, 500, "internal")
+            log.exception("http.unexpected_error path=%s error=%s (mid-stream)", route, type(exc).__name__)
+            with anyio.CancelScope(shield=True):
+                with suppress(Exception):
+                    await stream.cancel()
+            yield sse(HTTPError(500, f"the front failed mid-stream ({type(exc).__name__}); it is logged",
+                                code="internal").body())
         finally:
             if not ended:  # the client went away (or the response was torn down): stop the work
                 self.metrics.request(route, seat, 499, "disconnected")

@@ -133,6 +133,7 @@ def test_unknown_paths_and_methods_answer_json(front):
     with httpx.Client(base_url=front.url, timeout=60) as http:
         r = http.get("/v1/chat/completions")
         assert r.status_code == 405 and _error("/v1/chat/completions", r)[0] == "Method Not Allowed"
+        assert r.headers["allow"] == "POST"
         r = http.get("/v1/messages")
         assert r.status_code == 405 and _error("/v1/messages", r)[2] == "invalid_request_error"
         r = http.post("/v1/nothing-here", json={})

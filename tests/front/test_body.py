@@ -13,6 +13,7 @@ from front.app import Front
 from front.body import MAX_DEPTH, decode_json
 from front.config import HttpConfig
 from front.errors import HTTPError
+from protocol import messages as m
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
@@ -96,3 +97,46 @@ def test_an_unexpected_exception_is_still_a_json_error_in_the_routes_shape(front
     else:
         assert r.json()["error"]["code"] == "internal" and r.json()["error"]["type"] == "server_error"
     assert "RuntimeError" in r.text
+
+
+class _FailingStream:
+    """A generation whose next message is a bug of the front's own (not a daemon error)."""
+
+    request_id = "r1"
+
+    def __init__(self):
+        self.cancelled = False
+
+    async def next_message(self):
+        raise RuntimeError("a bug")
+
+    async def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("path, body, error_line", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True},
+     'data: {"error":{"message":"the front failed mid-stream (RuntimeError); it is logged"'),
+    ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True},
+     'data: {"type":"error","error":{"type":"api_error","message":"the front failed mid-stream (RuntimeError)"}}'),
+])
+def test_a_fault_mid_stream_ends_the_stream_with_one_error_event_and_stops_the_work(monkeypatch, path, body,
+                                                                                     error_line):
+    front = Front(HttpConfig(), "ipc:///nonexistent/councild.sock")
+    stream = _FailingStream()
+    limits = m.Limits(max_frame_bytes=1 << 20, max_tokens=64, max_prompt_tokens=64, heartbeat_interval_s=1.0,
+                      heartbeat_timeout_s=5.0)
+
+    async def connected(seat):
+        return None, m.Welcome(seat=seat, server="test", model="m", capabilities=[], limits=limits)
+
+    async def start(request, client, gen, stream_it, route, seat):
+        return stream, m.Accepted(request_id="r1", queue_position=0, prompt_tokens=3)
+
+    monkeypatch.setattr(front, "connected_client", connected)
+    monkeypatch.setattr(front, "start_generation", start)
+    r = TestClient(front.app, raise_server_exceptions=False).post(path, json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    data = [line for line in r.text.splitlines() if line.startswith("data: ")]
+    assert data[-1].startswith(error_line), data
+    assert sum("error" in line for line in data) == 1 and stream.cancelled
