@@ -289,26 +289,10 @@ def check_lark(lark: str) -> None:
         raise ToolGrammarError(f"the tools' parameter schemas cannot be enforced: {error.splitlines()[0]}")
 
 
-def check_parameters(tools: list[m.ToolSpec]) -> None:
-    """Raise ToolGrammarError naming the tool whose parameters schema has a ``properties``
-    that is not an object or a ``required`` that is not a list of names: the chat template,
-    the grammar and the call parser all walk them as such."""
-    for tool in tools:
-        params = tool.parameters
-        if "properties" in params and not isinstance(params["properties"], dict):
-            raise ToolGrammarError(f"tool {tool.name!r}: parameters.properties must be an object of schemas, "
-                                   f"not {type(params['properties']).__name__}")
-        required = params.get("required")
-        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-            raise ToolGrammarError(f"tool {tool.name!r}: parameters.required must be a list of property names")
-
-
 def tool_constraint(msg: m.Generate, chat_template: str | None, max_chars: int = 0) -> m.Constraint | None:
     """The constraint that enforces ``msg``'s tool_choice, or None when it needs none
     (auto, none, no tools); free strings at most ``max_chars`` characters (0: no cap).
-    Raises ToolGrammarError for a choice it cannot enforce, or for tools whose parameters
-    are malformed (check_parameters)."""
-    check_parameters(list(msg.tools or []))
+    Raises ToolGrammarError for a choice it cannot enforce."""
     tools = msg.option_tools()
     choice = msg.option_tool_choice()
     if isinstance(choice, m.NamedToolChoice) and not tools:
