@@ -94,7 +94,8 @@ INVALID_UTF8 = st.sampled_from([BadStr(b"\xed\xb3\xbf"), BadStr(b"a\xed\xa0\x80b
                                 BadStr(b"ok\xf0\x9f\x99"), BadStr(b"\xf8\x88\x80\x80\x80")])
 WRONG_TYPES = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
                         st.binary(max_size=8), st.lists(st.integers(0, 5), max_size=3),
-                        st.dictionaries(st.sampled_from(["a", "role", "name"]), st.integers(), max_size=2),
+                        st.dictionaries(st.sampled_from(["a", "role", "name"]), st.integers(-(2**63), 2**64 - 1),
+                                        max_size=2),
                         st.text(max_size=8))
 EXTREME = st.one_of(
     st.sampled_from([2**64 - 1, 2**63, -(2**63), 2**31, -1, 0, 1e308, -1e308, float("nan"), float("inf"), -0.0]),
