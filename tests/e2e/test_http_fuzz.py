@@ -14,7 +14,8 @@ milliseconds and most mutated ones are refused at validation. The short run (SHO
 bodies a route, ~30 s with the daemon's start) is in the full suite; `make check` has the
 contract cases instead (test_http_front.py: a lone surrogate, deep nesting, a body over the
 limit, on every route). The long run is slow, its count from COUNCILD_HTTP_FUZZ_EXAMPLES
-(default 10,000 a route):
+(default 10,000 a route; with COUNCILD_HTTP_FUZZ_PROGRESS=DIR each route writes its counts so
+far to DIR/<route>.json every 200 bodies):
 
     COUNCILD_HTTP_FUZZ_EXAMPLES=10000 PYTHONPATH=$PWD .venv/bin/python -m pytest -q -s -m slow \\
         tests/e2e/test_http_fuzz.py
@@ -26,6 +27,7 @@ import collections
 import json
 import os
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -147,6 +149,7 @@ def run_fuzz(stack, route: str, n: int) -> collections.Counter:
     stats: collections.Counter = collections.Counter()
     t0 = time.monotonic()
     path = ROUTES[route][0]
+    progress = Path(os.environ["COUNCILD_HTTP_FUZZ_PROGRESS"]) if os.environ.get("COUNCILD_HTTP_FUZZ_PROGRESS") else None
     with httpx.Client(base_url=front.url, timeout=120) as http:
 
         @settings(max_examples=n, deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -155,6 +158,9 @@ def run_fuzz(stack, route: str, n: int) -> collections.Counter:
             data, what, body = case
             resp = http.post(path, content=data, headers={"content-type": "application/json"})
             stats[check_answer(route, resp, data, what, body)] += 1
+            if progress and sum(stats.values()) % 200 == 0:  # a long run's counts so far, for whoever watches
+                (progress / f"{route}.json").write_text(json.dumps({"seconds": round(time.monotonic() - t0),
+                                                                   "bodies": sum(stats.values()), **stats}))
 
         prop()
     _assert_serving(d, front)
