@@ -16,6 +16,7 @@ reverse; the error type is front/errors.py's.
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import suppress
 from typing import Any
 
@@ -27,6 +28,7 @@ from starlette.routing import Route
 from protocol import messages as m
 from protocol.client import CouncilError
 
+from .body import ClientGone
 from .daemon_link import DaemonUnreachable
 from .errors import HTTPError, from_council
 from .schema import BadRequest
@@ -34,6 +36,7 @@ from .schema import BadRequest
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
               504: "api_error"}
+log = logging.getLogger("councild.http")
 STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "cancelled": "end_turn"}
 KNOWN = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
          "metadata", "tools", "tool_choice", "thinking", "service_tier",
@@ -119,7 +122,9 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any, bool | None]:
     choice_raw = body.get("tool_choice")
     if choice_raw is None:
         return tools, None, None
-    kind = choice_raw.get("type") if isinstance(choice_raw, dict) else None
+    if not isinstance(choice_raw, dict):
+        raise BadRequest("tool_choice must be an object with 'type' (auto, any, tool or none)", "tool_choice")
+    kind = choice_raw.get("type")
     parallel = None if not choice_raw.get("disable_parallel_tool_use") else False
     if kind == "auto" or kind == "none":
         return tools, kind, parallel
@@ -287,6 +292,8 @@ class AnthropicAPI:
             return JSONResponse({"input_tokens": done.usage.prompt_tokens})
         except HTTPError as exc:
             return self._error_response(exc)
+        except ClientGone:
+            return Response(status_code=499)
         except DaemonUnreachable as exc:
             return self._unreachable(exc)
         except CouncilError as exc:
@@ -316,6 +323,9 @@ class AnthropicAPI:
         except HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return self._error_response(exc)
+        except ClientGone:
+            self.front.metrics.request(route, seat, 499, "disconnected")
+            return Response(status_code=499)
         except CouncilError as exc:
             err = from_council(exc)
             self.front.metrics.request(route, seat, err.status, exc.code)
@@ -364,6 +374,15 @@ class AnthropicAPI:
             self.front.metrics.request(route, seat, err.status, exc.code)
             yield event("error", {"type": "error", "error": {"type": ERROR_TYPE.get(err.status, "api_error"),
                                                              "message": err.message}})
+        except Exception as exc:  # a fault of the front's own: the work stopped, still one error event
+            ended = True
+            self.front.metrics.request(route, seat, 500, "internal")
+            log.exception("http.unexpected_error path=/v1/messages error=%s (mid-stream)", type(exc).__name__)
+            with anyio.CancelScope(shield=True):
+                with suppress(Exception):
+                    await stream.cancel()
+            yield event("error", {"type": "error", "error": {"type": "api_error", "message":
+                                                             f"the front failed mid-stream ({type(exc).__name__})"}})
         finally:
             if not ended:  # the client went away: stop the work
                 self.front.metrics.request(route, seat, 499, "disconnected")

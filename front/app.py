@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import time
 from contextlib import asynccontextmanager, suppress
 
 import anyio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -30,9 +32,10 @@ from protocol import messages as m
 from protocol.client import AsyncClient, CouncilError
 
 from .anthropic_api import AnthropicAPI
+from .body import ClientGone, read_json
 from .config import HttpConfig
 from .daemon_link import DaemonLink, DaemonUnreachable
-from .errors import HTTPError, from_council, from_unreachable
+from .errors import HTTPError, from_council, from_unreachable, shaped_response
 from .metrics import FrontMetrics
 from .responses_api import ResponsesAPI
 from .schema import BadRequest, Parsed, ResponseShape, finish_reason, parse_request
@@ -45,6 +48,10 @@ STATUS_TIMEOUT_S = 3.0
 METRICS_STATUS_TIMEOUT_S = 8.0
 # Distinct seats (daemon connections) one front keeps; the daemon keeps at most 256 seats too.
 MAX_SEATS = 256
+# The metrics' route label of each generating path (an unexpected failure is counted there too).
+ROUTE_LABEL = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
+               "/v1/responses": "responses"}
+log = logging.getLogger("councild.http")
 
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
@@ -97,6 +104,7 @@ class Front:
                 Route("/metrics", self.metrics_route, methods=["GET"]),
             ],
             lifespan=self._lifespan,
+            exception_handlers={HTTPException: self._http_exception, Exception: self._unexpected},
         )
 
     @asynccontextmanager
@@ -171,13 +179,29 @@ class Front:
             raise HTTPError(400, "X-Councild-Seat must be 1-64 characters of A-Z a-z 0-9 . _ -", param="X-Councild-Seat")
         return header
 
-    @staticmethod
-    async def json_body(request: Request):
-        """The request's body, parsed; a 400 when it is not JSON."""
-        try:
-            return await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise HTTPError(400, "the request body is not valid JSON") from None
+    async def json_body(self, request: Request):
+        """The request's body, parsed within http.max_body_bytes and the nesting and Unicode
+        rules of front/body.py; HTTPError (400, 413) otherwise, ClientGone when the client left."""
+        return await read_json(request, self.cfg.max_body_bytes)
+
+    # ------------------------------------------------------------------ errors no route caught
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own errors (no such route, a method the route does not take) in the
+        route's API shape, not plain text."""
+        err = HTTPError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+        response = shaped_response(request.url.path, err)
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        """A fault of the front's own that a route did not catch: still a JSON error in the
+        route's shape (Starlette logs the traceback after this answer goes out)."""
+        label = ROUTE_LABEL.get(request.url.path)
+        if label is not None:
+            self.metrics.request(label, "-", 500, "internal")
+        log.error("http.unexpected_error path=%s error=%s", request.url.path, type(exc).__name__)
+        err = HTTPError(500, f"the front failed on this request ({type(exc).__name__}); it is logged", code="internal")
+        return shaped_response(request.url.path, err)
 
     # ------------------------------------------------------------------ routes
     async def chat(self, request: Request) -> Response:
@@ -213,6 +237,9 @@ class Front:
         except HTTPError as exc:
             self.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()
+        except ClientGone:
+            self.metrics.request(route, seat, 499, "disconnected")
+            return Response(status_code=499)
         except DaemonUnreachable as exc:
             err = from_unreachable(exc)
             self.metrics.request(route, seat, err.status, err.code)
@@ -291,6 +318,15 @@ class Front:
             err = from_council(exc)
             self.metrics.request(route, seat, err.status, exc.code)
             yield sse(err.body())
+        except Exception as exc:  # a fault of the front's own: the work stopped, still one error event
+            ended = True
+            self.metrics.request(route, seat, 500, "internal")
+            log.exception("http.unexpected_error path=%s error=%s (mid-stream)", route, type(exc).__name__)
+            with anyio.CancelScope(shield=True):
+                with suppress(Exception):
+                    await stream.cancel()
+            yield sse(HTTPError(500, f"the front failed mid-stream ({type(exc).__name__}); it is logged",
+                                code="internal").body())
         finally:
             if not ended:  # the client went away (or the response was torn down): stop the work
                 self.metrics.request(route, seat, 499, "disconnected")

@@ -47,6 +47,9 @@ class HttpConfig(Struct, forbid_unknown_fields=True, kw_only=True):
     # max_tokens of a request that gives none (OpenAI's default is "as many as fit"); capped
     # by the daemon's own limit.
     default_max_tokens: Annotated[int, Meta(ge=1)] = 4096
+    # The largest request body taken (413 above it). Twice the daemon's default frame limit
+    # (max_frame_bytes, 8 MiB): JSON escapes ("\u4e2d") make a body longer than its message.
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 16 << 20
 
 
 def load_http_config(path: str | os.PathLike | None = None, overrides: dict | None = None) -> tuple[HttpConfig, str | None]:

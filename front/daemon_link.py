@@ -186,7 +186,7 @@ class DaemonLink:
 # "type", "param", "code"}} (front/app.py's HTTPError builds it). Anthropic's Messages API:
 # {"type": "error", "error": {"type", "message"}}, with its own type names per status.
 ANTHROPIC_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                        404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                        404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
                         500: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 
 

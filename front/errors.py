@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse
 
 from protocol.client import CouncilError, DaemonUnavailable
 
-from .daemon_link import DaemonUnreachable
+from .daemon_link import DaemonUnreachable, anthropic_error_body
 
 # councild error code -> HTTP status (and OpenAI's error code where it has one of its own).
 HTTP_STATUS = {
@@ -20,8 +20,8 @@ HTTP_STATUS = {
     "slow_consumer": 500, "client_gone": 500, "internal": 500,
 }
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-              404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "service_unavailable",
-              504: "timeout"}
+              404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+              429: "rate_limit_error", 500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class HTTPError(Exception):
@@ -52,3 +52,17 @@ def from_council(exc: CouncilError) -> HTTPError:
 
 def from_unreachable(exc: DaemonUnreachable) -> HTTPError:
     return HTTPError(503, exc.message, code="daemon_unavailable", retry_after=exc.retry_after)
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request path is one of Anthropic's routes (its errors take Anthropic's shape)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def shaped_response(path: str, err: HTTPError) -> JSONResponse:
+    """``err`` in the error shape of the API that ``path`` belongs to (with Retry-After)."""
+    resp = err.response()
+    if not speaks_anthropic(path):
+        return resp
+    headers = {k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}
+    return JSONResponse(anthropic_error_body(err.status, err.message), status_code=err.status, headers=headers)

@@ -39,6 +39,7 @@ from starlette.routing import Route
 from protocol import messages as m
 from protocol.client import CouncilError
 
+from .body import ClientGone
 from .daemon_link import DaemonUnreachable
 from .errors import HTTPError, from_council, from_unreachable
 from .schema import BadRequest, number_field
@@ -553,6 +554,9 @@ class ResponsesAPI:
         except HTTPError as exc:
             self.front.metrics.request(route, seat, exc.status, exc.code or "error")
             return exc.response()
+        except ClientGone:
+            self.front.metrics.request(route, seat, 499, "disconnected")
+            return Response(status_code=499)
         except DaemonUnreachable as exc:
             err = from_unreachable(exc)
             self.front.metrics.request(route, seat, err.status, err.code)

@@ -334,9 +334,18 @@ def usage(u: m.Usage) -> dict:
     }
 
 
+# The floor OpenAI's API reports for a token of no probability. A logprob of -inf (a token a
+# constraint or top-k/top-p excludes, listed among the alternatives) is not JSON.
+LOGPROB_FLOOR = -9999.0
+
+
+def finite_logprob(lp: float) -> float:
+    return lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR  # NaN compares False: the floor too
+
+
 def chat_logprobs(entries: list[m.TokenLogprob]) -> dict:
     def one(token: str, lp: float) -> dict:
-        return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": finite_logprob(lp), "bytes": list(token.encode("utf-8"))}
 
     return {"content": [
         {**one(e.token, e.logprob), "top_logprobs": [one(t.token, t.logprob) for t in e.top_logprobs]}
@@ -351,8 +360,8 @@ def completion_logprobs(entries: list[m.TokenLogprob], offset: int = 0) -> dict:
         pos += len(e.token)
     return {
         "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        "token_logprobs": [finite_logprob(e.logprob) for e in entries],
+        "top_logprobs": [{t.token: finite_logprob(t.logprob) for t in e.top_logprobs} for e in entries],
         "text_offset": offsets,
     }
 

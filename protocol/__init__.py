@@ -15,7 +15,7 @@ from .client import (
     RequestAborted,
     Stream,
 )
-from .codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_client, decode_daemon, encode
+from .codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, UnencodableMessage, decode_client, decode_daemon, encode
 from .messages import *  # noqa: F401,F403
 from .messages import __all__ as _messages_all
 from .paths import default_endpoint, runtime_dir
@@ -24,6 +24,7 @@ __all__ = [
     *_messages_all,
     "DEFAULT_MAX_FRAME_BYTES",
     "ProtocolError",
+    "UnencodableMessage",
     "decode_client",
     "decode_daemon",
     "encode",

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from .lone_surrogates import find_lone_surrogate
 from .messages import PROTOCOL_VERSION, ClientMessage, DaemonMessage
 
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
@@ -21,6 +22,12 @@ class ProtocolError(Exception):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class UnencodableMessage(ValueError):
+    """A message that cannot be encoded: a string holding a lone UTF-16 surrogate (UTF-8 has
+    no encoding for one; the message names the field), or values nested too deeply for the
+    encoder."""
 
 
 class _Envelope(msgspec.Struct):
@@ -44,7 +51,15 @@ DAEMON_TYPES = frozenset(t.__struct_config__.tag for t in DaemonMessage.__args__
 
 
 def encode(message: Any) -> bytes:
-    return _encoder.encode(message)
+    """The frame of ``message``; UnencodableMessage (a ValueError naming the field) when a
+    string in it is not valid Unicode or it is nested too deeply."""
+    try:
+        return _encoder.encode(message)
+    except UnicodeEncodeError:
+        found = find_lone_surrogate(message)
+        raise UnencodableMessage(found.describe() if found else "a string is not valid Unicode") from None
+    except RecursionError:
+        raise UnencodableMessage("the message is nested too deeply to encode") from None
 
 
 def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder, known: frozenset[str], max_bytes: int):

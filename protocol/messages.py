@@ -82,6 +82,17 @@ class ToolSpec(Struct, forbid_unknown_fields=True, kw_only=True):
     description: Annotated[str, Meta(max_length=1 << 16)] = ""
     parameters: dict = {}
 
+    def __post_init__(self):
+        # The chat template, the call grammar and the call parser walk these as JSON Schema
+        # has them; decoding refuses other shapes (msgspec reports this ValueError as a
+        # validation error at the tool's path).
+        params = self.parameters
+        if "properties" in params and not isinstance(params["properties"], dict):
+            raise ValueError("parameters.properties must be an object of schemas")
+        required = params.get("required")
+        if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+            raise ValueError("parameters.required must be a list of property names")
+
 
 class NamedToolChoice(Struct, forbid_unknown_fields=True, kw_only=True):
     """tool_choice naming one function: the model must call exactly it."""

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import msgspec
 
 from .. import messages as m
-from ..codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode_client, encode
+from ..codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, UnencodableMessage, decode_client, encode
 from .errors import InvalidRequest
 
 # Generate fields a caller may pass to ``generate`` as keyword arguments beyond the ones it
@@ -28,8 +28,12 @@ def new_request_id() -> str:
 
 def check_frame(msg: Any, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
     """Encode ``msg`` and run the daemon's own decoder over it, so a request the daemon would
-    reject fails here, before it is sent, with the same code and message."""
-    frame = encode(msg)
+    reject fails here, before it is sent, with the same code and message. A string that is
+    not valid Unicode (a lone surrogate) fails here too, as invalid_request naming the field."""
+    try:
+        frame = encode(msg)
+    except UnencodableMessage as exc:
+        raise InvalidRequest("invalid_request", str(exc), request_id=getattr(msg, "request_id", None)) from None
     try:
         decode_client(frame, max_frame_bytes)
     except ProtocolError as exc:

@@ -22,8 +22,10 @@ class CouncilError(Exception):
         self.request_id = request_id
 
 
-class InvalidRequest(CouncilError):
-    """The request is wrong and retrying it unchanged will fail again."""
+class InvalidRequest(CouncilError, ValueError):
+    """The request is wrong and retrying it unchanged will fail again. Also a ValueError: a
+    request the client refuses before sending (a lone surrogate in a string, a bound broken)
+    is a bad argument to the call."""
 
 
 class Overloaded(CouncilError):

@@ -244,3 +244,23 @@ def test_a_generate_without_template_options_does_not_carry_the_field():
                                  speculation=None, request_id=None, stream=True, limits=None,
                                  chat_template_kwargs={"enable_thinking": False})
     assert b"chat_template_kwargs" in frame and b"enable_thinking" in frame
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"type": "object", "properties": True}, "parameters.properties must be an object of schemas"),
+    ({"type": "object", "properties": ["city"]}, "parameters.properties must be an object of schemas"),
+    ({"type": "object", "properties": {}, "required": "city"}, "parameters.required must be a list of property names"),
+    ({"type": "object", "properties": {}, "required": [{"a": 1}]}, "parameters.required must be a list"),
+])
+def test_tool_parameters_of_the_wrong_shape_are_invalid_at_the_tools_path(params, says):
+    """The daemon's chat template and call parser walk properties and required as JSON Schema
+    has them; the socket thread built the call parser before anything else looked, so a
+    `properties: 1` ended as an internal error (the field fuzzer, tests/e2e/test_fuzz_fields.py)."""
+    frame = encode({"type": "generate", "v": 1, "request_id": "r1", "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [{"name": "f", "parameters": params}]})
+    with pytest.raises(ProtocolError) as exc:
+        decode_client(frame)
+    assert exc.value.code == "invalid_request" and says in exc.value.message
+    assert exc.value.message.endswith("at `$.tools[0]`"), exc.value.message
+    assert decode_client(encode({"type": "generate", "v": 1, "request_id": "r1", "prompt": "x", "tools": [
+        {"name": "f", "parameters": {"type": "object", "properties": {"a": True}, "required": ["a"]}}]}))
