@@ -478,6 +478,7 @@ DELEGATED = {
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
     ("bench", "prefill"): ("daemon.measure.prefill_bench",
                            "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
+    ("top",): ("daemon.top.main", "a live view of a running daemon: seats, batch, head, memory, step, decisions"),
     ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.socket_side.keys", "generate a CURVE key pair for a TCP endpoint"),
