@@ -20,10 +20,10 @@ from typing import Any
 
 import msgspec
 
-from .config import load_config
+from .config import GovernorConfig, load_config
 from .replay import format_table, replay
 from .timeline import write_picture
-from .timeline_data import read_timeline, trace_lane
+from .timeline_data import Timeline, read_timeline, trace_lane
 
 
 def _without_overrides(lines: list[str]) -> list[str]:
@@ -36,6 +36,17 @@ def _without_overrides(lines: list[str]) -> list[str]:
         if not (isinstance(rec, dict) and rec.get("kind") == "override"):
             out.append(line)
     return out
+
+
+def replay_timeline(lines: list[str], cfg: GovernorConfig | None = None, *, without_overrides: bool = False,
+                    simulate_head: bool | None = None) -> Timeline:
+    """The trace's timeline (what the daemon did) with the replay as a second lane."""
+    timeline = read_timeline(lines)
+    kept = _without_overrides(lines) if without_overrides else lines
+    what = " ".join(w for w, on in (("with --config", cfg is not None), ("without overrides", without_overrides)) if on)
+    recs = [{**r, "t": r["t"] - timeline.t0} for r in map(json.loads, filter(str.strip, kept))]
+    timeline.lanes.append(trace_lane(recs, cfg, f"replayed {what}".strip(), simulate_head=simulate_head))
+    return timeline
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,11 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(format_table(rows))
     if args.timeline:
-        timeline = read_timeline(lines)
         what = " ".join(w for w, on in (("with --config", cfg is not None),
                                         ("without overrides", args.without_overrides)) if on)
-        recs = [{**r, "t": r["t"] - timeline.t0} for r in map(json.loads, filter(str.strip, kept))]
-        timeline.lanes.append(trace_lane(recs, cfg, f"replayed {what}".strip(), simulate_head=simulate))
+        timeline = replay_timeline(lines, cfg, without_overrides=args.without_overrides, simulate_head=simulate)
         return write_picture(timeline, args.timeline, f"the governor replayed {what}".strip())
     return 0
 

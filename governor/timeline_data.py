@@ -49,6 +49,7 @@ class Lane:
     name: str
     depth: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # heights -> (t, depth) steps
     head: list[tuple[float, bool]] = field(default_factory=list)  # residency (a replay's: its target)
+    head_label: str = "head resident"
     decisions: list[Decision] = field(default_factory=list)
 
     def step(self, label: str, t: float, depth: int | None) -> None:
@@ -204,11 +205,20 @@ def _from_log(recs: list[dict], notes: list[str]) -> Timeline:
     return tl
 
 
+def _step(series: list, t: float, v) -> None:
+    """A step series keeps only its changes: a day of ticks four a second stays small."""
+    if not series or series[-1][1] != v:
+        series.append((t, v))
+
+
 def _pressure(tl: Timeline, t: float, level, available) -> None:
     if level in PRESSURE_LEVEL:
-        tl.pressure.append((t, PRESSURE_LEVEL[level]))
+        _step(tl.pressure, t, PRESSURE_LEVEL[level])
     if isinstance(available, (int, float)):
-        tl.available_mib.append((t, available / (1 << 20)))
+        mib = available / (1 << 20)
+        # Headroom moves a little every tick: keep a point when it moved by 1% or more.
+        if not tl.available_mib or abs(mib - tl.available_mib[-1][1]) >= 0.01 * max(1.0, tl.available_mib[-1][1]):
+            tl.available_mib.append((t, mib))
 
 
 def _throughput(decodes: list[tuple[float, float, int]], span: tuple[float, float] | None) -> list[tuple[float, float]]:
@@ -239,7 +249,7 @@ def trace_lane(recs: list[dict], cfg: GovernorConfig | None, name: str, *, simul
     """The trace's ticks through the policy: every tick (all_ticks) for the depth series,
     the ticks that decided something for the markers."""
     lines = [json.dumps(r) for r in recs if not (without_overrides and r.get("kind") == "override")]
-    lane = Lane(name)
+    lane = Lane(name, head_label="head wanted in")
     for row in replay(lines, cfg, all_ticks=True, simulate_head=simulate_head):
         t = row["t"]
         lane.step(SOLO, t, row["depth"])
@@ -265,37 +275,41 @@ def _from_trace(recs: list[dict], cfg: GovernorConfig | None, notes: list[str]) 
         tl.lanes.append(trace_lane(recs, cfg, "what it did"))
     except (ValueError, TypeError, KeyError) as exc:
         notes.append(f"the trace could not be replayed ({exc}): decisions are empty")
-    queued, heights, cycles = [], [], []
+    queued: list[tuple[float, float]] = []
+    cycles: list[tuple[float, int, int]] = []
     resident = None
     for r in recs:
         t = r["t"]
         if r["kind"] == "obs" and isinstance(r.get("obs"), dict):
             o = r["obs"]
             _pressure(tl, t, o.get("pressure"), o.get("available_bytes"))
-            queued.append((t, o.get("queued") or 0))
+            _step(queued, t, o.get("queued") or 0)
             now = o.get("head_resident")
             if resident is not None and now is not None and now != resident:
                 tl.head_events.append((t, "loaded" if now else "evicted", "seen by the governor's probe"))
             resident = now if now is not None else resident
         elif r["kind"] == "cycle" and isinstance(r.get("cycle"), dict):
             c = r["cycle"]
-            heights.append((t, c.get("batch") or 1))
-            cycles.append((t, c.get("emitted") or 0))
+            cycles.append((t, c.get("emitted") or 0, c.get("batch") or 1))
         elif r["kind"] == "override":
             tl.head_events.append((t, "override", f"{r.get('action')} {r.get('depth') or ''}".strip()))
-    tl.load = {"queued": queued, "rows in a decode cycle": heights}
-    tl.throughput = _cycle_throughput(cycles, tl.span)
+    tl.throughput, heights = _cycle_bins(cycles, tl.span)
+    tl.load = {"queued": queued, "batch height (most rows in a cycle)": heights}
     if tl.lanes and not tl.lanes[0].decisions:
         notes.append("the governor decided nothing in this trace beyond holding")
     return tl
 
 
-def _cycle_throughput(cycles: list[tuple[float, int]], span: tuple[float, float]) -> list[tuple[float, float]]:
+def _cycle_bins(cycles: list[tuple[float, int, int]], span: tuple[float, float]) -> tuple[list, list]:
+    """Per bin of the span: tokens per second the cycles emitted, and the most rows one carried."""
     if not cycles:
-        return []
+        return [], []
     width = max(1.0, (span[1] - span[0]) / THROUGHPUT_BINS)
     n = int((span[1] - span[0]) / width) + 1
-    bins = [0.0] * n
-    for t, emitted in cycles:
-        bins[min(n - 1, int((t - span[0]) / width))] += emitted
-    return [(span[0] + i * width, v / width) for i, v in enumerate(bins)]
+    tokens, rows = [0.0] * n, [0] * n
+    for t, emitted, batch in cycles:
+        b = min(n - 1, int((t - span[0]) / width))
+        tokens[b] += emitted
+        rows[b] = max(rows[b], batch)
+    return ([(span[0] + i * width, v / width) for i, v in enumerate(tokens)],
+            [(span[0] + i * width, float(v)) for i, v in enumerate(rows)])

@@ -72,7 +72,7 @@ def figure(tl: Timeline, title: str = "") -> go.Figure:
         if lane.head:
             pts = _extend(tl, [(t, 1.0 if r else 0.0) for t, r in lane.head])
             fig.add_trace(go.Scatter(x=_x(tl, [t for t, _ in pts]), y=[v for _, v in pts], mode="lines",
-                                     line={"shape": "hv", "dash": dash}, name=f"{lane.name}: head resident",
+                                     line={"shape": "hv", "dash": dash}, name=f"{lane.name}: {lane.head_label}",
                                      legendgroup=f"head-{i}"), row=2, col=1)
     events: dict[str, list] = {}
     for t, kind, detail in tl.head_events:
