@@ -39,6 +39,18 @@ def _same(a: tuple[str, object], b: tuple[str, object]) -> bool:
     return (x.decision, x.sentence) == (y.decision, y.sentence) and abs((x.at or 0) - (y.at or 0)) < 0.5
 
 
+def _keyed(rows: list[DecisionRow]) -> dict[str, DecisionRow]:
+    """Row keys that stay with a decision as newer ones push it down (the cursor follows it)."""
+    out: dict[str, DecisionRow] = {}
+    for r in rows:
+        base = f"{r.at:.1f}:{r.decision}" if r.at is not None else f"?:{r.decision}"
+        n = 0
+        while f"{base}:{n}" in out:
+            n += 1
+        out[f"{base}:{n}"] = r
+    return out
+
+
 class Poller(threading.Thread):
     """Owns the client from start on (made on the main thread, so a malformed endpoint is a
     usage error there; a socket may move to another thread across the start's barrier)."""
@@ -90,6 +102,7 @@ class TopApp(App):
         super().__init__()
         self.view = TopView()
         self.expanded: tuple[str, object] | None = None  # ("seat", name) or ("decision", DecisionRow)
+        self.decision_rows: dict[str, DecisionRow] = {}  # the decisions table's row keys
         self.poller = Poller(self, client, interval)
 
     def compose(self) -> ComposeResult:
@@ -120,9 +133,9 @@ class TopApp(App):
         self._fill(self.query_one("#seats", DataTable), [(r.seat, seat_cells(r)) for r in self.view.seats()])
         self.query_one("#side", Static).update(Group(batch_panel(self.view), head_panel(self.view),
                                                      memory_panel(self.view), step_panel(self.view)))
-        rows = self.view.decisions()
+        self.decision_rows = _keyed(self.view.decisions())
         self._fill(self.query_one("#decisions", DataTable),
-                   [(f"{r.at}:{r.decision}:{i}", decision_cells(r)) for i, r in enumerate(rows)])
+                   [(key, decision_cells(r)) for key, r in self.decision_rows.items()])
         self._show_detail()
 
     @staticmethod
@@ -164,11 +177,10 @@ class TopApp(App):
         if event.data_table.id == "seats":
             choice: tuple[str, object] = ("seat", key)
         else:
-            index = int(str(key).rsplit(":", 1)[1])
-            rows = self.view.decisions()
-            if index >= len(rows):
+            row = self.decision_rows.get(key)
+            if row is None:
                 return
-            choice = ("decision", rows[index])
+            choice = ("decision", row)
         self.expanded = None if self.expanded is not None and _same(self.expanded, choice) else choice
         self._show_detail()
 

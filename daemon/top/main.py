@@ -19,6 +19,15 @@ import msgspec
 from protocol.client import Client, CouncilError
 
 from ..exits import EXIT_FAILED, EXIT_USAGE
+from .view import TopView
+
+try:  # rich comes with the top extra (textual): without it, top says which extra to install
+    from rich.console import Console
+
+    from .panels import frame
+except ImportError as exc:
+    Console = None
+    _missing = str(exc)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,11 +47,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def print_frame(endpoint: str | None, timeout: float) -> int:
-    from rich.console import Console
-
-    from .panels import frame
-    from .view import TopView
-
     try:
         with Client(endpoint, seat="top", timeout_s=timeout, client_name="councild top") as client:
             reply = msgspec.to_builtins(client.status())
@@ -63,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     # textual draws on stderr and reads stdin: all three must be the terminal for the live view.
     live = not args.once and all(s.isatty() for s in (sys.stdin, sys.stdout, sys.stderr))
+    if Console is None:
+        print(f"councild top needs the top extra (pip install 'councild[top]'): {_missing}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if not live:
             return print_frame(args.endpoint, args.timeout)
-        try:
+        try:  # textual only for the live screen: a frame into a pipe does not pay its import
             from .app import TopApp
         except ImportError as exc:  # the top extra is not installed: say so, and show what we can
             print(f"councild top: the live view needs the top extra (pip install 'councild[top]'): {exc}; "

@@ -131,6 +131,10 @@ def test_top_live_through_load_a_key_an_eviction_a_resize_and_a_restart_then_the
             after = time.time()
         term.wait_for(lambda lines: "not resident" in "\n".join(lines) and "evict_head" in "\n".join(lines),
                       "the eviction")
+        # tab moves to the decisions; enter expands the newest with every input it was logged with.
+        term.child.send("\t")
+        term.child.send("\r")
+        term.wait_for(lambda lines: any('"decision": "' in line for line in lines), "an expanded decision")
         # A resize: the screen is drawn again at the new size, the footer on its last line.
         term.resize(30, 90)
         term.wait_for(lambda lines: len(lines) == 30 and "quit" in lines[-1] and "councild top" in lines[0],
