@@ -20,9 +20,10 @@ skipped and counted in ``notes``; so is a log without a governor decision. Nothi
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .config import GovernorConfig
 from .heights import bucket_label
@@ -85,47 +86,48 @@ class Timeline:
 # ---------------------------------------------------------------------- reading lines
 
 
-def _lines(source: str | Iterable[str]) -> tuple[list[str], bool]:
-    """The lines, and whether the text ended with a newline (a log being written, or cut off,
-    may end mid-line)."""
-    if isinstance(source, str):
+def _lines(source: str | Iterable[str]) -> Iterator[str]:
+    if isinstance(source, str):  # a path: read line by line (a day's log can be large)
         with open(source, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-        return text.splitlines(), text.endswith("\n") or not text
-    lines = [line.rstrip("\n") for line in source]
-    return lines, True
+            yield from f
+    else:
+        for line in source:
+            yield line if line.endswith("\n") else line + "\n"
 
 
-def _records(lines: list[str], ended: bool, notes: list[str]) -> list[dict]:
+def _records(source: str | Iterable[str], notes: list[str]) -> Iterator[dict]:
     """JSON objects, one a line; a line with a prefix before its object (journalctl's short
-    format) is read from its first brace. What is not an object is counted, not raised."""
-    out, bad = [], []
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    cut = False
-    for i, line in enumerate(lines):
+    format) is read from its first brace. What is not an object is counted in ``notes``,
+    not raised; a last line without its newline that does not parse was cut off mid-write."""
+    bad: list[int] = []
+    pending: tuple[int, bool] | None = None  # the last line that did not parse, and whether it ended
+    n = 0
+    for n, line in enumerate(_lines(source), 1):
+        if pending is not None:
+            bad.append(pending[0])
+            pending = None
         start = line.find("{")
         if start < 0:
             if line.strip():
-                bad.append(i + 1)
+                bad.append(n)
             continue
         try:
             rec = json.loads(line[start:])
         except ValueError:
-            if i == last and not ended:
-                cut = True
-            else:
-                bad.append(i + 1)
+            pending = (n, line.endswith("\n"))
             continue
         if isinstance(rec, dict):
-            out.append(rec)
+            yield rec
         else:
-            bad.append(i + 1)
+            bad.append(n)
+    if pending is not None and pending[1]:
+        bad.append(pending[0])
     if bad:
         shown = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
-        notes.append(f"{len(bad)} line{'s' if len(bad) > 1 else ''} not JSON, skipped (line{'s' if len(bad) > 1 else ''} {shown})")
-    if cut:
-        notes.append("the last line was cut off mid-record, skipped")
-    return out
+        plural = "s" if len(bad) > 1 else ""
+        notes.append(f"{len(bad)} line{plural} not JSON, skipped (line{plural} {shown})")
+    if pending is not None and not pending[1]:
+        notes.append(f"the last line ({n}) was cut off mid-record, skipped")
 
 
 def _unix(ts: str) -> float | None:
@@ -136,24 +138,25 @@ def _unix(ts: str) -> float | None:
 
 
 def read_timeline(source: str | Iterable[str], cfg: GovernorConfig | None = None) -> Timeline:
+    """A log or a trace, told apart by its first record: a trace's has ``kind`` and ``t``."""
     notes: list[str] = []
-    lines, ended = _lines(source)
-    recs = _records(lines, ended, notes)
-    if any("kind" in r and "t" in r for r in recs[:50]) and not any("event" in r for r in recs[:50]):
-        tl = _from_trace(recs, cfg, notes)
-    else:
-        tl = _from_log(recs, notes)
-    tl.notes = notes + tl.notes
-    return tl
+    records = _records(source, notes)
+    first = next(records, None)
+    head = [] if first is None else [first]
+    if first is not None and "kind" in first and "t" in first and "event" not in first:
+        return _from_trace([*head, *records], cfg, notes)
+    # A log keeps only the events the picture draws: a day of request lines stays small.
+    return _from_log((r for r in itertools.chain(head, records) if r.get("event") in LOG_EVENTS), notes)
 
 
 # ---------------------------------------------------------------------- a daemon log
 
 HEAD_EVENTS = {"head.loaded": "loaded", "head.evicted": "evicted", "head.load_failed": "load_failed"}
+LOG_EVENTS = {"governor.decision", "stats", "request.accepted", "request.done", "request.error", *HEAD_EVENTS}
 
 
-def _from_log(recs: list[dict], notes: list[str]) -> Timeline:
-    tl = Timeline(source="daemon log", wall=True)
+def _from_log(recs: Iterable[dict], notes: list[str]) -> Timeline:
+    tl = Timeline(source="daemon log", wall=True, notes=notes)
     did = Lane("what it did")
     tl.lanes.append(did)
     in_flight: dict[str, str] = {}  # request id -> seat
@@ -263,7 +266,7 @@ def trace_lane(recs: list[dict], cfg: GovernorConfig | None, name: str, *, simul
 
 
 def _from_trace(recs: list[dict], cfg: GovernorConfig | None, notes: list[str]) -> Timeline:
-    tl = Timeline(source="governor trace", wall=False)
+    tl = Timeline(source="governor trace", wall=False, notes=notes)
     recs = [r for r in recs if isinstance(r.get("t"), (int, float)) and isinstance(r.get("kind"), str)]
     if not recs:
         notes.append("no trace records")

@@ -21,7 +21,13 @@ from .timeline_data import Timeline
 ROWS = ("depth by batch height", "MTP head", "memory", "council load", "throughput (tok/s)")
 HEAD_MARKERS = {"loaded": ("triangle-up", "seagreen"), "evicted": ("triangle-down", "firebrick"),
                 "load_failed": ("x", "black"), "override": ("diamond", "darkorange")}
-# Decisions that act on the head get its colours; every other kind one of plotly's.
+# Each bucket of heights one colour, every lane; decisions by kind from another palette, outlined,
+# so a marker is not read as a point of the line it sits on; the head's own decisions in the
+# head markers' colours.
+HEIGHT_COLOURS = {"1": "#1f77b4", "2": "#ff7f0e", "3-4": "#2ca02c", "5-8": "#9467bd", "9+": "#8c564b"}
+DECISION_COLOURS = ("#e7298a", "#66a61e", "#e6ab02", "#a6761d", "#7570b3", "#1b9e77", "#d95f02", "#666666",
+                    "#17becf", "#bcbd22")
+HEAD_DECISIONS = {"evict_head": "firebrick", "load_head": "seagreen", "head_trial": "seagreen"}
 DECISION_SYMBOLS = ("circle", "circle-open")
 
 
@@ -57,22 +63,26 @@ def figure(tl: Timeline, title: str = "") -> go.Figure:
         for label in sorted(lane.depth, key=lambda s: int(s.split("-")[0].rstrip("+"))):
             pts = _extend(tl, lane.depth[label])
             fig.add_trace(go.Scatter(x=_x(tl, [t for t, _ in pts]), y=[k for _, k in pts], mode="lines",
-                                     line={"shape": "hv", "dash": dash}, name=f"{lane.name}: depth at heights {label}",
-                                     legendgroup=f"depth-{i}"), row=1, col=1)
+                                     line={"shape": "hv", "dash": dash, "color": HEIGHT_COLOURS.get(label)},
+                                     name=f"{lane.name}: depth at heights {label}", legendgroup=f"depth-{i}"),
+                          row=1, col=1)
         kinds: dict[str, list] = {}
         for d in lane.decisions:
             kinds.setdefault(d.name, []).append(d)
-        for name, ds in kinds.items():
+        for n, (name, ds) in enumerate(kinds.items()):
+            colour = HEAD_DECISIONS.get(name, DECISION_COLOURS[n % len(DECISION_COLOURS)])
             fig.add_trace(go.Scatter(
                 x=_x(tl, [d.t for d in ds]), y=[d.depth for d in ds], mode="markers",
-                marker={"symbol": DECISION_SYMBOLS[min(i, 1)], "size": 9}, name=f"{lane.name}: {name}",
+                marker={"symbol": DECISION_SYMBOLS[min(i, 1)], "size": 10, "color": colour,
+                        "line": {"width": 1, "color": "black" if i == 0 else colour}}, name=f"{lane.name}: {name}",
                 legendgroup=f"decisions-{i}", customdata=[[d.sentence, ", ".join(d.actions) or "-"] for d in ds],
                 hovertext=[f"<b>{name}</b> (depth {d.depth})<br>{_wrap(d.sentence)}<br>actions: {', '.join(d.actions) or '-'}"
                            for d in ds], hoverinfo="text+x"), row=1, col=1)
         if lane.head:
             pts = _extend(tl, [(t, 1.0 if r else 0.0) for t, r in lane.head])
             fig.add_trace(go.Scatter(x=_x(tl, [t for t, _ in pts]), y=[v for _, v in pts], mode="lines",
-                                     line={"shape": "hv", "dash": dash}, name=f"{lane.name}: {lane.head_label}",
+                                     line={"shape": "hv", "dash": dash, "color": "#444444"},
+                                     name=f"{lane.name}: {lane.head_label}",
                                      legendgroup=f"head-{i}"), row=2, col=1)
     events: dict[str, list] = {}
     for t, kind, detail in tl.head_events:
@@ -89,8 +99,10 @@ def figure(tl: Timeline, title: str = "") -> go.Figure:
                                  line={"shape": "hv", "color": "firebrick"}, name="pressure (0 normal, 1 warn, 2 critical)"),
                       row=3, col=1)
     if tl.available_mib:
-        fig.add_trace(go.Scatter(x=_x(tl, [t for t, _ in tl.available_mib]), y=[v for _, v in tl.available_mib],
-                                 mode="lines", line={"color": "steelblue"}, name="available (MiB)"),
+        pts = _extend(tl, tl.available_mib)  # known only when read: held until the next reading, not drawn between
+        fig.add_trace(go.Scatter(x=_x(tl, [t for t, _ in pts]), y=[v for _, v in pts],
+                                 mode="lines+markers", line={"color": "steelblue", "shape": "hv"}, marker={"size": 4},
+                                 name="available (MiB)"),
                       row=3, col=1, secondary_y=True)
     for name, pts in tl.load.items():
         if pts:
