@@ -121,6 +121,10 @@ def test_top_live_through_load_a_key_an_eviction_a_resize_and_a_restart_then_the
         # A key: s sorts the seats by active requests; enter expands the seat under the cursor.
         term.child.send("s")
         term.wait_for(lambda lines: "sort: active" in lines[0] + lines[1], "the sort key change")
+        term.child.send("p")  # pause: the screen holds, and says so
+        term.wait_for(lambda lines: "PAUSED" in lines[0] + lines[1], "the pause")
+        term.child.send("p")
+        term.wait_for(lambda lines: "PAUSED" not in lines[0] + lines[1], "the pause lifted")
         term.child.send("\r")
         term.wait_for(lambda lines: any(line.strip().startswith(("│ seat ", "seat ")) and "active," in line
                                         for line in lines), "the expanded seat")
