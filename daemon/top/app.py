@@ -122,6 +122,8 @@ class TopApp(App):
 
     # ------------------------------------------------------------------ drawing
     def show(self, reply: dict | None, error: str | None) -> None:
+        if self.view.paused:  # a poll that was under way when p was pressed: the screen holds
+            return
         if reply is not None:
             self.view.update(reply, time.monotonic())
         else:

@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(args.endpoint, seat="top", timeout_s=args.timeout, client_name="councild top")
         app = TopApp(client, interval=args.interval)
         app.run()
+        # The poller closes its socket before the process goes (a wait in flight ends within --timeout).
+        app.poller.stopping.set()
+        app.poller.join(args.timeout + 1.0)
         return app.return_code or 0
     except ValueError as exc:  # a malformed endpoint (the client checks it before connecting)
         print(f"councild: {exc}", file=sys.stderr)
