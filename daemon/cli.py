@@ -478,7 +478,11 @@ DELEGATED = {
                            "compiled vs eager one-token decode (serial and speculation), interleaved"),
     ("bench", "prefill"): ("daemon.measure.prefill_bench",
                            "prefill tok/s by prompt length, token-by-token vs chunked GatedDeltaNet, interleaved"),
-    ("governor", "replay"): ("governor.replay", "run the policy over a trace and print the decision timeline"),
+    ("top",): ("daemon.top.main", "a live view of a running daemon: seats, batch, head, memory, step, decisions"),
+    ("governor", "replay"): ("governor.replay_cli", "run the policy over a trace and print the decision timeline"
+                                                    " (--timeline FILE: beside what the daemon did, as a picture)"),
+    ("governor", "timeline"): ("governor.timeline",
+                               "draw a daemon's JSON log or a governor trace as one picture on a time axis (HTML)"),
     ("service",): ("daemon.service", "install/uninstall/print/status the launchd or systemd service"),
     ("keys",): ("daemon.socket_side.keys", "generate a CURVE key pair for a TCP endpoint"),
     ("model",): ("daemon.models.cli", "pull a model from the Hub (and its MTP head), inspect one, list the cache"),

@@ -1,7 +1,7 @@
-"""Replay a governor trace through the policy: the decision timeline, as a table.
+"""Replay a governor trace through the policy: the decision timeline, as rows and a table.
 
-    councild governor replay TRACE.jsonl
-    python -m governor.replay --synthetic critical
+The command (`councild governor replay TRACE.jsonl`, `--synthetic critical`, `--timeline
+FILE`) is replay_cli.py.
 
 The trace holds what the probes saw (one "obs" record per tick), every cycle's telemetry,
 overrides, and the config it ran with. Replaying it rebuilds the cost model from the
@@ -14,14 +14,12 @@ land at once), which it does by default whenever the config differs from the tra
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Any, Iterable
 
 import msgspec
 
-from .config import GovernorConfig, load_config
+from .config import GovernorConfig
 from .cost_model import CostModel
 from .heights import bucket_label
 from .policy import apply_override, decide
@@ -142,44 +140,3 @@ def format_table(rows: list[dict]) -> str:
             f"{'in' if r['head'] else 'out':<4}  {acts} | {r['reasons']}"
         )
     return "\n".join(out)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="councild governor replay", description=__doc__.split("\n\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("trace", nargs="?", help="a JSON-lines trace recorded by the governor")
-    src.add_argument("--synthetic", metavar="NAME", help="generate a synthetic trace: quiet, busy, flapping, critical, council")
-    ap.add_argument("--config", metavar="JSON", help="governor config table as JSON (default: the trace's own)")
-    ap.add_argument("--all", action="store_true", help="one row per tick, not only ticks that acted")
-    ap.add_argument("--simulate-head", action="store_true", default=None,
-                    help="apply the replay's own loads/evictions (default: only with --config)")
-    ap.add_argument("--save", metavar="PATH", help="with --synthetic: also write the generated trace here")
-    args = ap.parse_args(argv)
-    try:
-        cfg = load_config(json.loads(args.config)) if args.config else None
-    except (ValueError, msgspec.ValidationError) as e:
-        print(f"bad --config: {e}", file=sys.stderr)
-        return 2
-    if args.synthetic:
-        from .traces import SCENARIOS, generate
-
-        if args.synthetic not in SCENARIOS:
-            print(f"unknown scenario {args.synthetic!r}; choose from {', '.join(SCENARIOS)}", file=sys.stderr)
-            return 2
-        lines: Any = generate(args.synthetic)
-        if args.save:
-            with open(args.save, "w", encoding="utf-8") as f:
-                f.write("\n".join(lines) + "\n")
-    else:
-        lines = args.trace
-    try:
-        rows = replay(lines, cfg, all_ticks=args.all, simulate_head=args.simulate_head)
-    except (OSError, ValueError) as e:
-        print(f"cannot replay: {e}", file=sys.stderr)
-        return 1
-    print(format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

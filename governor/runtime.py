@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 from typing import IO, Any, Callable, Sequence
 
 import msgspec
@@ -29,6 +30,10 @@ from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
 
 log = structlog.get_logger("councild.governor")
+
+# Decisions the status snapshot keeps (`councild top` scrolls them): the ones logged at info,
+# newest last; a bound, so a daemon that runs for months keeps a few kilobytes of them.
+RECENT_DECISIONS = 32
 
 
 class Governor:
@@ -68,6 +73,9 @@ class Governor:
             obs = Observation(**self._head, estimates=self.cost.estimates(now), decode_s=self.cost.decode_s)
             depth, self.start_reason = start_depth(obs, self.cfg, depth)
             self.log.info("governor.decision", **{"depth": depth, "actions": [], **self.start_reason})
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        if self.start_reason is not None:
+            self.recent.append({"t": self.clock(), "depth": depth, "actions": [], **self.start_reason})
         self.state = State(depth=depth)
         self.last_observation: Observation | None = None
         self.last_actions: list[Action] = []
@@ -179,8 +187,11 @@ class Governor:
         for r in reasons:
             # Ticks that change nothing log at debug: four a second would drown the log; so
             # do a paired probe's alternations (its start and verdict log at info).
-            emit = self.log.debug if r["decision"] in ("hold", "probe_step", "height_probe_step") else self.log.info
-            emit("governor.decision", **{"depth": self.state.depth, "actions": names, **r})
+            quiet = r["decision"] in ("hold", "probe_step", "height_probe_step")
+            (self.log.debug if quiet else self.log.info)("governor.decision",
+                                                         **{"depth": self.state.depth, "actions": names, **r})
+            if not quiet:
+                self.recent.append({"t": now, "depth": self.state.depth, "actions": names, **r})
         return actions
 
     def tick(self) -> list[Action]:
@@ -266,4 +277,7 @@ class Governor:
                 "cost_model": self.cost.snapshot(now, self._cpu_load),
                 "last_actions": [action_name(a) for a in self.last_actions],
                 "last_reasons": self.last_reasons,
+                # Oldest first; age_s rather than the governor's clock, which readers cannot place.
+                "recent_decisions": [{"age_s": round(now - d["t"], 3), **{k: v for k, v in d.items() if k != "t"}}
+                                     for d in self.recent],
             }

@@ -1,5 +1,5 @@
-"""Tokens per seat for `councild status`: totals, the last-10-seconds rate, and which seats
-are still worth a row.
+"""Tokens per seat for `councild status`: totals, the last-10-seconds rate, the last request's
+time to first token, and which seats are still worth a row.
 
 A seat that has had no work for ``idle_s`` leaves the table (its total with it): a daemon that
 runs for months serves seats that come and go, and a client that invents a seat name per
@@ -26,6 +26,7 @@ class SeatStats:
         self.window: deque[tuple[float, int, str]] = deque()  # (when, tokens, seat)
         self.totals: dict[str, int] = {}
         self.last_active: dict[str, float] = {}
+        self.ttft_s: dict[str, float] = {}  # the seat's latest first token, seconds after arrival
 
     def count(self, seat: str, n: int) -> None:
         now = self.clock()
@@ -33,6 +34,11 @@ class SeatStats:
         self.totals[seat] = self.totals.get(seat, 0) + n
         self.last_active[seat] = now
         self._trim(now)
+
+    def first_token(self, seat: str, seconds: float) -> None:
+        self.ttft_s[seat] = seconds
+        self.last_active[seat] = self.clock()
+        self.totals.setdefault(seat, 0)
 
     def mark_busy(self, seats: Iterable[str]) -> None:
         """Seats with work queued or running are active now, tokens or not."""
@@ -49,11 +55,15 @@ class SeatStats:
         now = self.clock()
         for seat, last in list(self.last_active.items()):
             if seat not in busy and now - last > self.idle_s:
-                del self.last_active[seat], self.totals[seat]
+                self._forget(seat)
         if len(self.last_active) > self.max_seats:
             idle = sorted((t, s) for s, t in self.last_active.items() if s not in busy)
             for _, seat in idle[: len(self.last_active) - self.max_seats]:
-                del self.last_active[seat], self.totals[seat]
+                self._forget(seat)
+
+    def _forget(self, seat: str) -> None:
+        del self.last_active[seat], self.totals[seat]
+        self.ttft_s.pop(seat, None)
 
     def rates(self) -> tuple[float, dict[str, float]]:
         """(tokens/s over the window, per seat), 0 until half a second of data exists."""

@@ -102,6 +102,9 @@ class EngineStatus:
             self.snapshot.steps_total += 1
             self.snapshot.last_step_at = now
 
+    def first_token(self, seat: str, seconds: float) -> None:
+        self._seat_stats.first_token(seat, seconds)
+
     def publish(self) -> None:
         """Refresh what status readers see, at most every 100 ms (not per token)."""
         now = time.monotonic()
@@ -141,6 +144,8 @@ class EngineStatus:
             s["tokens"] = n
             # Over the same last-10-seconds window as the daemon's total.
             s["tokens_per_s"] = per_seat.get(seat, 0.0)
+            if seat in stats.ttft_s:
+                s["ttft_s"] = round(stats.ttft_s[seat], 4)
         with self.snapshot_lock:
             self.snapshot.active = active
             self.snapshot.depth = self.engine.slot.current_depth()

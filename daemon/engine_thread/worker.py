@@ -359,6 +359,7 @@ class EngineWorker(threading.Thread):
         now = time.monotonic()
         if job.last_token_at is None:
             t.ttft.observe(now - job.received_at)
+            self.status.first_token(job.seat, now - job.received_at)
         else:  # a cycle's gap, shared by the tokens it committed
             t.inter_token.observe((now - job.last_token_at) / len(kept), len(kept))
         job.last_token_at = now

@@ -246,3 +246,17 @@ def test_the_top_level_is_small():
     top = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(top) <= TOP_LEVEL_MAX, top
     assert {"cli.py", "config.py", "__init__.py"} <= set(top)
+
+
+def test_the_live_view_is_a_protocol_client():
+    """`councild top` reads the status reply only: nothing of the running daemon's wings, no mlx."""
+    root = ROOT / "top"
+    files = sorted(root.glob("*.py"))
+    assert len(files) >= 4
+    for f in files:
+        tree = ast.parse(f.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        names |= {"daemon." + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 2}
+        bad = {m for m in names if m.split(".")[0] in ("mlx", "mlx_lm") or any(_in(m, w) for w in WINGS)}
+        assert not bad, f"{f.name} imports {bad}"

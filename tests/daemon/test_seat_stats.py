@@ -53,3 +53,19 @@ def test_rates_over_the_last_ten_seconds():
     assert abs(total - 10.0) < 1e-9 and per_seat == {"a": 10.0}
     clock.t += 30
     assert s.rates() == (0.0, {})
+
+
+def test_first_token_is_kept_per_seat_and_leaves_with_the_seat():
+    clock = Clock()
+    s = SeatStats(clock, idle_s=30, max_seats=2)
+    s.first_token("planner", 0.2)
+    s.first_token("planner", 0.05)  # the latest request's, not the first's
+    s.first_token("critic", 0.4)
+    assert s.ttft_s == {"planner": 0.05, "critic": 0.4}
+    clock.t += 10
+    s.first_token("judge", 0.1)  # a third seat: the longest idle goes, its TTFT with it
+    s.prune(busy=set())
+    assert set(s.ttft_s) == set(s.totals) and "judge" in s.ttft_s and len(s.ttft_s) == 2
+    clock.t += 60
+    s.prune(busy=set())
+    assert s.ttft_s == {} and s.totals == {}

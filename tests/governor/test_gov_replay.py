@@ -8,7 +8,8 @@ import json
 import pytest
 
 from governor.config import GovernorConfig
-from governor.replay import main, replay
+from governor.replay import replay
+from governor.replay_cli import main
 from governor.traces import SCENARIOS, generate
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)

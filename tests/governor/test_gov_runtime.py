@@ -105,6 +105,30 @@ def test_depth_follows_cost_as_load_rises_at_constant_acceptance():
     json.dumps(snap)  # the status reply carries it as is
 
 
+def test_snapshot_keeps_a_bounded_ring_of_the_decisions_logged_at_info():
+    from governor.runtime import RECENT_DECISIONS
+
+    gov, clock, mem, load, logger = make()
+    gov.tick()  # a hold: logged at debug, not kept
+    assert gov.snapshot()["recent_decisions"] == []
+    mem.level, mem.available_bytes = "critical", 100 * MiB
+    clock.advance(0.25)
+    gov.tick()
+    clock.advance(2.0)
+    recent = gov.snapshot()["recent_decisions"]
+    infos = [e[2] for e in logger.events if e[0] == "info"]
+    assert [d["decision"] for d in recent] == [e["decision"] for e in infos]
+    assert all(d["sentence"] and d["age_s"] == 2.0 for d in recent)
+    assert recent[1]["actions"] == ["SetDepth(0)", "EvictHead", "ClearCache", "ShedAdmissions(on)"]
+    for _ in range(RECENT_DECISIONS):  # overrides decide at once, each logged at info
+        clock.advance(0.25)
+        gov.override("pin_depth", 2)
+        gov.override("auto")
+    recent = gov.snapshot()["recent_decisions"]
+    assert len(recent) == RECENT_DECISIONS and recent[-1]["age_s"] == 0.0
+    assert [d["age_s"] for d in recent] == sorted((d["age_s"] for d in recent), reverse=True)
+
+
 def test_override_decides_at_once_and_releases():
     gov, clock, *_ = make()
     # The pin holds at every batch height too.
