@@ -120,14 +120,15 @@ class _Rows:
                       rows_active=obs.rows_active, rows_waiting=obs.rows_waiting,
                       available_bytes=obs.available_bytes, row_cache_bytes=obs.row_cache_bytes,
                       by_height=self.scores, **inputs)  # fmt: skip
-        s = replace(s, row_decision=decision, row_why=sentence)
+        s = replace(s, row_decision=decision, row_why=sentence, row_hold="")
         return replace(s, row_limit=to, row_changed_at=self.now) if action is not None else s
 
-    def hold(self, s: State, decision: str, sentence: str, **inputs: Any) -> State:
-        """A blocker: logged when it changes (its decision or sentence), not every tick."""
-        if (s.row_decision, s.row_why) == (decision, sentence):
-            return s
-        return self.emit(s, s.row_limit or 1, decision, sentence, **inputs)
+    def hold(self, s: State, blocker: str, decision: str, sentence: str, **inputs: Any) -> State:
+        """A blocker (``blocker`` names its kind): logged when it changes, not every tick
+        (its sentence carries live numbers: the status shows the latest)."""
+        if s.row_hold == blocker:
+            return replace(s, row_why=sentence)
+        return replace(self.emit(s, s.row_limit or 1, decision, sentence, **inputs), row_hold=blocker)
 
 
 def decide_rows(s: State, obs: Observation, now: float, cfg: GovernorConfig, out: Any) -> State:
@@ -149,14 +150,14 @@ def decide_rows(s: State, obs: Observation, now: float, cfg: GovernorConfig, out
             return r.emit(s, floor, "rows_pressure", f"critical memory pressure: {lim} -> {floor} (row_floor); "
                                                      "requests above it finish, none is admitted until below it",
                           detail=obs.pressure_detail)  # fmt: skip
-        return r.hold(s, "rows_pressure", f"critical memory pressure: held at {lim} (row_floor)")
+        return r.hold(s, "critical", "rows_pressure", f"critical memory pressure: held at {lim} (row_floor)")
     dwelt = s.row_changed_at is None or now - s.row_changed_at >= cfg.row_dwell_s
     if obs.pressure == WARN:
         s = replace(s, **_NO_PROBE)
         if lim > floor and dwelt:
             return r.emit(s, lim - 1, "rows_pressure", f"memory pressure warn: one row fewer, {lim} -> {lim - 1}",
                           detail=obs.pressure_detail)
-        return r.hold(s, "rows_pressure", f"memory pressure warn: no more rows ({lim})")
+        return r.hold(s, "warn", "rows_pressure", f"memory pressure warn: no more rows ({lim})")
     if obs.rows_active == 0 and obs.rows_waiting == 0:
         return s
     if s.row_probe_from is not None:
@@ -210,14 +211,15 @@ def _room(r: _Rows) -> str | None:
 def _raise(s: State, r: _Rows, lim: int) -> State:
     obs, cfg, nxt = r.obs, r.cfg, lim + 1
     if lim >= r.ceiling:
-        return r.hold(s, "rows_hold", f"demand waits, the limit is at the ceiling ({r.ceiling})")
+        return r.hold(s, "ceiling", "rows_hold", f"demand waits, the limit is at the ceiling ({r.ceiling})")
     blocked = _room(r)
     if blocked is not None:
-        return r.hold(s, "rows_hold", f"demand waits, but {blocked}: no more rows ({lim})")
+        return r.hold(s, "headroom", "rows_hold", f"demand waits, but {blocked}: no more rows ({lim})")
     here = bucket_estimate(s, obs, lim)
     if bucket_of(nxt) == bucket_of(lim):
-        return r.emit(s, nxt, "rows_raise", f"demand waits and {nxt} rows run in the bucket {bucket_label(bucket_of(lim))} "
-                                            f"the council is in ({_fmt(here)}): {lim} -> {nxt}")  # fmt: skip
+        return r.emit(s, nxt, "rows_raise", f"demand waits and {nxt} rows run in the bucket "
+                                            f"{bucket_label(bucket_of(lim))} the limit is in ({_fmt(here)}): "
+                                            f"{lim} -> {nxt}")  # fmt: skip
     there = bucket_estimate(s, obs, nxt)
     label = bucket_label(bucket_of(nxt))
     if _trusted(there, cfg) and _trusted(here, cfg) and not there.stale:
@@ -226,8 +228,8 @@ def _raise(s: State, r: _Rows, lim: int) -> State:
         if there.score >= here.score * (1 + margin):
             return r.emit(s, nxt, "rows_raise", f"demand waits and heights {label} score {_fmt(there)} vs {_fmt(here)} "
                                                 f"at {lim} ({fmt_margin(margin, noise)}): {lim} -> {nxt}", **mlog)  # fmt: skip
-        return r.hold(s, "rows_hold", f"demand waits, but heights {label} measured {_fmt(there)} vs {_fmt(here)} at "
-                                      f"{lim}: not better by the margin, {lim} kept", **mlog)  # fmt: skip
+        why = f"demand waits, but heights {label} measured {_fmt(there)} vs {_fmt(here)} at {lim}: not better by the "
+        return r.hold(s, "not_better", "rows_hold", why + f"{fmt_margin(margin, noise)}, {lim} kept", **mlog)
     due = s.row_last_probe_s is None or obs.decode_s - s.row_last_probe_s >= cfg.probe_interval_s
     if not due:
         return s

@@ -282,6 +282,9 @@ class State(Struct, frozen=True, kw_only=True):
     row_last_probe_s: float | None = None
     row_decision: str = ""
     row_why: str = ""
+    # The kind of blocker last logged ("ceiling", "headroom", ...; "" after a move): a
+    # blocker is logged when it changes, not every tick.
+    row_hold: str = ""
 
 
 # ---------------------------------------------------------------- actions out

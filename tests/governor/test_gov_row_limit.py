@@ -91,6 +91,8 @@ def test_a_probe_that_does_not_pay_by_the_margin_goes_back():
     assert not row_actions(acts) and row_reasons(why, "rows_hold")
     s, acts, why = decide(s, observe({**MEASURED_TO_4, "5-8": 103.0}), 105.0, CFG)
     assert not row_actions(acts) and not row_reasons(why)
+    s, acts, why = decide(s, observe({**MEASURED_TO_4, "5-8": 101.0}), 106.0, CFG)  # new numbers, same blocker
+    assert not row_actions(acts) and not row_reasons(why) and "101.0 tok/s" in s.row_why
 
 
 def test_a_measured_paying_height_is_entered_without_a_probe():
