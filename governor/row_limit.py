@@ -11,8 +11,9 @@ batch's aggregate tokens per second. The rule, one row at a time:
 - up, when demand waits (a request queued or parked while every slot is taken), the limit
   is below the ceiling, and the headroom holds one more row's caches at the context a
   request may reach: within the bucket the limit runs in, at once (that bucket is where
-  the council already is); into the next bucket only when it is measured to score the
-  margin better, else a probe: one row more until the probed bucket has ``trust_samples``
+  the council already is); into the next bucket only once the limit's own bucket is
+  measured (``trust_samples`` cycles: the reference), and then at once where the next is
+  measured to score the margin better, else a probe: one row more until the probed bucket has ``trust_samples``
   cycles of its own (first-use cycles of a new height do not count: the engine marks them
   ``transition``), kept if it scores the margin better than the bucket it came from, else
   back. A bucket never measured is probed at once; a measured one again only when its
@@ -222,7 +223,13 @@ def _raise(s: State, r: _Rows, lim: int) -> State:
                                             f"{lim} -> {nxt}")  # fmt: skip
     there = bucket_estimate(s, obs, nxt)
     label = bucket_label(bucket_of(nxt))
-    if _trusted(there, cfg) and _trusted(here, cfg) and not there.stale:
+    if not _trusted(here, cfg):
+        # A probe weighs the next heights against these: without their cost it would be
+        # kept on nothing (seen on this CPU: a probe at start-up, before heights 3-4 had a
+        # cycle of their own past its first use).
+        return r.hold(s, "unmeasured", "rows_hold", f"demand waits, but heights {bucket_label(bucket_of(lim))} are not "
+                                                    f"measured yet: measure them before trying more rows ({lim})")  # fmt: skip
+    if _trusted(there, cfg) and not there.stale:
         margin, noise = row_margin(there, here, cfg)
         mlog = {"margin": round(margin, 4), "noise": None if noise is None else round(noise, 4)}
         if there.score >= here.score * (1 + margin):
@@ -261,9 +268,9 @@ def _probe_verdict(s: State, r: _Rows, lim: int) -> State:
                       f"the probe of {lim} rows got {max(got, 0)} cycles (< {cfg.trust_samples}) in {ran:.1f}s of "
                       f"decoding at other heights: not measured, back to {frm}")  # fmt: skip
     s = replace(s, **_NO_PROBE, row_changed_at=r.now)  # a verdict: the next move waits row_dwell_s after it
-    if not _trusted(here, cfg):
-        return r.emit(s, lim, "rows_keep", f"probed {lim} rows: {_fmt(there)}, nothing measured at {frm} to "
-                                           f"weigh it against: kept")  # fmt: skip
+    if not _trusted(here, cfg):  # (its measurements forgotten during the probe) a look, never a move
+        return r.emit(s, frm, "rows_probe_end", f"probed {lim} rows: {_fmt(there)}, nothing measured at {frm} to "
+                                                f"weigh it against: back to {frm}")  # fmt: skip
     margin, noise = row_margin(there, here, cfg)
     mlog = {"margin": round(margin, 4), "noise": None if noise is None else round(noise, 4)}
     if there.score >= here.score * (1 + margin):

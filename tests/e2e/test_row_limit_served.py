@@ -44,7 +44,7 @@ def test_a_council_above_the_start_height_gets_a_row_limit_decision_and_status_s
         rows = c.status().detail["rows"]
         assert rows["mode"] == "auto" and rows["ceiling"] == 5 and rows["limit"] == 4 and rows["why"]
         seen_limits, seen_rows = set(), None
-        for _ in range(3):  # rounds: a round may end before a governor tick sees its queue
+        for _ in range(4):  # rounds: a round may end before a governor tick sees its queue
             tokens: list[int] = []
             council = threading.Thread(target=_council, args=(rows_daemon.endpoint, 7, tokens))
             council.start()
@@ -57,13 +57,15 @@ def test_a_council_above_the_start_height_gets_a_row_limit_decision_and_status_s
                 time.sleep(0.05)
             council.join()
             assert len(tokens) == 7 and all(n > 0 for n in tokens)  # every request ended with its tokens
-            if seen_rows is not None:
+            if 5 in seen_limits:
                 break
     decisions = [e for e in rows_daemon.events() if e.get("event") == "governor.decision"
                  and str(e.get("decision", "")).startswith("rows_")]
     assert decisions, "no row-limit decision was logged"
-    first = decisions[0]
-    assert first["decision"] == "rows_probe" and first["rows_from"] == 4 and first["rows_to"] == 5
+    # (A hold may come first: four rows' heights not measured yet when the queue was seen.)
+    assert {d["decision"] for d in decisions[:1]} <= {"rows_probe", "rows_hold"}
+    first = next(d for d in decisions if d["decision"] == "rows_probe")
+    assert first["rows_from"] == 4 and first["rows_to"] == 5
     assert first["ceiling"] == 5 and first["rows_waiting"] > 0 and first["sentence"].startswith("rows at once:")
     assert first["row_cache_bytes"] > 0 and [h["heights"] for h in first["by_height"]] == ["1", "2", "3-4", "5-8", "9+"]
     assert all(d["rows_to"] <= 5 for d in decisions)

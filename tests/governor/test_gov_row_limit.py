@@ -95,6 +95,14 @@ def test_a_probe_that_does_not_pay_by_the_margin_goes_back():
     assert not row_actions(acts) and not row_reasons(why) and "101.0 tok/s" in s.row_why
 
 
+def test_no_probe_before_the_limits_own_heights_are_measured():
+    # At start-up: four rows run but their bucket has no cycle past its first use yet.
+    s, acts, why = decide(at(4), observe({"1": 40.0, "3-4": 100.0}, samples={"3-4": 1}), 100.0, CFG)
+    assert not row_actions(acts) and "not measured yet" in row_reasons(why, "rows_hold")[0]["sentence"]
+    s, acts, _ = decide(s, observe(MEASURED_TO_4), 101.0, CFG)
+    assert row_actions(acts) == [5] and s.row_probe_from == 4
+
+
 def test_a_measured_paying_height_is_entered_without_a_probe():
     s, acts, why = decide(at(4), observe({**MEASURED_TO_4, "5-8": 180.0}), 100.0, CFG)
     assert row_actions(acts) == [5] and s.row_probe_from is None and row_reasons(why, "rows_raise")
