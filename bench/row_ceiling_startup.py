@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
 
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
-from e2e_harness import start_daemon  # noqa: E402
+from e2e_harness import start_daemon, wait_ready  # noqa: E402
 
 CONFIGS = {"auto-ceiling-8": "[scheduler]\nmax_active = \"auto\"\nmax_active_ceiling = 8\n",
            "pinned-4": "[scheduler]\nmax_active = 4\n"}
@@ -36,7 +36,8 @@ EVENTS = ("speculation.exactness", "batch.ready", "prefill_together.ready", "mix
 def one_start(work: Path, cache: Path, config: str) -> dict:
     work.mkdir(parents=True)
     t0 = time.perf_counter()
-    d = start_daemon(work, BUNDLED_MODEL, config=config, env={"COUNCILD_CACHE_DIR": str(cache)})
+    d = start_daemon(work, BUNDLED_MODEL, config=config, env={"COUNCILD_CACHE_DIR": str(cache)}, wait=False)
+    wait_ready(d, timeout_s=600)  # a shared, loaded box: the harness's 90 s is not enough there
     ready = time.perf_counter() - t0
     code = d.stop()
     ev = {e["event"]: e for e in d.events() if e["event"] in EVENTS}
