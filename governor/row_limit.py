@@ -42,7 +42,6 @@ from msgspec.structs import replace
 
 from .config import GovernorConfig
 from .depth_rules import fmt_margin
-from .height_policy import settled_depth
 from .heights import bucket_label, bucket_of
 from .types import CRITICAL, WARN, DepthEstimate, Observation, SetMaxActive, State
 
@@ -58,21 +57,23 @@ def bucket_clock(obs: Observation, height: int) -> float:
     return obs.batch_decode_s[b - 1] if b - 1 < len(obs.batch_decode_s) else 0.0
 
 
-def bucket_estimate(s: State, obs: Observation, height: int) -> DepthEstimate | None:
-    """What a batch of ``height`` rows scores: its bucket's estimate at the depth that bucket
-    drafts (the solo depth at height 1), else at the depth it ran most; None when no cycle
-    of that bucket was measured."""
+def bucket_estimate(obs: Observation, height: int, trust: int = 1) -> DepthEstimate | None:
+    """What a batch of ``height`` rows scores: its bucket's best estimate among the depths
+    measured there with ``trust`` cycles or more (fresh ones first: the depth policy moves
+    each bucket to its best depth, so that is what the height delivers; the depth it drafts
+    now may have a few cycles only, after a depth probe), else the depth it ran most; None
+    when no cycle of that bucket was measured. Height 1 is the solo table."""
     b = bucket_of(height)
     if b == 0:
-        ests, k = obs.estimates, s.depth
+        ests = obs.estimates
     else:
         ests = obs.batch_estimates[b - 1] if b - 1 < len(obs.batch_estimates) else ()
-        k = settled_depth(s.heights[b - 1]) if b - 1 < len(s.heights) else None
-    measured = [e for e in ests if e.samples > 0]
+    measured = [e for e in ests if e.samples > 0 and e.score is not None]
     if not measured:
         return None
-    if k is not None and 0 <= k < len(ests) and ests[k].samples > 0:
-        return ests[k]
+    trusted = [e for e in measured if e.samples >= trust]
+    if trusted:
+        return max(trusted, key=lambda e: (not e.stale, e.score, -e.depth))
     return max(measured, key=lambda e: (e.samples, -e.depth))
 
 
@@ -108,9 +109,10 @@ class _Rows:
     def __init__(self, s: State, obs: Observation, now: float, cfg: GovernorConfig, out: Any):
         self.obs, self.now, self.cfg, self.out = obs, now, cfg, out
         self.ceiling = obs.row_ceiling
-        self.scores = [{"heights": bucket_label(b), "score": None if e is None or e.score is None else round(e.score, 3),
-                        "samples": 0 if e is None else e.samples}
-                       for b, e in ((b, bucket_estimate(s, obs, h)) for b, h in enumerate((1, 2, 3, 5, 9)))]  # fmt: skip
+        ests = [bucket_estimate(obs, h, cfg.trust_samples) for h in (1, 2, 3, 5, 9)]  # one height per bucket
+        self.scores = [{"heights": bucket_label(b), "score": None if e is None else round(e.score, 3),
+                        "samples": 0 if e is None else e.samples, "depth": None if e is None else e.depth}
+                       for b, e in enumerate(ests)]  # fmt: skip
 
     def emit(self, s: State, to: int, decision: str, sentence: str, **inputs: Any) -> State:
         """Log one decision; with ``to`` other than the limit, set the limit to it."""
@@ -179,7 +181,7 @@ def _back_off(s: State, r: _Rows, lim: int) -> State | None:
     if bucket_of(lim) == 0:
         return None
     below = _top_of_bucket_below(lim)
-    cur, low = bucket_estimate(s, r.obs, lim), bucket_estimate(s, r.obs, below)
+    cur, low = (bucket_estimate(r.obs, h, r.cfg.trust_samples) for h in (lim, below))
     if not (_trusted(cur, r.cfg) and _trusted(low, r.cfg)) or cur.stale or low.stale:
         return None
     margin, noise = row_margin(low, cur, r.cfg)
@@ -216,12 +218,12 @@ def _raise(s: State, r: _Rows, lim: int) -> State:
     blocked = _room(r)
     if blocked is not None:
         return r.hold(s, "headroom", "rows_hold", f"demand waits, but {blocked}: no more rows ({lim})")
-    here = bucket_estimate(s, obs, lim)
+    here = bucket_estimate(obs, lim, cfg.trust_samples)
     if bucket_of(nxt) == bucket_of(lim):
         return r.emit(s, nxt, "rows_raise", f"demand waits and {nxt} rows run in the bucket "
                                             f"{bucket_label(bucket_of(lim))} the limit is in ({_fmt(here)}): "
                                             f"{lim} -> {nxt}")  # fmt: skip
-    there = bucket_estimate(s, obs, nxt)
+    there = bucket_estimate(obs, nxt, cfg.trust_samples)
     label = bucket_label(bucket_of(nxt))
     if not _trusted(here, cfg):
         # A probe weighs the next heights against these: without their cost it would be
@@ -260,7 +262,7 @@ def _probe_verdict(s: State, r: _Rows, lim: int) -> State:
     started = s.row_probe_started_s if s.row_probe_started_s is not None else obs.decode_s
     there_s = bucket_clock(obs, lim) - (s.row_probe_bucket_s if s.row_probe_bucket_s is not None else bucket_clock(obs, lim))
     ran = obs.decode_s - started - max(there_s, 0.0)
-    there, here = bucket_estimate(s, obs, lim), bucket_estimate(s, obs, frm)
+    there, here = (bucket_estimate(obs, h, cfg.trust_samples) for h in (lim, frm))
     if got < cfg.trust_samples:
         if ran < cfg.probe_s * cfg.probe_max_factor:
             return s

@@ -6,11 +6,13 @@ a new height not counted."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from governor.config import GovernorConfig
 from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe, RecordingLogger, make_estimates
 from governor.policy import decide
+from governor.row_limit import bucket_estimate
 from governor.runtime import Governor
 from governor.types import CRITICAL, NORMAL, WARN, CycleTelemetry, Observation, SetMaxActive, State
 
@@ -120,6 +122,17 @@ def test_a_probe_that_gets_no_cycles_goes_back_unmeasured():
     assert not row_actions(acts)
     s, acts, _ = decide(s, observe(MEASURED_TO_4, decode_s=10.0 + CFG.probe_interval_s), 120.0, CFG)
     assert row_actions(acts) == [5]
+
+
+def test_a_bucket_scores_at_its_best_measured_depth_not_a_depth_just_probed():
+    # Heights 3-4 measured at depth 0 (40 cycles), then the depth policy tried depth 1 (3 cycles).
+    b34 = make_estimates([100.0, 90.0], samples=40, cost_rse=0.02)
+    b34 = (b34[0], msgspec.structs.replace(b34[1], samples=3))
+    o = msgspec.structs.replace(observe(MEASURED_TO_4), batch_estimates=(make_estimates([70.0]), b34, (), ()))
+    e = bucket_estimate(o, 4, CFG.trust_samples)
+    assert e.depth == 0 and e.score == 100.0
+    s, acts, _ = decide(at(4), o, 100.0, CFG)
+    assert row_actions(acts) == [5]  # measured: the probe has its reference
 
 
 # ---------------------------------------------------------------- down, bounds, memory, idle
