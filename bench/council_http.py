@@ -106,12 +106,12 @@ def councild_status(endpoint: str) -> dict:
 
     with Client(endpoint, seat="bench-status", timeout_s=30) as c:
         detail = c.status().detail
-    return {"governor": detail.get("governor", {}), "speculation": detail.get("speculation", {}),
+    return {"rows": detail.get("rows", {}), "governor": detail.get("governor", {}), "speculation": detail.get("speculation", {}),
             "batch": detail.get("batch", {}), "stats": {k: v for k, v in detail.get("stats", {}).items()
                                                         if k in ("drafted", "accepted")}}
 
 
-async def bench(args, arms: dict, endpoint: str, tok) -> dict:
+async def bench(args, arms: dict, endpoint: dict[str, str], tok) -> dict:
     from openai import AsyncOpenAI
 
     clients = {name: AsyncOpenAI(base_url=url, api_key="unused", timeout=900, max_retries=0)
@@ -127,10 +127,14 @@ async def bench(args, arms: dict, endpoint: str, tok) -> dict:
             for arm in order:
                 _url, model, extra = arms[arm]
                 res = await workload(clients[arm], model, extra, args, tok, salt=f"round {r} arm {arm}")
+                rows = ""
                 if arm != "mlx_lm.server":
-                    res["councild"] = councild_status(endpoint)
+                    res["councild"] = councild_status(endpoint[arm])
+                    rw = res["councild"]["rows"]
+                    rows = f", rows at once {rw.get('limit')} ({rw.get('mode')}: {rw.get('why')})" if rw else ""
                 print(f"round {r}/{args.rounds} {arm}: {res['tok_s']:.1f} tok/s, TTFT p50 "
-                      f"{res['ttft_p50'] * 1e3:.0f} ms" + (" (warm-up)" if r == 0 else ""), file=sys.stderr, flush=True)
+                      f"{res['ttft_p50'] * 1e3:.0f} ms" + (" (warm-up)" if r == 0 else "") + rows,
+                      file=sys.stderr, flush=True)
                 if args.long_tokens:
                     res["long_prompt"] = await lp.long_prompt_phase(clients[arm], model, extra, args, tok,
                                                                     salt=f"round {r} arm {arm}")
@@ -203,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="default,fast,off,mlx_lm.server",
                     help="comma-separated: default, fast, off, exact, mlx_lm.server")
     ap.add_argument("--config-extra", default="", help="TOML appended to the daemon's config")
+    ap.add_argument("--max-active", default="",
+                    help='comma-separated scheduler.max_active values ("auto" or ints): one councild daemon each, '
+                         'its arms named "ARM max_active=V" and rotated with the others (default: one daemon at '
+                         "max(4, seats), arms named as given)")
     ap.add_argument("--json", default="bench/out/council_http.json")
     ap.add_argument("--markdown")
     lp.add_options(ap)
@@ -217,13 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wanted = args.arms.split(",")
         arms: dict = {}
-        endpoint = ""
-        if any(a != "mlx_lm.server" for a in wanted):
-            started, endpoint, port = start_councild_http(args.model, tmp, env, max(4, args.seats), args.config_extra)
+        endpoint: dict[str, str] = {}
+        values = [v if v == "auto" else int(v) for v in args.max_active.split(",") if v] or [max(4, args.seats)]
+        for v in values if any(a != "mlx_lm.server" for a in wanted) else []:
+            home = tmp if not args.max_active else tmp / f"councild-{v}"
+            home.mkdir(exist_ok=True)
+            denv = dict(env, COUNCILD_RUNTIME_DIR=str(home / "run"), COUNCILD_CACHE_DIR=str(home / "cache"))
+            started, ep, port = start_councild_http(args.model, home, denv, v, args.config_extra)
             procs += started
             for a in wanted:
                 if a != "mlx_lm.server":
-                    arms[a] = (f"http://127.0.0.1:{port}/v1", "councild", {} if a == "default" else {"speculation": a})
+                    name = f"{a} max_active={v}" if args.max_active else a
+                    arms[name] = (f"http://127.0.0.1:{port}/v1", "councild", {} if a == "default" else {"speculation": a})
+                    endpoint[name] = ep
         if "mlx_lm.server" in wanted:
             mlx, mport = start_mlx_lm_server(args.model, tmp, env)
             procs.append(mlx)
@@ -233,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         stop(procs)
         if args.logs:
             args.logs.mkdir(parents=True, exist_ok=True)
-            for log in tmp.glob("*.log"):
-                shutil.copy(log, args.logs / log.name)
+            for log in tmp.rglob("*.log"):  # a daemon per max_active value keeps its logs in its own folder
+                shutil.copy(log, args.logs / (log.name if log.parent == tmp else f"{log.parent.name}-{log.name}"))
     out, table = report(args, samples)
     print(table)
     write_results(out, f"`{out['command']}`\n\n{table}", args.json, args.markdown)

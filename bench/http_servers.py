@@ -43,9 +43,9 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> Non
     raise TimeoutError(url)
 
 
-def start_councild_http(model: str, tmp: Path, env: dict, max_active: int, config_extra: str = "",
+def start_councild_http(model: str, tmp: Path, env: dict, max_active: int | str, config_extra: str = "",
                         timeout_s: float = 600.0) -> tuple[list[subprocess.Popen], str, int]:
-    """The daemon (``max_active`` batch rows, ``config_extra`` TOML appended to its config)
+    """The daemon (``max_active`` batch rows, or "auto", ``config_extra`` TOML appended to its config)
     and its HTTP front; returns both processes, the daemon's endpoint and the front's port.
     ``env`` should set COUNCILD_RUNTIME_DIR to ``tmp / "run"``, where the socket goes."""
     runtime = tmp / "run"
@@ -55,7 +55,7 @@ def start_councild_http(model: str, tmp: Path, env: dict, max_active: int, confi
     cfg = tmp / "councild.toml"
     # A TOML table may appear once: max_active joins the extra's own [scheduler] table if it has one.
     # Top-level keys of the extra (those before its first table) go first, before any table.
-    rows = f"max_active = {max_active}\n"
+    rows = f"max_active = {max_active}\n" if isinstance(max_active, int) else f'max_active = "{max_active}"\n'
     lines = config_extra.splitlines(keepends=True)
     first_table = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("[")), len(lines))
     top, config_extra = "".join(lines[:first_table]), "".join(lines[first_table:])

@@ -326,6 +326,13 @@ def _height_depths(table: list[dict]) -> str:
                      for r in table)  # fmt: skip
 
 
+def _rows(rows: dict) -> str:
+    """How many requests decode at once: "5 of 8 (auto; 5 active, 2 waiting): <why>"."""
+    mode = f"of {rows['ceiling']} (auto" if rows.get("mode") == "auto" else "(pinned"
+    return (f"{rows.get('limit')} {mode}; {rows.get('active', 0)} active, {rows.get('waiting', 0)} waiting)"
+            + (f": {rows['why']}" if rows.get("why") else ""))
+
+
 def format_status(reply) -> str:
     """The `councild status` table: one row per fact, then one row per seat."""
     d = reply.detail or {}
@@ -350,6 +357,7 @@ def format_status(reply) -> str:
         ("depth", depth),
         *([("depth by batch height", _height_depths(gov["depth_by_height"]))] if gov.get("depth_by_height") else []),
         *([("decoding", _decoding(d))] if "decode_path" in d else []),
+        *([("rows at once", _rows(d["rows"]))] if d.get("rows") else []),
         ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]

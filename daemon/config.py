@@ -37,11 +37,22 @@ class SeatConfig(Struct, forbid_unknown_fields=True, frozen=True):
     weight: Annotated[float, Meta(gt=0, le=1000)] = 1.0
 
 
+# With scheduler.max_active = "auto", the limit before the governor's first decision: the
+# fixed default it replaces, so a council of 4 batches from its first round as it always did;
+# above it the governor measures before it goes (a probe of the next bucket of heights).
+AUTO_START_HEIGHT = 4
+
+
 class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
-    # Requests decoded in turn (time-sliced, each keeping its cache). More means more
-    # memory held by caches; 4 covers a typical council.
-    # The batch decoder is built (and probed) at this height at start-up: bounded.
-    max_active: Annotated[int, Meta(ge=1, le=256)] = 4
+    # Requests decoded at once (batched, or time-sliced, each keeping its cache). "auto": the
+    # governor decides (governor/height_limit.py): it starts at AUTO_START_HEIGHT and admits
+    # rows up to max_active_ceiling while the measured step cost by height says another row
+    # pays and memory holds each row's cache at its context, and backs off under pressure.
+    # An int pins it (1..256), as before "auto" existed.
+    max_active: Annotated[int, Meta(ge=1, le=256)] | Literal["auto"] = "auto"
+    # With max_active = "auto": the most rows the governor may admit. The batch decoder is
+    # built, probed and warmed up at this height at start-up (with an int max_active, at that).
+    max_active_ceiling: Annotated[int, Meta(ge=1, le=256)] = 8
     # Accepted-but-unfinished requests, in total and per seat; past them, Overloaded.
     max_queued: Annotated[int, Meta(ge=1, le=65536)] = 64
     max_queued_per_seat: Annotated[int, Meta(ge=1, le=65536)] = 16
@@ -96,6 +107,22 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     mixed_steps: Literal["auto", "on", "off"] = "auto"
     seats: Annotated[dict[str, SeatConfig], Meta(max_length=1024)] = {}
     default_seat: SeatConfig = SeatConfig()
+
+    @property
+    def height_auto(self) -> bool:
+        """Whether the governor decides how many requests decode at once."""
+        return self.max_active == "auto"
+
+    @property
+    def batch_rows(self) -> int:
+        """The height the batch decoder is built, probed and warmed up at: the ceiling the
+        governor may reach with "auto", else the pinned max_active."""
+        return self.max_active_ceiling if self.max_active == "auto" else self.max_active
+
+    @property
+    def start_height(self) -> int:
+        """The live limit before the governor's first decision (the pinned value when pinned)."""
+        return min(AUTO_START_HEIGHT, self.max_active_ceiling) if self.max_active == "auto" else self.max_active
 
 
 class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
@@ -347,6 +374,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: dict | None = 
         cfg = msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
         message = str(exc)
+        if message.endswith("`$.scheduler.max_active`"):  # msgspec names the union's parts, not what to write
+            message += ' (an int from 1 to 256, or "auto": the governor decides, up to max_active_ceiling)'
         for var, key in _ENV_KEYS.items():
             if key in env_data and key not in (overrides or {}) and message.endswith(f"`$.{key}`"):
                 message += f" (from ${var}={env_data[key]!r})"

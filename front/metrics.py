@@ -101,6 +101,16 @@ class DaemonCollector:
             compiled.add_metric(["one"], float(d["decode_path"] == "compiled"))
             compiled.add_metric(["batch"], float(d.get("batch_decode_path") == "compiled"))
             yield compiled
+        rows = d.get("rows") or {}
+        if rows.get("limit") is not None:  # how many requests decode at once (scheduler.max_active)
+            limit = GaugeMetricFamily("councild_max_active", "requests decoded at once at most: the governor's with "
+                                      "max_active = \"auto\" (decision: its last, e.g. rows_keep), else the config's",
+                                      labels=["mode", "decision"])
+            limit.add_metric([str(rows.get("mode")), str(rows.get("decision") or "")], float(rows["limit"]))
+            yield limit
+            if rows.get("ceiling") is not None:
+                yield gauge("councild_max_active_ceiling", "the most rows the governor may admit (max_active_ceiling)",
+                            rows["ceiling"])
         yield gauge("councild_tokens_per_second", "output tokens per second over the last 10 s", d.get("recent_tokens_per_s", 0))
         yield gauge("councild_draining", "1 while the daemon drains for shutdown", bool(d.get("draining")))
         yield gauge("councild_loading", "1 while the daemon reads the model's weights", d.get("state") == "loading")

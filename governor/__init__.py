@@ -20,6 +20,7 @@ from .types import (
     Observation,
     SetDepth,
     SetHeightDepth,
+    SetMaxActive,
     ShedAdmissions,
     State,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "Observation",
     "SetDepth",
     "SetHeightDepth",
+    "SetMaxActive",
     "ShedAdmissions",
     "State",
     "apply_override",

@@ -109,6 +109,19 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     head_trial_interval_s: float = 120.0
     head_trial_backoff_max: int = 8
 
+    # ---------------------------------------------------------------- rows at once
+    # With scheduler.max_active = "auto" (governor/row_limit.py): after a change of the
+    # limit, wait this long before the next, so the new height collects cycles (a batched
+    # cycle is 20-100 ms: tens of them) before it is judged; a step up or down is one row.
+    row_dwell_s: float = 2.0
+    # Critical memory pressure takes the limit straight down to this many rows (warn steps
+    # down one row per row_dwell_s, to it at most); requests above it finish, none is dropped.
+    row_floor: int = 1
+    # One more row is admitted only while the memory headroom holds its caches at the
+    # context a request may reach plus this margin (MLX's allocator rounding, a prompt's
+    # transient activations).
+    row_margin_bytes: int = 256 * MiB
+
     # ---------------------------------------------------------------- head residency
     # Warn sustained this long evicts the head (~850 MB for a 27B): shed fast.
     warn_evict_s: float = 30.0
@@ -204,6 +217,9 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             (self.head_trial_backoff_max >= 1, "head_trial_backoff_max must be >= 1"),
             (0 <= self.prior_acceptance <= 1, "prior_acceptance must be in [0, 1]"),
             (self.head_margin_bytes >= 0, "head_margin_bytes must be >= 0"),
+            (self.row_dwell_s >= 0, "row_dwell_s must be >= 0"),
+            (1 <= self.row_floor <= 256, "row_floor must be in 1..256"),
+            (self.row_margin_bytes >= 0, "row_margin_bytes must be >= 0"),
             (self.arrival_tau_s > 0, "arrival_tau_s must be > 0"),
         ]
         windows = ("depth_dwell_s", "warn_evict_s", "warn_clear_s", "idle_evict_s", "restore_window_s",

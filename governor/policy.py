@@ -18,6 +18,10 @@ Order within a tick (the order the actions come out in, and the step loop applie
                    with a neighbour probed now and then (on the decode clock)
   5. heights       the same per bucket of batch heights (height_policy.py): the depth a
                    batched cycle of that height drafts, by E(k) / cost per row (B, k)
+  6. rows          how many requests decode at once, with scheduler.max_active = "auto"
+                   (row_limit.py): one more row while the next bucket of heights is measured
+                   (or probed) to pay and memory holds its caches; back off when it does not
+                   pay or under pressure
 Overrides (pin_depth, force_evict, force_load) win over 2 and 4 until "auto" releases them.
 
 A stale estimate is a reason to look, never to move: the depth that looks best is probed
@@ -51,6 +55,7 @@ from .config import GovernorConfig
 from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, margin_inputs, move_toward,
                           new_samples, probed_depth_wins)
 from .height_policy import decide_heights, settled_depth
+from .row_limit import decide_rows
 from .types import (
     CRITICAL,
     NORMAL,
@@ -537,6 +542,7 @@ def decide(
     s = _admissions(s, obs, now, cfg, out)
     s = _depth(s, obs, now, cfg, out)
     s = decide_heights(s, obs, now, cfg, out)
+    s = decide_rows(s, obs, now, cfg, out)
     # The idle clock runs while the head is resident and unused: depth 0 alone and in
     # every batch height (a height not chosen yet runs at the solo depth).
     # A bucket's probe does not count as use (it measures; its verdict is what counts).

@@ -115,6 +115,8 @@ def replay(
                         "depth": state.depth,
                         # Depth per bucket of batch heights 2, 3-4, 5-8, 9+ (None: the solo depth).
                         "heights": [h.depth for h in state.heights],
+                        # Requests decoded at once (row_limit.py; None: not the governor's).
+                        "rows": state.row_limit,
                         "head": bool(state.head_target),
                         "actions": [action_name(a) for a in actions],
                         "reasons": "; ".join(r["sentence"] for r in reasons),

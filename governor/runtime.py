@@ -63,6 +63,9 @@ class Governor:
         self._lock = threading.RLock()
         self._head = {"head_available": head_available, "head_resident": head_resident, "head_loading": False,
                       "head_bytes": int(head_bytes), "prompt_cache_bytes": 0}  # fmt: skip
+        # How many requests decode at once (note_rows): what the engine runs and waits, and
+        # the limits (row_limit.py); a ceiling of 0 leaves the limit to the config.
+        self._rows = {"rows_active": 0, "rows_waiting": 0, "row_limit": 0, "row_ceiling": 0, "row_cache_bytes": 0}
         depth = self.cfg.initial_depth if initial_depth is None else initial_depth
         depth = min(depth, self.cfg.max_depth) if head_resident else 0
         self.start_reason: Reason | None = None
@@ -126,6 +129,16 @@ class Governor:
         with self._lock:
             self._head["prompt_cache_bytes"] = int(nbytes)
 
+    def note_rows(self, **rows: int) -> None:
+        """The daemon reports its rows: ``rows_active``, ``rows_waiting`` (queued or parked),
+        ``row_limit`` (the scheduler's now), ``row_ceiling`` (0: pinned by the config),
+        ``row_cache_bytes`` (one row's caches at its context). Any subset."""
+        with self._lock:
+            for key, v in rows.items():
+                if key not in self._rows:
+                    raise ValueError(f"unknown row field {key!r}")
+                self._rows[key] = int(v)
+
     def record_cycle(self, t: CycleTelemetry) -> None:
         with self._lock:
             now = self.clock()
@@ -167,7 +180,8 @@ class Governor:
                 ld = self.load.read(now)
             except Exception:
                 ld = None
-        raw: dict[str, Any] = {"pressure": level, "pressure_detail": detail, "available_bytes": avail, **self._head}
+        raw: dict[str, Any] = {"pressure": level, "pressure_detail": detail, "available_bytes": avail, **self._head,
+                               **({**self._rows} if self._rows["row_ceiling"] > 0 else {})}
         if ld is not None:
             raw.update(active_streams=ld.active_streams, queued=ld.queued, arrival_rate=ld.arrival_rate,
                        cpu_load=ld.cpu_load)  # fmt: skip
@@ -234,6 +248,13 @@ class Governor:
                          "probing": probing})  # fmt: skip
         return rows
 
+    def rows(self) -> dict[str, Any]:
+        """How many requests decode at once and why: the limit (None until the first tick
+        with a ceiling), the ceiling, the last decision and its sentence, a probe in flight."""
+        s = self.state
+        return {"limit": s.row_limit, "ceiling": self._rows["row_ceiling"] or None, "decision": s.row_decision or None,
+                "why": s.row_why or None, "probing_from": s.row_probe_from}  # fmt: skip
+
     @property
     def shedding(self) -> bool:
         return self.state.shedding
@@ -267,6 +288,7 @@ class Governor:
             return {
                 "depth": self.state.depth,
                 "depth_by_height": self.height_table(),
+                "rows": self.rows(),
                 "head": {**self._head, "target": self.state.head_target},
                 "override": self.state.override,
                 "pin_depth": self.state.pin_depth,

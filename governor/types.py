@@ -181,6 +181,16 @@ class Observation(Struct, frozen=True, kw_only=True):
     # Per draft position 1..max_depth: (conditional acceptance, the variance of its
     # estimate) (CostModel.acceptance_noise); empty: not known, counted as no noise.
     acceptance: tuple[tuple[float, float], ...] = ()
+    # How many requests decode at once (governor/row_limit.py), from the engine: requests
+    # holding a slot now, those waiting for one (queued or parked), the limit the scheduler
+    # applies now, the most it may be ("auto"'s max_active_ceiling; 0: the limit is pinned
+    # by the config, or a trace from before the governor decided it: no decision), and the
+    # bytes one row's caches take at the context a request may reach (0: not known).
+    rows_active: int = 0
+    rows_waiting: int = 0
+    row_limit: int = 0
+    row_ceiling: int = 0
+    row_cache_bytes: int = 0
 
 
 # ---------------------------------------------------------------- state
@@ -258,6 +268,23 @@ class State(Struct, frozen=True, kw_only=True):
     # The depth per bucket of batch heights (index b - 1 for bucket b >= 1); ``depth`` is
     # the solo one (height 1).
     heights: tuple[HeightState, ...] = ()
+    # How many requests decode at once (row_limit.py); None until the first tick adopts the
+    # engine's. A probe of one more row: the limit it returns to, when it started (decode
+    # clock), the probed bucket's cost samples and decode clock then. The last move
+    # (injected clock), the last probe (decode clock), and the last decision and its
+    # sentence (the status says why the limit is what it is).
+    row_limit: int | None = None
+    row_probe_from: int | None = None
+    row_probe_started_s: float | None = None
+    row_probe_samples_at: int | None = None
+    row_probe_bucket_s: float | None = None
+    row_changed_at: float | None = None
+    row_last_probe_s: float | None = None
+    row_decision: str = ""
+    row_why: str = ""
+    # The kind of blocker last logged ("ceiling", "headroom", ...; "" after a move): a
+    # blocker is logged when it changes, not every tick.
+    row_hold: str = ""
 
 
 # ---------------------------------------------------------------- actions out
@@ -298,7 +325,15 @@ class SetHeightDepth(Struct, frozen=True, tag=True):
     depth: int
 
 
-Action = Union[SetDepth, SetHeightDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache, LimitPromptCache]
+class SetMaxActive(Struct, frozen=True, tag=True):
+    """Decode at most ``rows`` requests at once (the scheduler's live limit). Lowering it
+    drops no request: those above it finish, and no new one is admitted until below it."""
+
+    rows: int
+
+
+Action = Union[SetDepth, SetHeightDepth, EvictHead, LoadHead, ShedAdmissions, ClearCache, LimitPromptCache,
+               SetMaxActive]
 
 
 def action_name(a: Action) -> str:
@@ -308,6 +343,8 @@ def action_name(a: Action) -> str:
         return f"SetHeightDepth({bucket_label(a.bucket)}: {a.depth})"
     if isinstance(a, ShedAdmissions):
         return f"ShedAdmissions({'on' if a.on else 'off'})"
+    if isinstance(a, SetMaxActive):
+        return f"SetMaxActive({a.rows})"
     if isinstance(a, LimitPromptCache):
         return f"LimitPromptCache({'none' if a.max_bytes is None else a.max_bytes})"
     return type(a).__name__

@@ -24,7 +24,7 @@ Heights: a trace per (B, T) (mx.compile keeps one per input shape), not shapeles
 layers reshape to B-dependent shapes and split, which a shapeless trace cannot infer
 ("Split cannot infer output shapes", MLX 0.32.4), and not padded up to a bucket: a padded
 row would change the matmuls' M, hence (on CUDA) their rounding, against the eager step at
-the real height. A batch's heights are bounded (scheduler.max_active), so are its traces;
+the real height. A batch's heights are bounded (scheduler.batch_rows), so are its traces;
 the warm-up makes them before ready on a GPU.
 
 Batch rows need no mask in the compiled layers: a batch's GatedDeltaNet state is each

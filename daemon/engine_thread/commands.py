@@ -112,7 +112,9 @@ class CommandHandling:
             if self.engine.governance is not None:
                 self.engine.governance.reconfigure(cmd.table)
         elif isinstance(cmd, ReloadScheduler):
-            self.scheduler.cfg = cmd.cfg
+            self.scheduler.reconfigure(cmd.cfg)
+            if self.engine.governance is not None:
+                self.engine.governance.note_scheduler(cmd.cfg)
         elif isinstance(cmd, Stop):
             self.stopping = True
             if not self.scheduler.has_work():

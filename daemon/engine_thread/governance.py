@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+from msgspec.structs import replace
 
 from governor import (
     ClearCache,
@@ -23,6 +24,7 @@ from governor import (
     MlxMemoryProbe,
     SetDepth,
     SetHeightDepth,
+    SetMaxActive,
     ShedAdmissions,
     default_memory_probes,
     load_config,
@@ -78,12 +80,46 @@ class Governance:
         self.shed: tuple[bool, float] = (False, 0.0)
         slot.depth = self.gov.depth
         slot.height_depths = self._height_depths()
+        # How many requests decode at once (attach_rows): the scheduler's setter, while the
+        # config leaves the limit to the governor; and the batch heights already run once
+        # (a height's first cycle carries its first-use costs: a transition, not its cost).
+        self._set_max_active: Callable[[int], None] | None = None
+        self._heights_run: set[int] = set()
 
     # ------------------------------------------------------------------ inputs
     def after_step(self, step, batch: int = 1) -> None:
         """Every decode cycle: a batched one (``batch`` rows) feeds cost(B, k) of its height's
-        bucket and its rows' acceptance; a solo one the solo depth's cost."""
-        self.gov.record_cycle(CycleTelemetry.from_step(step, batch=batch))
+        bucket and its rows' acceptance; a solo one the solo depth's cost. The first cycle
+        at a batch height is a transition (first use: on a GPU the step compiles and plans
+        per height; everywhere its first allocations), so the row limit's probe of a new
+        height is not judged on it."""
+        t = CycleTelemetry.from_step(step, batch=batch)
+        if batch > 1 and batch not in self._heights_run:
+            self._heights_run.add(batch)
+            t = replace(t, transition=True)
+        self.gov.record_cycle(t)
+
+    def attach_rows(self, scheduler_cfg, set_max_active: Callable[[int], None], row_cache_bytes: int,
+                    limit: int) -> None:
+        """The scheduler's live limit becomes the governor's where the config says "auto"
+        (governor/row_limit.py): ``set_max_active`` applies its SetMaxActive; one row's
+        caches at its context are ``row_cache_bytes``; ``limit`` is the scheduler's now."""
+        self._set_max_active = set_max_active
+        self.gov.note_rows(row_cache_bytes=row_cache_bytes, row_limit=limit)
+        self.note_scheduler(scheduler_cfg)
+
+    def note_scheduler(self, scheduler_cfg) -> None:
+        """New scheduler settings (start-up, SIGHUP): the ceiling the governor may reach, or 0
+        where an int pins max_active (the governor then leaves the limit alone)."""
+        auto = self._set_max_active is not None and scheduler_cfg.height_auto
+        self.gov.note_rows(row_ceiling=scheduler_cfg.max_active_ceiling if auto else 0)
+        if not auto:
+            self.gov.state = replace(self.gov.state, row_limit=None, row_probe_from=None)
+
+    def update_rows(self, active: int, waiting: int, limit: int) -> None:
+        """Every loop turn: requests holding a slot, those waiting for one (queued or
+        parked), and the limit the scheduler applies now."""
+        self.gov.note_rows(rows_active=active, rows_waiting=waiting, row_limit=limit)
 
     def _height_depths(self) -> tuple[int | None, ...]:
         return tuple(h.depth for h in self.gov.state.heights)
@@ -143,6 +179,8 @@ class Governance:
                 mx.clear_cache()
             elif isinstance(action, LimitPromptCache):
                 self._limit_prompt_cache(action.max_bytes)
+            elif isinstance(action, SetMaxActive) and self._set_max_active is not None:
+                self._set_max_active(action.rows)
 
     # ------------------------------------------------------------------ prompt caches
     def _limit_prompt_cache(self, max_bytes: int | None) -> None:

@@ -36,7 +36,8 @@ from .probe_verdicts import ProbeVerdicts, verdicts_for
 log = get_logger("councild.engine")
 
 # The deepest verify a decode forward may hold per row (speculation.depth's ceiling, 8) plus
-# its bonus position: with max_active rows, the largest forward the invariant path must cover.
+# its bonus position: with scheduler.batch_rows rows (max_active, or its ceiling with
+# "auto"), the largest forward the invariant path must cover.
 MAX_VERIFY_POSITIONS = 9
 
 

@@ -20,6 +20,9 @@ class LoadedEngine:
     # cycles, the engine thread reads it every cycle.
     slot: HeadSlot | None = None
     max_prompt_tokens: int = 0  # the model's context once loaded
+    # One request's caches at that context (engine/cache_size.py): the governor admits
+    # another row only while the headroom holds it (governor/row_limit.py).
+    row_cache_bytes: int = 0
     verify_exact: bool = True
     verdicts: Any = None
     batch: Any = None

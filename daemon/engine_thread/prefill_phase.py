@@ -179,7 +179,7 @@ class PrefillPhase:
             return [lead]
         group = [lead]
         for job in order:
-            if len(group) >= self.scheduler.cfg.max_active:
+            if len(group) >= self.scheduler.max_active:
                 break
             if job is lead or job.prefill is None or job.prefill_left > job.prefill.chunk:
                 continue

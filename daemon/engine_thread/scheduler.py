@@ -12,7 +12,8 @@ Policy, in order:
    credit.
 3. FIFO within a seat.
 
-Up to ``max_active`` requests hold caches and are decoded in turn. When every slot is
+Up to ``max_active`` requests hold caches and are decoded in turn (the live limit: the
+config's int, or the governor's with "auto", ``set_max_active``). When every slot is
 taken, a waiting request W of seat S displaces (parks) a running request V of another seat
 T when V's class is lower than W's (aged) class, or, V's class being no higher than W's:
 - slots are unfairly split: n_T / w_T > (n_S + 1) / w_S (n: the seat's running requests,
@@ -73,6 +74,9 @@ class Scheduler:
     def __init__(self, cfg: SchedulerConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clock = clock
+        # The live limit on requests holding a slot: the one place it is read. The config's
+        # int, or with "auto" its start height until the governor sets it (set_max_active).
+        self.max_active = cfg.start_height
         self.queues: dict[str, deque] = {}
         self.active: list = []
         self.parked: list = []
@@ -93,6 +97,25 @@ class Scheduler:
         # (parked job, the job it made room for, why, how long that one had waited): the
         # worker logs and clears these.
         self.displaced: list[tuple[object, object, str, float]] = []
+
+    # ------------------------------------------------------------------ the limit
+    def set_max_active(self, n: int) -> None:
+        """The governor's limit (with max_active = "auto"). Lowering it drops no request:
+        those above it finish (or are parked by the rules below), and none is admitted
+        until fewer than ``n`` run."""
+        self.max_active = max(1, int(n))
+
+    def reconfigure(self, cfg: SchedulerConfig) -> None:
+        """New settings (SIGHUP): a pinned max_active applies now; under "auto" the
+        governor's limit stays, capped at a lowered ceiling (the governor hears of it)."""
+        was_auto = self.cfg.height_auto
+        self.cfg = cfg
+        if not cfg.height_auto:
+            self.max_active = cfg.max_active
+        elif not was_auto:
+            self.max_active = cfg.start_height
+        else:
+            self.max_active = min(self.max_active, cfg.max_active_ceiling)
 
     # ------------------------------------------------------------------ bookkeeping
     def submit(self, job: Schedulable) -> None:
@@ -177,7 +200,7 @@ class Scheduler:
         for j in itertools.chain(self.active, self.waiting()):
             weights[j.seat] = j.weight
         total = sum(weights.values())
-        return {s: self.cfg.max_active * w / total for s, w in weights.items()} if total else {}
+        return {s: self.max_active * w / total for s, w in weights.items()} if total else {}
 
     def _victim_for(self, job) -> tuple[object, str]:
         """The running job that ``job`` may displace now (or None), and the rule that lets
@@ -211,11 +234,11 @@ class Scheduler:
         self._admit_calls += 1
         # Every displacement strictly improves the split (or serves a starved job, whose
         # victim then waits afresh), so this ends; the cap is a belt for the braces.
-        for _ in range(4 * self.cfg.max_active + 64):
+        for _ in range(4 * self.max_active + 64):
             waiting = sorted(self.waiting(), key=self._queue_key)
             if not waiting:
                 break
-            best = waiting[0] if len(self.active) < self.cfg.max_active else None
+            best = waiting[0] if len(self.active) < self.max_active else None
             why = ""
             if best is None:
                 for cand in waiting:

@@ -84,7 +84,7 @@ class EngineStartup:
 
             t0 = time.perf_counter()
             spec = self.cfg.speculation
-            rows = self.cfg.scheduler.max_active
+            rows = self.cfg.scheduler.batch_rows
             # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
             exact_ok, verdict = self.engine.verdicts.get("batch", str(rows), lambda: batch_matches_serial(self.engine.lm, rows))
             if spec.in_batch and spec.mode != "off" and self.engine.slot.available and self.group is None:
@@ -100,14 +100,16 @@ class EngineStartup:
                 self.engine.batch_speculates = True
             else:
                 self.engine.batch = BatchDecoder(self.engine.lm, max_rows=rows, exact_ok=exact_ok)
-            log.info("batch.ready", rows=self.engine.batch.max_rows, exact_rows_batch=self.engine.batch.exact_ok, verdict=verdict,
+            log.info("batch.ready", rows=self.engine.batch.max_rows, max_active=self.cfg.scheduler.max_active, exact_rows_batch=self.engine.batch.exact_ok, verdict=verdict,
                      speculates=self.engine.batch_speculates, batch_decode_path=self.engine.lm.batch_decode_path,
                      probe_ms=round((time.perf_counter() - t0) * 1000, 1))
         self._prefill_together()
         self._mixed_steps()
         if self.cfg.governor_enabled:
+            from ..engine.cache_size import row_cache_bytes
             from .governance import Governance
 
+            self.engine.row_cache_bytes = row_cache_bytes(self.engine.lm, self.engine.max_prompt_tokens)
             self.engine.governance = Governance(self.engine.slot, self.cfg.governor, self.engine.lm.path, prefix_cache=self.engine.prefix_cache,
                                          holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
             self.engine.tuned_profile = self.engine.governance.tuned_profile
@@ -117,11 +119,12 @@ class EngineStartup:
 
     def _prefill_together(self) -> None:
         """Whether prompts' pieces share forwards (engine/batched_prefill.py): "auto" times a
-        forward of max_active rows against one row's; exact greedy rows join where the probe
-        finds the rows bit-identical to each alone."""
+        forward of scheduler.batch_rows rows (max_active, or its ceiling with "auto") against
+        one row's; exact greedy rows join where the probe finds the rows bit-identical to each
+        alone."""
         from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
-        lm, rows = self.engine.lm, self.cfg.scheduler.max_active
+        lm, rows = self.engine.lm, self.cfg.scheduler.batch_rows
         self.engine.prefill_together_exact = None
         if self.cfg.scheduler.prefill_together == "off" or self.group is not None:
             return
@@ -143,7 +146,7 @@ class EngineStartup:
         self.engine.mixed_exact = None
         if self.engine.batch is None or self.cfg.scheduler.mixed_steps == "off" or self.group is not None:
             return
-        lm, rows, chunk = self.engine.lm, self.cfg.scheduler.max_active, self.cfg.scheduler.prefill_chunk
+        lm, rows, chunk = self.engine.lm, self.cfg.scheduler.batch_rows, self.cfg.scheduler.prefill_chunk
         self.engine.mixed_exact, fields = self._measured_choice(
             "mixed_steps", self.cfg.scheduler.mixed_steps, f"{rows}-{chunk}",
             cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
@@ -213,7 +216,7 @@ class EngineStartup:
             level, self.engine.lm, chunk=self.cfg.scheduler.prefill_chunk,
             head=self.engine.slot.head if self.engine.slot.resident else None,
             depths=list(range(1, max_depth + 1)),
-            batch=self.engine.batch, max_rows=self.cfg.scheduler.max_active,
+            batch=self.engine.batch, max_rows=self.cfg.scheduler.batch_rows,
             emit=lambda event, **fields: log.info(event, **fields),
             spec_options={"rollback": self.cfg.speculation.rollback, "pipeline": self.build_ahead(),
                           "guard_margin": None})
@@ -266,7 +269,7 @@ class EngineStartup:
         spec = self.cfg.speculation
         ragged = self.cfg.scheduler.batching and spec.in_batch and spec.mode != "off" and self.engine.slot.available
         choice = choose_kernels(self.engine.lm, self.cfg.kernels, rollback=resolve_rollback(spec.rollback),
-                                rows=self.cfg.scheduler.max_active, ragged=ragged,
+                                rows=self.cfg.scheduler.batch_rows, ragged=ragged,
                                 compile_decode=self.cfg.compile_decode, group=self.group)
         self.engine.verdicts = choice.verdicts
         log_choice(choice, invariant.backend())

@@ -69,6 +69,8 @@ class EngineSnapshot:
     load_progress: dict = field(default_factory=dict)
     # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.
     group: dict = field(default_factory=dict)
+    # How many requests decode at once (rows_status): the limit, who sets it, and why.
+    rows: dict = field(default_factory=dict)
 
 
 class EngineStatus:
@@ -160,6 +162,26 @@ class EngineStatus:
             if self.engine.governance is not None:
                 self.snapshot.governor = self.engine.governance.snapshot()
                 self.snapshot.shedding = self.engine.governance.shed
+            self.snapshot.rows = self.rows_status()
+
+    def rows_status(self) -> dict:
+        """How many requests decode at once: ``limit`` (the scheduler's, now), ``mode``
+        ("auto": the governor's, up to ``ceiling``; "pinned": scheduler.max_active), the
+        governor's last ``decision`` and ``why`` in a sentence, ``active`` and ``waiting``."""
+        sched, gov = self.scheduler, self.engine.governance if self.engine is not None else None
+        cfg = sched.cfg
+        out = {"limit": sched.max_active, "mode": "auto" if cfg.height_auto else "pinned",
+               "ceiling": cfg.max_active_ceiling if cfg.height_auto else None,
+               "active": len(sched.active), "waiting": sched.queued_count(), "decision": None, "why": None}
+        if not cfg.height_auto:
+            out["why"] = f"pinned by scheduler.max_active = {cfg.max_active}"
+        elif gov is None or gov.gov.rows()["ceiling"] is None:
+            out["why"] = (f"the start height {sched.max_active}: no governor to move it"
+                          + (" (a tensor-parallel group)" if gov is not None else ""))
+        else:
+            r = gov.gov.rows()
+            out["decision"], out["why"] = r["decision"], r["why"] or f"{sched.max_active} to start, until the governor's first look"
+        return out
 
     def count_prefilled(self, tokens: int) -> None:
         with self.snapshot_lock:

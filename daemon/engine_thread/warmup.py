@@ -15,7 +15,8 @@ Stages (``full``; ``light`` runs the first shape of each):
 - ``decode``: serial decode steps (the compiled decode path where it is kept);
 - ``speculate``: speculative cycles at every depth 1..``governor.max_depth`` (the verify's
   widths and the head's drafts), when the head is resident;
-- ``batch``: a continuous-batch step at every height 2..``scheduler.max_active``.
+- ``batch``: a continuous-batch step at every height 2..``scheduler.batch_rows`` (max_active,
+  or its ceiling with "auto").
 
 Every stage runs the same forwards in the same order on every rank of a tensor-parallel
 group (its collectives must line up), so nothing here depends on timing or on rank-0-only

@@ -115,6 +115,12 @@ class EngineWorker(threading.Thread):
         self.handling = CommandHandling(self._ready, self.scheduler, self.jobs, engine, self.status,
                                         finish=self._finish, send=self._send, publish=self._publish)
         self.status.attach(engine)
+        if engine.governance is not None and self.group is None:
+            # With max_active = "auto" the governor sets the scheduler's limit (not in a
+            # tensor-parallel group: the followers would not hear of it; the limit stays at
+            # its start height there).
+            engine.governance.attach_rows(self.cfg.scheduler, self.scheduler.set_max_active, engine.row_cache_bytes,
+                                          self.scheduler.max_active)
         # The first status answer already has every row (step, seats, memory): publish before
         # ready rather than at the step loop's first turn, which a status read can beat.
         self._publish()
@@ -201,6 +207,8 @@ class EngineWorker(threading.Thread):
             if self.engine.governance is not None:
                 self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})
+                self.engine.governance.update_rows(len(self.scheduler.active), self.scheduler.queued_count(),
+                                                   self.scheduler.max_active)
                 self.engine.governance.safe_point()
             self._publish()
             if self.hooks is not None:

@@ -62,6 +62,8 @@ class StatusReplies:
                 # The engine step: budget, its use (decode and prefill tokens per iteration),
                 # and the prefill queue (OPERATIONS.md, "The engine step").
                 "step": snap.step,
+                # How many requests decode at once, who sets it and why (scheduler.max_active).
+                "rows": snap.rows,
                 "warmup": snap.warmup,
                 "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
