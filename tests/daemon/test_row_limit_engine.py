@@ -24,13 +24,15 @@ class FakeJob:
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
-def test_max_active_is_auto_by_default_and_an_int_pins_it():
+def test_max_active_is_a_pinned_4_by_default_and_auto_is_asked_for():
     sc = load_config(None, env={}).scheduler
-    assert sc.max_active == "auto" and sc.height_auto and sc.max_active_ceiling == 8
-    assert sc.batch_rows == 8 and sc.start_height == AUTO_START_HEIGHT == 4
+    assert sc.max_active == 4 and not sc.height_auto and sc.max_active_ceiling == 8
+    assert sc.batch_rows == 4 and sc.start_height == 4
+    sc = load_config(None, {"scheduler": {"max_active": "auto"}}, env={}).scheduler
+    assert sc.height_auto and sc.batch_rows == 8 and sc.start_height == AUTO_START_HEIGHT == 4
     sc = load_config(None, {"scheduler": {"max_active": 6, "max_active_ceiling": 2}}, env={}).scheduler
     assert not sc.height_auto and sc.batch_rows == 6 and sc.start_height == 6  # a pin ignores the ceiling
-    sc = load_config(None, {"scheduler": {"max_active_ceiling": 3}}, env={}).scheduler
+    sc = load_config(None, {"scheduler": {"max_active": "auto", "max_active_ceiling": 3}}, env={}).scheduler
     assert sc.batch_rows == 3 and sc.start_height == 3  # the start never passes the ceiling
 
 
@@ -49,7 +51,7 @@ def test_bad_row_settings_are_refused_with_the_key(table, needle):
 
 
 def test_the_live_limit_admits_up_to_it_and_lowering_it_drops_nothing():
-    s = Scheduler(SchedulerConfig(max_active_ceiling=8))
+    s = Scheduler(SchedulerConfig(max_active="auto", max_active_ceiling=8))
     assert s.max_active == 4
     jobs = [FakeJob("a", name=f"j{i}") for i in range(7)]
     for j in jobs:
@@ -66,10 +68,10 @@ def test_the_live_limit_admits_up_to_it_and_lowering_it_drops_nothing():
     # Reload: a pinned int applies at once; back to "auto" starts from its start height.
     s.reconfigure(SchedulerConfig(max_active=3))
     assert s.max_active == 3
-    s.reconfigure(SchedulerConfig(max_active_ceiling=2))
+    s.reconfigure(SchedulerConfig(max_active="auto", max_active_ceiling=2))
     assert s.max_active == 2
     s.set_max_active(2)
-    s.reconfigure(SchedulerConfig(max_active_ceiling=8))
+    s.reconfigure(SchedulerConfig(max_active="auto", max_active_ceiling=8))
     assert s.max_active == 2  # the governor's limit stays under "auto"
 
 
