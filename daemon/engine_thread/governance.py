@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 import mlx.core as mx
+import msgspec
 
 from governor import (
     ClearCache,
@@ -74,6 +75,10 @@ class Governance:
             trace=trace,
         )
         self.next_tick = 0.0
+        # The cycle shapes (rows, depth, drafter) this process has decoded: a shape's first
+        # cycle pays first-use costs (a trace, a kernel's first launch, first allocations)
+        # that its later cycles do not, so its cost is not booked (the cycle's acceptance is).
+        self._shapes_seen: set[tuple[int, int, str]] = set()
         # Shedding is read by the socket thread: a (on, retry_after) tuple swaps atomically.
         self.shed: tuple[bool, float] = (False, 0.0)
         slot.depth = self.gov.depth
@@ -83,7 +88,12 @@ class Governance:
     def after_step(self, step, batch: int = 1) -> None:
         """Every decode cycle: a batched one (``batch`` rows) feeds cost(B, k) of its height's
         bucket and its rows' acceptance; a solo one the solo depth's cost."""
-        self.gov.record_cycle(CycleTelemetry.from_step(step, batch=batch))
+        t = CycleTelemetry.from_step(step, batch=batch)
+        shape = (t.batch, t.depth, t.source)
+        if shape not in self._shapes_seen:
+            self._shapes_seen.add(shape)
+            t = msgspec.structs.replace(t, transition=True)
+        self.gov.record_cycle(t)
 
     def _height_depths(self) -> tuple[int | None, ...]:
         return tuple(h.depth for h in self.gov.state.heights)

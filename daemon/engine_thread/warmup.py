@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from ..engine.pieces import pause
 from ..engine.prefill import ChunkedPrefill
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
@@ -89,6 +90,7 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
     out: dict[str, float] = {}
 
     def timed(name: str, fn) -> float:
+        pause()  # a stage a piece when run at idle (warming.py); each leaves the engine as it found it
         t0 = time.perf_counter()
         fn()
         mx.synchronize()

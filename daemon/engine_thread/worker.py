@@ -77,6 +77,8 @@ class EngineWorker(threading.Thread):
         self.handling: CommandHandling | None = None
         self.paths: DecodePaths | None = None
         self.prefix_use: PrefixCacheUse | None = None
+        # The start-up parts still to run between requests (warming.py).
+        self.warming = None
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
@@ -103,8 +105,9 @@ class EngineWorker(threading.Thread):
         self.startup = EngineStartup(self.cfg, self.model_path, self.group, self.status, self.hooks,
                                      requests_holding_head=self.requests_holding_head)
         engine = self.engine = self.startup.load()
+        self.warming = self.startup.warming
         self.max_prompt_tokens = engine.max_prompt_tokens
-        self.prefix_use = PrefixCacheUse(self.cfg, engine, self.group)
+        self.prefix_use = self.startup.prefix_use or PrefixCacheUse(self.cfg, engine, self.group)
         self.paths = DecodePaths(self.cfg, engine, self.scheduler, self.group, self.prefix_use,
                                  failed=self._failed, deliver=self._deliver, depth_pinned=self.depth_pinned,
                                  build_ahead=self.startup.build_ahead)
@@ -171,11 +174,16 @@ class EngineWorker(threading.Thread):
             self.handling.fail_all("internal", "the engine thread crashed; see the daemon log")
             raise
         finally:
+            if self.warming is not None:
+                self.warming.abandon()
             self._out.close()
             pc = getattr(self.engine, "prefix_cache", None)
             if pc is not None and pc.disk is not None:
                 pc.disk.close(timeout=10.0)  # snapshots still queued reach the disk
 
+
+    def _warming_left(self) -> bool:
+        return self.warming is not None and bool(self.warming.parts) and not self.handling.stopping
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked
@@ -184,7 +192,8 @@ class EngineWorker(threading.Thread):
     def _loop(self) -> None:
         while True:
             idle = not self.scheduler.has_work()
-            if not self._drain_commands(block=idle):
+            warming = idle and self._warming_left()
+            if not self._drain_commands(block=idle and not warming):
                 return
             self._expire_deadlines()
             admitted = self.scheduler.admit()
@@ -196,8 +205,13 @@ class EngineWorker(threading.Thread):
                     self.paths.start(job)
                 except Exception as exc:  # e.g. a batch row's prefill failing: that request only
                     self._failed(job, exc)
-            if not self._step() and self.handling.stopping:
+            stepped = self._step()
+            if not stepped and self.handling.stopping:
                 return
+            if not stepped and self._warming_left() and not self.scheduler.has_work() and self._ready.empty():
+                # Idle: one piece of the start-up's remaining checks (warming.py), at most
+                # what one step costs, so a request arriving now waits about one step.
+                self.warming.step()
             if self.engine.governance is not None:
                 self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})

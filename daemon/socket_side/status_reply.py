@@ -63,6 +63,7 @@ class StatusReplies:
                 # and the prefill queue (OPERATIONS.md, "The engine step").
                 "step": snap.step,
                 "warmup": snap.warmup,
+                "warming": snap.warming,
                 "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 # Heard from within heartbeat_timeout_s (a client that left counts until then:
