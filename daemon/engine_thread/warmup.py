@@ -90,7 +90,10 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
     out: dict[str, float] = {}
 
     def timed(name: str, fn) -> float:
-        pause()  # a stage a piece when run at idle (warming.py); each leaves the engine as it found it
+        # Run at idle (warming.py), a stage is at least one piece: it leaves the engine as it
+        # found it. Its seconds then include the requests served between its pieces. The batch
+        # stage is one piece: its rows sit in the daemon's own batch while it runs.
+        pause()
         t0 = time.perf_counter()
         fn()
         mx.synchronize()
@@ -105,6 +108,7 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
             p = ChunkedPrefill(lm, _tokens(lm, n, i), chunk, lm.make_cache(), history)
             while not p.done:
                 p.step()
+            pause()  # a prefill a piece: each holds its own cache
 
     emit("warmup.prefill", mode=level, seconds=timed("prefill", prefill), tokens=[n - 1 for n in lengths],
          chunk=chunk)
@@ -122,6 +126,7 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
                 gen = speculative_decode(lm, head, _tokens(lm, 8, 2 + k), _greedy(), depth=k, exact=True,
                                          **(spec_options or {}))
                 _take(gen, CYCLES + 1)
+                pause()  # a depth a piece: the generator is closed
 
         emit("warmup.speculate", mode=level, seconds=timed("speculate", speculate), depths=run_depths)
 
