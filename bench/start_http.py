@@ -12,6 +12,9 @@ moment the daemon sends READY=1; mlx_lm.server: /v1/models answers) and ``first 
 (a greedy 8-token /v1/chat/completions request answered 200, sent every 50 ms from the
 spawn on). For councild it also reads the daemon's ``engine.warmed`` event (the background
 checks all done, daemon/engine_thread/warming.py), waiting for it up to --warm-timeout s.
+With ``--slow-arms``, two more: the same two councild starts with ``warm_in_background =
+false`` (every check and the warm-up before ready: the start before serve-first), the slow
+second start on its own kept folder.
 Prints a markdown table (median, min-max) and the ratios to mlx_lm.server paired by round.
 """
 
@@ -130,28 +133,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--warm-timeout", type=float, default=90.0, help="seconds to wait for engine.warmed after the answer")
     ap.add_argument("--config", default="", help="TOML lines for councild's config (top-level keys)")
+    ap.add_argument("--slow-arms", action="store_true", help="add councild arms with warm_in_background = false")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
     arms = ["councild fresh", "councild second", "mlx_lm.server"]
+    slow = "warm_in_background = false\n"
+    if args.slow_arms:
+        arms[2:2] = ["councild fresh, warm before ready", "councild second, warm before ready"]
     samples: dict[str, list[dict]] = {a: [] for a in arms}
     root = Path(tempfile.mkdtemp(prefix="start-http-"))
     try:
-        kept = root / "kept-cache"  # the second starts' folder: filled by a councild start first
-        print("[start_http] filling the kept cache folder", file=sys.stderr, flush=True)
-        (root / "fill").mkdir()
-        councild(root / "fill", kept, args.timeout, args.warm_timeout, args.config)
+        # The second starts' folders: each filled by a councild start of its kind first.
+        kept = {"": root / "kept-cache", slow: root / "kept-cache-slow"}
+        for config, folder in kept.items():
+            if config == slow and not args.slow_arms:
+                continue
+            print(f"[start_http] filling {folder.name}", file=sys.stderr, flush=True)
+            (root / f"fill-{folder.name}").mkdir()
+            councild(root / f"fill-{folder.name}", folder, args.timeout, args.warm_timeout, config + args.config)
         for r in range(args.rounds):
-            order = arms[r % 3:] + arms[: r % 3]
+            order = arms[r % len(arms):] + arms[: r % len(arms)]
             for arm in order:
-                tmp = root / f"{r}-{arm.replace(' ', '_')}"
+                tmp = root / f"{r}-{arm.replace(' ', '_').replace(',', '')}"
                 tmp.mkdir()
                 print(f"[start_http {r + 1}/{args.rounds}] {arm}", file=sys.stderr, flush=True)
                 if arm == "mlx_lm.server":
                     s = mlx_lm_server(tmp, args.timeout)
                 else:
-                    cache = tmp / "cache" if arm == "councild fresh" else kept
-                    s = councild(tmp, cache, args.timeout, args.warm_timeout, args.config)
+                    config = slow if "before ready" in arm else ""
+                    cache = tmp / "cache" if "fresh" in arm else kept[config]
+                    s = councild(tmp, cache, args.timeout, args.warm_timeout, config + args.config)
                 s["round"], s["loadavg"] = r, round(os.getloadavg()[0], 2)
                 samples[arm].append(s)
                 print(f"  {json.dumps(s)}", file=sys.stderr, flush=True)

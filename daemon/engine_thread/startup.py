@@ -4,10 +4,10 @@
 the weights (reporting progress), set the prompt limit from the model's context, load the
 MTP head, choose the kernels, run one eager step, open the prefix cache, build the
 continuous batch and the governance, each faster path on its safe setting. The rest is a
-list of parts (warming.py), in a slow start's order: the compiled step's self-checks, the
-exactness probes (verify, chunk splits, batch; verdicts cached across starts,
-probe_verdicts.py), the cost probes (prefill_together, mixed_steps) and the warm-up
-(warmup.py). The worker runs them between requests (``warm_in_background``, the default),
+list of parts (warming.py, ``_parts`` says their order): the compiled step's self-checks,
+the exactness probes (verify, batch, chunk splits; verdicts cached across starts,
+probe_verdicts.py), the warm-up (warmup.py) and the cost probes (prefill_together,
+mixed_steps). The worker runs them between requests (``warm_in_background``, the default),
 or ``load`` runs them before returning (a group; ``warm_in_background = false``). It returns a
 ``LoadedEngine``: the objects the engine thread's parts share.
 
@@ -181,9 +181,12 @@ class EngineStartup:
 
     # ------------------------------------------------------------------ the parts (warming.py)
     def _parts(self) -> list:
-        """The parts in a slow start's order: the compiled step (the others' verdicts are
-        keyed by the decode path it decides), the exactness probes, the cost probes, and
-        the warm-up (a group's comes after its hello, lockstep.py)."""
+        """The parts, the compiled step first (the others' verdicts are keyed by the decode
+        path it decides), then what serving gains most from soonest: exact rows speculating
+        and batching, each shape's first use paid; then the cost probes and the prefix
+        cache's off-grid snapshots. Each verdict depends only on the model, backend and code
+        (probe_verdicts.py), not on the order it is asked in. A group's warm-up comes after
+        its hello (lockstep.py)."""
         from .warming import WarmPart
 
         parts = []
@@ -191,16 +194,16 @@ class EngineStartup:
             parts.append(WarmPart("compiled_step", self._compiled_part))
         if self.engine.slot.available:
             parts.append(WarmPart("verify", self._verify_part))
-        if self.engine.prefix_cache is not None:
-            parts.append(WarmPart("splits", self._splits_part))
-        if self.engine.batch is not None:
+        if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
             parts.append(WarmPart("batch", self._batch_part))
+        if self.group is None:  # the shapes' first uses, paid before the requests that bring them
+            parts.append(WarmPart("warmup", self._warmup_part))
         if self.cfg.scheduler.prefill_together != "off" and self.group is None:
             parts.append(WarmPart("prefill_together", self._prefill_together))
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
             parts.append(WarmPart("mixed_steps", self._mixed_steps))
-        if self.group is None:
-            parts.append(WarmPart("warmup", self._warmup_part))
+        if self.engine.prefix_cache is not None:  # the longest here (chunk-sized prefills): last
+            parts.append(WarmPart("splits", self._splits_part))
         return parts
 
     def _publish_warming(self, warming: dict) -> None:

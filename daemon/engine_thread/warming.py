@@ -2,7 +2,8 @@
 
 A daemon answers as soon as its weights and head are loaded and one plain eager step has
 run (startup.py). What made a start slow then runs here, on the engine thread, a piece at a
-time and only while no request is waiting (worker.py calls ``step`` when idle): the compiled
+time, while no request is waiting (worker.py calls ``step`` when idle; under load that never
+idles, a piece now and then, within a share of the engine's time): the compiled
 step's self-checks, the exactness probes (verify, batch, the prefix cache's chunk splits),
 the cost probes (prefill_together, mixed_steps) and the warm-up of each shape (warmup.py).
 Each is a ``WarmPart``: ``check`` (run piecewise, engine/pieces.py) returns an ``Outcome``,
@@ -10,10 +11,10 @@ whose ``apply`` switches the faster path in. Until it has, requests take the saf
 eager steps; exact greedy requests decode serially and alone; prompts prefill in whole
 chunks, each alone; the prefix cache snapshots on the chunk grid only.
 
-The parts run in the order a slow start ran them (the compiled step first: the other
-probes' verdicts are keyed by the decode path it decides), from the same functions with the
-same verdicts file (probe_verdicts.py), so a path switched in here is the path a start that
-waited would have chosen. Each part ends with one ``engine.warm`` event (switched in or not,
+The parts run the compiled step first (the other probes' verdicts are keyed by the decode
+path it decides), from the same functions with the same verdicts file (probe_verdicts.py)
+as a start that waits for them, so a path switched in here is the path that start would
+have chosen. Each part ends with one ``engine.warm`` event (switched in or not,
 and why); ``engine.warmed`` follows the last. ``debug_fail_warm`` (a test hook) names parts
 whose check is taken as failed: the path stays out and the event says so.
 

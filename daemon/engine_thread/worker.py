@@ -45,6 +45,12 @@ log = get_logger("councild.engine")
 
 OUT_ENDPOINT = "inproc://councild-engine-out"
 
+# Under load that never lets the engine idle, the start-up parts still finish (warming.py):
+# between steps, one piece once the engine has served (1 - share) / share times the last
+# piece's length, so they take at most this share of its time and a request waits at most
+# one piece. Idle, pieces run back to back.
+WARM_SHARE_WHEN_BUSY = 0.2
+
 
 class EngineWorker(threading.Thread):
     """The engine thread: its step loop and a request's per-cycle life (advance, deliver,
@@ -77,8 +83,10 @@ class EngineWorker(threading.Thread):
         self.handling: CommandHandling | None = None
         self.paths: DecodePaths | None = None
         self.prefix_use: PrefixCacheUse | None = None
-        # The start-up parts still to run between requests (warming.py).
+        # The start-up parts still to run between requests (warming.py), and when the next
+        # piece is due while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
         self.warming = None
+        self._warm_due = 0.0
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
@@ -185,6 +193,17 @@ class EngineWorker(threading.Thread):
     def _warming_left(self) -> bool:
         return self.warming is not None and bool(self.warming.parts) and not self.handling.stopping
 
+    def _warm_piece(self, idle: bool) -> None:
+        """One piece of the start-up's remaining checks (warming.py): about one step's
+        work, so a request arriving meanwhile waits about one step. Idle, at once; busy,
+        when due (WARM_SHARE_WHEN_BUSY)."""
+        now = time.monotonic()
+        if not idle and now < self._warm_due:
+            return
+        self.warming.step()
+        spent = time.monotonic() - now
+        self._warm_due = time.monotonic() + spent * (1 - WARM_SHARE_WHEN_BUSY) / WARM_SHARE_WHEN_BUSY
+
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked
                    if j.spec.mode != "off" or (j.prefill is not None and j.prefill.history is not None))
@@ -208,10 +227,8 @@ class EngineWorker(threading.Thread):
             stepped = self._step()
             if not stepped and self.handling.stopping:
                 return
-            if not stepped and self._warming_left() and not self.scheduler.has_work() and self._ready.empty():
-                # Idle: one piece of the start-up's remaining checks (warming.py), at most
-                # what one step costs, so a request arriving now waits about one step.
-                self.warming.step()
+            if self._warming_left():
+                self._warm_piece(idle=not stepped and not self.scheduler.has_work() and self._ready.empty())
             if self.engine.governance is not None:
                 self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})
