@@ -134,13 +134,15 @@ class EngineStartup:
         numbers are broken says so at start (``engine.first_step``)."""
         import mlx.core as mx
 
+        from ..engine.sampling import Sampler
         from ..engine.serial import serial_decode
-        from .warmup import _greedy, _tokens
+        from ..engine.types import SamplingParams
 
         lm = self.engine.lm
         t0 = time.perf_counter()
         cache = lm.make_cache()
-        gen = serial_decode(lm, _tokens(lm, 4, 0), _greedy(), cache=cache)
+        prompt = [1 + 31 * i % max(2, min(lm.text_args.vocab_size, 4096) - 1) for i in range(4)]
+        gen = serial_decode(lm, prompt, Sampler(SamplingParams(temperature=0.0, seed=0)), cache=cache)
         try:
             step = next(gen)
         finally:
@@ -191,7 +193,7 @@ class EngineStartup:
 
         parts = []
         if self.compile_later:
-            parts.append(WarmPart("compiled_step", self._compiled_part))
+            parts.append(WarmPart("compiled_step", self._compiled_part, refused=self._compiled_refused))
         if self.engine.slot.available:
             parts.append(WarmPart("verify", self._verify_part))
         if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
@@ -210,24 +212,31 @@ class EngineStartup:
         with self.status.snapshot_lock:
             self.status.snapshot.warming = warming
 
+    def _set_decode_path(self, compiled, reason: str | None) -> None:
+        """Switch the compiled step in (``compiled``) or say why the step stays eager."""
+        from .probe_verdicts import verdicts_for
+
+        lm = self.engine.lm
+        lm.compiled_decode = compiled
+        lm.decode_path = "compiled" if compiled is not None else f"eager: {reason}"
+        # The probes after this one key their verdicts by the decode path, as at a slow start.
+        self.engine.verdicts = verdicts_for(lm, self.group)
+        with self.status.snapshot_lock:
+            self.status.snapshot.decode_path = lm.decode_path
+            self.status.snapshot.batch_decode_path = lm.batch_decode_path
+
+    def _compiled_refused(self, reason: str) -> None:
+        self._set_decode_path(None, reason)
+
     def _compiled_part(self):
         from ..engine.compiled import checked_compiled_decode
-        from .probe_verdicts import verdicts_for
         from .warming import Outcome
 
         lm = self.engine.lm
         compiled, reason = checked_compiled_decode(lm, self.compile_check)
 
-        def apply() -> None:
-            lm.compiled_decode = compiled
-            lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
-            # The probes after this one key their verdicts by the decode path, as at a slow start.
-            self.engine.verdicts = verdicts_for(lm, self.group)
-            with self.status.snapshot_lock:
-                self.status.snapshot.decode_path = lm.decode_path
-                self.status.snapshot.batch_decode_path = lm.batch_decode_path
-
-        return Outcome(compiled is not None, reason or "the compiled step is bit for bit the eager one", apply,
+        return Outcome(compiled is not None, reason or "the compiled step is bit for bit the eager one",
+                       lambda: self._set_decode_path(compiled, reason),
                        {"compile_check": self.compile_check.verdict, "batch_compile_check": self.compile_check.batch_verdict,
                         "batch_decode_path": "compiled" if compiled is not None and compiled.batched
                         else f"eager: {reason or compiled.batch_reason}"})

@@ -50,6 +50,9 @@ class Outcome:
 class WarmPart:
     name: str
     check: Callable[[], Outcome]
+    # Called with the reason when the check raised or was forced to fail: what the safe
+    # path's status should say now that the part is over (e.g. the decode path's "eager: why").
+    refused: Callable[[str], None] | None = None
 
 
 class Warming:
@@ -98,10 +101,12 @@ class Warming:
 
     def _finish(self, part: WarmPart, run: PiecewiseRun) -> None:
         outcome: Outcome | None = run.result if run.error is None else None
-        if run.error is not None:
-            switched, reason = False, f"the check raised {type(run.error).__name__}: {str(run.error)[:300]}"
-        elif part.name in self.forced:
-            switched, reason = False, "check forced to fail (debug_fail_warm): the path stays out"
+        if run.error is not None or part.name in self.forced:
+            switched = False
+            reason = (f"the check raised {type(run.error).__name__}: {str(run.error)[:300]}" if run.error is not None
+                      else "check forced to fail (debug_fail_warm): the path stays out")
+            if part.refused is not None:
+                part.refused(reason)
         else:
             switched, reason = outcome.switch, outcome.reason
             if outcome.apply is not None:

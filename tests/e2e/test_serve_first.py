@@ -98,7 +98,7 @@ def test_a_check_that_fails_leaves_its_path_out_and_says_why(tmp_path):
             parts = detail["warming"]["parts"]
             assert parts["compiled_step"]["switched_in"] is False and parts["batch"]["switched_in"] is False
             assert parts["verify"]["switched_in"] is True
-            assert detail["decode_path"] != "compiled"  # never switched in
+            assert detail["decode_path"] == "eager: check forced to fail (debug_fail_warm): the path stays out"
             got = _round(c, "exact")  # exact rows still exact: alone and eager
     finally:
         assert d.stop() == 0
