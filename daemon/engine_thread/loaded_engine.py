@@ -20,7 +20,9 @@ class LoadedEngine:
     # cycles, the engine thread reads it every cycle.
     slot: HeadSlot | None = None
     max_prompt_tokens: int = 0  # the model's context once loaded
-    verify_exact: bool = True
+    # Whether a verify reproduces serial steps bit for bit here; None until the start-up's
+    # verdict is in (warming.py): exact greedy requests then decode serially.
+    verify_exact: bool | None = True
     verdicts: Any = None
     batch: Any = None
     # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.

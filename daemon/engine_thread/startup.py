@@ -89,10 +89,13 @@ class EngineStartup:
         self.engine.verdicts = verdicts_for(lm, self.group)
         self._choose_kernels()
         # The safe settings, until each part's verdict switches its path in (warming.py).
-        # Without a head nothing speculates: the verify's verdict is not asked.
-        self.engine.verify_exact = not self.engine.slot.available
+        # Without a head nothing speculates: the verify's verdict is not asked. With one, until
+        # it is in (None), exact greedy requests decode serially whatever
+        # exact_on_inexact_backend says: the guard bounds flips, only serial excludes them.
+        self.engine.verify_exact = None if self.engine.slot.available else True
         if self.engine.slot.available:
-            self._set_exact_decode(False)
+            with self.status.snapshot_lock:
+                self.status.snapshot.exact_decode = "serial"
         self.engine.batch = None
         self.engine.prefix_cache = None
         self.prefix_use = PrefixCacheUse(self.cfg, self.engine, self.group)

@@ -89,11 +89,12 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
     arguments as the worker passes them (rollback, guard_margin, pipeline)."""
     out: dict[str, float] = {}
 
-    def timed(name: str, fn) -> float:
+    def timed(name: str, fn, pause_first: bool = True) -> float:
         # Run at idle (warming.py), a stage is at least one piece: it leaves the engine as it
         # found it. Its seconds then include the requests served between its pieces. The batch
         # stage is one piece: its rows sit in the daemon's own batch while it runs.
-        pause()
+        if pause_first:
+            pause()
         t0 = time.perf_counter()
         fn()
         mx.synchronize()
@@ -130,7 +131,11 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
 
         emit("warmup.speculate", mode=level, seconds=timed("speculate", speculate), depths=run_depths)
 
-    if batch is not None and max_rows >= 2:
+    pause()
+    # The batch stage adds its rows to the daemon's own batch and steps it: run at idle between
+    # requests (warming.py), it must find the batch empty, or it would step requests' rows (and
+    # the batch may be full). Requests already batching have paid those heights' first use.
+    if batch is not None and max_rows >= 2 and len(batch) == 0:
         heights = list(range(2, max_rows + 1)) if level == "full" else [2]
 
         def batched() -> None:
@@ -148,5 +153,6 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
                     if key in batch:
                         batch.remove(key)
 
-        emit("warmup.batch", mode=level, seconds=timed("batch", batched), heights=heights)
+        # No pause between the emptiness check and the stage: a request could fill the batch.
+        emit("warmup.batch", mode=level, seconds=timed("batch", batched, pause_first=False), heights=heights)
     return out
