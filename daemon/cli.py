@@ -361,6 +361,8 @@ def format_status(reply) -> str:
         ("in flight", f"{reply.active} active, {reply.queued} queued" + _clients(d)),
         ("throughput", f"{d.get('recent_tokens_per_s', 0):.1f} tok/s (last 10 s), {d.get('tokens_total', 0)} tokens total"),
     ]
+    if (d.get("warming") or {}).get("pending"):  # start-up checks still to run (OPERATIONS.md, Start-up)
+        rows.append(("warming", ", ".join(d["warming"]["pending"]) + " (serving meanwhile on the safe paths)"))
     prefilling = [a for a in d.get("active_requests") or [] if a.get("prefill")]
     if prefilling:
         rows.append(("prefilling", ", ".join(f"{a['seat']}/{a['request_id']} {a['prefill']['done']}/"

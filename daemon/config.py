@@ -285,13 +285,20 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # larger plan cache. Either way MLX's "cache thrashing" error is turned off
     # (engine/backend_env.py). Read by nothing on CPU and Metal.
     cudnn_attention: bool = False
-    # Before the daemon answers a Ping (ready), run the shapes it will serve: a prefill chunk
+    # Once, the last start-up part (after ready, between requests, unless warm_in_background is
+    # false: then before ready), run the shapes the daemon serves: a prefill chunk
     # and a short remainder, decode steps, every speculative depth, every batch height.
     # The first council round after start-up then costs what the tenth does (on a GPU the
     # first use of a shape compiles kernels: 15.8 s TTFT measured on the H200 without it).
     # "auto": "full" on a GPU, "light" on the CPU (nothing is compiled per shape there; one
     # pass of each path, which also pays the one-time allocations); "off": none.
     warmup: Literal["auto", "full", "light", "off"] = "auto"
+    # Serve first, improve after (daemon/engine_thread/warming.py): the daemon is ready once the
+    # weights and head are loaded and one eager step ran; the compiled step's self-checks, the
+    # exactness and cost probes and the warm-up then run on the engine thread between requests,
+    # a piece at a time, each path switched in once its check passes (requests take the safe,
+    # exact path until then). false: all of it before ready (a group always does so).
+    warm_in_background: bool = True
     # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
     # log-only shops); 0 turns them off.
     stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
@@ -326,6 +333,11 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # Test-only, OFF unless set: the invariant kernels scale every multi-row matmul's output
     # by (1 + 2**-6), so their start-up probe must fail and refuse them (engine_thread/kernel_choice.py).
     debug_perturb_invariant_batch: bool = False
+    # Test-only, empty unless set: start-up parts (warming.py: "compiled_step", "verify",
+    # "splits", "batch", "prefill_together", "mixed_steps", "warmup") whose check is taken as
+    # failed, so its path is never switched in and its engine.warm event says why.
+    debug_fail_warm: list[Literal["compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps",
+                                 "warmup"]] = []
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)

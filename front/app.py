@@ -368,7 +368,9 @@ class Front:
         if st.detail.get("draining"):
             return JSONResponse({"status": "draining", "model": st.model}, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ready", "model": st.model, "active": st.active, "queued": st.queued,
-                             "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident")})
+                             "depth": st.detail.get("depth"), "head_resident": st.detail.get("head_resident"),
+                             # Start-up checks still to run between requests (serving already).
+                             "warming": (st.detail.get("warming") or {}).get("pending", [])})
 
     async def metrics_route(self, request: Request) -> Response:
         st = await self.status(max_age=0.0, timeout=METRICS_STATUS_TIMEOUT_S)

@@ -111,6 +111,15 @@ class DaemonCollector:
             if rows.get("ceiling") is not None:
                 yield gauge("councild_max_active_ceiling", "the most rows the governor may admit (max_active_ceiling)",
                             rows["ceiling"])
+        warming = d.get("warming") or {}
+        if warming:
+            yield gauge("councild_warming_parts", "start-up checks still to run between requests (0: all done)",
+                        len(warming.get("pending") or ()))
+            parts = GaugeMetricFamily("councild_warm_part_switched_in", "1 where a start-up part's check passed and "
+                                      "its path was switched in, 0 where it was left out", labels=["part"])
+            for part, result in (warming.get("parts") or {}).items():
+                parts.add_metric([part], float(bool(result.get("switched_in"))))
+            yield parts
         yield gauge("councild_tokens_per_second", "output tokens per second over the last 10 s", d.get("recent_tokens_per_s", 0))
         yield gauge("councild_draining", "1 while the daemon drains for shutdown", bool(d.get("draining")))
         yield gauge("councild_loading", "1 while the daemon reads the model's weights", d.get("state") == "loading")

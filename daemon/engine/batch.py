@@ -65,6 +65,7 @@ from .batch_rows import RowBatch
 from .constraint import ConstraintError, ConstraintViolation
 from .mixed_forward import Ride, hidden_with
 from .model import LoadedModel
+from .pieces import pause
 from .sampling import Sampler, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK, prefill
 
@@ -87,12 +88,14 @@ def max_logit_diff(lm: LoadedModel, heights=(2, 3, 4, 8, 16), lens=(1, 7, 33), s
             c = lm.make_cache()
             last = prefill(lm, [rng.randrange(V) for _ in range(rng.choice(lens))], c)
             states.append((c, last))
+            pause()
         solo = [lm.logits(lm.hidden(last[None], [copy.deepcopy(x) for x in c]))[0, -1].astype(mx.float32)
                 for c, last in states]
         batch = [type(layer[0]).merge(list(layer)) for layer in zip(*[c for c, _ in states])]
         inp = mx.concatenate([last for _, last in states])
         got = lm.logits(lm.hidden(inp[:, None], batch))[:, -1].astype(mx.float32)
         out[B] = max(mx.abs(x - got[i]).max().item() for i, x in enumerate(solo))
+        pause()
     return out
 
 

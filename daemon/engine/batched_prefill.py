@@ -44,6 +44,7 @@ from .batch import DEFAULT_MAX_ROWS
 from .batch_rows import extract_layer
 from .forward import cache_arrays
 from .model import LoadedModel
+from .pieces import pause
 from .prefill import ChunkedPrefill
 
 # Piece lengths the probe forwards; a piece of chunked_prefill.MIN_T is added where the
@@ -166,6 +167,7 @@ def max_prefill_diff(lm: LoadedModel, heights=(2, 3, 4), pieces=PROBE_PIECES, se
             h_solo = [lm.prefill_hidden(tokens[i : i + 1], solo[i]) for i in range(B)]
             h_together = forward_rows(lm, together, tokens)
             mx.eval(h_solo, h_together, [c.state for cache in solo + together for c in cache])
+            pause()
             diffs = [_diff(h_solo[i][0], h_together[i]) for i in range(B)]
             for a, b in zip(solo, together):
                 diffs += [_diff(x, y) for x, y in zip(cache_arrays(a), cache_arrays(b), strict=True)]
@@ -207,7 +209,12 @@ def together_cost_ratio(lm: LoadedModel, rows: int, piece: int = 16, reps: int =
         return time.perf_counter() - t0
 
     seconds(1), seconds(rows)
-    return statistics.median(seconds(rows) / seconds(1) for _ in range(reps))
+    pause()  # between timed pairs, never inside one (engine/pieces.py)
+    ratios = []
+    for _ in range(reps):
+        ratios.append(seconds(rows) / seconds(1))
+        pause()
+    return statistics.median(ratios)
 
 
 def together_pays(ratio: float, rows: int) -> bool:

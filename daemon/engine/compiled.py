@@ -62,6 +62,7 @@ from mlx_lm.models.cache import ArraysCache
 from .capture import capture_hidden
 from .compiled_batch import batch_self_check
 from .forward import cache_arrays, compiled_forward, gdn_capture_forward
+from .pieces import pause
 
 SELF_CHECK_STEPS = 4
 VERIFY_T = 4  # the self-check's verify length (depth 3)
@@ -180,9 +181,14 @@ def self_check(lm, compiled: CompiledDecode, steps: int = SELF_CHECK_STEPS) -> s
         finally:
             lm.compiled_decode = saved
 
-    checks = [("step", run(False), run(True)),
-              ("verify", verify(False, False), verify(True, False)),
-              ("capture verify", verify(False, True), verify(True, True))]
+    checks = []
+    # A piece per arm when run piecewise (pieces.py): never inside verify()'s swap of the step.
+    for what, arm in (("step", run), ("verify", lambda c: verify(c, False)),
+                      ("capture verify", lambda c: verify(c, True))):
+        eager = arm(False)
+        pause()
+        checks.append((what, eager, arm(True)))
+        pause()
     for what, eager, comp in checks:
         for i, (a, b) in enumerate(zip(eager, comp, strict=True)):
             if not mx.array_equal(a, b).item():
@@ -200,14 +206,24 @@ def enable_compiled_decode(lm, checked: Callable[..., str | None] | None = None)
     one row, "batch_self_check" for batches): the daemon reads a verdict stored by an
     earlier start (probe_verdicts.py) and runs the check only on a miss. The traces are
     made at their first call either way."""
+    compiled, reason = checked_compiled_decode(lm, checked)
+    if compiled is not None:
+        lm.compiled_decode = compiled
+    return reason
+
+
+def checked_compiled_decode(lm, checked: Callable[..., str | None] | None = None) -> tuple[CompiledDecode | None, str | None]:
+    """``enable_compiled_decode``'s checks without the switch: the checked step (None where
+    the one-row check failed) and why not. The daemon's start-up runs this piecewise while it
+    serves eagerly (engine/pieces.py) and switches the step in afterwards."""
     try:
         compiled = CompiledDecode(lm.backbone)
         run = partial(self_check, lm, compiled)
         reason = run() if checked is None else checked(lm, run, "self_check")
     except Exception as exc:  # noqa: BLE001 - any model or backend that cannot: stay eager
-        return f"compile failed: {type(exc).__name__}: {exc}"
+        return None, f"compile failed: {type(exc).__name__}: {exc}"
     if reason is not None:
-        return reason
+        return None, reason
     compiled.batched = True  # admit batches while their check runs
     try:
         run = partial(batch_self_check, lm, compiled)
@@ -216,5 +232,4 @@ def enable_compiled_decode(lm, checked: Callable[..., str | None] | None = None)
         reason = f"compile failed: {type(exc).__name__}: {exc}"
     compiled.batched = reason is None
     compiled.batch_reason = reason or ""
-    lm.compiled_decode = compiled
-    return None
+    return compiled, None

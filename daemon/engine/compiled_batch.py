@@ -31,6 +31,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from .capture import capture_hidden
+from .pieces import pause
 from .ragged_cache import RaggedKVCache, keep_ragged
 
 HEIGHTS = (2, 3)  # an even and an odd height: ~0.5 s for both, both ways, bundled model on this CPU
@@ -135,7 +136,10 @@ def batch_self_check(lm, compiled, heights: tuple[int, ...] = HEIGHTS) -> str | 
     for B in heights:
         rows = _rows(lm, B)
         for what, run in (("plain batch", _plain), ("speculating batch", _speculating)):
-            eager, comp = run(lm, rows, forward(False)), run(lm, rows, forward(True))
+            eager = run(lm, rows, forward(False))
+            pause()  # between the arms: forward() has put the step back
+            comp = run(lm, rows, forward(True))
+            pause()
             for i, (a, b) in enumerate(zip(eager, comp, strict=True)):
                 if a.shape != b.shape or not mx.array_equal(a, b).item():
                     diff = "shape" if a.shape != b.shape else \

@@ -32,6 +32,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from .capture import capture_hidden
 from .forward import cache_arrays
+from .pieces import pause
 from .ragged_cache import RaggedKVCache, keep_ragged
 from .rollback import make_rollback
 
@@ -60,6 +61,7 @@ def verify_matches_serial(lm, strategy: str, seed: int = 0) -> bool:
             cache = lm.make_cache()
             lm.hidden(mx.array([prompt], dtype=mx.uint32), cache)
             mx.eval([c.state for c in cache])
+            pause()
             return cache
 
         cache = fresh()
@@ -81,6 +83,7 @@ def verify_matches_serial(lm, strategy: str, seed: int = 0) -> bool:
             rb.commit(keep)
             if not _same(cache_arrays(cache), after[keep]):
                 ok = False
+            pause()
         if not ok:
             break
     probed[strategy] = ok
@@ -126,8 +129,11 @@ def ragged_verify_matches_serial(lm, seed: int = 0) -> bool:
         cache = prefilled(prompt)
         seq = [prompt[-1]] + block[: kept - 1] + block[3:5]
         want.append([lm.logits(lm.hidden(mx.array([[t]], dtype=mx.uint32), cache))[0, -1] for t in seq])
+        mx.eval(want[-1])
+        pause()
     # Batched: verify [last, b1, b2] for every row, keep a ragged prefix, verify [b4, b5].
     caches = [prefilled(p) for p, _ in rows]
+    pause()
     merged = []
     for layer in zip(*caches):
         if isinstance(layer[0], ArraysCache):

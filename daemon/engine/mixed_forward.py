@@ -31,6 +31,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 from mlx_lm.models.gated_delta import gated_delta_update
 
 from .forward import backbone_layers, gdn_conv_qkv, gdn_projections
+from .pieces import pause
 from .serial import prefill
 
 
@@ -182,6 +183,7 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
         alone = [lm.hidden(tokens, cache) for tokens, cache in groups]
         together = mixed_hidden(lm, mixed)
         mx.eval(alone, together, [cache_states(c) for _, c in groups + mixed])
+        pause()
         if not all(mx.array_equal(a, b).item() for a, b in zip(alone, together)):
             return False
         for (_, a), (_, b) in zip(groups, mixed):
@@ -219,7 +221,12 @@ def mixed_cost_ratio(lm, rows: int, piece: int = 8, reps: int = 3, seed: int = 0
         return time.perf_counter() - t0
 
     seconds(False), seconds(True)
-    return statistics.median(seconds(True) / seconds(False) for _ in range(reps))
+    pause()  # between timed pairs, never inside one (engine/pieces.py)
+    ratios = []
+    for _ in range(reps):
+        ratios.append(seconds(True) / seconds(False))
+        pause()
+    return statistics.median(ratios)
 
 
 def mixed_pays(ratio: float) -> bool:

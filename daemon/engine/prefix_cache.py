@@ -74,6 +74,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from . import prefix_disk
+from .pieces import pause
 from .speculative import HeadHistory
 
 
@@ -185,6 +186,7 @@ def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
                 lm.prefill_hidden(ids[None, pos : pos + m], cache)
             mx.eval(_arrays(cache))
             pos += m
+            pause()  # run piecewise at start-up: a forward a piece (engine/pieces.py)
         logits = lm.logits(lm.hidden(ids[None, n : n + 1], cache))
         out = filled_arrays(cache) + [logits]
         mx.eval(out)

@@ -89,8 +89,10 @@ class DecodePaths:
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = job.mode != "fast"
         if (job.mode == "exact" and job.sampler.greedy and not self.engine.verify_exact
-                and self.cfg.speculation.exact_on_inexact_backend == "serial"):
-            job.mode = "off"  # this backend's verify rounds unlike serial steps: only serial is exact
+                and (self.engine.verify_exact is None or self.cfg.speculation.exact_on_inexact_backend == "serial")):
+            # This backend's verify rounds unlike serial steps (or its verdict is not in yet,
+            # warming.py): only serial is exact.
+            job.mode = "off"
         job.started_at = time.monotonic()
         self._open_prefill(job)
 

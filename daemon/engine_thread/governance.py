@@ -76,26 +76,29 @@ class Governance:
             trace=trace,
         )
         self.next_tick = 0.0
+        # The cycle shapes (rows, depth, drafter) this process has decoded: a shape's first
+        # cycle pays first-use costs (a trace, a kernel's first launch, first allocations)
+        # that its later cycles do not, so its cost is not booked (the cycle's acceptance is).
+        self._shapes_seen: set[tuple[int, int, str]] = set()
         # Shedding is read by the socket thread: a (on, retry_after) tuple swaps atomically.
         self.shed: tuple[bool, float] = (False, 0.0)
         slot.depth = self.gov.depth
         slot.height_depths = self._height_depths()
         # How many requests decode at once (attach_rows): the scheduler's setter, while the
-        # config leaves the limit to the governor; and the batch heights already run once
-        # (a height's first cycle carries its first-use costs: a transition, not its cost).
+        # config leaves the limit to the governor.
         self._set_max_active: Callable[[int], None] | None = None
-        self._heights_run: set[int] = set()
 
     # ------------------------------------------------------------------ inputs
     def after_step(self, step, batch: int = 1) -> None:
         """Every decode cycle: a batched one (``batch`` rows) feeds cost(B, k) of its height's
-        bucket and its rows' acceptance; a solo one the solo depth's cost. The first cycle
-        at a batch height is a transition (first use: on a GPU the step compiles and plans
-        per height; everywhere its first allocations), so the row limit's probe of a new
-        height is not judged on it."""
+        bucket and its rows' acceptance; a solo one the solo depth's cost. The first cycle of
+        each shape (height, depth, draft source) is a transition: first use (on a GPU the step
+        compiles and plans per shape; everywhere its first allocations) is not booked as a steady
+        cost, so neither the depth policy nor the row limit's probe of a new height judges it."""
         t = CycleTelemetry.from_step(step, batch=batch)
-        if batch > 1 and batch not in self._heights_run:
-            self._heights_run.add(batch)
+        shape = (t.batch, t.depth, t.source)
+        if shape not in self._shapes_seen:
+            self._shapes_seen.add(shape)
             t = replace(t, transition=True)
         self.gov.record_cycle(t)
 

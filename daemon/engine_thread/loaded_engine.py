@@ -23,7 +23,9 @@ class LoadedEngine:
     # One request's caches at that context (engine/cache_size.py): the governor admits
     # another row only while the headroom holds it (governor/row_limit.py).
     row_cache_bytes: int = 0
-    verify_exact: bool = True
+    # Whether a verify reproduces serial steps bit for bit here; None until the start-up's
+    # verdict is in (warming.py): exact greedy requests then decode serially.
+    verify_exact: bool | None = True
     verdicts: Any = None
     batch: Any = None
     # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.

@@ -35,25 +35,31 @@ class PrefixCacheUse:
         self.engine = engine
         self.group = group
 
-    def open_prefix_cache(self, chunk: int) -> None:
+    def splits_verdict(self, chunk: int) -> tuple[bool, str]:
+        """Whether resuming a prefill off the chunk grid is exact here (probed, or read from
+        an earlier start's verdict for this chunk, probe_verdicts.py), and "probed" or
+        "cached". Not probed in a tensor-parallel group: this runs before the ranks' hello
+        compares their settings, and a rank with another chunk would issue other forwards
+        (other collectives); off-grid snapshots then count as inexact, the safe answer."""
+        from ..engine.prefix_cache import splits_agree
+
+        if self.group is not None:
+            return False, "skipped"
+        return self.engine.verdicts.get("splits", str(chunk), lambda: splits_agree(self.engine.lm, chunk))
+
+    def open_prefix_cache(self, chunk: int, splits_pending: bool = False) -> None:
         """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
-        backend (probed, or read from an earlier start's verdict for this chunk,
-        probe_verdicts.py), and its disk tier under this model's and settings' key."""
+        backend (``splits_verdict``), and its disk tier under this model's and settings' key.
+        ``splits_pending``: not asked yet (a start that serves first, warming.py): snapshots
+        count as exact on the chunk grid only until ``set_splits`` has the verdict."""
         from ..engine import prefix_disk
-        from ..engine.prefix_cache import PrefixCache, splits_agree
+        from ..engine.prefix_cache import PrefixCache
         from ..paths import cache_dir
 
         pc_cfg = self.cfg.prefix_cache
         t0 = time.perf_counter()
-        # Not probed in a tensor-parallel group: this runs before the ranks' hello compares
-        # their settings, and a rank with another chunk would issue other forwards (other
-        # collectives); off-grid snapshots then count as inexact, the safe answer.
-        if self.group is None:
-            exact, verdict = self.engine.verdicts.get("splits", str(chunk), lambda: splits_agree(self.engine.lm, chunk))
-        else:
-            exact, verdict = False, "skipped"
-        probed = exact
-        exact = exact and not self.cfg.debug_inexact_splits
+        probed, verdict = (False, "pending") if splits_pending else self.splits_verdict(chunk)
+        exact = probed and not self.cfg.debug_inexact_splits
         probe_ms = round((time.perf_counter() - t0) * 1000, 1)
         disk = None
         # Not in a tensor-parallel group: every rank must take the same hits, and a disk
@@ -73,9 +79,26 @@ class PrefixCacheUse:
                                         splits_exact=exact)
         if self.engine.governance is not None:
             self.engine.governance.prefix_cache = self.engine.prefix_cache
-        log.info("prefix_cache.ready", chunk=chunk, splits_exact=exact, splits_bit_identical=probed,
-                 forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=self.engine.prefix_cache.exact_reuse,
-                 inexact_reuse=pc_cfg.inexact_reuse,
+        if not splits_pending:
+            self._log_ready(probed, verdict, probe_ms)
+
+    def set_splits(self, chunk: int, probed: bool, verdict: str, probe_ms: float) -> bool:
+        """The splits verdict arrived (warming.py): off-grid snapshots count as exact from
+        now on where it says so. False when the cache was reopened for another chunk since
+        (SIGHUP: that one asked for its own verdict)."""
+        pc = self.engine.prefix_cache
+        if pc is None or pc.chunk != chunk:
+            return False
+        pc.splits_exact = probed and not self.cfg.debug_inexact_splits
+        self._log_ready(probed, verdict, probe_ms)
+        return True
+
+    def _log_ready(self, probed: bool, verdict: str, probe_ms: float) -> None:
+        pc = self.engine.prefix_cache
+        disk = pc.disk
+        log.info("prefix_cache.ready", chunk=pc.chunk, splits_exact=pc.splits_exact, splits_bit_identical=probed,
+                 forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=pc.exact_reuse,
+                 inexact_reuse=self.cfg.prefix_cache.inexact_reuse,
                  verdict=verdict, probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
                  disk_files=None if disk is None else len(disk.index))
 

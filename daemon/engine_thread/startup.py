@@ -1,12 +1,15 @@
-"""Bringing the engine up: the model, the head, the start-up probes and the warm-up.
+"""Bringing the engine up: what must run before ready, and the parts that run after.
 
-``EngineStartup.load`` does everything ``EngineWorker.run`` needs before the step loop
-starts: load the weights (reporting progress), set the prompt limit from the model's
-context, load the MTP head, probe whether a verify (and a batch) reproduces serial decode bit
-for bit on this backend (verdicts cached across starts, probe_verdicts.py), open the prefix
-cache (prefix_cache_use.py), build the continuous batch and the governance, and run the
-warm-up (warmup.py) before the daemon says it is ready. It returns a ``LoadedEngine``: the
-objects the engine thread's parts share.
+``EngineStartup.load`` does what ``EngineWorker.run`` needs before the daemon answers: load
+the weights (reporting progress), set the prompt limit from the model's context, load the
+MTP head, choose the kernels, run one eager step, open the prefix cache, build the
+continuous batch and the governance, each faster path on its safe setting. The rest is a
+list of parts (warming.py, ``_parts`` says their order): the compiled step's self-checks,
+the exactness probes (verify, batch, chunk splits; verdicts cached across starts,
+probe_verdicts.py), the warm-up (warmup.py) and the cost probes (prefill_together,
+mixed_steps). The worker runs them between requests (``warm_in_background``, the default),
+or ``load`` runs them before returning (a group; ``warm_in_background = false``). It returns a
+``LoadedEngine``: the objects the engine thread's parts share.
 
 A part of ``EngineWorker`` (worker.py) with its own state: what it is given in its
 constructor, and the engine it builds.
@@ -40,8 +43,16 @@ class EngineStartup:
         self.hooks = hooks
         self.requests_holding_head = requests_holding_head
         self.engine = LoadedEngine(max_prompt_tokens=cfg.max_prompt_tokens or 0)
+        self.warming = None  # the parts still to run (warming.py), made by ``load``
+        self.prefix_use = None
+        self.compile_check = None
+        self.compile_later = False
 
     def load(self) -> LoadedEngine:
+        """What must run before ready: the weights, the head, the kernels, one eager step, and
+        the objects requests use, each on its safe setting; then ``warming`` holds the parts
+        that switch faster paths in (warming.py), run before returning where ``background``
+        is False, else by the worker between requests."""
         from ..engine.loading import load_model
         from ..logs import route_library_logs
         from .prefix_cache_use import PrefixCacheUse
@@ -50,130 +61,344 @@ class EngineStartup:
         route_library_logs()
         self._configure_backend()
         t0 = time.perf_counter()
-        compile_check = CompiledStepCheck(self.group)
-        self.engine.lm = load_model(self.model_path, compile_decode=self.cfg.compile_decode, progress=self._load_progress,
-                             group=self.group, compile_check=compile_check)
+        self.compile_check = CompiledStepCheck(self.group)
+        # The compiled step's self-check waits for idle, unless the kernel choice must probe
+        # before ready (its verdicts are keyed by the decode path the check decides).
+        compile_now = self.cfg.compile_decode and (not self.background or self._kernels_probe())
+        self.engine.lm = load_model(self.model_path, compile_decode=compile_now, progress=self._load_progress,
+                                    group=self.group, compile_check=self.compile_check)
+        lm = self.engine.lm
+        self.compile_later = self.cfg.compile_decode and not compile_now and lm.supports_mtp
+        if self.compile_later:
+            lm.decode_path = "eager: the compiled step's self-check is pending"
         context = self._prompt_limit()
-        log.info("model.loaded", path=str(self.engine.lm.path), model_type=self.engine.lm.model_type,
-                 decode_path=self.engine.lm.decode_path, compile_check=compile_check.verdict,
-                 batch_decode_path=self.engine.lm.batch_decode_path, batch_compile_check=compile_check.batch_verdict,
+        log.info("model.loaded", path=str(lm.path), model_type=lm.model_type,
+                 decode_path=lm.decode_path, compile_check=self.compile_check.verdict,
+                 batch_decode_path=lm.batch_decode_path, batch_compile_check=self.compile_check.batch_verdict,
                  seconds=round(time.perf_counter() - t0, 3),
                  context_tokens=context, max_prompt_tokens=self.engine.max_prompt_tokens)
         from .head_slot import HeadSlot
 
-        self.engine.slot = HeadSlot(self.engine.lm, self.cfg.speculation.depth, on_change=self.status.head_changed)
+        self.engine.slot = HeadSlot(lm, self.cfg.speculation.depth, on_change=self.status.head_changed)
         if self.cfg.speculation.mode != "off" or self.cfg.speculation.load_head:
             self.engine.slot.load_at_startup(keep=self.cfg.speculation.load_head)
             if self.engine.slot.error is not None:
                 with self.status.snapshot_lock:
                     self.status.snapshot.head_error = self.engine.slot.error
-        self.engine.verify_exact = True
-        self.engine.verdicts = verdicts_for(self.engine.lm, self.group)
+        self._first_step()
+        self.engine.verdicts = verdicts_for(lm, self.group)
         self._choose_kernels()
+        # The safe settings, until each part's verdict switches its path in (warming.py).
+        # Without a head nothing speculates: the verify's verdict is not asked. With one, until
+        # it is in (None), exact greedy requests decode serially whatever
+        # exact_on_inexact_backend says: the guard bounds flips, only serial excludes them.
+        self.engine.verify_exact = None if self.engine.slot.available else True
         if self.engine.slot.available:
-            self._probe_exactness()
+            with self.status.snapshot_lock:
+                self.status.snapshot.exact_decode = "serial"
         self.engine.batch = None
         self.engine.prefix_cache = None
+        self.prefix_use = PrefixCacheUse(self.cfg, self.engine, self.group)
         if self.cfg.prefix_cache.enabled:
-            PrefixCacheUse(self.cfg, self.engine, self.group).open_prefix_cache(self.cfg.scheduler.prefill_chunk)
-        # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
-        self.engine.batch_speculates = False
-        if self.cfg.scheduler.batching:
-            from ..engine.batch import BatchDecoder, batch_matches_serial
-            from ..engine.exactness import ragged_verify_matches_serial
-
-            t0 = time.perf_counter()
-            spec = self.cfg.speculation
-            rows = self.cfg.scheduler.batch_rows
-            # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
-            exact_ok, verdict = self.engine.verdicts.get("batch", str(rows), lambda: batch_matches_serial(self.engine.lm, rows))
-            if spec.in_batch and spec.mode != "off" and self.engine.slot.available and self.group is None:
-                from ..engine.batch_spec import SpecBatchDecoder
-
-                if exact_ok and self.engine.verify_exact:
-                    exact_ok, verdict = self.engine.verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(self.engine.lm))
-                else:
-                    exact_ok = False
-                slot = self.engine.slot
-                self.engine.batch = SpecBatchDecoder(self.engine.lm, head=lambda: slot.head, depth_for=slot.depth_for,
-                                              max_rows=rows, exact_ok=exact_ok)
-                self.engine.batch_speculates = True
-            else:
-                self.engine.batch = BatchDecoder(self.engine.lm, max_rows=rows, exact_ok=exact_ok)
-            log.info("batch.ready", rows=self.engine.batch.max_rows, max_active=self.cfg.scheduler.max_active, exact_rows_batch=self.engine.batch.exact_ok, verdict=verdict,
-                     speculates=self.engine.batch_speculates, batch_decode_path=self.engine.lm.batch_decode_path,
-                     probe_ms=round((time.perf_counter() - t0) * 1000, 1))
-        self._prefill_together()
-        self._mixed_steps()
+            self.prefix_use.open_prefix_cache(self.cfg.scheduler.prefill_chunk, splits_pending=True)
+        self._build_batch()
+        self.engine.prefill_together_exact = None
+        self.engine.mixed_exact = None
         if self.cfg.governor_enabled:
             from ..engine.cache_size import row_cache_bytes
             from .governance import Governance
 
             self.engine.row_cache_bytes = row_cache_bytes(self.engine.lm, self.engine.max_prompt_tokens)
-            self.engine.governance = Governance(self.engine.slot, self.cfg.governor, self.engine.lm.path, prefix_cache=self.engine.prefix_cache,
+            self.engine.governance = Governance(self.engine.slot, self.cfg.governor, lm.path, prefix_cache=self.engine.prefix_cache,
                                          holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
             self.engine.tuned_profile = self.engine.governance.tuned_profile
-        if self.group is None:  # a group warms up after its hello, once the ranks agree (lockstep.py)
-            self.warm_up()
+        from .warming import Warming
+
+        self.warming = Warming(self._parts(), self._publish_warming, forced_failures=self.cfg.debug_fail_warm)
+        if not self.background:
+            self.warming.run_all()
         return self.engine
 
-    def _prefill_together(self) -> None:
+    @property
+    def background(self) -> bool:
+        """Whether the parts run between requests (warming.py) or before ready."""
+        return self.cfg.warm_in_background and self.group is None
+
+    def _kernels_probe(self) -> bool:
+        """Whether the kernel choice runs probes (kernel_choice.py): it stays before ready,
+        since swapping kernels under requests in flight would change an exact request's
+        numbers mid-stream and every cached prefix's."""
+        from ..engine import invariant
+
+        mode = self.cfg.kernels
+        return mode == "invariant" or (mode == "auto" and invariant.backend() is not None and self.group is None)
+
+    def _first_step(self) -> None:
+        """One plain eager step before ready: a short prompt and one decode step, so the
+        first request is not the first forward the process ever ran, and a model whose
+        numbers are broken says so at start (``engine.first_step``)."""
+        import mlx.core as mx
+
+        from ..engine.sampling import Sampler
+        from ..engine.serial import serial_decode
+        from ..engine.types import SamplingParams
+
+        lm = self.engine.lm
+        t0 = time.perf_counter()
+        cache = lm.make_cache()
+        prompt = [1 + 31 * i % max(2, min(lm.text_args.vocab_size, 4096) - 1) for i in range(4)]
+        gen = serial_decode(lm, prompt, Sampler(SamplingParams(temperature=0.0, seed=0)), cache=cache)
+        try:
+            step = next(gen)
+        finally:
+            gen.close()
+        logits = lm.logits(lm.hidden(mx.array([[step.tokens[-1]]], dtype=mx.uint32), cache))
+        finite = bool(mx.all(mx.isfinite(logits.astype(mx.float32))).item())
+        fields = {"ms": round((time.perf_counter() - t0) * 1000, 1), "finite": finite}
+        if finite:
+            log.info("engine.first_step", **fields)
+        else:
+            log.warning("engine.first_step", **fields, message="the model's logits are not finite: its output "
+                        "will be meaningless (a corrupt or mis-converted checkpoint?)")
+
+    def _set_exact_decode(self, verify_exact: bool) -> None:
+        exact_decode = "speculate" if verify_exact else self.cfg.speculation.exact_on_inexact_backend
+        with self.status.snapshot_lock:
+            self.status.snapshot.exact_decode = exact_decode
+
+    def _build_batch(self) -> None:
+        """The continuous batch, built before ready with exact rows kept out of it
+        (``exact_ok`` False) until the batch part's verdict (``_batch_part``)."""
+        self.engine.batch_speculates = False
+        if not self.cfg.scheduler.batching:
+            return
+        from ..engine.batch import BatchDecoder
+
+        spec = self.cfg.speculation
+        rows = self.cfg.scheduler.batch_rows
+        if spec.in_batch and spec.mode != "off" and self.engine.slot.available and self.group is None:
+            from ..engine.batch_spec import SpecBatchDecoder
+
+            slot = self.engine.slot
+            self.engine.batch = SpecBatchDecoder(self.engine.lm, head=lambda: slot.head, depth_for=slot.depth_for,
+                                                 max_rows=rows, exact_ok=False)
+            self.engine.batch_speculates = True
+        else:
+            self.engine.batch = BatchDecoder(self.engine.lm, max_rows=rows, exact_ok=False)
+
+    # ------------------------------------------------------------------ the parts (warming.py)
+    def _parts(self) -> list:
+        """The parts, the compiled step first (the others' verdicts are keyed by the decode
+        path it decides), then what serving gains most from soonest: exact rows speculating
+        and batching, each shape's first use paid; then the cost probes and the prefix
+        cache's off-grid snapshots. Each verdict depends only on the model, backend and code
+        (probe_verdicts.py), not on the order it is asked in. A group's warm-up comes after
+        its hello (lockstep.py)."""
+        from .warming import WarmPart
+
+        parts = []
+        if self.compile_later:
+            parts.append(WarmPart("compiled_step", self._compiled_part, refused=self._compiled_refused))
+        if self.engine.slot.available:
+            parts.append(WarmPart("verify", self._verify_part))
+        if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
+            parts.append(WarmPart("batch", self._batch_part))
+        if self.group is None:  # the shapes' first uses, paid before the requests that bring them
+            parts.append(WarmPart("warmup", self._warmup_part))
+        if self.cfg.scheduler.prefill_together != "off" and self.group is None:
+            parts.append(WarmPart("prefill_together", self._prefill_together))
+        if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
+            parts.append(WarmPart("mixed_steps", self._mixed_steps))
+        if self.engine.prefix_cache is not None:  # the longest here (chunk-sized prefills): last
+            parts.append(WarmPart("splits", self._splits_part))
+        return parts
+
+    def _publish_warming(self, warming: dict) -> None:
+        with self.status.snapshot_lock:
+            self.status.snapshot.warming = warming
+
+    def _set_decode_path(self, compiled, reason: str | None) -> None:
+        """Switch the compiled step in (``compiled``) or say why the step stays eager."""
+        from .probe_verdicts import verdicts_for
+
+        lm = self.engine.lm
+        lm.compiled_decode = compiled
+        lm.decode_path = "compiled" if compiled is not None else f"eager: {reason}"
+        # The probes after this one key their verdicts by the decode path, as at a slow start.
+        self.engine.verdicts = verdicts_for(lm, self.group)
+        with self.status.snapshot_lock:
+            self.status.snapshot.decode_path = lm.decode_path
+            self.status.snapshot.batch_decode_path = lm.batch_decode_path
+
+    def _compiled_refused(self, reason: str) -> None:
+        self._set_decode_path(None, reason)
+
+    def _compiled_part(self):
+        from ..engine.compiled import checked_compiled_decode
+        from .warming import Outcome
+
+        lm = self.engine.lm
+        compiled, reason = checked_compiled_decode(lm, self.compile_check)
+
+        return Outcome(compiled is not None, reason or "the compiled step is bit for bit the eager one",
+                       lambda: self._set_decode_path(compiled, reason),
+                       {"compile_check": self.compile_check.verdict, "batch_compile_check": self.compile_check.batch_verdict,
+                        "batch_decode_path": "compiled" if compiled is not None and compiled.batched
+                        else f"eager: {reason or compiled.batch_reason}"})
+
+    def _verify_part(self):
+        """Whether a verify reproduces serial decode bit for bit on this backend, and so
+        what exact temperature-0 requests get (engine/exactness.py). Until it answers they
+        decode serially (the safe setting ``load`` left)."""
+        from ..engine.exactness import verify_matches_serial
+        from ..engine.speculative import resolve_rollback
+        from .warming import Outcome
+
+        spec = self.cfg.speculation
+        rollback = resolve_rollback(spec.rollback)
+        t0 = time.perf_counter()
+        bit_identical, verdict = self.engine.verdicts.get("verify", rollback,
+                                                          lambda: verify_matches_serial(self.engine.lm, rollback))
+        verify_exact = bit_identical and not self.cfg.debug_inexact_verify
+        exact_decode = "speculate" if verify_exact else spec.exact_on_inexact_backend
+        reason = ("a verify here computes what serial steps compute, bit for bit" if verify_exact else
+                  "a verify here rounds differently from serial steps, so speculation cannot promise "
+                  "serial's tokens at temperature 0: exact requests "
+                  + ("decode serially" if exact_decode == "serial" else
+                     "speculate with the near-tie guard, which bounds flips but cannot exclude them"))
+        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
+
+        def apply() -> None:
+            self.engine.verify_exact = verify_exact
+            self._set_exact_decode(verify_exact)
+            log.info("speculation.exactness", verify_bit_identical=verify_exact, rollback=rollback,
+                     forced_inexact=self.cfg.debug_inexact_verify, verdict=verdict,
+                     exact_requests=exact_decode, near_tie_guard="off" if verify_exact else "on",
+                     probe_ms=probe_ms, reason=reason)
+
+        return Outcome(verify_exact, reason, apply, {"verdict": verdict})
+
+    def _splits_part(self):
+        """Whether the prefix cache may snapshot off the chunk grid (prefix_cache_use.py);
+        until it answers, exact snapshots are taken on the grid only."""
+        from .warming import Outcome
+
+        chunk = self.engine.prefix_cache.chunk
+        t0 = time.perf_counter()
+        probed, verdict = self.prefix_use.splits_verdict(chunk)
+        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
+        exact = probed and not self.cfg.debug_inexact_splits
+
+        def apply() -> None:
+            self.prefix_use.set_splits(chunk, probed, verdict, probe_ms)
+
+        reason = (f"resuming a prefill off the {chunk}-token grid leaves a cold run's state, bit for bit"
+                  if exact else f"off-grid splits are not bit-identical here (or forced): exact snapshots on the "
+                                f"{chunk}-token grid only")
+        return Outcome(exact, reason, apply, {"verdict": verdict, "chunk": chunk})
+
+    def _batch_part(self):
+        """Whether exact greedy rows may share the batch's forwards: batched logits equal
+        one-row ones (and, where the batch speculates, a ragged verify serial ones). Until
+        it answers, exact rows decode alone."""
+        from ..engine.batch import batch_matches_serial
+        from ..engine.exactness import ragged_verify_matches_serial
+        from .warming import Outcome
+
+        t0 = time.perf_counter()
+        lm, rows, batch = self.engine.lm, self.cfg.scheduler.batch_rows, self.engine.batch
+        # Both verdicts are cached across starts (probe_verdicts.py), like the verify's.
+        exact_ok, verdict = self.engine.verdicts.get("batch", str(rows), lambda: batch_matches_serial(lm, rows))
+        if self.engine.batch_speculates:
+            if exact_ok and self.engine.verify_exact:
+                exact_ok, verdict = self.engine.verdicts.get("ragged_verify", "3", lambda: ragged_verify_matches_serial(lm))
+            else:
+                exact_ok = False
+        probe_ms = round((time.perf_counter() - t0) * 1000, 1)
+
+        def apply() -> None:
+            batch.exact_ok = exact_ok
+            log.info("batch.ready", rows=batch.max_rows, max_active=self.cfg.scheduler.max_active,
+                     exact_rows_batch=exact_ok, verdict=verdict,
+                     speculates=self.engine.batch_speculates, batch_decode_path=lm.batch_decode_path,
+                     probe_ms=probe_ms)
+
+        reason = ("batched rows compute what each row alone computes, bit for bit: exact rows batch" if exact_ok
+                  else "batched rows round unlike one row here (or the verify does): exact rows decode alone")
+        return Outcome(exact_ok, reason, apply, {"verdict": verdict})
+
+    def _prefill_together(self):
         """Whether prompts' pieces share forwards (engine/batched_prefill.py): "auto" times a
-        forward of scheduler.batch_rows rows (max_active, or its ceiling with "auto") against
-        one row's; exact greedy rows join where the probe finds the rows bit-identical to each
-        alone."""
+        forward of scheduler.batch_rows rows (max_active, or its ceiling with "auto")
+        against one row's; exact greedy rows join where the probe
+        finds the rows bit-identical to each alone. Each prompt prefills alone until then."""
         from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
         lm, rows = self.engine.lm, self.cfg.scheduler.batch_rows
-        self.engine.prefill_together_exact = None
-        if self.cfg.scheduler.prefill_together == "off" or self.group is not None:
-            return
-        self.engine.prefill_together_exact, fields = self._measured_choice(
+        return self._measured_choice(
             "prefill_together", self.cfg.scheduler.prefill_together, f"{rows}-{int(lm.chunked_prefill)}",
             cost=lambda: together_cost_ratio(lm, rows), pays=lambda r: together_pays(r, rows),
             why_not=lambda r: (f"a forward of {rows} rows costs {r:.2f} one-row forwards here, not under "
                                f"{(rows + 1) / 2}: prompts' first tokens would come later on average"),
-            exact=lambda: together_matches_solo(lm, rows), rows=rows)
-        log.info("prefill_together.ready", **fields)
+            exact=lambda: together_matches_solo(lm, rows), set_to=lambda v: setattr(self.engine, "prefill_together_exact", v),
+            log_ready=lambda **fields: log.info("prefill_together.ready", **fields), rows=rows)
 
-    def _mixed_steps(self) -> None:
+    def _mixed_steps(self):
         """Whether the batch's decode forwards carry a prompt's paced piece
         (engine/mixed_forward.py): "auto" times one mixed forward against the two it replaces;
         exact greedy rows and prompts take part where the probe finds every group's numbers
-        bit-identical to its own forward's."""
+        bit-identical to its own forward's. None carry a piece until then."""
         from ..engine.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
 
-        self.engine.mixed_exact = None
-        if self.engine.batch is None or self.cfg.scheduler.mixed_steps == "off" or self.group is not None:
-            return
         lm, rows, chunk = self.engine.lm, self.cfg.scheduler.batch_rows, self.cfg.scheduler.prefill_chunk
-        self.engine.mixed_exact, fields = self._measured_choice(
+        return self._measured_choice(
             "mixed_steps", self.cfg.scheduler.mixed_steps, f"{rows}-{chunk}",
             cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
             why_not=lambda r: (f"a decode forward of {rows} rows carrying a prompt's piece costs {r:.2f} of the two "
                                "forwards it replaces here: not a fifth less"),
-            exact=lambda: mixed_matches_alone(lm, rows, pieces=(1, 6, chunk)), rows=rows)
-        log.info("mixed_steps.ready", **fields)
+            exact=lambda: mixed_matches_alone(lm, rows, pieces=(1, 6, chunk)),
+            set_to=lambda v: setattr(self.engine, "mixed_exact", v),
+            log_ready=lambda **fields: log.info("mixed_steps.ready", **fields), rows=rows)
+
+    def _warmup_part(self):
+        from .warming import Outcome
+
+        level = self.warmup_mode()
+        self.warm_up(level)
+        return Outcome(level != "off", f"warm-up {level}: each served shape ran once" if level != "off"
+                       else "warmup = \"off\"", None, {"mode": level})
 
     def _measured_choice(self, probe: str, mode: str, variant: str, *, cost: Callable[[], float],
                          pays: Callable[[float], bool], why_not: Callable[[float], str], exact: Callable[[], bool],
-                         **fields) -> tuple[bool | None, dict]:
+                         set_to: Callable[[bool | None], None], log_ready: Callable[..., None], **fields):
         """A start-up choice of an optional way to run the step ("auto" or "on"): with "auto",
         off (None) where ``cost`` (a cost ratio, timed once and kept with the probes'
         verdicts: the backend's answer, not the moment's load) does not ``pay``; else whether
-        exact greedy requests may take part (``exact``'s verdict, kept likewise). Returns it
-        with the fields of the caller's ``.ready`` log event."""
+        exact greedy requests may take part (``exact``'s verdict, kept likewise). An Outcome
+        whose ``apply`` hands that to ``set_to`` and logs the caller's ``.ready`` event (``log_ready``)."""
+        from .warming import Outcome
+
         t0 = time.perf_counter()
         ratio = None
         if mode == "auto":
             ratio = self.engine.verdicts.measure(f"{probe}_cost", variant, cost)
             if not pays(ratio):
-                return None, {"mode": mode, "enabled": False, **fields, "cost_ratio": round(ratio, 3),
-                              "reason": why_not(ratio), "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
+                out = {"mode": mode, "enabled": False, **fields, "cost_ratio": round(ratio, 3),
+                       "reason": why_not(ratio), "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
+                return Outcome(False, out["reason"], lambda: log_ready(**out),
+                               {"cost_ratio": out["cost_ratio"]})
         exact_ok, verdict = self.engine.verdicts.get(probe, variant, exact)
-        return exact_ok, {"mode": mode, "enabled": True, **fields, "exact_rows": exact_ok, "verdict": verdict,
-                          "cost_ratio": None if ratio is None else round(ratio, 3),
-                          "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
+        out = {"mode": mode, "enabled": True, **fields, "exact_rows": exact_ok, "verdict": verdict,
+               "cost_ratio": None if ratio is None else round(ratio, 3),
+               "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}
+
+        def apply() -> None:
+            set_to(exact_ok)
+            log_ready(**out)
+
+        return Outcome(True, "on" + (f" (cost ratio {out['cost_ratio']})" if ratio is not None else "")
+                       + (", exact rows too" if exact_ok else ", not for exact greedy rows (not bit-identical here)"),
+                       apply, {"cost_ratio": out["cost_ratio"], "verdict": verdict})
 
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/backend_env.py).
@@ -276,30 +501,6 @@ class EngineStartup:
         with self.status.snapshot_lock:
             self.status.snapshot.kernels = choice.kernels
             self.status.snapshot.kernels_reason = choice.reason
-
-    def _probe_exactness(self) -> None:
-        """Whether a verify reproduces serial decode bit for bit on this backend, and so
-        what exact temperature-0 requests get (engine/exactness.py)."""
-        from ..engine.exactness import verify_matches_serial
-        from ..engine.speculative import resolve_rollback
-
-        spec = self.cfg.speculation
-        rollback = resolve_rollback(spec.rollback)
-        t0 = time.perf_counter()
-        bit_identical, verdict = self.engine.verdicts.get("verify", rollback, lambda: verify_matches_serial(self.engine.lm, rollback))
-        self.engine.verify_exact = bit_identical and not self.cfg.debug_inexact_verify
-        exact_decode = "speculate" if self.engine.verify_exact else spec.exact_on_inexact_backend
-        with self.status.snapshot_lock:
-            self.status.snapshot.exact_decode = exact_decode
-        log.info("speculation.exactness", verify_bit_identical=self.engine.verify_exact, rollback=rollback,
-                 forced_inexact=self.cfg.debug_inexact_verify, verdict=verdict,
-                 exact_requests=exact_decode, near_tie_guard="off" if self.engine.verify_exact else "on",
-                 probe_ms=round((time.perf_counter() - t0) * 1000, 1),
-                 reason=("a verify here computes what serial steps compute, bit for bit" if self.engine.verify_exact else
-                         "a verify here rounds differently from serial steps, so speculation cannot promise "
-                         "serial's tokens at temperature 0: exact requests "
-                         + ("decode serially" if exact_decode == "serial" else
-                            "speculate with the near-tie guard, which bounds flips but cannot exclude them")))
 
     def build_ahead(self) -> bool | None:
         """speculative_decode's ``pipeline``. Never in a group: whether a cycle is built ahead

@@ -65,6 +65,9 @@ class EngineSnapshot:
     step: dict = field(default_factory=dict)
     # Start-up warm-up (daemon/engine_thread/warmup.py): per stage, its seconds; empty until it ran.
     warmup: dict = field(default_factory=dict)
+    # The start-up parts that switch faster paths in after ready (warming.py): "pending" (in
+    # order), "running", and per part done whether it switched in, why, and when ("at_s").
+    warming: dict = field(default_factory=dict)
     # While the weights are read: {"percent", "bytes_loaded", "bytes_total", "seconds"}.
     load_progress: dict = field(default_factory=dict)
     # Serving tensor-parallel (daemon/distributed/): size, backend, each rank's host and memory.

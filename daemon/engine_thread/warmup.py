@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from ..engine.pieces import pause
 from ..engine.prefill import ChunkedPrefill
 from ..engine.sampling import Sampler
 from ..engine.serial import serial_decode
@@ -89,7 +90,12 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
     arguments as the worker passes them (rollback, guard_margin, pipeline)."""
     out: dict[str, float] = {}
 
-    def timed(name: str, fn) -> float:
+    def timed(name: str, fn, pause_first: bool = True) -> float:
+        # Run at idle (warming.py), a stage is at least one piece: it leaves the engine as it
+        # found it. Its seconds then include the requests served between its pieces. The batch
+        # stage is one piece: its rows sit in the daemon's own batch while it runs.
+        if pause_first:
+            pause()
         t0 = time.perf_counter()
         fn()
         mx.synchronize()
@@ -104,6 +110,7 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
             p = ChunkedPrefill(lm, _tokens(lm, n, i), chunk, lm.make_cache(), history)
             while not p.done:
                 p.step()
+            pause()  # a prefill a piece: each holds its own cache
 
     emit("warmup.prefill", mode=level, seconds=timed("prefill", prefill), tokens=[n - 1 for n in lengths],
          chunk=chunk)
@@ -121,10 +128,15 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
                 gen = speculative_decode(lm, head, _tokens(lm, 8, 2 + k), _greedy(), depth=k, exact=True,
                                          **(spec_options or {}))
                 _take(gen, CYCLES + 1)
+                pause()  # a depth a piece: the generator is closed
 
         emit("warmup.speculate", mode=level, seconds=timed("speculate", speculate), depths=run_depths)
 
-    if batch is not None and max_rows >= 2:
+    pause()
+    # The batch stage adds its rows to the daemon's own batch and steps it: run at idle between
+    # requests (warming.py), it must find the batch empty, or it would step requests' rows (and
+    # the batch may be full). Requests already batching have paid those heights' first use.
+    if batch is not None and max_rows >= 2 and len(batch) == 0:
         heights = list(range(2, max_rows + 1)) if level == "full" else [2]
 
         def batched() -> None:
@@ -142,5 +154,6 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
                     if key in batch:
                         batch.remove(key)
 
-        emit("warmup.batch", mode=level, seconds=timed("batch", batched), heights=heights)
+        # No pause between the emptiness check and the stage: a request could fill the batch.
+        emit("warmup.batch", mode=level, seconds=timed("batch", batched, pause_first=False), heights=heights)
     return out

@@ -45,6 +45,12 @@ log = get_logger("councild.engine")
 
 OUT_ENDPOINT = "inproc://councild-engine-out"
 
+# Under load that never lets the engine idle, the start-up parts still finish (warming.py):
+# between steps, one piece once the engine has served (1 - share) / share times the last
+# piece's length, so they take at most this share of its time and a request waits at most
+# one piece. Idle, pieces run back to back.
+WARM_SHARE_WHEN_BUSY = 0.2
+
 
 class EngineWorker(threading.Thread):
     """The engine thread: its step loop and a request's per-cycle life (advance, deliver,
@@ -77,6 +83,10 @@ class EngineWorker(threading.Thread):
         self.handling: CommandHandling | None = None
         self.paths: DecodePaths | None = None
         self.prefix_use: PrefixCacheUse | None = None
+        # The start-up parts still to run between requests (warming.py), and when the next
+        # piece is due while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
+        self.warming = None
+        self._warm_due = 0.0
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
@@ -103,8 +113,9 @@ class EngineWorker(threading.Thread):
         self.startup = EngineStartup(self.cfg, self.model_path, self.group, self.status, self.hooks,
                                      requests_holding_head=self.requests_holding_head)
         engine = self.engine = self.startup.load()
+        self.warming = self.startup.warming
         self.max_prompt_tokens = engine.max_prompt_tokens
-        self.prefix_use = PrefixCacheUse(self.cfg, engine, self.group)
+        self.prefix_use = self.startup.prefix_use or PrefixCacheUse(self.cfg, engine, self.group)
         self.paths = DecodePaths(self.cfg, engine, self.scheduler, self.group, self.prefix_use,
                                  failed=self._failed, deliver=self._deliver, depth_pinned=self.depth_pinned,
                                  build_ahead=self.startup.build_ahead)
@@ -177,11 +188,27 @@ class EngineWorker(threading.Thread):
             self.handling.fail_all("internal", "the engine thread crashed; see the daemon log")
             raise
         finally:
+            if self.warming is not None:
+                self.warming.abandon()
             self._out.close()
             pc = getattr(self.engine, "prefix_cache", None)
             if pc is not None and pc.disk is not None:
                 pc.disk.close(timeout=10.0)  # snapshots still queued reach the disk
 
+
+    def _warming_left(self) -> bool:
+        return self.warming is not None and bool(self.warming.parts) and not self.handling.stopping
+
+    def _warm_piece(self, idle: bool) -> None:
+        """One piece of the start-up's remaining checks (warming.py): about one step's
+        work, so a request arriving meanwhile waits about one step. Idle, at once; busy,
+        when due (WARM_SHARE_WHEN_BUSY)."""
+        now = time.monotonic()
+        if not idle and now < self._warm_due:
+            return
+        self.warming.step()
+        spent = time.monotonic() - now
+        self._warm_due = time.monotonic() + spent * (1 - WARM_SHARE_WHEN_BUSY) / WARM_SHARE_WHEN_BUSY
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked
@@ -190,7 +217,8 @@ class EngineWorker(threading.Thread):
     def _loop(self) -> None:
         while True:
             idle = not self.scheduler.has_work()
-            if not self._drain_commands(block=idle):
+            warming = idle and self._warming_left()
+            if not self._drain_commands(block=idle and not warming):
                 return
             self._expire_deadlines()
             admitted = self.scheduler.admit()
@@ -202,8 +230,11 @@ class EngineWorker(threading.Thread):
                     self.paths.start(job)
                 except Exception as exc:  # e.g. a batch row's prefill failing: that request only
                     self._failed(job, exc)
-            if not self._step() and self.handling.stopping:
+            stepped = self._step()
+            if not stepped and self.handling.stopping:
                 return
+            if self._warming_left():
+                self._warm_piece(idle=not stepped and not self.scheduler.has_work() and self._ready.empty())
             if self.engine.governance is not None:
                 self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})

@@ -65,6 +65,7 @@ class StatusReplies:
                 # How many requests decode at once, who sets it and why (scheduler.max_active).
                 "rows": snap.rows,
                 "warmup": snap.warmup,
+                "warming": snap.warming,
                 "prefix_cache": snap.prefix_cache,
                 "recent_tokens_per_s": round(snap.recent_tokens_per_s, 2),
                 # Heard from within heartbeat_timeout_s (a client that left counts until then:

@@ -164,6 +164,15 @@ def test_clients_with_work_are_told_apart_from_clients_heard_from():
     assert r["in flight"].strip() == "1 active, 2 queued; clients: 1 with work in flight, 2 heard from within the heartbeat timeout"
 
 
+def test_status_table_says_what_is_still_warming_and_nothing_once_done():
+    warming = {"pending": ["splits", "batch", "warmup"], "running": "splits", "parts": {}}
+    r = dict(row.split("  ", 1) for row in format_status(reply(**dict(FULL, warming=warming))).splitlines()
+             if "  " in row)
+    assert r["warming"].strip() == "splits, batch, warmup (serving meanwhile on the safe paths)"
+    done = format_status(reply(**dict(FULL, warming={"pending": [], "running": None, "parts": {}})))
+    assert "warming" not in done
+
+
 def test_status_table_shows_a_tensor_parallel_group_rank_by_rank():
     group = {"size": 2, "backend": "ring", "exchanges": 812, "ranks": [
         {"rank": r, "host": f"mac-{r}", "pid": 100 + r,

@@ -139,3 +139,27 @@ def test_depth_for_follows_the_governors_table_per_batch_height(lm, random_model
     ok, _ = gov.override("evict_head", None)
     assert ok and not slot.resident and slot.depth_for(4) == 0
     gov.close()
+
+
+def test_a_shapes_first_cycle_is_not_booked_as_its_cost(lm, random_model_path):
+    """The first cycle of each shape (rows, depth) pays first-use costs (a trace, a kernel's
+    first launch): Governance books its acceptance, not its cost; the next one is booked."""
+    slot = HeadSlot(lm, depth=1)
+    slot.load_at_startup(keep=True)
+    gov = Governance(slot, {}, random_model_path)
+    cm = gov.gov.cost
+
+    def cycle(depth: int, batch: int, seconds: float) -> None:
+        gov.after_step(DecodeStep(tokens=[7] * batch * (depth + 1), depth=depth, drafted=batch * depth,
+                                  accepted=batch * depth, accepted_mask=[True] * (batch * depth), cycle_s=seconds),
+                       batch=batch)
+
+    cycle(1, 1, 5.0)  # a first use: 250x a steady cycle
+    assert cm.transition_cycles == 1 and cm.estimate(1, time.monotonic()).samples == 0
+    cycle(1, 1, 0.02)
+    assert cm.estimate(1, time.monotonic()).samples == 1
+    cycle(1, 4, 5.0)  # another shape (height 4: bucket 3-4, index 2): its own first use
+    cycle(0, 1, 5.0)
+    assert cm.transition_cycles == 3 and cm.batch_estimate(2, 1, time.monotonic()).samples == 0
+    cycle(1, 4, 0.04)
+    assert cm.batch_estimate(2, 1, time.monotonic()).samples == 1

@@ -50,7 +50,10 @@ class DaemonProcess:
 
 
 def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None, env: dict | None = None,
-                 wait: bool = True) -> DaemonProcess:
+                 wait: bool = True, warmed: bool = True) -> DaemonProcess:
+    """``wait``: until the daemon answers (ready); ``warmed``, with it: also until its start-up
+    checks that run after ready are done (daemon/engine_thread/warming.py), so a test sees the
+    paths a slow start had switched in, and their start-up events, before it starts."""
     runtime = tmp / "run"
     runtime.mkdir(mode=0o700, exist_ok=True)
     endpoint = f"ipc://{runtime / 'councild.sock'}"
@@ -80,7 +83,23 @@ def start_daemon(tmp: Path, model: Path, *extra: str, config: str | None = None,
     d = DaemonProcess(endpoint, proc, log_path, runtime)
     if wait:
         wait_ready(d)
+        if warmed:
+            wait_warmed(d)
     return d
+
+
+def wait_warmed(d: DaemonProcess, timeout_s: float = 120.0) -> None:
+    """Until status says no start-up check is pending (``detail.warming.pending`` empty)."""
+    import time
+
+    from protocol.client import Client
+
+    deadline = time.monotonic() + timeout_s
+    with Client(d.endpoint, seat="harness-warmed", timeout_s=30) as c:
+        while c.status().detail.get("warming", {}).get("pending"):
+            if time.monotonic() > deadline or d.proc.poll() is not None:
+                raise TimeoutError(f"the daemon's start-up checks were still pending after {timeout_s} s")
+            time.sleep(0.05)
 
 
 def _user_cache() -> Path:

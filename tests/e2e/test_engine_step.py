@@ -38,15 +38,18 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(n)]
 
 
-def test_warmup_logs_its_stages_before_the_daemon_answers(step_daemon):
+def test_warmup_logs_its_stages_after_the_daemon_answers(step_daemon):
     events = step_daemon.events()
     names = [e["event"] for e in events]
     for stage in ("warmup.prefill", "warmup.decode", "warmup.batch", "warmup.done"):
         assert stage in names, names
-    # Before ready: every warm-up event precedes daemon.start (READY=1, first Pong).
-    assert max(i for i, n in enumerate(names) if n.startswith("warmup.")) < names.index("daemon.start")
+    # Serve first: the warm-up runs after ready (daemon.start: READY=1, first Pong), between
+    # requests, the last start-up part (engine_thread/warming.py).
+    assert min(i for i, n in enumerate(names) if n.startswith("warmup.")) > names.index("daemon.start")
     # After the start-up probes it warms up.
     assert names.index("batch.ready") < names.index("warmup.prefill")
+    (part,) = [e for e in events if e["event"] == "engine.warm" and e["part"] == "warmup"]
+    assert part["switched_in"] is True and names.index("engine.warmed") > names.index("warmup.done")
     done = next(e for e in events if e["event"] == "warmup.done")
     assert done["mode"] == "light" and set(done["stages"]) >= {"prefill", "decode", "batch"}
     prefill = next(e for e in events if e["event"] == "warmup.prefill")

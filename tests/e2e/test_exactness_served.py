@@ -60,9 +60,11 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert probe["verify_bit_identical"] is True and probe["exact_requests"] == "speculate"
     (batch,) = [e for e in d.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "probed" and batch["verdict"] == "probed"
-    (loaded,) = [e for e in d.events() if e["event"] == "model.loaded"]
-    assert loaded["compile_check"] == "probed" and loaded["decode_path"] == "compiled"
-    assert loaded["batch_compile_check"] == "probed" and loaded["batch_decode_path"] == "compiled"
+    # The compiled step's self-checks run after ready, between requests (engine_thread/warming.py).
+    (loaded,) = [e for e in d.events() if e.get("part") == "compiled_step"]
+    assert loaded["switched_in"] is True
+    assert loaded["compile_check"] == "probed" and loaded["batch_compile_check"] == "probed"
+    assert loaded["batch_decode_path"] == "compiled"
     assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
 
     again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
@@ -78,9 +80,10 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
     (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "cached" and batch["verdict"] == "cached"
-    (loaded,) = [e for e in again.events() if e["event"] == "model.loaded"]
-    assert loaded["compile_check"] == "cached" and loaded["decode_path"] == "compiled"
-    assert loaded["batch_compile_check"] == "cached" and loaded["batch_decode_path"] == "compiled"
+    (loaded,) = [e for e in again.events() if e.get("part") == "compiled_step"]
+    assert loaded["switched_in"] is True
+    assert loaded["compile_check"] == "cached" and loaded["batch_compile_check"] == "cached"
+    assert loaded["batch_decode_path"] == "compiled"
     assert probe["verify_bit_identical"] is False and probe["forced_inexact"] is True
     assert probe["exact_requests"] == "guarded" and probe["near_tie_guard"] == "on"
     # The batch's own verdict is read back too; where the batch speculates, exact rows may

@@ -1,0 +1,136 @@
+"""Serve first, improve after (daemon/engine_thread/warming.py), through a real daemon.
+
+A daemon with an empty cache folder answers as soon as its model is loaded, while its
+start-up checks (the compiled step, the exactness and cost probes, the warm-up) still run
+between requests. These tests hold it to its promises: exact requests served during that
+time give a fully warmed daemon's tokens; the parts it switches in are the ones a start that
+waited chose (the same verdicts, read back from the same verdicts file); a check that fails
+leaves its path out and says why; a stop mid-way ends every accepted request once.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+
+from e2e_harness import start_daemon
+from protocol.client import Client
+
+from daemon.paths import BUNDLED_MODEL
+
+# A small chunk keeps the chunk-split probe cheap (it prefills 2 * chunk + 9 tokens 3 times).
+CONFIG = "[scheduler]\nprefill_chunk = 32\nmax_active = 4\n"
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n", "class Council:\n    def __init__(self):\n",
+           "for i in range(10):\n"]
+PARTS = ("compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps", "warmup")
+
+
+def _pending(c: Client) -> list[str]:
+    return list(c.status().detail["warming"].get("pending") or ())
+
+
+def _round(c: Client, speculation: str) -> list[list[int]]:
+    """The four prompts at once (so a warmed daemon batches them), greedy, 12 tokens each."""
+    streams = [c.generate(p, max_tokens=12, speculation=speculation, temperature=0.0) for p in PROMPTS]
+    for s in streams:
+        s.result()
+    return [list(s.token_ids) for s in streams]
+
+
+def _warm_events(d) -> dict[str, dict]:
+    return {e["part"]: e for e in d.events() if e["event"] == "engine.warm"}
+
+
+def test_exact_requests_during_warm_up_match_a_slow_start_which_reads_the_same_verdicts(tmp_path):
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # empty: every check runs
+    (tmp_path / "fast").mkdir()
+    d = start_daemon(tmp_path / "fast", BUNDLED_MODEL, env=cache, config=CONFIG, warmed=False)
+    during: list[tuple[str, list[list[int]]]] = []
+    try:
+        with Client(d.endpoint, seat="early", timeout_s=120) as c:
+            assert _pending(c), "the start-up checks ran before ready"
+            assert c.status().detail["decode_path"].startswith("eager")  # the safe path first
+            while _pending(c):
+                for mode in ("exact", "off"):
+                    during.append((mode, _round(c, mode)))
+            warm = c.status().detail["warming"]
+            assert warm["pending"] == [] and set(warm["parts"]) == set(PARTS)
+            assert c.status().detail["decode_path"] == "compiled"
+    finally:
+        assert d.stop() == 0
+    assert len(during) >= 2  # rounds were served while the checks ran
+    fast = _warm_events(d)
+    assert set(fast) == set(PARTS)
+    assert all(e["longest_piece_ms"] < 5000 for e in fast.values())  # pieces, not one block
+    assert {p: e.get("verdict") for p, e in fast.items() if "verdict" in e} == \
+        {p: "probed" for p, e in fast.items() if "verdict" in e}
+
+    # A start that waits for every check before ready, on the same cache folder: each verdict
+    # is read back (the same key: the same decode path, kernels, engine) and switches in alike.
+    (tmp_path / "slow").mkdir()
+    slow = start_daemon(tmp_path / "slow", BUNDLED_MODEL, env=cache, config="warm_in_background = false\n" + CONFIG)
+    try:
+        with Client(slow.endpoint, seat="late", timeout_s=120) as c:
+            assert _pending(c) == []
+            want = {mode: _round(c, mode) for mode in ("exact", "off")}
+    finally:
+        assert slow.stop() == 0
+    names = [e["event"] for e in slow.events()]
+    assert names.index("engine.warmed") < names.index("daemon.start")  # all of it before ready
+    late = _warm_events(slow)
+    # A slow start checks the compiled step as it loads (its self-check's verdict read back).
+    (loaded,) = [e for e in slow.events() if e["event"] == "model.loaded"]
+    assert fast["compiled_step"]["switched_in"] is True and loaded["decode_path"] == "compiled"
+    assert loaded["compile_check"] == "cached" and loaded["batch_compile_check"] == "cached"
+    assert {p: e["switched_in"] for p, e in late.items()} == \
+        {p: e["switched_in"] for p, e in fast.items() if p != "compiled_step"}
+    assert all(e["verdict"] == "cached" for e in late.values() if "verdict" in e)
+    for mode, got in during:
+        assert got == want[mode], f"{mode} request served during warm-up differs from the warmed daemon's"
+
+
+def test_a_check_that_fails_leaves_its_path_out_and_says_why(tmp_path):
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config='debug_fail_warm = ["compiled_step", "batch"]\n' + CONFIG)
+    try:
+        with Client(d.endpoint, seat="s", timeout_s=120) as c:
+            detail = c.status().detail
+            parts = detail["warming"]["parts"]
+            assert parts["compiled_step"]["switched_in"] is False and parts["batch"]["switched_in"] is False
+            assert parts["verify"]["switched_in"] is True
+            assert detail["decode_path"] == "eager: check forced to fail (debug_fail_warm): the path stays out"
+            got = _round(c, "exact")  # exact rows still exact: alone and eager
+    finally:
+        assert d.stop() == 0
+    ev = _warm_events(d)
+    for part in ("compiled_step", "batch"):
+        assert ev[part]["switched_in"] is False and "debug_fail_warm" in ev[part]["reason"]
+    assert not [e for e in d.events() if e["event"] == "batch.ready"]  # its verdict was not applied
+    (done,) = [e for e in d.events() if e["event"] == "engine.warmed"]
+    assert set(done["left_out"]) >= {"compiled_step", "batch"}
+    assert all(len(t) == 12 for t in got)
+
+
+def test_a_stop_during_warm_up_exits_cleanly_and_ends_every_request_once(tmp_path):
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # empty: the checks take seconds
+    d = start_daemon(tmp_path, BUNDLED_MODEL, env=cache, config=CONFIG, warmed=False)
+    with Client(d.endpoint, seat="s", timeout_s=120) as c:
+        assert _pending(c)
+        streams = [c.generate(p, max_tokens=40, speculation="exact") for p in PROMPTS]
+        time.sleep(0.3)
+        d.proc.send_signal(signal.SIGTERM)
+        outcomes = []
+        for s in streams:
+            try:
+                outcomes.append(s.result().finish_reason)
+            except Exception as exc:  # noqa: BLE001 - an Error terminal (shutting_down) is an answer too
+                outcomes.append(type(exc).__name__)
+    assert d.proc.wait(timeout=60) == 0
+    assert len(outcomes) == len(PROMPTS)
+    events = d.events()
+    terminals = Counter(e["request_id"] for e in events if e["event"] in ("request.done", "request.error"))
+    accepted = {e["request_id"] for e in events if e["event"] == "request.accepted"}
+    assert accepted and all(terminals[r] == 1 for r in accepted)
+    names = [e["event"] for e in events]
+    assert "daemon.stop" in names and "engine.crashed" not in names
+    assert "engine.warmed" not in names  # the stop came mid-way
