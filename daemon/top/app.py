@@ -115,6 +115,10 @@ class TopApp(App):
         yield Footer()
 
     def on_mount(self) -> None:
+        # tab goes seats -> decisions only: the side panels and the detail scroll, which would
+        # make them stops on the way.
+        self.query_one("#side", Static).can_focus = False
+        self.query_one("#detail", Static).can_focus = False
         self.query_one("#seats", DataTable).add_columns(*SEAT_COLUMNS)
         self.query_one("#decisions", DataTable).add_columns(*DECISION_COLUMNS)
         self.query_one("#header", Static).update(header(self.view))
@@ -179,7 +183,10 @@ class TopApp(App):
         if event.data_table.id == "seats":
             choice: tuple[str, object] = ("seat", key)
         else:
-            row = self.decision_rows.get(key)
+            rows = list(self.decision_rows.values())
+            # A key can drift by a rounding of the daemon's clock between two replies: the row
+            # under the cursor is the one meant then.
+            row = self.decision_rows.get(key) or (rows[event.cursor_row] if event.cursor_row < len(rows) else None)
             if row is None:
                 return
             choice = ("decision", row)

@@ -50,7 +50,7 @@ class Terminal:
             except pexpect.TIMEOUT:
                 pass
 
-    def wait_for(self, check, what: str, timeout: float = 60.0):
+    def wait_for(self, check, what: str, timeout: float = 120.0):  # a loaded CI box is slow
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.pump()
