@@ -238,6 +238,20 @@ def test_an_enum_that_is_not_an_array_is_not_text_and_breaks_nothing():
         tool_constraint(_generate(tools=bad, tool_choice="required"), "<function=")
 
 
+@pytest.mark.parametrize("inner", [1, [{"lat": {"type": "number"}}]])
+def test_a_nested_properties_that_is_not_an_object_is_refused_not_a_crash(inner):
+    """Deeper than the protocol's check (top-level properties): counting a schema's free
+    strings read .values() of a nested properties of 1 (AttributeError, an internal error);
+    the HTTP fuzzer's long run found it."""
+    bad = [m.ToolSpec(name="f", parameters={"type": "object", "properties": {
+        "where": {"type": "object", "properties": inner}}})]
+    for choice in ("required", m.NamedToolChoice(name="f")):
+        try:
+            tool_constraint(_generate(tools=bad, tool_choice=choice), "<function=")
+        except ToolGrammarError:
+            pass  # refused by name is as good as enforced
+
+
 @pytest.fixture(scope="module")
 def ll_tokenizer():
     import llguidance.hf
