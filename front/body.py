@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from starlette.requests import ClientDisconnect, Request
 
-from protocol.lone_surrogates import find_lone_surrogate
+from protocol.unencodable import find_lone_surrogate
 
 from .errors import HTTPError
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from .lone_surrogates import find_lone_surrogate
+from .unencodable import find_huge_int, find_lone_surrogate
 from .messages import PROTOCOL_VERSION, ClientMessage, DaemonMessage
 
 DEFAULT_MAX_FRAME_BYTES = 8 << 20
@@ -26,8 +26,8 @@ class ProtocolError(Exception):
 
 class UnencodableMessage(ValueError):
     """A message that cannot be encoded: a string holding a lone UTF-16 surrogate (UTF-8 has
-    no encoding for one; the message names the field), or values nested too deeply for the
-    encoder."""
+    no encoding for one), an integer outside msgpack's range (the message names the field of
+    either), or values nested too deeply for the encoder."""
 
 
 class _Envelope(msgspec.Struct):
@@ -52,12 +52,14 @@ DAEMON_TYPES = frozenset(t.__struct_config__.tag for t in DaemonMessage.__args__
 
 def encode(message: Any) -> bytes:
     """The frame of ``message``; UnencodableMessage (a ValueError naming the field) when a
-    string in it is not valid Unicode or it is nested too deeply."""
+    string in it is not valid Unicode, an integer is out of range, or it nests too deeply."""
     try:
         return _encoder.encode(message)
     except UnicodeEncodeError:
         found = find_lone_surrogate(message)
         raise UnencodableMessage(found.describe() if found else "a string is not valid Unicode") from None
+    except OverflowError:
+        raise UnencodableMessage(find_huge_int(message) or "an integer is outside -2**63 .. 2**64-1") from None
     except RecursionError:
         raise UnencodableMessage("the message is nested too deeply to encode") from None
 

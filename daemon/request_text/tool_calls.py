@@ -70,8 +70,8 @@ def is_text_param(schema: object) -> bool:
     if not isinstance(schema, dict):
         return False
     choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
-    if choices is not None:
-        return bool(choices) and all(isinstance(c, str) for c in choices)
+    if choices is not None:  # an enum that is not an array (a malformed schema) is not text
+        return isinstance(choices, list) and bool(choices) and all(isinstance(c, str) for c in choices)
     t = schema.get("type")
     return t == "string" or (isinstance(t, list) and "string" in t)
 

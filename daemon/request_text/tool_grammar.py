@@ -105,8 +105,9 @@ def string_slots(schema, _depth: int = 0) -> int:
         return 0
     if _is_free_string(schema):
         return 1
-    n = sum(string_slots(v, _depth + 1) for v in (schema.get("properties") or {}).values()
-            if isinstance(schema.get("properties"), dict))
+    props = schema.get("properties")
+    # (The isinstance is on the iterable itself: a generator's filter runs after .values().)
+    n = sum(string_slots(v, _depth + 1) for v in (props.values() if isinstance(props, dict) else ()))
     if isinstance(schema.get("items"), dict):
         most = schema.get("maxItems")
         n += string_slots(schema["items"], _depth + 1) * (most if isinstance(most, int) and most >= 0 else 2)

@@ -226,6 +226,32 @@ def test_unknown_named_tool_and_unsupported_schema_are_refused_by_name():
             tool_constraint(_generate(tools=bad, tool_choice="required"), template)
 
 
+def test_an_enum_that_is_not_an_array_is_not_text_and_breaks_nothing():
+    """`"enum": true` (a malformed schema the HTTP fuzzer sent) was a TypeError in the call
+    parser's set-up, an internal error for tool_choice auto; forced, the grammar refuses it."""
+    bad = [m.ToolSpec(name="lookup", parameters={"type": "object", "properties": {
+        "u": {"type": "string", "enum": True}, "w": {"enum": "ab"}}})]
+    out, calls = parse_tool_calls(xml_call("lookup", {"u": "x"}), bad, cid)
+    assert [json.loads(c.arguments) for c in calls] == [{"u": "x"}]
+    assert tool_constraint(_generate(tools=bad, tool_choice="auto"), "<function=") is None
+    with pytest.raises(ToolGrammarError, match="enum"):
+        tool_constraint(_generate(tools=bad, tool_choice="required"), "<function=")
+
+
+@pytest.mark.parametrize("inner", [1, [{"lat": {"type": "number"}}]])
+def test_a_nested_properties_that_is_not_an_object_is_refused_not_a_crash(inner):
+    """Deeper than the protocol's check (top-level properties): counting a schema's free
+    strings read .values() of a nested properties of 1 (AttributeError, an internal error);
+    the HTTP fuzzer's long run found it."""
+    bad = [m.ToolSpec(name="f", parameters={"type": "object", "properties": {
+        "where": {"type": "object", "properties": inner}}})]
+    for choice in ("required", m.NamedToolChoice(name="f")):
+        try:
+            tool_constraint(_generate(tools=bad, tool_choice=choice), "<function=")
+        except ToolGrammarError:
+            pass  # refused by name is as good as enforced
+
+
 @pytest.fixture(scope="module")
 def ll_tokenizer():
     import llguidance.hf

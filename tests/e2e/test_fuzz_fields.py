@@ -208,36 +208,44 @@ def check_case(conn: Conn, frame: bytes, what: str, stats: collections.Counter) 
 
 
 class Bystander:
-    """Another connection's greedy Generates, sent now and then, read at the end."""
+    """Another connection's greedy Generates, one at a time among the fuzz cases: each is read
+    to its end when the next is sent (so its queue at the daemon never fills)."""
 
     def __init__(self, endpoint: str):
         self.conn = Conn(endpoint)
         self.conn.sock.send(pack({"type": "hello", "v": 1, "seat": "bystander"}))
         assert isinstance(self.conn.recv(), Welcome)
-        self.sent: list[str] = []
+        self.texts: list[str] = []
+        self.open: str | None = None
 
     def send(self) -> None:
-        rid = f"b{len(self.sent):06d}"
-        self.sent.append(rid)
-        self.conn.sock.send(pack({"type": "generate", "v": 1, "request_id": rid, "prompt": "def fibonacci(n):",
+        self.finish()
+        self.open = f"b{len(self.texts):06d}"
+        self.conn.sock.send(pack({"type": "generate", "v": 1, "request_id": self.open, "prompt": "def fibonacci(n):",
                                   "max_tokens": 8, "temperature": 0.0}))
 
-    def check(self) -> int:
-        texts: dict[str, str] = {}
-        seqs = collections.defaultdict(int)
-        while len(texts) < len(self.sent):
+    def finish(self) -> None:
+        """Read the open Generate: tokens in order, then exactly one Done."""
+        if self.open is None:
+            return
+        seq = 0
+        while True:
             reply = self.conn.recv()
-            rid = reply.request_id
-            assert rid in self.sent and rid not in texts, reply
+            assert reply.request_id == self.open, reply
             if isinstance(reply, m.Tokens):
-                assert reply.seq == seqs[rid], reply
-                seqs[rid] += 1
+                assert reply.seq == seq, reply
+                seq += 1
             elif not isinstance(reply, m.Accepted):
                 assert isinstance(reply, Done) and reply.usage.completion_tokens > 0, reply
-                texts[rid] = reply.text
-        assert len(set(texts.values())) == 1, texts  # greedy: the same answer every time
+                self.texts.append(reply.text)
+                self.open = None
+                return
+
+    def check(self) -> int:
+        self.finish()
+        assert len(set(self.texts)) == 1, self.texts  # greedy: the same answer every time
         self.conn.sock.close(linger=0)
-        return len(texts)
+        return len(self.texts)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from protocol import InvalidRequest, UnencodableMessage, encode
 from protocol import messages as m
 from protocol.client import _build_generate
-from protocol.lone_surrogates import find_lone_surrogate
+from protocol.unencodable import find_lone_surrogate
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
@@ -55,3 +55,16 @@ def test_the_client_refuses_before_sending_with_the_field(field, args, options):
 def test_whole_characters_go_through():
     msg, frame = _build_generate("🙂 \U0001f600 日本 \x00", None, None, **GENERATE_DEFAULTS)
     assert msg.prompt == "🙂 \U0001f600 日本 \x00" and frame
+
+
+def test_an_integer_msgpack_cannot_hold_is_refused_naming_the_field():
+    """A JSON body may hold 2**64 anywhere the protocol takes free-form values (a tool's JSON
+    Schema): the encoder's OverflowError was a 500 at the HTTP front (its fuzzer found it)."""
+    with pytest.raises(InvalidRequest) as exc:
+        _build_generate(None, [{"role": "user", "content": "hi"}], None, **GENERATE_DEFAULTS, options={"tools": [
+            {"name": "f", "parameters": {"type": "object", "properties": {"n": {"maximum": 2**64}}}}]})
+    assert exc.value.message == ("tools[0].parameters.properties.n.maximum: the integer 18446744073709551616 is outside "
+                                 "-2**63 .. 2**64-1"), exc.value.message
+    with pytest.raises(UnencodableMessage, match=r"^\[0\]: an object key -9223372036854775809 is outside"):
+        encode([{-(2**63) - 1: 1}])
+    assert encode({"a": [2**64 - 1, -(2**63)]})  # the range's ends are fine
