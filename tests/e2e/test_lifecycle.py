@@ -252,7 +252,9 @@ def test_sighup_while_the_model_loads_does_not_kill_the_daemon(tmp_path, e2e_mod
             held.release()
             wait_ready(d)  # raises if the daemon died
             assert ping(d)
-            # The reload was kept for after the start, not lost.
+            # The reload was kept for after the start, not lost: the loop applies it in its first
+            # housekeeping, which may come just after the Status reply wait_ready read.
+            wait_event(d, "config.reloaded", timeout=30)
             names = [e["event"] for e in d.events()]
             assert "config.reloaded" in names and names.index("config.reloaded") > names.index("daemon.start"), names
         finally:
