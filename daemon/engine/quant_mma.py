@@ -15,7 +15,8 @@ Layout, for MLX's affine groups as ``nn.QuantizedLinear`` stores them (``weight`
   inputs (CK = 128 at 4 bits, 64 at 8), each lane 16 bytes of each of two weight rows per
   chunk (one 16-byte load each), so a block reads S * 64 contiguous bytes of a weight row;
 - the activations are the MMA's B operand: x rows in tiles of 8 (the MMA's n), MT tiles per
-  pass over the weights (M <= 8 * MT: one pass);
+  pass over the weights (M <= 8 * MT: one pass); a warp may own NA column tiles (16 * NA
+  columns), so each activation fragment it loads feeds NA tiles' products;
 - 4-bit weights are dequantized in pairs with bf16x2 / f16x2 arithmetic (the exponent trick:
   a nibble OR'd into 128.0's bits is 128 + q exactly; minus 128, then one fused q * s + b),
   8-bit in float32 (a byte OR'd into 2^23's bits), then rounded once to the operand type;
@@ -122,34 +123,39 @@ _SOURCE = """
     const int G = scales_shape[1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int n0 = blockIdx.x * 16;
+    const int n0 = blockIdx.x * 16 * NA;          // NA column tiles of 16 per warp
     const int NC = K / CK;
     const size_t row_bytes = (size_t)K * BITS / 8;
     const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(w);
-    const unsigned char* ra = wbytes + (size_t)(n0 + g) * row_bytes;
-    const unsigned char* rb = wbytes + (size_t)(n0 + g + 8) * row_bytes;
     const bool aligned = ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) == 0 && (K % 8) == 0;
-    __shared__ float red[S * 32 * 4];
+    __shared__ float red[S > 1 ? S * 32 * 4 : 1];
 
     for (int m0 = 0; m0 < M; m0 += 8 * MT) {
-        float acc[MT][4];
+        float acc[NA][MT][4];
         #pragma unroll
-        for (int j = 0; j < MT; ++j) { acc[j][0] = 0.f; acc[j][1] = 0.f; acc[j][2] = 0.f; acc[j][3] = 0.f; }
+        for (int a = 0; a < NA; ++a) {
+            #pragma unroll
+            for (int j = 0; j < MT; ++j) { acc[a][j][0] = 0.f; acc[a][j][1] = 0.f; acc[a][j][2] = 0.f; acc[a][j][3] = 0.f; }
+        }
         for (int cu = warp; cu < NC; cu += S * U) {
-            qmm_u4 wa[U], wb[U];
-            float sa[U], ba[U], sb[U], bb[U];
+            qmm_u4 wa[U][NA], wb[U][NA];
+            float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = cu + u * S;
                 if (c < NC) {
                     const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
-                    wa[u] = qmm_load16(ra + off, aligned);
-                    wb[u] = qmm_load16(rb + off, aligned);
                     const int grp = (c * CK + t * KT) / GS;
-                    sa[u] = static_cast<float>(scales[(size_t)(n0 + g) * G + grp]);
-                    ba[u] = static_cast<float>(biases[(size_t)(n0 + g) * G + grp]);
-                    sb[u] = static_cast<float>(scales[(size_t)(n0 + g + 8) * G + grp]);
-                    bb[u] = static_cast<float>(biases[(size_t)(n0 + g + 8) * G + grp]);
+                    #pragma unroll
+                    for (int a = 0; a < NA; ++a) {
+                        const int na = n0 + 16 * a + g;
+                        wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
+                        wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
+                        sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
+                        ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
+                        sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
+                        bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
+                    }
                 }
             }
             #pragma unroll
@@ -157,82 +163,107 @@ _SOURCE = """
                 const int c = cu + u * S;
                 if (c >= NC) break;
                 const int kl = c * CK + t * KT;     // this lane's first input of the chunk
-                const unsigned wra[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
-                const unsigned wrb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
                 if constexpr (BITS == 4) {
-                    const unsigned sa2 = qmm_pack<BF>(sa[u], sa[u]), ba2 = qmm_pack<BF>(ba[u], ba[u]);
-                    const unsigned sb2 = qmm_pack<BF>(sb[u], sb[u]), bb2 = qmm_pack<BF>(bb[u], bb[u]);
+                    unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
+                    #pragma unroll
+                    for (int a = 0; a < NA; ++a) {
+                        sa2[a] = qmm_pack<BF>(sa[u][a], sa[u][a]); ba2[a] = qmm_pack<BF>(ba[u][a], ba[u][a]);
+                        sb2[a] = qmm_pack<BF>(sb[u][a], sb[u][a]); bb2[a] = qmm_pack<BF>(bb[u][a], bb[u][a]);
+                    }
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
-                        unsigned A[2][4];
-                        #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            A[h][0] = qmm_nibbles<BF>(wra[i], 2 * h, sa2, ba2);      // (k 2h, 2h+4), row g
-                            A[h][1] = qmm_nibbles<BF>(wrb[i], 2 * h, sb2, bb2);      // row g + 8
-                            A[h][2] = qmm_nibbles<BF>(wra[i], 2 * h + 1, sa2, ba2);  // (k 2h+1, 2h+5)
-                            A[h][3] = qmm_nibbles<BF>(wrb[i], 2 * h + 1, sb2, bb2);
-                        }
+                        // the activations, loaded once for the NA column tiles: x rows of tile j
+                        unsigned B[MT][4];
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
                             const int m = m0 + 8 * j + g;
                             qmm_u4 xv = {0u, 0u, 0u, 0u};
                             if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
-                            // the activations paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
-                            qmm_mma<BF>(acc[j], A[0][0], A[0][1], A[0][2], A[0][3],
-                                        __byte_perm(xv.x, xv.z, 0x5410), __byte_perm(xv.x, xv.z, 0x7632));
-                            qmm_mma<BF>(acc[j], A[1][0], A[1][1], A[1][2], A[1][3],
-                                        __byte_perm(xv.y, xv.w, 0x5410), __byte_perm(xv.y, xv.w, 0x7632));
+                            // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                            B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
+                            B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
+                        }
+                        #pragma unroll
+                        for (int a = 0; a < NA; ++a) {
+                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
+                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
+                            unsigned A[2][4];
+                            #pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a]);      // (k 2h, 2h+4), row g
+                                A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a]);      // row g + 8
+                                A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a]);  // (k 2h+1, 2h+5)
+                                A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a]);
+                            }
+                            #pragma unroll
+                            for (int j = 0; j < MT; ++j) {
+                                qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
+                                qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
+                            }
                         }
                     }
                 } else {
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
-                        const unsigned a0 = qmm_pack<BF>(qmm_byte(wra[i], 0, sa[u], ba[u]), qmm_byte(wra[i], 1, sa[u], ba[u]));
-                        const unsigned a2 = qmm_pack<BF>(qmm_byte(wra[i], 2, sa[u], ba[u]), qmm_byte(wra[i], 3, sa[u], ba[u]));
-                        const unsigned a1 = qmm_pack<BF>(qmm_byte(wrb[i], 0, sb[u], bb[u]), qmm_byte(wrb[i], 1, sb[u], bb[u]));
-                        const unsigned a3 = qmm_pack<BF>(qmm_byte(wrb[i], 2, sb[u], bb[u]), qmm_byte(wrb[i], 3, sb[u], bb[u]));
+                        unsigned B[MT][2];
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
                             const int m = m0 + 8 * j + g;
-                            unsigned b0 = 0u, b1 = 0u;
+                            B[j][0] = 0u; B[j][1] = 0u;
                             if (m < M) {
-                                const unsigned* xp = reinterpret_cast<const unsigned*>(x + (size_t)m * K + kl + 4 * i);
-                                if (aligned) { const uint2 v = *reinterpret_cast<const uint2*>(xp); b0 = v.x; b1 = v.y; }
-                                else {
+                                if (aligned) {
+                                    const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)m * K + kl + 4 * i);
+                                    B[j][0] = v.x; B[j][1] = v.y;
+                                } else {
                                     const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
-                                    b0 = hp[0] | (unsigned(hp[1]) << 16); b1 = hp[2] | (unsigned(hp[3]) << 16);
+                                    B[j][0] = hp[0] | (unsigned(hp[1]) << 16); B[j][1] = hp[2] | (unsigned(hp[3]) << 16);
                                 }
                             }
-                            qmm_mma<BF>(acc[j], a0, a1, a2, a3, b0, b1);
+                        }
+                        #pragma unroll
+                        for (int a = 0; a < NA; ++a) {
+                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
+                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
+                            const float s0 = sa[u][a], b0 = ba[u][a], s1 = sb[u][a], b1 = bb[u][a];
+                            const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
+                            const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
+                            const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
+                            const unsigned a3 = qmm_pack<BF>(qmm_byte(qb, 2, s1, b1), qmm_byte(qb, 3, s1, b1));
+                            #pragma unroll
+                            for (int j = 0; j < MT; ++j) qmm_mma<BF>(acc[a][j], a0, a1, a2, a3, B[j][0], B[j][1]);
                         }
                     }
                 }
             }
         }
-        // The S warps' partial sums, added in warp order; one tile of 8 rows at a time.
+        // The S warps' partial sums, added in warp order; one tile of 8 rows of one column tile at a time.
         #pragma unroll
-        for (int j = 0; j < MT; ++j) {
-            if (S > 1) {
-                __syncthreads();
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * 4 + e] = acc[j][e];
-                __syncthreads();
-            }
-            if (warp == 0) {
-                float s[4] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-                for (int v = 1; v < S; ++v) {
+        for (int a = 0; a < NA; ++a) {
+            #pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                if (S > 1) {
+                    __syncthreads();
                     #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[e] += red[(v * 32 + lane) * 4 + e];
+                    for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * 4 + e] = acc[a][j][e];
+                    __syncthreads();
                 }
-                // C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]: weight row (column of y) g / g+8, x row 2t / 2t+1
-                const int mA = m0 + 8 * j + 2 * t;
-                if (mA < M) {
-                    y[(size_t)mA * N + n0 + g] = static_cast<T>(s[0]);
-                    y[(size_t)mA * N + n0 + g + 8] = static_cast<T>(s[2]);
-                }
-                if (mA + 1 < M) {
-                    y[(size_t)(mA + 1) * N + n0 + g] = static_cast<T>(s[1]);
-                    y[(size_t)(mA + 1) * N + n0 + g + 8] = static_cast<T>(s[3]);
+                if (warp == 0) {
+                    float s[4] = {acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]};
+                    for (int v = 1; v < S; ++v) {
+                        #pragma unroll
+                        for (int e = 0; e < 4; ++e) s[e] += red[(v * 32 + lane) * 4 + e];
+                    }
+                    // C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]: weight row (column of y) g / g+8, x row 2t / 2t+1
+                    const int mA = m0 + 8 * j + 2 * t;
+                    const int na = n0 + 16 * a + g;
+                    if (mA < M) {
+                        y[(size_t)mA * N + na] = static_cast<T>(s[0]);
+                        y[(size_t)mA * N + na + 8] = static_cast<T>(s[2]);
+                    }
+                    if (mA + 1 < M) {
+                        y[(size_t)(mA + 1) * N + na] = static_cast<T>(s[1]);
+                        y[(size_t)(mA + 1) * N + na + 8] = static_cast<T>(s[3]);
+                    }
                 }
             }
         }
@@ -248,6 +279,11 @@ _NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdige
 SPLITS: dict[tuple[int, int, int], int] = {}
 # Chunks in flight per warp (U) by row-tile count: speed only.
 UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
+# Column tiles of 16 per warp (NA) by row-tile count: speed only (a column's sum is the same
+# whichever warp owns it). More rows want more columns per warp: each activation fragment a
+# warp loads then feeds NA tiles' products instead of one, so the activations' traffic from
+# L1/L2, which grows with M, shrinks by NA; one row wants many warps in flight instead.
+COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
 
 _kernel: list = []
 
@@ -301,22 +337,32 @@ def tiles_for(M: int) -> int:
     return max(1, min(MAX_TILES, -(-M // 8)))
 
 
+def column_tiles_for(N: int, MT: int, wanted: int | None = None) -> int:
+    """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16."""
+    na = wanted or COLUMN_TILES_BY_TILES.get(MT, 1)
+    while na > 1 and (N // 16) % na:
+        na //= 2
+    return na
+
+
 def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
-                         *, split: int | None = None, unroll: int | None = None, tiles: int | None = None) -> mx.array:
+                         *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
+                         columns: int | None = None) -> mx.array:
     """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
     output summed in an order fixed by K, bits and the split (see the module docstring). The
     keyword arguments override the launch (for the device check's sweep); ``split`` changes the
-    order, the others only the speed."""
+    order, the others (``unroll``, ``tiles``, ``columns``) only the speed."""
     M, K = x2.shape
     N = w.shape[0]
     S = split or split_for(N, K, bits)
     MT = tiles or tiles_for(M)
     U = unroll or UNROLL_BY_TILES.get(MT, 1)
+    NA = column_tiles_for(N, MT, columns)
     (y,) = _get_kernel()(
         inputs=[x2, w, scales, biases],
         template=[("T", x2.dtype), ("XBF", int(x2.dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                  ("S", S), ("MT", MT), ("U", U)],
-        grid=(32 * S * (N // 16), 1, 1),
+                  ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
+        grid=(32 * S * (N // (16 * NA)), 1, 1),
         threadgroup=(32 * S, 1, 1),
         output_shapes=[(M, N)],
         output_dtypes=[x2.dtype],

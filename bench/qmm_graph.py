@@ -1,0 +1,292 @@
+"""Where a 27B-shaped 4-bit step's time goes on CUDA: the quantized matmul's device time apart
+from the host's, by launch, and a forward's graph building apart from its evaluation.
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_graph.py --mode matmul --json $OUT/matmul.json
+    PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_graph.py --mode forward --layers 16 --json $OUT/forward.json
+
+``--mode matmul``: per 27B linear shape and M = 1..32, L distinct weight copies (so no copy is
+served from the 50 MB L2) multiplied by the same x, all L evaluated at once; the time per matmul
+is the total over L. MLX builds a CUDA graph of up to ``MLX_MAX_OPS_PER_BUFFER`` ops before it
+launches one, so run it with ``MLX_MAX_OPS_PER_BUFFER=1`` to let the host encode op i + 1 while
+the device runs op i: the time per matmul is then the device's wherever the device is slower than
+the host (the host's time alone is reported beside it: the same calls on a 16-column weight).
+Arms: MLX's ``quantized_matmul`` and engine/quant_mma.py's kernel at splits S (the default and
+twice it) x column tiles per warp NA (1, 2, 4), U from its table. First, the kernel's launches
+are checked against each other (NA and U change nothing: the same bits) and against MLX's.
+Weights are random bits with random scales and biases (no quantize on a fresh device: MLX's
+kernels compile on first use).
+
+``--mode forward``: a 27B-shaped 4-bit stack of ``--layers`` layers (3 GatedDeltaNet : 1
+attention, the real lm_head), a 256-token cache; per B x T, the Python graph building and the
+evaluation of one forward timed apart, arms "mlx" and "qmm" (the quantized linears on the
+kernel) alternated. Run it under different MLX_MAX_OPS_PER_BUFFER / MLX_USE_CUDA_GRAPHS
+settings in separate processes to see what the host's graph encoding costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import mlx.core as mx  # noqa: E402
+
+from daemon.engine import invariant, quant_mma  # noqa: E402
+
+T0 = time.perf_counter()
+SHAPES = {  # name: (N, K), the 27B's linears that carry most of its bytes, and its lm_head
+    "mlp.gate/up 5120->17408": (17408, 5120),
+    "mlp.down 17408->5120": (5120, 17408),
+    "attn.q_proj 5120->12288": (12288, 5120),
+    "gdn.out_proj 6144->5120": (5120, 6144),
+    "lm_head 5120->248320": (248320, 5120),
+}
+MS = (1, 2, 4, 8, 16, 32)
+GS = 64
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def env_settings() -> dict:
+    return {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_USE_CUDA_GRAPHS",
+                                            "MLX_CUDA_USE_CUDNN_SDPA")}
+
+
+def random_quantized(N: int, K: int, bits: int, key: int):
+    k1, k2, k3 = mx.random.split(mx.random.key(key), 3)
+    q = mx.random.randint(-2 ** 31, 2 ** 31 - 1, (N, K * bits // 32), dtype=mx.int32, key=k1).view(mx.uint32)
+    s = (mx.random.uniform(0.5, 1.5, (N, K // GS), key=k2) * (2.0 / (2 ** bits) * K ** -0.5)).astype(mx.bfloat16)
+    b = (mx.random.uniform(-1.0, 1.0, (N, K // GS), key=k3) * K ** -0.5).astype(mx.bfloat16)
+    return q, s, b
+
+
+def bytes_read(N: int, K: int, M: int, bits: int) -> int:
+    return N * K * bits // 8 + 2 * N * (K // GS) * 2 + M * K * 2 + M * N * 2
+
+
+def per_call(fn, x, weights, trials: int = 5) -> dict:
+    """Seconds per matmul: all of ``weights`` evaluated together, synced; and the host's part
+    (building the list) alone."""
+    mx.eval([fn(x, *w) for w in weights])
+    mx.synchronize()
+    total, build = [], []
+    for _ in range(trials):
+        mx.synchronize()
+        t = time.perf_counter()
+        outs = [fn(x, *w) for w in weights]
+        tb = time.perf_counter()
+        mx.eval(outs)
+        mx.synchronize()
+        total.append((time.perf_counter() - t) / len(weights))
+        build.append((tb - t) / len(weights))
+        del outs
+    return {"s": statistics.median(total), "spread": [min(total), max(total)], "build_s": statistics.median(build)}
+
+
+def mlx_arm(x, q, s, b, bits=4):
+    return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=bits)
+
+
+def kernel_arm(S: int, NA: int, bits: int = 4):
+    return lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, bits, split=S, columns=NA)
+
+
+def splits_for(N: int, K: int, bits: int) -> list[int]:
+    d = quant_mma.default_split(N, K, bits)
+    chunks = K // quant_mma.chunk_inputs(bits)
+    return [S for S in dict.fromkeys((d, 2 * d)) if S <= 16 and chunks >= S]
+
+
+def rel_err(y, ref) -> float:
+    d = y.astype(mx.float32) - ref.astype(mx.float32)
+    return (mx.sqrt((d * d).sum()) / mx.sqrt((ref.astype(mx.float32) ** 2).sum())).item()
+
+
+def check_launches(bits: int) -> dict:
+    """NA and U change only the speed: every launch gives the NA = 1 launch's bits, at every M."""
+    out = {}
+    for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
+        N, K = SHAPES[name]
+        q, s, b = random_quantized(N, K, bits, key=N)
+        x = mx.random.normal((40, K), key=mx.random.key(3)).astype(mx.bfloat16)
+        S = quant_mma.default_split(N, K, bits)
+        rows = {}
+        for M in (1, 5, 8, 16, 17, 32, 40):
+            base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
+            same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=na,
+                                                                     unroll=u), base).item()
+                       for na in (1, 2, 4) for u in (1, 2))
+            rows[M] = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
+        out[f"b{bits} {name}"] = rows
+        log(f"check b{bits} {name}: " + ", ".join(f"M{m} {'same' if r['launches_equal'] else 'DIFFER'} "
+                                                   f"{r['rel_err_vs_mlx']:.1e}" for m, r in rows.items()))
+    out["ok"] = all(r["launches_equal"] and r["rel_err_vs_mlx"] < 2e-2 for v in out.values() for r in v.values())
+    return out
+
+
+def matmul_mode(args) -> dict:
+    bits = args.bits
+    res: dict = {"mode": "matmul", "bits": bits, "env": env_settings(), "mlx": mx.__version__,
+                 "kernel": quant_mma._NAME, "rows": []}
+    res["check"] = check_launches(bits)
+    save(args, res)
+    tiny = random_quantized(16, 5120, bits, key=1)
+    for name, (N, K) in SHAPES.items():
+        if args.shapes and not any(s in name for s in args.shapes.split(",")):
+            continue
+        per = N * K * bits // 8
+        L = max(2, min(16, int(args.gbytes * 1e9 // per)))
+        weights = [random_quantized(N, K, bits, key=N + i) for i in range(L)]
+        mx.eval(weights)
+        arms = {"mlx": lambda x, q, s, b: mlx_arm(x, q, s, b, bits)}
+        for S in splits_for(N, K, bits):
+            for NA in (1, 2, 4):
+                if (N // 16) % NA == 0:
+                    arms[f"S{S} NA{NA}"] = kernel_arm(S, NA, bits)
+        for M in MS:
+            x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
+            xt = mx.random.normal((M, 5120), key=mx.random.key(M)).astype(mx.bfloat16)
+            mx.eval(x, xt)
+            bound = bytes_read(N, K, M, bits) / args.bandwidth
+            row = {"shape": name, "N": N, "K": K, "M": M, "L": L, "bound_us": bound * 1e6, "arms": {}}
+            for arm, fn in arms.items():
+                t = per_call(fn, x, weights)
+                host = per_call(fn, xt, [tiny] * L) if arm in ("mlx", f"S{splits_for(N, K, bits)[0]} NA1") else None
+                row["arms"][arm] = {"us": t["s"] * 1e6, "spread_us": [v * 1e6 for v in t["spread"]],
+                                    "build_us": t["build_s"] * 1e6, "bound_frac": bound / t["s"],
+                                    **({"host_floor_us": host["s"] * 1e6} if host else {})}
+            res["rows"].append(row)
+            best = min((a for a in row["arms"] if a != "mlx"), key=lambda a: row["arms"][a]["us"])
+            log(f"{name} M{M}: mlx {row['arms']['mlx']['us']:.1f} us, best {best} {row['arms'][best]['us']:.1f} us "
+                f"(bound {bound * 1e6:.1f}; " + ", ".join(f"{a} {v['us']:.0f}" for a, v in row["arms"].items()) + ")")
+            save(args, res)
+        del weights
+        mx.clear_cache()
+    res["summary"] = summarize(res["rows"])
+    return res
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per shape: the split whose summed time over M is least (S is fixed per shape: it is part
+    of the summation order), then the best NA per M at that split; the issue's ratios."""
+    out = {}
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        sel = [r for r in rows if r["shape"] == name]
+        splits = sorted({int(a.split()[0][1:]) for r in sel for a in r["arms"] if a != "mlx"})
+
+        def best_at(r, S):
+            cands = {a: v["us"] for a, v in r["arms"].items() if a.startswith(f"S{S} ")}
+            a = min(cands, key=cands.get)
+            return a, cands[a]
+
+        S = min(splits, key=lambda S: sum(best_at(r, S)[1] for r in sel))
+        by_m = {r["M"]: (best_at(r, S), r["arms"]["mlx"]["us"], r["bound_us"]) for r in sel}
+        m1 = by_m[1][0][1]
+        out[name] = {"split": S, "per_M": {m: {"arm": a, "us": us, "mlx_us": mlx, "bound_us": bd}
+                                           for m, ((a, us), mlx, bd) in by_m.items()},
+                     "m1_bound_frac": by_m[1][2] / m1,
+                     "m16_over_m1": by_m[16][0][1] / m1 if 16 in by_m else None,
+                     "m32_over_m1": by_m[32][0][1] / m1 if 32 in by_m else None}
+    return out
+
+
+def forward_mode(args) -> dict:
+    from gpu_bench import QWEN35_27B, build_model, quantize_4bit
+    from mlx_lm.models.cache import make_prompt_cache
+
+    res: dict = {"mode": "forward", "env": env_settings(), "layers": args.layers, "mlx": mx.__version__}
+    cfg = dict(QWEN35_27B, num_hidden_layers=args.layers)
+    t = time.perf_counter()
+    lm, head, _ = build_model(cfg)
+    quantize_4bit(lm, head)
+    mx.clear_cache()
+    log(f"{args.layers}-layer 27B-shaped 4-bit stack built in {time.perf_counter() - t:.0f}s")
+    text = lm.text_module
+    V = cfg["vocab_size"]
+    shapes = [(1, 1), (4, 1), (8, 1), (4, 2)]
+    samples: dict = {}
+    for rnd in range(args.rounds):
+        for B, T in shapes:
+            for arm in ("mlx", "qmm"):
+                invariant.uninstall(text)
+                if arm == "qmm":
+                    invariant.install(text, max_rows=72, quantized_only=True)
+                cache = make_prompt_cache(text)
+                mx.eval(text(mx.random.randint(0, V, (B, 256)), cache=cache))
+                mx.eval(text(mx.random.randint(0, V, (B, T)), cache=cache))
+                builds, evals = [], []
+                for _ in range(8):
+                    toks = mx.random.randint(0, V, (B, T))
+                    mx.eval(toks)
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    out = text(toks, cache=cache)
+                    t1 = time.perf_counter()
+                    mx.eval(out)
+                    mx.synchronize()
+                    builds.append(t1 - t0)
+                    evals.append(time.perf_counter() - t1)
+                key = f"{arm} B{B}T{T}"
+                samples.setdefault(key, []).append({"build_ms": statistics.median(builds) * 1e3,
+                                                    "eval_ms": statistics.median(evals) * 1e3})
+                log(f"round {rnd} {key}: build {samples[key][-1]['build_ms']:.2f} ms, eval {samples[key][-1]['eval_ms']:.2f} ms")
+                del cache
+                mx.clear_cache()
+        save(args, dict(res, samples=samples))
+    res["samples"] = samples
+    res["median"] = {k: {f: statistics.median(s[f] for s in v) for f in ("build_ms", "eval_ms")} for k, v in samples.items()}
+    res["per_64_layers_ms"] = {k: {f: v[f] * 64 / args.layers for f in v} for k, v in res["median"].items()}
+    return res
+
+
+def save(args, res: dict) -> None:
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("matmul", "forward"), required=True)
+    ap.add_argument("--json")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
+    ap.add_argument("--gbytes", type=float, default=0.7, help="weight copies per shape up to this many GB (2..16)")
+    ap.add_argument("--bandwidth", type=float, default=3.4e12, help="bytes/s for the bound (the H200's measured copy)")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    if invariant.backend() != "cuda":
+        print("qmm_graph.py needs MLX on CUDA (the tensor-core kernel is CUDA-only)", file=sys.stderr)
+        return 2
+    res = matmul_mode(args) if args.mode == "matmul" else forward_mode(args)
+    save(args, res)
+    if args.mode == "matmul":
+        print("\n| shape | split | M=1 us (bound %) | M16/M1 | M32/M1 | best arm per M | MLX us per M |\n|---|---|---|---|---|---|---|")
+        for name, v in res["summary"].items():
+            pm = v["per_M"]
+            print(f"| {name} | {v['split']} | {pm[1]['us']:.1f} ({v['m1_bound_frac']:.0%}) | {v['m16_over_m1']:.2f} | "
+                  f"{v['m32_over_m1']:.2f} | " + " / ".join(f"{pm[m]['us']:.0f}" for m in pm) + " | "
+                  + " / ".join(f"{pm[m]['mlx_us']:.0f}" for m in pm) + " |")
+    else:
+        print("\n| B x T | mlx build / eval ms (64 layers) | qmm build / eval ms (64 layers) |\n|---|---|---|")
+        for B, T in [(1, 1), (4, 1), (8, 1), (4, 2)]:
+            m, q = res["per_64_layers_ms"].get(f"mlx B{B}T{T}"), res["per_64_layers_ms"].get(f"qmm B{B}T{T}")
+            if m and q:
+                print(f"| {B}x{T} | {m['build_ms']:.1f} / {m['eval_ms']:.1f} | {q['build_ms']:.1f} / {q['eval_ms']:.1f} |")
+    return 0 if res.get("check", {}).get("ok", True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
