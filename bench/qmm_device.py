@@ -236,6 +236,7 @@ def apply_sweep() -> None:
         quant_mma.UNROLL_BY_TILES[int(tiles)] = U
     if sw.get("unroll_by_tiles", {}).get(4) is not None:
         quant_mma.UNROLL_BY_TILES[3] = sw["unroll_by_tiles"][4]
+    quant_mma.forget_launches()
 
 
 @section("timing", 45)

@@ -3,6 +3,8 @@ from the host's, by launch, and a forward's graph building apart from its evalua
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_graph.py --mode matmul --json $OUT/matmul.json
     PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_graph.py --mode forward --layers 16 --json $OUT/forward.json
+    PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_graph.py --mode host --json $OUT/host.json
+    nsys profile -o $OUT/p python3 bench/qmm_graph.py --mode probe --json $OUT/plan.json   (then bench/qmm_probe_read.py)
 
 ``--mode matmul``: per 27B linear shape and M = 1..32, L distinct weight copies (so no copy is
 served from the 50 MB L2) multiplied by the same x, all L evaluated at once; the time per matmul
@@ -201,6 +203,72 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+_MARKER: list = []
+
+
+def marker() -> None:
+    """A kernel of its own name between measured groups, so a profiler's list of launches (in
+    launch order) splits into the groups ``probe_mode`` records."""
+    if not _MARKER:
+        _MARKER.append(mx.fast.cuda_kernel(name="councild_probe_marker", input_names=["a"], output_names=["o"],
+                                           source="o[0] = a[0];"))
+    a = mx.zeros((1,), dtype=mx.float32)
+    (o,) = _MARKER[0](inputs=[a], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                      output_dtypes=[mx.float32])
+    mx.eval(o)
+    mx.synchronize()
+
+
+def probe_mode(args) -> dict:
+    """For a profiler (ncu, nsys): per shape, M and arm, a marker kernel then ``--reps`` calls,
+    each evaluated and synced; the plan (the groups in launch order) goes to the JSON."""
+    plan = []
+    for name, (N, K) in SHAPES.items():
+        if args.shapes and not any(s in name for s in args.shapes.split(",")):
+            continue
+        q, s, b = random_quantized(N, K, args.bits, key=N)
+        mx.eval(q, s, b)
+        for M in MS:
+            x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
+            mx.eval(x)
+            arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
+                    "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
+            for arm, fn in arms.items():
+                mx.eval(fn(x))  # compiles outside the group
+                mx.synchronize()
+                marker()
+                for _ in range(args.reps):
+                    mx.eval(fn(x))
+                    mx.synchronize()
+                plan.append({"shape": name, "N": N, "K": K, "M": M, "arm": arm, "reps": args.reps,
+                             "bound_us": bytes_read(N, K, M, args.bits) / args.bandwidth * 1e6})
+        del q, s, b
+    marker()
+    log(f"probe: {len(plan)} groups")
+    return {"mode": "probe", "plan": plan, "kernel": quant_mma._NAME}
+
+
+def host_mode(args) -> dict:
+    """The host's time per call on a 16-column weight (the device's part is ~nothing), arms
+    alternated by round: MLX's quantized_matmul, the kernel through quantized_matmul_mma
+    (minified source, launch cached), and the kernel called directly with its full source."""
+    q, s, b = random_quantized(16, 5120, args.bits, key=1)
+    x = mx.random.normal((1, 5120)).astype(mx.bfloat16)
+    full = mx.fast.cuda_kernel(name=quant_mma._NAME + "_full", input_names=["x", "w", "scales", "biases"],
+                               output_names=["y"], source=quant_mma._SOURCE, header=quant_mma._HEADER)
+    launch = quant_mma._launch(1, 16, 5120, mx.bfloat16, args.bits, GS, None, None, None, None)
+    arms = {"mlx": lambda x, q, s, b: mlx_arm(x, q, s, b, args.bits),
+            "kernel": lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits),
+            "kernel_full_source": lambda x, q, s, b: full(inputs=[x, q, s, b], **launch)[0]}
+    res: dict = {}
+    for _ in range(args.rounds * 3):
+        for arm, fn in arms.items():
+            res.setdefault(arm, []).append(per_call(fn, x, [(q, s, b)] * 64)["s"] * 1e6)
+    out = {arm: {"us": statistics.median(v), "spread": [min(v), max(v)]} for arm, v in res.items()}
+    log("host per call: " + ", ".join(f"{a} {v['us']:.1f} us" for a, v in out.items()))
+    return {"mode": "host", "env": env_settings(), "arms": out}
+
+
 def forward_mode(args) -> dict:
     from gpu_bench import QWEN35_27B, build_model, quantize_4bit
     from mlx_lm.models.cache import make_prompt_cache
@@ -258,7 +326,8 @@ def save(args, res: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("matmul", "forward"), required=True)
+    ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host"), required=True)
+    ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
@@ -270,7 +339,7 @@ def main(argv=None) -> int:
     if invariant.backend() != "cuda":
         print("qmm_graph.py needs MLX on CUDA (the tensor-core kernel is CUDA-only)", file=sys.stderr)
         return 2
-    res = matmul_mode(args) if args.mode == "matmul" else forward_mode(args)
+    res = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode}[args.mode](args)
     save(args, res)
     if args.mode == "matmul":
         print("\n| shape | split | M=1 us (bound %) | M16/M1 | M32/M1 | best arm per M | MLX us per M |\n|---|---|---|---|---|---|---|")
@@ -279,7 +348,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {v['split']} | {pm[1]['us']:.1f} ({v['m1_bound_frac']:.0%}) | {v['m16_over_m1']:.2f} | "
                   f"{v['m32_over_m1']:.2f} | " + " / ".join(f"{pm[m]['us']:.0f}" for m in pm) + " | "
                   + " / ".join(f"{pm[m]['mlx_us']:.0f}" for m in pm) + " |")
-    else:
+    elif args.mode == "forward":
         print("\n| B x T | mlx build / eval ms (64 layers) | qmm build / eval ms (64 layers) |\n|---|---|---|")
         for B, T in [(1, 1), (4, 1), (8, 1), (4, 2)]:
             m, q = res["per_64_layers_ms"].get(f"mlx B{B}T{T}"), res["per_64_layers_ms"].get(f"qmm B{B}T{T}")

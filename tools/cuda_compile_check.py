@@ -2,7 +2,7 @@
 device time is spent: syntax, template and register errors show here, and ptxas reports each
 variant's registers and spills (a spilling variant is slow on the device).
 
-    python3 tools/cuda_compile_check.py [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
+    .venv/bin/python tools/cuda_compile_check.py [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
 
 MLX wraps a ``cuda_kernel`` source in a function whose parameters are ``const T* name`` plus a
 ``name_shape`` per input and whose template arguments are constants; this script writes the
@@ -21,15 +21,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE_FILE = ROOT / "daemon" / "engine" / "quant_mma.py"
 
 
 def kernel_texts() -> tuple[str, str]:
-    """The header and body, read from the module's text (no mlx import: this runs anywhere)."""
-    text = SOURCE_FILE.read_text()
-    header = re.search(r'_HEADER = """(.*?)"""', text, re.S).group(1)
-    body = re.search(r'_SOURCE = """(.*?)"""', text, re.S).group(1)
-    return header, body
+    """The header and body as MLX is handed them (minified), from the module."""
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine import quant_mma
+
+    return quant_mma._HEADER_RUN, quant_mma._SOURCE_RUN
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:

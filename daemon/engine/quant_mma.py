@@ -270,9 +270,25 @@ _SOURCE = """
     }
 """
 
+
+
+def _minified(text: str) -> str:
+    """The CUDA text without comments, indentation or blank lines. MLX rebuilds a custom
+    kernel's full source at every call and hashes it at every evaluation (to find the compiled
+    module), so the host pays per call for every byte of it; preprocessor lines stay lines."""
+    out = []
+    for line in text.splitlines():
+        code = line.split("//", 1)[0].strip()
+        if code:
+            out.append(code)
+    return "\n".join(out) + "\n"
+
+
+_HEADER_RUN = _minified(_HEADER)
+_SOURCE_RUN = _minified(_SOURCE)
 # The kernel's name carries a hash of its source: MLX caches compiled kernels on disk by name
 # (MLX_PTX_CACHE_DIR), so an edited kernel must never be served a stale binary.
-_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdigest()[:10]
+_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER_RUN + _SOURCE_RUN).encode()).hexdigest()[:10]
 
 # Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
 # measured on the H200 (bench/qmm_device.py); shapes not listed take ``default_split``.
@@ -291,7 +307,7 @@ _kernel: list = []
 def _get_kernel():
     if not _kernel:
         _kernel.append(mx.fast.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
-                                           output_names=["y"], source=_SOURCE, header=_HEADER))
+                                           output_names=["y"], source=_SOURCE_RUN, header=_HEADER_RUN))
     return _kernel[0]
 
 
@@ -337,12 +353,43 @@ def tiles_for(M: int) -> int:
     return max(1, min(MAX_TILES, -(-M // 8)))
 
 
-def column_tiles_for(N: int, MT: int, wanted: int | None = None) -> int:
-    """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16."""
+def column_tiles_for(N: int, MT: int, S: int, wanted: int | None = None) -> int:
+    """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16.
+    A block of more than 256 threads takes one: a thread of NA >= 2 holds up to ~240 registers
+    (nvcc for sm_90, tools/cuda_compile_check.py), and a block's threads share 65,536 (the H200
+    refused S = 16 x NA = 2 with "too many resources requested for launch"); NA = 1 holds <= 96."""
     na = wanted or COLUMN_TILES_BY_TILES.get(MT, 1)
+    if 32 * S > 256:
+        na = 1
     while na > 1 and (N // 16) % na:
         na //= 2
     return na
+
+
+# (M, N, K, dtype, bits, group, launch overrides) -> the kernel call's launch arguments: the
+# Python around a call is host time every decode step pays, so it is worked out once a shape.
+_launches: dict[tuple, dict] = {}
+
+
+def forget_launches() -> None:
+    """After SPLITS or the launch tables change (the device check's sweep applies its own)."""
+    _launches.clear()
+
+
+def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
+    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
+    got = _launches.get(key)
+    if got is None:
+        S = split or split_for(N, K, bits)
+        MT = tiles or tiles_for(M)
+        U = unroll or UNROLL_BY_TILES.get(MT, 1)
+        NA = column_tiles_for(N, MT, S, columns)
+        got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
+               "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
+               "output_shapes": [(M, N)], "output_dtypes": [dtype]}
+        _launches[key] = got
+    return got
 
 
 def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
@@ -353,20 +400,8 @@ def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx
     keyword arguments override the launch (for the device check's sweep); ``split`` changes the
     order, the others (``unroll``, ``tiles``, ``columns``) only the speed."""
     M, K = x2.shape
-    N = w.shape[0]
-    S = split or split_for(N, K, bits)
-    MT = tiles or tiles_for(M)
-    U = unroll or UNROLL_BY_TILES.get(MT, 1)
-    NA = column_tiles_for(N, MT, columns)
-    (y,) = _get_kernel()(
-        inputs=[x2, w, scales, biases],
-        template=[("T", x2.dtype), ("XBF", int(x2.dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                  ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
-        grid=(32 * S * (N // (16 * NA)), 1, 1),
-        threadgroup=(32 * S, 1, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x2.dtype],
-    )
+    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns)
+    (y,) = _get_kernel()(inputs=[x2, w, scales, biases], **launch)
     return y
 
 
