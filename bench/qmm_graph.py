@@ -228,11 +228,15 @@ def probe_mode(args) -> dict:
             continue
         q, s, b = random_quantized(N, K, args.bits, key=N)
         mx.eval(q, s, b)
-        for M in MS:
+        for M in ([int(m) for m in args.ms.split(",")] if args.ms else MS):
             x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
             mx.eval(x)
             arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
+            for launch in filter(None, args.launches.split(",")):
+                S, U, NA = (int(v) for v in launch.split(":"))
+                arms[f"S{S} U{U} NA{NA}"] = (lambda S, U, NA: lambda x: quant_mma.quantized_matmul_mma(
+                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA))(S, U, NA)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -328,6 +332,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
+    ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32)")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA, comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
