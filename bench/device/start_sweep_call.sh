@@ -6,12 +6,12 @@
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT/r"
 for i in 1 2; do
-  s=$(date +%s.%N)
+  s=$(date +%s%N)
   timeout 60 python3 -X importtime -c "import daemon.socket_side.server, daemon.engine_thread.worker" 2> "$OUT/r/importtime_$i.txt"
-  echo "serving imports, run $i: $(echo "$(date +%s.%N) - $s" | bc) s"
+  echo "serving imports, run $i: $(( ($(date +%s%N) - s) / 1000000 )) ms"
 done
-s=$(date +%s.%N); timeout 60 python3 -c "import mlx.core as mx; mx.eval(mx.zeros(4) + 1)"; echo "mlx import + first op: $(echo "$(date +%s.%N) - $s" | bc) s"
-s=$(date +%s.%N); timeout 60 python3 -c "import transformers"; echo "transformers import: $(echo "$(date +%s.%N) - $s" | bc) s"
+s=$(date +%s%N); timeout 60 python3 -c "import mlx.core as mx; mx.eval(mx.zeros(4) + 1)"; echo "mlx import + first op: $(( ($(date +%s%N) - s) / 1000000 )) ms"
+s=$(date +%s%N); timeout 60 python3 -c "import transformers"; echo "transformers import: $(( ($(date +%s%N) - s) / 1000000 )) ms"
 NC=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 L="1:1:1,1:2:1,2:1:1,2:4:1,4:1:1,4:2:1,4:4:1,8:1:1,8:2:1"
 MLX_USE_CUDA_GRAPHS=0 timeout 170 "$NC" --csv --metrics gpu__time_duration.sum --log-file "$OUT/r/sweep_ncu.csv" \
