@@ -13,6 +13,7 @@ import os
 import sys
 
 from .exits import EXIT_FAILED, EXIT_USAGE
+from .frameworks import hide_unused_frameworks
 
 # The wire protocol's bound on a pinned depth (GovernorCommand.depth); the daemon refuses
 # one above its governor.max_depth with the reason.
@@ -502,6 +503,8 @@ DELEGATED = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Before any subcommand's imports pull in mlx-lm and, through it, transformers (frameworks.py).
+    hide_unused_frameworks()
     for prefix, (module, _) in DELEGATED.items():
         if tuple(argv[: len(prefix)]) == prefix:
             import importlib
