@@ -215,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown")
     lp.add_options(ap)
     ap.add_argument("--logs", type=Path, help="copy the servers' logs (daemon, front, mlx_lm.server) here at the end")
+    ap.add_argument("--cache-dir", type=Path,
+                    help="the daemons' cache folder (probe verdicts, prefix snapshots), kept between runs: a second "
+                         "run's round 0 is then a restart's first round, as launchd or systemd gives it "
+                         "(default: a fresh folder per run, a first start on a new machine)")
     args = ap.parse_args(argv)
     from tokenizers import Tokenizer
 
@@ -230,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in values if any(a != "mlx_lm.server" for a in wanted) else []:
             home = tmp if not args.max_active else tmp / f"councild-{v}"
             home.mkdir(exist_ok=True)
-            denv = dict(env, COUNCILD_RUNTIME_DIR=str(home / "run"), COUNCILD_CACHE_DIR=str(home / "cache"))
+            cache = args.cache_dir / (f"max_active-{v}" if args.max_active else "councild") if args.cache_dir else home / "cache"
+            denv = dict(env, COUNCILD_RUNTIME_DIR=str(home / "run"), COUNCILD_CACHE_DIR=str(cache))
             started, ep, port = start_councild_http(args.model, home, denv, v, args.config_extra)
             procs += started
             for a in wanted:
