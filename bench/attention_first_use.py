@@ -1,5 +1,5 @@
 """What a new attention shape costs, by MLX process setting, and whether a long run trips
-MLX's plan-cache "thrashing" error (issue 38; engine/backend_env.py acts on the answer).
+MLX's plan-cache "thrashing" error (issue 38; engine/kernels/backend_env.py acts on the answer).
 
 Each arm is a fresh process, since MLX reads its switches once per process:
   mlx-default  MLX's own defaults: cuDNN for query lengths > 1, thrashing check on
@@ -17,7 +17,7 @@ mlx-lm's KVCache does (so strides are the daemon's):
   rem100        B=1, T=100, causal (a prompt's remainder)
 For each: --new calls at key lengths never seen before (first use: median ms, synced),
 then the same lengths again (warm). In the daemon arm the invariant kernel
-(engine/invariant.py) is timed on the small cases too. Last, --thrash calls at T=2 with
+(engine/kernels/invariant.py) is timed on the small cases too. Last, --thrash calls at T=2 with
 distinct key lengths: the call at which an error came, if one did.
 
     PYTHONPATH=$PWD python3 bench/attention_first_use.py --json $OUT/attention_first_use.json
@@ -53,7 +53,7 @@ SMALL = ("feed2", "verify4", "batch2", "batch4")
 def _child(args) -> dict:
     import mlx.core as mx
 
-    from daemon.engine import invariant
+    from daemon.engine.kernels import invariant
 
     def qkv(B, T, L):
         cap = -(-L // 256) * 256
@@ -116,7 +116,7 @@ ARMS = ("mlx-default", "daemon", "daemon-cudnn")
 
 
 def _env(arm: str) -> dict:
-    from daemon.engine import backend_env
+    from daemon.engine.kernels import backend_env
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k == backend_env.PTX_CACHE_DIR}
     if arm != "mlx-default":

@@ -101,11 +101,11 @@ def record(tokens: int, out: Path) -> dict:
 
     import mlx.core as mx
 
-    from daemon.engine.exactness import exact_guard
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.exactness import exact_guard
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import load_mtp_head
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import DEFAULT_GUARD, SamplingParams
     from daemon.measure.fidelity import load_prompts
     from daemon.paths import BUNDLED_MODEL

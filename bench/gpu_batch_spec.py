@@ -32,9 +32,9 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
 

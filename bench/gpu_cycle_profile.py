@@ -49,17 +49,17 @@ class _TimedMx:
 
 
 def time_mx_calls() -> None:
-    import daemon.engine.serial as serial
-    import daemon.engine.speculative as speculative
+    import daemon.engine.decoders.serial as serial
+    import daemon.engine.decoders.speculative as speculative
 
     for mod in (serial, speculative):
         mod.mx = _TimedMx(mx)
 
 
 def decode(lm, head, prompt, depth, pipeline, tokens):
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     s = Sampler(SamplingParams())
@@ -110,11 +110,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from daemon.engine.compiled import enable_compiled_decode
+    from daemon.engine.model.compiled import enable_compiled_decode
 
     if args.model:
-        from daemon.engine.loading import load_model
-        from daemon.engine.mtp_head import load_mtp_head
+        from daemon.engine.model.loading import load_model
+        from daemon.engine.model.mtp_head import load_mtp_head
         from daemon.measure.fidelity import load_prompts
 
         lm = load_model(Path(args.model))
@@ -123,8 +123,8 @@ def main(argv=None) -> int:
         print("compiled:", enable_compiled_decode(lm) or "yes", file=sys.stderr)
     else:
         import gpu_bench as G
-        from daemon.engine.sampling import Sampler
-        from daemon.engine.serial import serial_decode
+        from daemon.engine.decoders.sampling import Sampler
+        from daemon.engine.decoders.serial import serial_decode
         from daemon.engine.types import SamplingParams
 
         cfg = G.QWEN35_27B if args.shape == "27b" else G.TINY

@@ -1,5 +1,5 @@
 """Which parts of a forward change a row's bits with the rows and positions beside it, and
-does councild's invariant attention (daemon/engine/invariant.py) fix the model's?
+does councild's invariant attention (daemon/engine/kernels/invariant.py) fix the model's?
 
 Run on a GPU machine (the CPU gives one class everywhere):
     python3 bench/invariance_probe.py [--model daemon/assets/tiny-qwen35] [--out DIR]
@@ -27,10 +27,11 @@ sys.path.insert(0, os.getcwd())
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine import batch as batch_mod  # noqa: E402
-from daemon.engine import exactness, invariant  # noqa: E402
-from daemon.engine.compiled import enable_compiled_decode  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
+from daemon.engine.decoders import batch as batch_mod  # noqa: E402
+from daemon.engine.decoders import exactness
+from daemon.engine.kernels import invariant  # noqa: E402
+from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
 
 
 def same(a, b) -> bool:

@@ -20,8 +20,8 @@ sys.path.insert(0, os.getcwd())
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
-from daemon.engine import invariant  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
+from daemon.engine.kernels import invariant  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
 
 REC: list | None = None
 NAMES: dict[int, str] = {}

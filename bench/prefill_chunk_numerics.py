@@ -18,9 +18,9 @@ from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import prefill, serial_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 

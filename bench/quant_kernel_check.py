@@ -1,4 +1,4 @@
-"""Device check of the fixed-order quantized matmul (daemon/engine/invariant_quant.py, issue 39).
+"""Device check of the fixed-order quantized matmul (daemon/engine/kernels/invariant_quant.py, issue 39).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/quant_kernel_check.py --out $OUT [--quick] [--parts]
         [--parts-only] [--layers 8] [--context 256]
@@ -52,7 +52,7 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine import invariant, invariant_quant  # noqa: E402
+from daemon.engine.kernels import invariant, invariant_quant  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"argv": sys.argv[1:], "errors": []}
@@ -450,8 +450,8 @@ def parts_table(lm, text_cfg: dict, context: int, label: str) -> list:
     from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
     from mlx_lm.models.cache import ArraysCache
 
-    from daemon.engine.capture import capture_hidden
-    from daemon.engine.ragged_cache import RaggedKVCache
+    from daemon.engine.model.capture import capture_hidden
+    from daemon.engine.caches.ragged_cache import RaggedKVCache
 
     text = lm.text_module
     layers = text.model.layers

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
-from daemon.engine.prefix_cache import PrefixCache  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
+from daemon.engine.caches.prefix_cache import PrefixCache  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 

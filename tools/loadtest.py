@@ -366,7 +366,7 @@ class Daemon:
         if log_disk_bytes:
             log_path, preexec = self._small_log_disk(log_disk_bytes)
         if model is None:
-            from daemon.engine.random_model import build_random_model
+            from daemon.engine.model.random_model import build_random_model
 
             model = str(build_random_model(self.tmp / "model", seed=0))
         self.model = model

@@ -48,7 +48,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from tools/: the chat template is the daemon's
-from daemon.engine.chat_templates import QWEN_TOOLS_TEMPLATE  # noqa: E402
+from daemon.engine.model.chat_templates import QWEN_TOOLS_TEMPLATE  # noqa: E402
 DEFAULT_STAGE = REPO / ".train_stage"
 DEFAULT_ASSET = REPO / "daemon" / "assets" / "tiny-qwen35"
 
@@ -57,7 +57,7 @@ PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
     r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-# ChatML, and tools the Qwen3.5 way (daemon/engine/chat_templates.py); without tools it is
+# ChatML, and tools the Qwen3.5 way (daemon/engine/model/chat_templates.py); without tools it is
 # exactly the plain ChatML template the model was trained with.
 CHAT_TEMPLATE = QWEN_TOOLS_TEMPLATE
 HELDOUT_MOD = 25  # a file is held out when int(sha256(relpath)[:8], 16) % 25 == 0

@@ -2,7 +2,7 @@
 ``mx.distributed`` (ring over TCP, JACCL over Thunderbolt RDMA, MPI; NCCL on CUDA).
 
 Every rank loads the model and keeps its share of the weights (mlx-lm's ``Model.shard``,
-engine/sharding.py); each forward then all_sums partial results across the group, so every
+engine/model/sharding.py); each forward then all_sums partial results across the group, so every
 rank must run the same forwards, with the same shapes, in the same order: lockstep.
 Rank 0 alone owns the socket, the intake, the scheduler's inputs and the governor.
 

@@ -153,8 +153,8 @@ def _reachable(graph: dict[str, set[str]], roots) -> set[str]:
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert "daemon.engine.forward" in graph["daemon.engine.rollback"]
-    assert "daemon.engine.model" in graph["daemon.engine.loading"]
+    assert "daemon.engine.kernels.forward" in graph["daemon.engine.decoders.rollback"]
+    assert "daemon.engine.model.model" in graph["daemon.engine.model.loading"]
     assert len(graph) >= 30
 
 
@@ -202,13 +202,13 @@ def test_engine_imports_only_the_engine():
 
 
 def test_no_gate_or_bench_under_engine():
-    names = {p.stem for p in (ROOT / "engine").glob("*.py")}
+    names = {p.stem for p in (ROOT / "engine").rglob("*.py")}
     assert not {n for n in names if "bench" in n or "fidelity" in n or "gate" in n}, names
 
 
 def test_the_running_daemon_reaches_neither_measurement_nor_cli():
     reach = _reachable(_graph(), SERVING_ROOTS)
-    assert "daemon.engine_thread.worker" in reach and "daemon.engine.speculative" in reach
+    assert "daemon.engine_thread.worker" in reach and "daemon.engine.decoders.speculative" in reach
     bad = {m for m in reach if m.startswith("daemon.measure") or m == "daemon.cli"}
     assert not bad, bad
 

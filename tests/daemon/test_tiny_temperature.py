@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from daemon.engine.batch import BatchDecoder
-from daemon.engine.sampling import GREEDY_BELOW, Sampler
-from daemon.engine.serial import serial_decode
-from daemon.engine.speculative import speculative_decode
+from daemon.engine.decoders.batch import BatchDecoder
+from daemon.engine.decoders.sampling import GREEDY_BELOW, Sampler
+from daemon.engine.decoders.serial import serial_decode
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 TINY = [5e-324, 1e-45, 1e-40, 1e-38, 1e-20, GREEDY_BELOW / 2]

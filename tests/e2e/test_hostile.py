@@ -23,7 +23,7 @@ from e2e_harness import REPO, start_daemon
 from protocol import Client, Done, Error, Generate, Tokens, decode_daemon, encode
 from protocol.client import CouncilError
 
-CONTEXT = 4096  # max_position_embeddings of the random test model (daemon/engine/random_model.py)
+CONTEXT = 4096  # max_position_embeddings of the random test model (daemon/engine/model/random_model.py)
 
 
 def _serve(tmp: Path, model: Path, *args: str, env: dict | None = None, stdout=None, config: str | None = None):

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.engine.chat_templates import QWEN_TOOLS_TEMPLATE
+from daemon.engine.model.chat_templates import QWEN_TOOLS_TEMPLATE
 from daemon.paths import BUNDLED_MODEL
 from daemon.request_text.tool_calls import parse_tool_calls
 from protocol import messages as pm

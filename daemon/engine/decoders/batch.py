@@ -61,11 +61,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .batch_rows import RowBatch
+from ..caches.batch_rows import RowBatch
+from ..model.model import LoadedModel
+from ..pieces import pause
+from ..prefill.mixed_forward import Ride, hidden_with
 from .constraint import ConstraintError, ConstraintViolation
-from .mixed_forward import Ride, hidden_with
-from .model import LoadedModel
-from .pieces import pause
 from .sampling import Sampler, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK, prefill
 
@@ -344,7 +344,7 @@ def constrain_rows(logits: mx.array, constraints: list, emitted: list[int]) -> m
     """Batched logits [B, V] with each constrained row masked by its grammar, after that row's
     matcher has taken the token it emits now (``emitted[i]``); unconstrained rows pass through
     unchanged (a where() on True is the identity), so their numerics stay serial's.
-    The per-row contract a batched path keeps (engine/constraint.py): ``settle`` a row's
+    The per-row contract a batched path keeps (engine/decoders/constraint.py): ``settle`` a row's
     committed tokens, ``advance`` its drafts, then ``sampler.process(row_logits, drafts,
     start)`` gives its masked rows."""
     masks = []

@@ -48,19 +48,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ..caches.batch_rows import RowBatch
+from ..caches.ragged_cache import RaggedKVCache, keep_kv, keep_ragged
+from ..model.capture import capture_hidden
+from ..model.model import LoadedModel
+from ..prefill.mixed_forward import Ride, hidden_with
+from ..types import DecodeStep
 from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
-from .batch_rows import RowBatch
-from .capture import capture_hidden
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
-from .mixed_forward import Ride, hidden_with
-from .model import LoadedModel
-from .ragged_cache import RaggedKVCache, keep_kv, keep_ragged
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .serial import PREFILL_CHUNK
 from .speculative import (FLUSH_PENDING, HeadHistory, draft_token, greedy_accepted, prefill_with_hidden,
                           rejection_sample, sampled_accepted)
-from .types import DecodeStep
 
 
 @dataclass

@@ -30,10 +30,10 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import ArraysCache
 
-from .capture import capture_hidden
-from .forward import cache_arrays
-from .pieces import pause
-from .ragged_cache import RaggedKVCache, keep_ragged
+from ..caches.ragged_cache import RaggedKVCache, keep_ragged
+from ..kernels.forward import cache_arrays
+from ..model.capture import capture_hidden
+from ..pieces import pause
 from .rollback import make_rollback
 
 PROBE_T = 4  # verify length probed (depth 3); shorter ones use the same kernels here

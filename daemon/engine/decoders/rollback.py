@@ -35,9 +35,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from .capture import capture_hidden
-from .forward import _Capture
-from .model import LoadedModel
+from ..kernels.forward import _Capture
+from ..model.capture import capture_hidden
+from ..model.model import LoadedModel
 
 STRATEGIES = ("capture", "snapshot")
 

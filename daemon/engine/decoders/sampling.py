@@ -32,8 +32,8 @@ import secrets
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from ..types import SamplingParams
 from .constraint import TokenConstraint
-from .types import SamplingParams
 
 
 # Temperatures below this sample as greedy (argmax). Scaling by 1/T overflows float32 for

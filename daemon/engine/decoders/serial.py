@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from .model import LoadedModel
+from ..model.model import LoadedModel
+from ..types import DecodeStep
 from .sampling import Sampler, logprob_entries
-from .types import DecodeStep
 
 PREFILL_CHUNK = 2048
 

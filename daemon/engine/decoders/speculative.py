@@ -92,13 +92,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .model import LoadedModel
+from ..model.model import LoadedModel
+from ..types import DEFAULT_GUARD, DecodeStep
 from .lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 from .loop_guard import LoopGuard, LoopGuardConfig
 from .rollback import CacheMark, Snapshot, check_cache, make_rollback
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs, near_tie
 from .serial import PREFILL_CHUNK
-from .types import DEFAULT_GUARD, DecodeStep
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
 # its ops path (CPU, CUDA): there capturing the per-token states adds no kernels, and it won
 # every CPU measurement (`councild bench spec`, bench/results/spec_summary.md: by 38% when

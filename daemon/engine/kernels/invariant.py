@@ -17,7 +17,7 @@ lane a fixed share of K, then a fixed butterfly. MLX's own matmul on the H200 gi
 other bits at M = 2..16 than at M = 1 even at the bundled model's shapes (768x256, 512x256).
 
 A quantized model's linears (``nn.QuantizedLinear``, a quantized tied head) take the same
-kind of fixed-order kernel for MLX's affine 2/4/8-bit groups: engine/invariant_quant.py,
+kind of fixed-order kernel for MLX's affine 2/4/8-bit groups: engine/kernels/invariant_quant.py,
 which ``install`` routes them to (a layout that kernel cannot take stays MLX's, with its
 reason in ``REFUSED``, and the probes decide).
 
@@ -467,7 +467,7 @@ def _perturbed(y: mx.array) -> mx.array:
 def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                                bits: int, **launch) -> mx.array:
     """x [..., K] times MLX's affine-quantized w [N, K] transposed, every output summed in an
-    order fixed by K alone (engine/invariant_quant.py); on the CPU its reference ops."""
+    order fixed by K alone (engine/kernels/invariant_quant.py); on the CPU its reference ops."""
     return invariant_quant.quantized_matmul(x, w, scales, biases, group_size, bits, backend(), **launch)
 
 
@@ -516,13 +516,13 @@ REFUSED: dict[str, str] = {}
 def install(text_module, max_rows: int = MAX_ROWS, *, quantized_only: bool = False) -> int:
     """Raise MAX_ROWS to ``max_rows`` (the largest decode forward the caller will run) and
     swap ``text_module``'s gated attention, plain linear layers and embedding (the tied
-    output head), and its quantized linears and quantized embedding (engine/invariant_quant.py),
+    output head), and its quantized linears and quantized embedding (engine/kernels/invariant_quant.py),
     to their invariant classes, in place (weights untouched); returns how many modules were
     swapped. A quantized layer the kernel cannot take (``invariant_quant.refusal``) and
     foreign layers are left as they are (the refused ones, with the reason, in ``REFUSED``):
     the start-up probe (exactness.py) then finds the model not invariant and says so.
     ``quantized_only`` swaps the quantized layers alone: on CUDA their decode forwards then run
-    on the tensor-core kernel (engine/quant_mma.py), faster than MLX's at every height it
+    on the tensor-core kernel (engine/kernels/quant_mma.py), faster than MLX's at every height it
     takes, whatever the exactness of the rest of the model."""
     global MAX_ROWS
     MAX_ROWS = max(MAX_ROWS, max_rows)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
-from .forward import backbone_layers, gdn_capture
+from ..kernels.forward import backbone_layers, gdn_capture
 from .model import LoadedModel
 
 

@@ -59,10 +59,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
+from ..kernels.forward import cache_arrays, compiled_forward, gdn_capture_forward
+from ..pieces import pause
 from .capture import capture_hidden
 from .compiled_batch import batch_self_check
-from .forward import cache_arrays, compiled_forward, gdn_capture_forward
-from .pieces import pause
 
 SELF_CHECK_STEPS = 4
 VERIFY_T = 4  # the self-check's verify length (depth 3)

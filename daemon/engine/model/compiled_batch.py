@@ -30,9 +30,9 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
+from ..caches.ragged_cache import RaggedKVCache, keep_ragged
+from ..pieces import pause
 from .capture import capture_hidden
-from .pieces import pause
-from .ragged_cache import RaggedKVCache, keep_ragged
 
 HEIGHTS = (2, 3)  # an even and an odd height: ~0.5 s for both, both ways, bundled model on this CPU
 STEPS = 3  # one-token steps of the plain batch

@@ -1,6 +1,6 @@
 """Where an MTP head sits in a checkpoint (no mlx here: `councild model inspect` reads it too), in the layouts conversions use in the wild.
 
-Tensor names (one decoder layer plus fc and four norms, see engine/mtp_head.py):
+Tensor names (one decoder layer plus fc and four norms, see engine/model/mtp_head.py):
 - ``mtp.*``: Qwen3.5 / Qwen3-Next releases (Qwen/...), MTPLX, vLLM's and SGLang's loaders;
 - ``model.mtp.*``: conversions that nest the head under the text model;
 - ``language_model.mtp.*`` / ``model.language_model.mtp.*``: the multimodal

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .chunked_prefill import default_enabled
+from ..kernels.chunked_prefill import default_enabled
 from .compiled import enable_compiled_decode
 from .model import LoadedModel
 

@@ -16,7 +16,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import chunked_prefill
+from ..kernels import chunked_prefill
 
 # mlx-lm model types whose layers are GatedDeltaNet + gated attention and that carry an
 # MTP head in their checkpoints.

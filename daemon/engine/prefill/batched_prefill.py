@@ -40,11 +40,11 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .batch import DEFAULT_MAX_ROWS
-from .batch_rows import extract_layer
-from .forward import cache_arrays
-from .model import LoadedModel
-from .pieces import pause
+from ..caches.batch_rows import extract_layer
+from ..decoders.batch import DEFAULT_MAX_ROWS
+from ..kernels.forward import cache_arrays
+from ..model.model import LoadedModel
+from ..pieces import pause
 from .prefill import ChunkedPrefill
 
 # Piece lengths the probe forwards; a piece of chunked_prefill.MIN_T is added where the
@@ -183,7 +183,7 @@ def together_matches_solo(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> 
     probed = lm.__dict__.setdefault("_prefill_together_matches_solo", {})
     key = (max_rows, lm.chunked_prefill)
     if key not in probed:
-        from .chunked_prefill import MIN_T
+        from ..kernels.chunked_prefill import MIN_T
 
         heights = sorted({h for h in (2, 3, 4, max_rows) if 2 <= h <= max_rows})
         pieces = PROBE_PIECES + ((MIN_T,) if lm.chunked_prefill else ())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .model import LoadedModel
+from ..model.model import LoadedModel
 
 
 class ChunkedPrefill:
