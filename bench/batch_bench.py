@@ -45,7 +45,8 @@ from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
 from daemon.engine.model.loading import load_model
 from daemon.engine.model.model import LoadedModel  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
-from daemon.engine.decoders.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 

@@ -45,7 +45,7 @@ PREFIXES = (0, 37, 101, 13, 64, 5, 150, 22)
 
 
 def make_parts(lm, B: int, L: int, seed: int, head=None) -> list[ChunkedPrefill]:
-    from daemon.engine.decoders.speculative import HeadHistory
+    from daemon.engine.caches.head_history import HeadHistory
 
     rng = random.Random(seed)
     V = lm.text_args.vocab_size

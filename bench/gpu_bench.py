@@ -251,7 +251,7 @@ def where_time_goes(lm, prompt: list[int], wbytes: int, bw: float, reps: int = 1
     from mlx_lm.models.cache import ArraysCache
 
     from daemon.engine.decoders.rollback import Snapshot
-    from daemon.engine.decoders.serial import prefill
+    from daemon.engine.prefill.prefill import prefill
 
     out: dict = {}
     cache = lm.make_cache()

@@ -35,7 +35,7 @@ import mlx.core as mx  # noqa: E402
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.prefill.mixed_forward import mixed_hidden  # noqa: E402
-from daemon.engine.decoders.serial import prefill  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 ARMS = ("decode", "alone", "mixed")

@@ -1,6 +1,6 @@
 """Does the prefill chunk size change the numerics? (OPERATIONS.md, Chunked prefill.)
 
-Prefills one random prompt with ``serial.prefill`` at 2,048-token chunks and at each size
+Prefills one random prompt with ``prefill.prefill`` at 2,048-token chunks and at each size
 given, then compares every cache array bit for bit and 40 greedy tokens decoded after it.
 
     .venv/bin/python bench/prefill_chunk_numerics.py daemon/assets/tiny-qwen35 600 512,256,128,64,32,16
@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
-from daemon.engine.decoders.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 

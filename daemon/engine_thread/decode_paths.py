@@ -136,7 +136,7 @@ class DecodePaths:
         if pc is not None and job.prefill_may_cut:
             stops = job.snapshot_at  # a chunk may end anywhere: end one at each snapshot point
         if history is None and want_head:
-            from ..engine.decoders.speculative import HeadHistory
+            from ..engine.caches.head_history import HeadHistory
 
             history = HeadHistory(self.engine.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start

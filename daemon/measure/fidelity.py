@@ -300,7 +300,7 @@ def batch_deviation(lm: LoadedModel, prompts: list[list[int]], depths=(1, 2, 3, 
     (every draft accepted, so the batched cache drift accumulates as in speculation), and
     compare the logits at every position. On CPU both are usually bit-identical; on a GPU
     this is the number the exact guard must cover (headroom > 1)."""
-    from ..engine.decoders.serial import prefill
+    from ..engine.prefill.prefill import prefill
 
     def logits_of(prompt, cont, chunk):
         cache = lm.make_cache()
@@ -351,7 +351,7 @@ def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams
     gen_sampler = Sampler(params, prompt=prompt)
     gen_sampler.commit(list(output))
     cache = lm.make_cache()
-    from ..engine.decoders.serial import prefill
+    from ..engine.prefill.prefill import prefill
 
     last = prefill(lm, list(prompt) + list(output), cache)
     logits = gen_sampler.process(lm.logits(lm.hidden(last[None], cache))[:, -1, :])

@@ -34,7 +34,8 @@ from ..engine.model.model import LoadedModel
 from ..engine.prefill.prefill import ChunkedPrefill
 from ..engine.caches.prefix_cache import PrefixCache, splits_agree
 from ..engine.decoders.sampling import Sampler
-from ..engine.decoders.speculative import DEFAULT_ROLLBACK, HeadHistory, speculative_decode
+from ..engine.caches.head_history import HeadHistory
+from ..engine.decoders.speculative import DEFAULT_ROLLBACK, speculative_decode
 from ..engine.types import SamplingParams
 
 KINDS = ("prompt end", "continuation", "paced pieces", "prefilled together")

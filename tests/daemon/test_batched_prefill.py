@@ -19,7 +19,8 @@ from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.decoders.serial import serial_decode  # noqa: E402
-from daemon.engine.decoders.speculative import HeadHistory, speculative_decode  # noqa: E402
+from daemon.engine.caches.head_history import HeadHistory  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 N = 12

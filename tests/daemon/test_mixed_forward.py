@@ -17,7 +17,8 @@ from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.prefill.mixed_forward import Ride, cache_states, mixed_hidden, mixed_matches_alone  # noqa: E402
 from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
-from daemon.engine.decoders.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 

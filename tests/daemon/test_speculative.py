@@ -12,7 +12,8 @@ from daemon.engine.model.mtp_head import copy_head_tensors, load_mtp_head
 from daemon.engine.decoders.rollback import STRATEGIES, attention_offset
 from daemon.engine.decoders.sampling import Sampler
 from daemon.engine.decoders.serial import serial_decode
-from daemon.engine.decoders.speculative import HeadHistory, speculative_decode
+from daemon.engine.caches.head_history import HeadHistory
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 from model_helpers import make_copy_head

@@ -118,7 +118,8 @@ def test_chunked_prefill_is_the_one_shot_computation(prefill_daemon, e2e_model):
     (The chunk size itself is part of the numerics: see OPERATIONS.md, Chunked prefill.)"""
     from daemon.engine.model.loading import load_model
     from daemon.engine.decoders.sampling import Sampler
-    from daemon.engine.decoders.serial import prefill, serial_decode
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.prefill.prefill import prefill
     from daemon.engine.types import SamplingParams
 
     prompt = long_prompt(300, seed=3)

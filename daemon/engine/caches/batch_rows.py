@@ -18,6 +18,9 @@ from collections.abc import Hashable
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+# The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
+DEFAULT_MAX_ROWS = 16
+
 
 def extract_layer(c, i: int):
     """Row i's own cache of one layer, copied out of the batch's (an ArraysCache's slices

@@ -73,9 +73,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from ..decoders.speculative import HeadHistory
 from ..pieces import pause
 from . import prefix_disk
+from .head_history import HeadHistory
 
 
 def clone_cache(cache: list) -> list:

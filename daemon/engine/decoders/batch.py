@@ -61,16 +61,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from ..caches.batch_rows import RowBatch
+from ..caches.batch_rows import DEFAULT_MAX_ROWS, RowBatch
 from ..model.model import LoadedModel
 from ..pieces import pause
 from ..prefill.mixed_forward import Ride, hidden_with
+from ..prefill.prefill import PREFILL_CHUNK, prefill
 from .constraint import ConstraintError, ConstraintViolation
 from .sampling import Sampler, logprobs as _logprobs, near_tie
-from .serial import PREFILL_CHUNK, prefill
-
-# The batch heights batch_matches_serial probes; a decoder admits no more rows than this.
-DEFAULT_MAX_ROWS = 16
 
 
 def max_logit_diff(lm: LoadedModel, heights=(2, 3, 4, 8, 16), lens=(1, 7, 33), seed: int = 0) -> dict[int, float]:

@@ -48,18 +48,19 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from ..caches.batch_rows import RowBatch
+from ..caches.batch_rows import DEFAULT_MAX_ROWS, RowBatch
+from ..caches.head_history import HeadHistory
 from ..caches.ragged_cache import RaggedKVCache, keep_kv, keep_ragged
 from ..model.capture import capture_hidden
 from ..model.model import LoadedModel
 from ..prefill.mixed_forward import Ride, hidden_with
+from ..prefill.prefill import PREFILL_CHUNK
 from ..types import DecodeStep
-from .batch import DEFAULT_MAX_ROWS, batch_matches_serial
+from .batch import batch_matches_serial
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
-from .serial import PREFILL_CHUNK
-from .speculative import (FLUSH_PENDING, HeadHistory, draft_token, greedy_accepted, prefill_with_hidden,
+from .speculative import (FLUSH_PENDING, draft_token, greedy_accepted, prefill_with_hidden,
                           rejection_sample, sampled_accepted)
 
 

@@ -16,23 +16,9 @@ from collections.abc import Iterator
 import mlx.core as mx
 
 from ..model.model import LoadedModel
+from ..prefill.prefill import prefill
 from ..types import DecodeStep
 from .sampling import Sampler, logprob_entries
-
-PREFILL_CHUNK = 2048
-
-
-def prefill(lm: LoadedModel, prompt: list[int], cache: list, chunk: int = PREFILL_CHUNK) -> mx.array:
-    """Run all prompt tokens but the last through the model in chunks; return the last
-    token (as a [1] array) for the first decode step."""
-    ids = mx.array(prompt, dtype=mx.uint32)
-    while ids.size > 1:
-        n = min(chunk, ids.size - 1)
-        lm.prefill_hidden(ids[None, :n], cache)
-        mx.eval([c.state for c in cache])
-        ids = ids[n:]
-    return ids
-
 
 def serial_decode(lm: LoadedModel, prompt: list[int], sampler: Sampler, cache: list | None = None) -> Iterator[DecodeStep]:
     """Yield one DecodeStep per token, forever; the caller decides when to stop."""

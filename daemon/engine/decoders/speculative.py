@@ -92,13 +92,14 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..caches.head_history import HeadHistory
 from ..model.model import LoadedModel
+from ..prefill.prefill import PREFILL_CHUNK
 from ..types import DEFAULT_GUARD, DecodeStep
 from .lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 from .loop_guard import LoopGuard, LoopGuardConfig
 from .rollback import CacheMark, Snapshot, check_cache, make_rollback
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs, near_tie
-from .serial import PREFILL_CHUNK
 # Rollback strategy. "auto" picks capture wherever mlx-lm itself runs GatedDeltaNet through
 # its ops path (CPU, CUDA): there capturing the per-token states adds no kernels, and it won
 # every CPU measurement (`councild bench spec`, bench/results/spec_summary.md: by 38% when
@@ -163,52 +164,6 @@ class _Cycle:
                           stopped_early=self.stopped_early, transition=transition)
 
 
-class HeadHistory:
-    """The head's per-request KV cache plus the committed pairs not yet fed to it."""
-
-    def __init__(self, head):
-        self.head = head
-        self.cache = head.make_cache() if head is not None else None
-        self.h: list[mx.array] = []  # [1, n, H] base hiddens
-        self.t: list[mx.array] = []  # [n] next tokens
-        self.n = 0
-        # The last pair fed, when feed() consumed every pending pair: a finished request's
-        # continuation (prefix_cache.store_final) takes it back out as the pending pair.
-        self.last_fed: tuple[mx.array, mx.array] | None = None
-
-    def add(self, hidden: mx.array, tokens: mx.array) -> None:
-        self.h.append(hidden)
-        self.t.append(tokens.reshape(-1).astype(mx.uint32))
-        self.n += tokens.size
-
-    @property
-    def offset(self) -> int:
-        return self.cache[0].offset if self.cache else 0
-
-    def feed(self, keep_last: bool) -> mx.array | None:
-        """Run pending pairs through the head (committed slots); return the head's output
-        hidden at the last fed position ([1, 1, H]), or None when nothing was fed."""
-        if self.head is None or self.n == 0 or (keep_last and self.n == 1):
-            return None
-        h = mx.concatenate(self.h, axis=1) if len(self.h) > 1 else self.h[0]
-        t = mx.concatenate(self.t) if len(self.t) > 1 else self.t[0]
-        if keep_last:
-            self.h, self.t, self.n = [h[:, -1:]], [t[-1:]], 1
-            h, t = h[:, :-1], t[:-1]
-        else:
-            self.h, self.t, self.n = [], [], 0
-            self.last_fed = (h[:, -1:], t[-1:])
-        out = self.head(h, t[None], self.cache)
-        return out[:, -1:, :]
-
-    def trim(self, n: int) -> None:
-        for c in self.cache:
-            c.trim(n)
-
-    def state(self) -> list:
-        return [x for c in (self.cache or []) for x in (c.keys, c.values) if x is not None]
-
-
 def draft_token(sampler: Sampler, head_logits: mx.array, before: list[mx.array]) -> tuple[mx.array, mx.array | None, mx.array]:
     """One draft from the head's logits [1, V]: (draft token [1], its log q or None when
     greedy, the head's top-1 probability). The request's processors see the drafts before
@@ -268,7 +223,7 @@ def sampled_accepted(coins: list) -> int:
 
 
 def prefill_with_hidden(lm: LoadedModel, prompt: list[int], cache: list, history: HeadHistory, chunk: int = PREFILL_CHUNK) -> mx.array:
-    """serial.prefill's chunks, op for op (so the caches match serial decode's), plus the
+    """prefill.prefill's chunks, op for op (so the caches match serial decode's), plus the
     head's priming: pair each chunk's base hiddens with the next prompt tokens and feed all
     but the very last pair (it drafts the first cycle). Returns the last prompt token."""
     ids = mx.array(prompt, dtype=mx.uint32)

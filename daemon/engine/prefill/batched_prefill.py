@@ -40,8 +40,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from ..caches.batch_rows import extract_layer
-from ..decoders.batch import DEFAULT_MAX_ROWS
+from ..caches.batch_rows import DEFAULT_MAX_ROWS, extract_layer
 from ..kernels.forward import cache_arrays
 from ..model.model import LoadedModel
 from ..pieces import pause

@@ -30,9 +30,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 from mlx_lm.models.gated_delta import gated_delta_update
 
-from ..decoders.serial import prefill
 from ..kernels.forward import backbone_layers, gdn_conv_qkv, gdn_projections
 from ..pieces import pause
+from .prefill import prefill
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The engine thread runs one chunk, then goes back round its loop (commands, cancels,
 deadlines, the watchdog, other streams' decode steps) before the next, so a long prompt
 slows the council instead of stopping it. Each chunk is the same computation as one
-iteration of ``serial.prefill`` (and, with a head history, of
+iteration of ``prefill`` below (and, with a head history, of
 ``speculative.prefill_with_hidden``): all prompt tokens but the last go through the model,
 the last is left for the first decode step, which then continues from ``cache`` (and
 ``history``) exactly as serial or speculative decode would after their own prefill.
@@ -25,6 +25,21 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..model.model import LoadedModel
+
+
+PREFILL_CHUNK = 2048
+
+
+def prefill(lm: LoadedModel, prompt: list[int], cache: list, chunk: int = PREFILL_CHUNK) -> mx.array:
+    """Run all prompt tokens but the last through the model in chunks; return the last
+    token (as a [1] array) for the first decode step."""
+    ids = mx.array(prompt, dtype=mx.uint32)
+    while ids.size > 1:
+        n = min(chunk, ids.size - 1)
+        lm.prefill_hidden(ids[None, :n], cache)
+        mx.eval([c.state for c in cache])
+        ids = ids[n:]
+    return ids
 
 
 class ChunkedPrefill:
