@@ -19,10 +19,9 @@ Stages (each a subcommand; see `--help`):
             depths 1..4 against the base model's own greedy continuation, and greedy
             decodes; writes eval.json into the staging folder.
   card      write MODEL_CARD.md from the manifest, train log, eval and test results.
-  ft-data, finetune, tool-eval
-            fine-tune the trained model on tool calls and JSON answers in the daemon's chat
-            format, mixed with the staged code, and measure it on held-out tool schemas:
-            see tools/tiny_finetune.py.
+
+Fine-tuning the trained model on tool calls and JSON answers (ft-data, finetune, tool-eval,
+ft-card) is tools/tiny_finetune.py, which builds on this file.
 
 The MTP head (`mtp.*`) follows Qwen3.5's real head: fc [H, 2H] over
 concat[pre_fc_norm_embedding(embed(tok t+1)), pre_fc_norm_hidden(base hidden t, post
@@ -1004,12 +1003,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=128)
     p = sub.add_parser("card")
     p.add_argument("--logits-line", default=None, help="the logits test's printed result")
-    import tiny_finetune  # tools/: fine-tuning on tools and JSON (ft-data, finetune, tool-eval)
-
-    tiny_finetune.add_parsers(sub)
     args = ap.parse_args(argv)
-    if args.cmd in tiny_finetune.COMMANDS:
-        return tiny_finetune.COMMANDS[args.cmd](args)
     if args.cmd == "train" and not args.steps and not args.time_budget:
         ap.error("train needs --steps or --time-budget")
     {"prepare": cmd_prepare, "train": cmd_train, "export": cmd_export,
