@@ -20,7 +20,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from daemon.engine_thread import kernel_choice  # noqa: E402
-from daemon.engine.model.model import loading  # noqa: E402
+from daemon.engine.model import loading  # noqa: E402
 from daemon.measure import spec_bench  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.prefill.prefill import batched_prefill as bp  # noqa: E402
+from daemon.engine.prefill import batched_prefill as bp  # noqa: E402
 from daemon.engine.kernels import chunked_prefill as cp  # noqa: E402
 from daemon.engine.kernels.forward import cache_arrays  # noqa: E402
 from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from daemon.engine.model.model import compiled as compiled_mod
+from daemon.engine.model import compiled as compiled_mod
 from daemon.measure.compile_bench import decode_path, format_compile_ab, run_compile_ab
 from daemon.engine.model.compiled import CompiledDecode, enable_compiled_decode, self_check
 from daemon.engine.model.loading import load_model

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
-from daemon.engine.model.model import compiled as compiled_mod
+from daemon.engine.model import compiled as compiled_mod
 from daemon.engine.kernels import forward as forward_mod
 from daemon.engine.decoders.batch import BatchDecoder
 from daemon.engine.decoders.batch_spec import SpecBatchDecoder

@@ -106,7 +106,7 @@ def test_the_compiled_steps_self_check_is_read_back_and_keyed_without_the_decode
     step's self-check and stores its verdict, the next one reads it (the self-check is not
     run) and still decodes on the compiled step; a stored "differs" keeps the next load
     eager. Its key is the decode path's own: the path it decides is not in it."""
-    from daemon.engine.model.model import compiled
+    from daemon.engine.model import compiled
     from daemon.engine_thread.probe_verdicts import CompiledStepCheck
 
     monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
