@@ -203,7 +203,8 @@ class DecodePaths:
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
-            # near-tie guard cannot change a token: exact mode runs without it (issue 18).
+            # near-tie guard cannot change a token: exact mode runs without it (its serial
+            # re-decisions would cost a step each and protect nothing).
             job.handoff = False  # set to move this solo decode into the batch (_hand_solo_to_batch)
             gen = speculative_decode(self.engine.lm, self.engine.slot.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact",

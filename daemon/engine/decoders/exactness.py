@@ -97,7 +97,7 @@ def exact_guard(lm, strategy: str, configured: float) -> float | None:
     Where the verify's logits equal serial's bit for bit, its argmax at every position is
     serial's argmax, and re-deciding a near tie with a one-token forward computes the same
     logits again: the guard cannot change a token there, it only costs a serial step per
-    near tie (about 17% of depth-1 cycles on the bundled model, issue 18). Where the probe
+    near tie (about 17% of depth-1 cycles on the bundled model). Where the probe
     finds a difference, the guard stays: it bounds the flips that difference can cause."""
     from .speculative import resolve_rollback
 

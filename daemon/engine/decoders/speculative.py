@@ -119,7 +119,7 @@ FLUSH_PENDING = 64
 # Building the next cycle ahead (on the guess that this one accepts all its drafts) costs
 # host time that is wasted when the guess is wrong: build ahead while at least this share
 # of cycles accept everything (a running mean with this weight).
-# Measured on the H200 (bench/results/README.md, issue 20 item 1): where fewer cycles
+# Measured on the H200 (bench/results/README.md, the pipelined cycle): where fewer cycles
 # accept everything the builds thrown away cost more than the overlap wins.
 PIPELINE_MIN_FULL = 0.6
 FULL_RATE_ALPHA = 0.1

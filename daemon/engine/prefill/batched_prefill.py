@@ -1,4 +1,4 @@
-"""Several prompts' prefill pieces in one forward (issue 40, item 2).
+"""Several prompts' prefill pieces in one forward, so prompts arriving together prefill together.
 
 A lone ``ChunkedPrefill.step()`` forwards one request's piece at batch height 1; on a
 device that is mostly idle at that height (a GPU; a small model) B prompts' pieces of the

@@ -1,5 +1,6 @@
-"""One forward over several groups of rows with their own caches and query lengths (issue 40,
-item 3: a step that carries the decoding rows' next positions and a prompt's piece together).
+"""One forward over several groups of rows with their own caches and query lengths: a step that
+carries the decoding rows' next positions and a prompt's piece together, so a long prefill
+rides along with the streams instead of stalling them.
 
 A group is (tokens [B, T], cache): the continuous batch's rows at T = 1 with their merged
 batch caches, a prompt's piece at B = 1, T = L with its plain cache, or any other. Each layer
