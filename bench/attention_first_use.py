@@ -1,5 +1,5 @@
 """What a new attention shape costs, by MLX process setting, and whether a long run trips
-MLX's plan-cache "thrashing" error (issue 38; engine/kernels/backend_env.py acts on the answer).
+MLX's plan-cache "thrashing" error (engine/kernels/backend_env.py sets the switches it chose).
 
 Each arm is a fresh process, since MLX reads its switches once per process:
   mlx-default  MLX's own defaults: cuDNN for query lengths > 1, thrashing check on

@@ -1,4 +1,4 @@
-"""Eager vs compiled batched step (issue 40, item 1): B = 1, 2, 4, 8, interleaved in one process.
+"""Eager vs compiled batched step (should the batch compile its step?): B = 1, 2, 4, 8, interleaved in one process.
 
     PYTHONPATH=. python bench/compiled_batch_ab.py [--json OUT.json] [--md OUT.md]
         [--model DIR] [--random auto|none|27b|tiny] [--heights 1 2 4 8] [--rounds 6]

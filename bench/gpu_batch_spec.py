@@ -1,4 +1,4 @@
-"""Batched speculation at the 27B shape with oracle drafts (issue 25's B = 4 goal).
+"""Batched speculation at the 27B shape with oracle drafts: does speculating pay at batch height 4?
 
     python3 bench/gpu_batch_spec.py [--shape 27b|tiny] [--dtype 4bit|bf16] [--heights 4]
         [--depths 1 2] [--profile seed_0.83] [--tokens 32] [--rounds 3] [--out DIR]

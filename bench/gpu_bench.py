@@ -17,7 +17,7 @@ One process, in order:
      (spec_bench.run_bench), at two acceptance profiles, vs the bound
      E(k) / (verify(k) + k * draft).
 
-``--cycle-ab`` instead (issue 20 item 1): per dtype, the speculative cycle before (an
+``--cycle-ab`` instead: per dtype, the speculative cycle before (an
 earlier engine, ``--before-engine``, or this one building each cycle after the last) and
 after (this engine, building the next cycle ahead), interleaved with serial at each depth
 and profile, with both bounds and the cycle's time split (forwards vs the rest).
@@ -532,7 +532,7 @@ def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
 
 
 def cycle_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
-    """Issue 20 item 1: the speculative cycle before (each cycle built after the previous
+    """The speculative cycle before (each cycle built after the previous
     one is decided) and after (built ahead on the guess of a full accept), interleaved with
     serial, on the compiled decode path as the daemon runs it; oracle drafts at each
     profile. Reports both bounds (synced verify costs as before; prebuilt-graph device

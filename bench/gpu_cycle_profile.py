@@ -1,4 +1,4 @@
-"""Where a speculative cycle's host time goes: cProfile over decode cycles (issue 20 item 1).
+"""Where a speculative cycle's host time goes: cProfile over decode cycles.
 
 ``python bench/gpu_cycle_profile.py --out DIR [--model PATH | --shape 27b|tiny] [--dtype bf16|4bit]``
 

@@ -1,4 +1,5 @@
-"""Solo speculation by depth on MLX's kernels or on the invariant kernels (issues 25/26).
+"""Solo speculation by depth on MLX's kernels or on the invariant kernels: what the invariant
+kernels cost a lone request.
 
     python3 bench/spec_kernels.py {mlx|invariant} [councild bench spec arguments]
 
