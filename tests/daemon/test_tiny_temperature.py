@@ -1,4 +1,4 @@
-"""Any representable temperature is safe (issue 19, finding 6): below GREEDY_BELOW a request
+"""Any representable temperature is safe: below GREEDY_BELOW a request
 samples as greedy, on the serial path, the speculative path (exact and fast) and in the
 continuous batch; just above it, sampling stays finite and picks the argmax here."""
 

@@ -1,4 +1,4 @@
-"""Hostile conditions (issue 19), each against a real daemon process: a log sink that fails
+"""Hostile conditions, each against a real daemon process: a log sink that fails
 (stderr on /dev/full: every write is ENOSPC), start-up on a bad filesystem, a model load
 interrupted by SIGTERM, absurd configuration, prompts sized against the model's context,
 tokenization that must not stall other streams, and honest queue/prefill timings.
