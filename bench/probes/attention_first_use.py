@@ -20,7 +20,7 @@ then the same lengths again (warm). In the daemon arm the invariant kernel
 (engine/kernels/invariant.py) is timed on the small cases too. Last, --thrash calls at T=2 with
 distinct key lengths: the call at which an error came, if one did.
 
-    PYTHONPATH=$PWD python3 bench/attention_first_use.py --json $OUT/attention_first_use.json
+    PYTHONPATH=$PWD python3 bench/probes/attention_first_use.py --json $OUT/attention_first_use.json
 
 Result on the H200: bench/results/h200_2026-12-02b/attention_first_use.*"""
 
@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 CASES = {  # name: (B, T, mask kind)

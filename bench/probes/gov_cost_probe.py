@@ -2,7 +2,7 @@
 Pin depth 0, 1, 2 (fast rows), each twice, solo and 4 concurrent rows; print the cost
 model's per-depth (solo) and per-height tables after each phase.
 
-    PYTHONPATH=$PWD python3 bench/gov_cost_probe.py [--config 'cudnn_attention = true']
+    PYTHONPATH=$PWD python3 bench/probes/gov_cost_probe.py [--config 'cudnn_attention = true']
     (from the repository root; --config adds top-level TOML lines to the daemon's config)
 
 Result on the H200: bench/results/h200_2026-12-02/gov_cost_probe.txt."""

@@ -1,6 +1,6 @@
 """Where a speculative cycle's host time goes: cProfile over decode cycles.
 
-``python bench/gpu_cycle_profile.py --out DIR [--model PATH | --shape 27b|tiny] [--dtype bf16|4bit]``
+``python bench/probes/gpu_cycle_profile.py --out DIR [--model PATH | --shape 27b|tiny] [--dtype bf16|4bit]``
 
 For serial decode and speculation at each depth (pipeline off and on), decodes ``--tokens``
 tokens after a warm-up and profiles them with cProfile, which also times the C calls that
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
         gen.close()
         head = G.OracleHead(base_head, list(prompt) + seq, G.PROFILES[args.profile], cfg["vocab_size"], seed=1)
     time_mx_calls()
-    res = {"command": "python bench/gpu_cycle_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res = {"command": "python bench/probes/gpu_cycle_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": str(mx.default_device()), "mlx": mx.__version__, "arms": []}
     lines = []
     for d in [int(x) for x in args.depths.split(",")]:

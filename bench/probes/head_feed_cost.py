@@ -1,7 +1,7 @@
 """Depth 0 in the batch: rows whose mode keeps the MTP head fed (fast, pinned depth 0) vs rows
 that never draft (speculation off): aggregate tok/s, ABAB, 4 concurrent rows, 6 rounds.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/head_feed_cost.py
+    PYTHONPATH=$PWD .venv/bin/python bench/probes/head_feed_cost.py
 
 Why: on the CPU council the default (exact) arm ran 0.59x of mlx_lm.server against off's
 0.70x; this says how much of that the head's feed at depth 0 can be (a daemon on the bundled

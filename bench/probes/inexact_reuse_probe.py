@@ -8,7 +8,7 @@ its greedy answer, a new message), then ``--tokens`` greedy tokens from each:
 Reported: whether the states are bit-identical, the largest |logit difference| at the first
 decode step, and how many prompts' greedy continuations differ (and where they first do).
 
-    .venv/bin/python bench/inexact_reuse_probe.py --json bench/results/inexact_reuse_cpu.json
+    .venv/bin/python bench/probes/inexact_reuse_probe.py --json bench/results/inexact_reuse_cpu.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
                "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows)}
     print(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/inexact_reuse_probe.py " + " ".join(sys.argv[1:]),
+        Path(args.json).write_text(json.dumps({"command": "python bench/probes/inexact_reuse_probe.py " + " ".join(sys.argv[1:]),
                                                "args": vars(args), "summary": summary, "rows": rows}, indent=1))
 
 

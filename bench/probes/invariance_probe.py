@@ -2,7 +2,7 @@
 does councild's invariant attention (daemon/engine/kernels/invariant.py) fix the model's?
 
 Run on a GPU machine (the CPU gives one class everywhere):
-    python3 bench/invariance_probe.py [--model daemon/assets/tiny-qwen35] [--out DIR]
+    python3 bench/probes/invariance_probe.py [--model daemon/assets/tiny-qwen35] [--out DIR]
 Prints a table per part and writes invariance_probe.json:
 - sdpa: MLX's fused attention and the invariant kernel, query t of a T-position forward
   ("causal") against the same query alone over its own keys; left-padded rows and rows with

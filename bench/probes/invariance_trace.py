@@ -1,6 +1,6 @@
 """Where, inside the model, a T-position forward first differs from T one-token steps (or
 a batched row from the row alone), module by module. GPU machine:
-    python3 bench/invariance_trace.py [--model DIR] [--attention mlx|invariant] [--out DIR]
+    python3 bench/probes/invariance_trace.py [--model DIR] [--attention mlx|invariant] [--out DIR]
 Every Linear, RMSNorm, gated norm, conv, RoPE, MLP and mixer call is recorded in order for
 the serial steps and for the verify; the table lists each recorded call whose output for a
 position differs, first ones first (later ones inherit the first difference). Then each op

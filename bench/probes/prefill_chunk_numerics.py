@@ -3,7 +3,7 @@
 Prefills one random prompt with ``prefill.prefill`` at 2,048-token chunks and at each size
 given, then compares every cache array bit for bit and 40 greedy tokens decoded after it.
 
-    .venv/bin/python bench/prefill_chunk_numerics.py daemon/assets/tiny-qwen35 600 512,256,128,64,32,16
+    .venv/bin/python bench/probes/prefill_chunk_numerics.py daemon/assets/tiny-qwen35 600 512,256,128,64,32,16
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402

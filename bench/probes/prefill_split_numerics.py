@@ -8,7 +8,7 @@ conv and recurrent state) and the next step's logits bit for bit. This is what d
 whether prefix-cache snapshots at any token are exact (``splits_agree`` probes a few fixed
 plans at start-up); here, many.
 
-    .venv/bin/python bench/prefill_split_numerics.py --json bench/results/prefill_split_numerics_cpu.json
+    .venv/bin/python bench/probes/prefill_split_numerics.py --json bench/results/prefill_split_numerics_cpu.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.caches.prefix_cache import filled_arrays  # noqa: E402
@@ -78,7 +78,7 @@ def main() -> None:
                "mlx": mx.__version__, "platform": platform.platform()}
     print(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/prefill_split_numerics.py " + " ".join(sys.argv[1:]),
+        Path(args.json).write_text(json.dumps({"command": "python bench/probes/prefill_split_numerics.py " + " ".join(sys.argv[1:]),
                                                "args": vars(args), "summary": summary, "rows": rows}, indent=1))
 
 

@@ -2,7 +2,7 @@
 default: ceiling 8) against the old fixed max_active = 4: the batch probe, the prompts-
 together and mixed-step cost probes and the warm-up all run at the batch's height.
 
-    .venv/bin/python bench/row_ceiling_startup.py --rounds 2 --json bench/results/row_ceiling_startup_cpu.json
+    .venv/bin/python bench/probes/row_ceiling_startup.py --rounds 2 --json bench/results/row_ceiling_startup_cpu.json
 
 Each start is `councild serve` on the bundled model, timed from the process start to the
 first answered status, with an empty cache folder ("cold": every probe runs) or one a
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
 
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[start {r + 1}/{args.rounds}] {arm}", file=sys.stderr, flush=True)
                 arms[arm].append(one_start(tmp / f"{c}-{w}-{r}", cache, CONFIGS[c]))
     res = {"rounds": args.rounds, "model": str(BUNDLED_MODEL), "platform": platform.platform(),
-           "command": " ".join(["bench/row_ceiling_startup.py", *(argv or sys.argv[1:])]), "arms": arms}
+           "command": " ".join(["bench/probes/row_ceiling_startup.py", *(argv or sys.argv[1:])]), "arms": arms}
     cols = [f"{k}_ms" for k in EVENTS[1:]]
     lines = ["| arm | batch rows | start to ready, s: median (min-max) | " + " | ".join(f"{k} ms (median)" for k in EVENTS[1:])
              + " |", "|---|---|---|" + "---|" * len(cols)]

@@ -7,7 +7,7 @@ end only (as at 323d015). The arms alternate (ABBA...); reported: the whole pref
 and the stores' share, per round. The chunks forwarded are the same in both (the grid points
 are where the cold run's chunks end anyway), so what differs is the stores' copies.
 
-    .venv/bin/python bench/snapshot_points_cost.py --rounds 4 --json bench/results/snapshot_points_cost_cpu.json
+    .venv/bin/python bench/probes/snapshot_points_cost.py --rounds 4 --json bench/results/snapshot_points_cost_cpu.json
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> None:
     summary["new_over_old_per_round"] = [round(x, 3) for x in paired]
     print(summary)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": "python bench/snapshot_points_cost.py " + " ".join(sys.argv[1:]),
+        Path(args.json).write_text(json.dumps({"command": "python bench/probes/snapshot_points_cost.py " + " ".join(sys.argv[1:]),
                                                "args": vars(args), "summary": summary, "rows": rows,
                                                "platform": platform.platform()}, indent=1))
 

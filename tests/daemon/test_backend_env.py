@@ -1,6 +1,6 @@
 """engine/kernels/backend_env.py: the MLX process switches a daemon sets before its first
 forward, so a new shape costs what was measured. What they do is measured on the H200
-(bench/attention_first_use.py); here: which variables are set, that an operator's own value
+(bench/probes/attention_first_use.py); here: which variables are set, that an operator's own value
 wins, and that the daemon logs them."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ sees, the reference arithmetic, the class swap, and the probes' answers through 
 
 The CUDA and Metal kernels themselves cannot run here (no custom-kernel backend on the CPU:
 the classes compute with the reference ops); they are proven on the H200 by
-bench/invariance_probe.py, whose results are committed."""
+bench/probes/invariance_probe.py, whose results are committed."""
 
 from __future__ import annotations
 

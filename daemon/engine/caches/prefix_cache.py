@@ -24,7 +24,7 @@ grid in other ways, with a token-by-token tail, the filled state compared bit fo
 Where it agrees every snapshot is exact ("any token": the prefill also cuts its chunks at
 the snapshot points, so a snapshot sits at a message's exact end). On this CPU it agrees
 at every chunk size: MLX's CPU forward gives each row the same bits whatever the number
-of rows beside it and wherever the forward starts (bench/prefill_split_numerics.py: random
+of rows beside it and wherever the forward starts (bench/probes/prefill_split_numerics.py: random
 split plans of a 1,400-token prompt, forwards of 1-399 rows mixed with decode steps, all
 bit-identical). (An earlier probe compared the KV caches' whole buffers, whose spare
 capacity depends on the split, and so reported "differs" from 128-token chunks up.) Where

@@ -1,7 +1,7 @@
 """MLX's process-wide switches that decide what a new shape costs on CUDA, set before the
 first forward.
 
-Why (measured on the H200, MLX 0.32.4; bench/attention_first_use.py):
+Why (measured on the H200, MLX 0.32.4; bench/probes/attention_first_use.py):
 - MLX's fused attention sends every query length > 1 to cuDNN when the head dimension is
   at most 128 (the bundled model's 64; a 27B Qwen3.5's 256 never goes there). cuDNN's
   execution plan is cached by the exact key length, strides and mask shape: the first call

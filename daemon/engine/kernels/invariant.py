@@ -6,7 +6,7 @@ T-position forward gives other bits than T one-token steps, and a left-padded or
 other bits than the same row alone), exact rows could neither batch nor speculate. Both
 kinds of kernel do it there: bf16 matmuls at the bundled model's own shapes, and the fused
 attention, which picks its kernel and its key blocking by the number of queries and the
-padded key length (bench/invariance_trace.py finds the first module that differs).
+padded key length (bench/probes/invariance_trace.py finds the first module that differs).
 
 The fix is two kernels, written for CUDA (``mx.fast.cuda_kernel``) and Metal
 (``mx.fast.metal_kernel``), and the classes that route a model through them:
