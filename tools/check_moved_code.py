@@ -18,7 +18,9 @@ comments and line breaks are not in a syntax tree. A module's other top-level st
 (``if __name__ == "__main__":``, sys.path set-up) are compared as one piece, ``<module>``.
 
 PATHs (files or folders) limit the comparison to definitions found under them at BASE
-(default: every tracked .py file). Reported: each definition that differs, with a diff of the
+(default: every tracked .py file). ``--rewrite PATH...`` instead brings text written before
+the moves up to date (module names and file paths, through the same maps; run it once per
+file: ``daemon.engine.model`` was a module before and is a wing after). Reported: each definition that differs, with a diff of the
 two unparsed trees, the ones gone and the new ones. Exit status 0 when every definition found
 on both sides is the same code modulo the moves.
 
@@ -226,7 +228,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default=None, help="the commit the moves started from (default: merge-base with main)")
     ap.add_argument("-v", "--verbose", action="store_true", help="list the definitions that are the same too")
-    ap.add_argument("paths", nargs="*", help="only definitions under these paths at BASE")
+    ap.add_argument("--rewrite", action="store_true",
+                    help="instead of comparing: rewrite the module names and file paths the moves changed in "
+                         "the PATHs given (text files written before the moves: results, logs, notes)")
+    ap.add_argument("paths", nargs="*", help="only definitions under these paths at BASE (with --rewrite: the files)")
     args = ap.parse_args(argv)
     base = args.base or _git("merge-base", "HEAD", "main").strip()
 
@@ -264,6 +269,13 @@ def main(argv=None) -> int:
                 if in_packages(f) and in_packages(fresh[0]):
                     def_moves[(_module(f), name)] = _module(fresh[0])
     moves = _Moves(module_moves, def_moves, _path_moves(renames))
+    if args.rewrite:
+        for f in args.paths:
+            text = (REPO / f).read_text()
+            if (new_text := moves.text(text)) != text:
+                (REPO / f).write_text(new_text)
+                print(f"rewrote {f}")
+        return 0
 
     wanted = [p.rstrip("/") for p in args.paths]
     same = differ = reworded = 0

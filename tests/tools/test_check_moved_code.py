@@ -31,6 +31,7 @@ def repo(tmp_path, monkeypatch):
     (pkg / "serial.py").write_text(
         "CHUNK = 4\n\n\ndef prefill(ids):\n    '''Old words.'''\n    return ids[:CHUNK]\n\n\n"
         "def decode(ids):\n    return prefill(ids) + [1]\n")
+    (pkg / "loop_guard.py").write_text("def guard(tokens):\n    return len(set(tokens[-8:])) > 2\n")
     (pkg / "user.py").write_text(
         "from .serial import decode, prefill\n\n\ndef run():\n    return decode([0]), prefill([1]), "
         "'daemon.engine.serial.decode'\n")
@@ -43,12 +44,14 @@ def repo(tmp_path, monkeypatch):
 
 
 def _move(repo: Path, prefill_body: str) -> None:
-    """serial.py into decoders/, prefill (and CHUNK) into prefill/pieces.py; user.py follows."""
+    """serial.py and loop_guard.py into decoders/, prefill (and CHUNK) into prefill/pieces.py;
+    user.py follows."""
     eng = repo / "daemon" / "engine"
     for wing in ("decoders", "prefill"):
         (eng / wing).mkdir()
         (eng / wing / "__init__.py").write_text("")
     _git(repo, "mv", "daemon/engine/serial.py", "daemon/engine/decoders/serial.py")
+    _git(repo, "mv", "daemon/engine/loop_guard.py", "daemon/engine/decoders/loop_guard.py")  # as is
     (eng / "decoders" / "serial.py").write_text(
         "from ..prefill.pieces import prefill\n\n\ndef decode(ids):\n    return prefill(ids) + [1]\n")
     (eng / "prefill" / "pieces.py").write_text(
@@ -73,3 +76,13 @@ def test_a_changed_body_is_found(repo, capsys):
     out = capsys.readouterr().out
     assert "DIFF  daemon/engine/serial.py:prefill -> daemon/engine/prefill/pieces.py" in out
     assert "1 different" in out
+
+
+def test_text_written_before_the_moves_is_rewritten(repo, capsys):
+    _move(repo, "ids[:CHUNK]")
+    note = repo / "notes.md"
+    note.write_text("see daemon/engine/loop_guard.py (engine/loop_guard.py), daemon.engine.loop_guard.guard "
+                    "and daemon.engine.serial.prefill\n")
+    assert check_moved_code.main(["--rewrite", "notes.md"]) == 0
+    assert note.read_text() == ("see daemon/engine/decoders/loop_guard.py (engine/decoders/loop_guard.py), "
+                                "daemon.engine.decoders.loop_guard.guard and daemon.engine.prefill.pieces.prefill\n")
