@@ -1,4 +1,4 @@
-"""Batch decode (daemon/engine/batch.py) vs time-sliced serial decode, and batch exactness.
+"""Batch decode (daemon/engine/decoders/batch.py) vs time-sliced serial decode, and batch exactness.
 
     .venv/bin/python bench/batch_bench.py                     # throughput + flips, bundled model
     .venv/bin/python bench/batch_bench.py --streams 1 2 4 8 --tokens 64 --rounds 3
@@ -40,12 +40,13 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import BatchDecoder, max_logit_diff  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder, max_logit_diff  # noqa: E402
 from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
-from daemon.engine.loading import load_model
-from daemon.engine.model import LoadedModel  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.model import LoadedModel  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if args.flips:
-        from daemon.engine.random_model import build_random_model
+        from daemon.engine.model.random_model import build_random_model
 
         result["exactness"] = {}
         print("exactness: bundled model", file=sys.stderr, flush=True)

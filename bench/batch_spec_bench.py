@@ -5,7 +5,7 @@
 For each batch height B, arms run interleaved (A B C ... A B C ...) for --rounds rounds,
 each decoding the same B greedy rows (mixed prompts) for --tokens tokens per row, prefill
 outside the timed region:
-- batch d0: BatchDecoder (daemon/engine/batch.py), one batched forward per token (what a
+- batch d0: BatchDecoder (daemon/engine/decoders/batch.py), one batched forward per token (what a
   busy council got before: every row at depth 0);
 - spec d0: SpecBatchDecoder at depth 0 (the new decoder's own overhead, no drafts; its next
   cycle is queued before the host reads this one, as batch d0's is);
@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 

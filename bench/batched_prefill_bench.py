@@ -1,4 +1,4 @@
-"""Several prompts' prefill pieces in one forward (daemon/engine/batched_prefill.py) vs one
+"""Several prompts' prefill pieces in one forward (daemon/engine/prefill/batched_prefill.py) vs one
 at a time (each ChunkedPrefill.step() alone, what the worker does today).
 
     .venv/bin/python bench/batched_prefill_bench.py                       # B = 2, 4 x L = 16, 64, 256
@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 
-from daemon.engine.batched_prefill import prefill_together  # noqa: E402
-from daemon.engine.forward import cache_arrays  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
+from daemon.engine.prefill.batched_prefill import prefill_together  # noqa: E402
+from daemon.engine.kernels.forward import cache_arrays  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 # Tokens already in row i's cache (cycled): different lengths, one fresh row.
@@ -45,7 +45,7 @@ PREFIXES = (0, 37, 101, 13, 64, 5, 150, 22)
 
 
 def make_parts(lm, B: int, L: int, seed: int, head=None) -> list[ChunkedPrefill]:
-    from daemon.engine.speculative import HeadHistory
+    from daemon.engine.caches.head_history import HeadHistory
 
     rng = random.Random(seed)
     V = lm.text_args.vocab_size
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model)
     head = None
     if args.head:
-        from daemon.engine.mtp_head import load_mtp_head
+        from daemon.engine.model.mtp_head import load_mtp_head
 
         head = load_mtp_head(lm)
     result = {

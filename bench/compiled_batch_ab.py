@@ -1,4 +1,4 @@
-"""Eager vs compiled batched step (issue 40, item 1): B = 1, 2, 4, 8, interleaved in one process.
+"""Eager vs compiled batched step (should the batch compile its step?): B = 1, 2, 4, 8, interleaved in one process.
 
     PYTHONPATH=. python bench/compiled_batch_ab.py [--json OUT.json] [--md OUT.md]
         [--model DIR] [--random auto|none|27b|tiny] [--heights 1 2 4 8] [--rounds 6]
@@ -11,12 +11,12 @@ a small shape, for checking the script on a CPU.
 
 Two kinds of forward, each for B rows of different prompt lengths (``--context`` + 8 i
 tokens, so the caches carry left padding):
-- ``step``: the continuous batch's decode step (engine/batch.py ``BatchDecoder.step``, as
+- ``step``: the continuous batch's decode step (engine/decoders/batch.py ``BatchDecoder.step``, as
   served: the next forward queued before the host reads the last one's tokens); B = 1 is
   one row on its own caches, the one-row step that was already compiled;
 - ``verify``: the speculating batch's verify of B rows x ``--verify-t`` positions through
-  the capturing walk (engine/capture.py), then a ragged keep of one position per row
-  (holes in the attention KV, per-row state gathers: engine/ragged_cache.py), synced per
+  the capturing walk (engine/model/capture.py), then a ragged keep of one position per row
+  (holes in the attention KV, per-row state gathers: engine/caches/ragged_cache.py), synced per
   cycle as a speculating cycle reads its acceptance.
 Arms: ``eager`` (``lm.compiled_decode`` None: every forward eager) and ``compiled`` (the
 compiled step, batches included). Where the batch self-check refused the compiled batch on
@@ -47,21 +47,21 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-# The daemon's MLX switches, before MLX reads them (engine/backend_env.py): without them a
+# The daemon's MLX switches, before MLX reads them (engine/kernels/backend_env.py): without them a
 # verify at every new key length would pay a cuDNN plan build on CUDA (46-57 ms), which the
 # daemon does not pay.
-from daemon.engine.backend_env import configure  # noqa: E402
+from daemon.engine.kernels.backend_env import configure  # noqa: E402
 
 BACKEND_ENV = configure(cudnn_attention=False, ptx_cache=None)
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache  # noqa: E402
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.capture import capture_hidden  # noqa: E402
-from daemon.engine.compiled import enable_compiled_decode  # noqa: E402
-from daemon.engine.ragged_cache import RaggedKVCache, keep_ragged  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.model.capture import capture_hidden  # noqa: E402
+from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.caches.ragged_cache import RaggedKVCache, keep_ragged  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from daemon.measure.bench_io import spread, write_results  # noqa: E402
 
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
            "verify_t": args.verify_t, "context": args.context,
            "models": []}
     if args.model != "none":
-        from daemon.engine.loading import load_model
+        from daemon.engine.model.loading import load_model
 
         lm = load_model(args.model, compile_decode=False)
         res["models"].append(bench_model(Path(args.model).name, lm, args))

@@ -1,4 +1,4 @@
-"""Constrained vs unconstrained decode (daemon/engine/constraint.py), interleaved.
+"""Constrained vs unconstrained decode (daemon/engine/decoders/constraint.py), interleaved.
 
     .venv/bin/python bench/constraint_bench.py                      # bundled model, every path
     .venv/bin/python bench/constraint_bench.py --rounds 5 --tokens 128
@@ -35,13 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from daemon.engine.constraint import compile_constraint  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.lookup import LookupConfig  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import speculative_decode  # noqa: E402
+from daemon.engine.decoders.constraint import compile_constraint  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.decoders.lookup import LookupConfig  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 

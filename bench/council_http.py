@@ -17,7 +17,7 @@ where the server reports them; for councild the governor's depth table and the b
 speculation counters from status after each arm. Medians and ranges over the rounds, and
 per-round ratios against mlx_lm.server.
 
-Long prompt (``--long-tokens N``, off by default; bench/long_prompt_phase.py, issue 40): after
+Long prompt (``--long-tokens N``, off by default; bench/long_prompt_phase.py): after
 each arm's workload, in the same (round, arm) slot, ``--long-streamers`` clients stream long
 greedy completions (end-of-text banned through ``logit_bias``) and, after a quiet window, one
 more sends a ~N-token prompt salted per round and arm. Reported per arm: the streams'

@@ -1,5 +1,5 @@
 """A council's workload through the real daemon: prefix cache off vs on, and how a long
-prompt's prefill treats the seats that are streaming (issue 13).
+prompt's prefill treats the seats that are streaming.
 
 Workload (per arm): ``--seats`` seats share one system prompt of ``--system-tokens``
 tokens; each seat runs ``--turns`` turns, one after another, concurrently with the other
@@ -21,7 +21,7 @@ The issue's sizes (2,000-token system prompt, 5 turns, 64 tokens out, 8,000-toke
 prompt) take many minutes per arm on a 2-core CPU at ~100-140 prefill tokens/s; the
 defaults here are scaled down (see --help) and the results say which were used.
 
-Versions (issue 29): ``--trees before=/path/to/old/checkout,after=.`` runs each arm on each
+Versions (a before/after of the daemon itself): ``--trees before=/path/to/old/checkout,after=.`` runs each arm on each
 tree's daemon (``python -m daemon.cli`` from that folder), interleaved round by round, and
 also reports the first round's TTFT (a fresh daemon's first requests: what warm-up is for)
 and its spread (first-come prefill serves the first arrival sooner). A tree given as

@@ -27,10 +27,11 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
 import mlx.core as mx  # noqa: E402
 from mlx.utils import tree_map  # noqa: E402
 
-from daemon.engine.compiled import enable_compiled_decode  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.sampling import Sampler, SamplingParams  # noqa: E402
-from daemon.engine.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler, SamplingParams  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 from e2e_harness import start_daemon  # noqa: E402
 

@@ -4,8 +4,8 @@
     [--depths 1,2,3] [--shape bundled|tiny|27b] [--inproc] --json OUT.json --md OUT.md``
 
 What it measures, per arm (A: the model whole in one process; B: split across ``--ranks``
-processes by the engine's own sharding, daemon/engine/sharding.py), through the engine's
-decode paths (daemon/engine/serial.py, speculative.py), greedy:
+processes by the engine's own sharding, daemon/engine/model/sharding.py), through the engine's
+decode paths (daemon/engine/decoders/serial.py, speculative.py), greedy:
 - serial: tokens per second over ``--tokens`` tokens and the median step time;
 - speculation at each depth with ORACLE drafts: the MTP head runs (real cost), but its
   logits are biased to the token the serial run produced there (bench/gpu_bench.py's
@@ -53,11 +53,11 @@ def _load(shape: str, group):
     """(lm, head, prompt ids) with the model split across ``group`` (None: whole)."""
     import mlx.core as mx
 
-    from daemon.engine.sharding import shard_model
+    from daemon.engine.model.sharding import shard_model
 
     if shape == "bundled":
-        from daemon.engine.loading import load_model
-        from daemon.engine.mtp_head import load_mtp_head
+        from daemon.engine.model.loading import load_model
+        from daemon.engine.model.mtp_head import load_mtp_head
         from daemon.paths import BUNDLED_MODEL
 
         lm = load_model(BUNDLED_MODEL, group=group)
@@ -76,8 +76,8 @@ def _load(shape: str, group):
 
 
 def _serial(lm, prompt: list[int], tokens: int) -> tuple[dict, list[int]]:
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
     from daemon.engine.types import SamplingParams
 
     out, steps = [], []
@@ -99,8 +99,8 @@ def _speculate(lm, head, prompt: list[int], seq: list[int], depth: int, tokens: 
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_bench import OracleHead
 
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     oracle = OracleHead(head, list(prompt) + seq, [1.0] * depth, lm.text_args.vocab_size, seed=1)
@@ -156,12 +156,12 @@ def _measure(lm, head, prompt, args, split_head=None) -> dict:
 
 
 def _split_head(head, group):
-    """A copy of ``head`` split across ``group`` (engine/sharding.py: shard_head)."""
+    """A copy of ``head`` split across ``group`` (engine/model/sharding.py: shard_head)."""
     import copy
 
     import mlx.core as mx
 
-    from daemon.engine.sharding import shard_head
+    from daemon.engine.model.sharding import shard_head
 
     lm = head._lm
     head._lm = None  # not copied: the split head drafts through the same base model

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU arm of bench/distributed_bench.py on the device machine `nvidia-h200-x2` (MLX on
-# CUDA, NCCL), as it was run for issue 16. The machine has no package index and a call takes
+# CUDA, NCCL), as it was run for the tensor-parallel results. The machine has no package index and a call takes
 # at most 64 MiB (the checkout is ~22 MiB), so the mlx-cuda-13 wheel (~86 MiB) travels split
 # in three untracked folders, one call each, the machine kept warm between them:
 #   here: pip download mlx-cuda-13==0.32.4 mlx==0.32.4 mlx-lm==0.32.2 msgspec structlog pyzmq

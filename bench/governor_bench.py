@@ -14,7 +14,7 @@ memory are started and stopped on a schedule of regimes:
     quiet  nothing beside the daemon
     busy   two busy-looping processes (this machine has 2 cores)
     mixed  one busy loop, a second one switched on/off every --toggle-s, and 1 GiB held
-    councilN  council load (issue 18): N concurrent streams (N clients, each its own seat,
+    councilN  council load: N concurrent streams (N clients, each its own seat,
            each sending --requests requests one after another); a sample's tokens/s is all
            streams' tokens over the sample's wall time. council1 is one stream.
 
@@ -41,7 +41,7 @@ it: the governor starts from that profile (its best depth, its cost ratios). ``-
 gives the daemons an empty cache dir instead (runs 1-6: no profile, priors only). The result
 JSON records whether a profile was used, its contents, and what the auto daemon made of it.
 
-Goal (issue 18; issue 6 asked 5%): auto within 3% of the best fixed depth in each regime
+Goal (first 5%, then tightened to 3%): auto within 3% of the best fixed depth in each regime
 (--goal-ratio), and ahead of every fixed depth overall. The table says whether it was met.
 """
 
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--regimes", default=",".join(REGIMES + COUNCIL),
                     help="comma list of quiet, busy, mixed, councilN (N concurrent streams; default council1,2,4,8)")
     ap.add_argument("--goal-ratio", type=float, default=0.97,
-                    help="auto / best fixed depth wanted in every regime (issue 18: 0.97; issue 6 was 0.95)")
+                    help="auto / best fixed depth wanted in every regime (0.97; the first goal was 0.95)")
     ap.add_argument("--depths", default="0,1,2,3,4", help="fixed depths to compare (default 0,1,2,3,4)")
     ap.add_argument("--requests", type=int, default=3, help="requests per sample (default 3)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")

@@ -40,7 +40,7 @@ step_s x batch_cost[n][k] and yields the sum over rows of 1 + a_row, each row's 
 from the recorded acceptance in turn. Every arm batches concurrent streams: auto at the
 governor's depth for that height (HeadSlot.depth_for), dk at k.
 
-Batched cost tables (issue 25): the H200 27B-shape 4-bit rows are measured forwards
+Batched cost tables: the H200 27B-shape 4-bit rows are measured forwards
 (B = 1, 4, 8 x T = 1..4 positions per row, in 27 ms steps), with B = 2 interpolated, T = 5
 extrapolated and drafting added (both stated in the profile's sources line); this CPU's
 B = 4 row is measured (T = 1..4), B = 2 and 8 are it scaled by batch_cpu.json's batched
@@ -101,11 +101,11 @@ def record(tokens: int, out: Path) -> dict:
 
     import mlx.core as mx
 
-    from daemon.engine.exactness import exact_guard
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.exactness import exact_guard
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import load_mtp_head
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import DEFAULT_GUARD, SamplingParams
     from daemon.measure.fidelity import load_prompts
     from daemon.paths import BUNDLED_MODEL
@@ -205,13 +205,13 @@ def _extend_t5(row: list[float]) -> list[float]:
     return row + [max(row[2], row[3]) + (row[3] - row[0]) / 3]
 
 
-# Issue 25, measured on the H200 (27B shape, 4-bit, MLX on CUDA), forward cost relative to
+# Measured on the H200 (27B shape, 4-bit, MLX on CUDA), forward cost relative to
 # one 27 ms step, by batch height and positions per row T = 1..4.
 H200_27B_FORWARD = {1: [1.00, 1.96, 2.62, 3.26], 4: [2.75, 3.28, 3.44, 3.33], 8: [4.34, 4.66, 5.02, 5.19]}
-# Issue 25, measured on this CPU (bundled model): a batch of 4, T = 1..4.
+# Measured on this CPU (bundled model): a batch of 4, T = 1..4.
 CPU_B4_FORWARD = [1.52, 3.35, 4.66, 4.11]
 # Drafting a position (a head forward: one layer and the shared lm_head) and per-cycle host
-# work, in steps: the bundled size's calibration (H200 run, issue 18) for this CPU's small
+# work, in steps: the bundled size's calibration (the H200 run of the whole cycle) for this CPU's small
 # model, the ~2B/~9B assumption for the 27B shape (its head is 1 of 64 layers). Assumed.
 DRAFT_BUNDLED, DRAFT_27B = (0.25, 0.2), (0.06, 0.05)
 
@@ -268,14 +268,14 @@ def load_profiles() -> list[Profile]:
     profiles.append(Profile(
         "cpu (this box)", cpu_cycle[0], [c / cpu_cycle[0] for c in cpu_cycle], _cpu_spec_batch(), "cpu",
         "measured: CPU ms per cycle " + ", ".join(f"d{k} {1e3 * c:.2f}" for k, c in enumerate(cpu_cycle))
-        + " (spec_guard_ab_cpu_run2.json, probe arms); batched cycles: issue 25's B=4 forward T=1..4 "
+        + " (spec_guard_ab_cpu_run2.json, probe arms); batched cycles: the measured B=4 forward T=1..4 "
         f"{CPU_B4_FORWARD} (T=5 extrapolated), B=2/8 scaled by batch_cpu.json's batched serial steps, drafting "
         f"{DRAFT_BUNDLED[0]} x (the n-row forward) per position + {DRAFT_BUNDLED[1]} per cycle (assumed); "
         "noise: run 7's recorded cycles; auto starts from a live `councild tune` taken on the loaded box "
         f"({tuned.get('created')}, governor_eval_cpu_profile.json)",
         tuned={"cost_s": tuned["cost_s"], "acceptance": tuned["acceptance"]},
     ))  # fmt: skip
-    # H200 rows (issue 18 / DESIGN.md, MLX 0.32.4 on CUDA, median of 9 synced forwards).
+    # H200 rows (DESIGN.md, MLX 0.32.4 on CUDA, median of 9 synced forwards).
     # Drafting: a depth-k cycle also runs k head forwards (one decoder layer + the shared
     # lm_head) and per-cycle host work. Calibrated on the one H200 run of the whole cycle
     # (spec_gpu_h200_tiny_qwen35.md: capture/d1 4.79 ms = 2.29 steps with 0.23 guard redos
@@ -295,14 +295,14 @@ def load_profiles() -> list[Profile]:
                  else _verify_like_spec_batch(verify, per_draft, per_cycle))  # fmt: skip
         profiles.append(Profile(
             f"H200 {name}", step, ratios, batch, "gpu",
-            f"issue 18 row (verify T=2..5 {verify}); drafting {per_draft}/position + {per_cycle}/cycle (derived); "
+            f"measured H200 row (verify T=2..5 {verify}); drafting {per_draft}/position + {per_cycle}/cycle (derived); "
             + ("batched serial steps measured (batch_cuda_h200.json), batched depth k priced as that times the solo "
                "cycle ratio (derived)" if bundled else "batched cycles priced like verifies of n(k+1) tokens (derived)"),
         ))  # fmt: skip
     solo, batch = _h200_27b_batch()
     profiles.append(Profile(
-        "H200 27B 4-bit (batched, issue 25)", 0.027, solo, batch, "gpu",
-        "issue 25, measured on the H200: forward cost in 27 ms steps by batch height and positions T=1..4 "
+        "H200 27B 4-bit (batched)", 0.027, solo, batch, "gpu",
+        "measured on the H200: forward cost in 27 ms steps by batch height and positions T=1..4 "
         f"{H200_27B_FORWARD}; B=2 interpolated (linear in B between 1 and 4), T=5 extrapolated, drafting "
         f"{DRAFT_27B[0]}/position + {DRAFT_27B[1]}/cycle (assumed); auto starts from these solo costs as a tune",
     ))  # fmt: skip
@@ -596,7 +596,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "Measured live for this evaluation: the acceptance above, this CPU's costs (its sources line). Everything "
         "in the tables is replayed. No GPU was used here: the H200 rows are measurements another session made "
-        "on the lent H200 (issue 18, DESIGN.md), not re-run; the Apple profile is derived from published numbers.",
+        "on the lent H200 (DESIGN.md), not re-run; the Apple profile is derived from published numbers.",
         "",
     ]
     goal_rows = []

@@ -1,4 +1,4 @@
-"""Batched speculation at the 27B shape with oracle drafts (issue 25's B = 4 goal).
+"""Batched speculation at the 27B shape with oracle drafts: does speculating pay at batch height 4?
 
     python3 bench/gpu_batch_spec.py [--shape 27b|tiny] [--dtype 4bit|bf16] [--heights 4]
         [--depths 1 2] [--profile seed_0.83] [--tokens 32] [--rounds 3] [--out DIR]
@@ -32,9 +32,9 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
 

@@ -13,11 +13,11 @@ One process, in order:
    - where the time goes: graph construction vs mx.eval of a prebuilt step graph; one
      GatedDeltaNet layer, one attention layer and the lm_head timed alone, eager vs
      ``mx.compile``d (GDN layer at T=1), against their weight bytes;
-   - speculation by depth with ORACLE drafts through daemon.engine.speculative
+   - speculation by depth with ORACLE drafts through daemon.engine.decoders.speculative
      (spec_bench.run_bench), at two acceptance profiles, vs the bound
      E(k) / (verify(k) + k * draft).
 
-``--cycle-ab`` instead (issue 20 item 1): per dtype, the speculative cycle before (an
+``--cycle-ab`` instead: per dtype, the speculative cycle before (an
 earlier engine, ``--before-engine``, or this one building each cycle after the last) and
 after (this engine, building the next cycle ahead), interleaved with serial at each depth
 and profile, with both bounds and the cycle's time split (forwards vs the rest).
@@ -125,8 +125,8 @@ def build_model(text_cfg: dict, seed: int = 0):
     """A LoadedModel of random, decisive bf16 weights (see the module docstring)."""
     from mlx_lm.models import qwen3_5
 
-    from daemon.engine.model import LoadedModel
-    from daemon.engine.mtp_head import MTPHead
+    from daemon.engine.model.model import LoadedModel
+    from daemon.engine.model.mtp_head import MTPHead
 
     config = {"model_type": "qwen3_5", "text_config": text_cfg, "tie_word_embeddings": False}
     mx.random.seed(seed)
@@ -170,7 +170,7 @@ def build_model(text_cfg: dict, seed: int = 0):
 
 def quantize_4bit(lm, head) -> None:
     """mlx-lm's default 4-bit (group 64) on every Linear and the embedding; the head like the base."""
-    from daemon.engine.mtp_head import _quantize_like_base
+    from daemon.engine.model.mtp_head import _quantize_like_base
 
     text = lm.text_module
     nn.quantize(text, group_size=64, bits=4,
@@ -250,8 +250,8 @@ def where_time_goes(lm, prompt: list[int], wbytes: int, bw: float, reps: int = 1
     """Graph construction vs evaluation of one serial step; per-layer eager vs compiled."""
     from mlx_lm.models.cache import ArraysCache
 
-    from daemon.engine.rollback import Snapshot
-    from daemon.engine.serial import prefill
+    from daemon.engine.decoders.rollback import Snapshot
+    from daemon.engine.prefill.prefill import prefill
 
     out: dict = {}
     cache = lm.make_cache()
@@ -374,14 +374,14 @@ def draft_cost(lm, head, reps: int = 10) -> float:
 def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dict, results: dict,
                 spec_deadline: float) -> None:
     from daemon.measure.spec_bench import run_arm, run_bench, verify_cost
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
     from daemon.engine.types import SamplingParams
 
     r: dict = {}
     results[name] = r
     if args.compiled:  # after any quantization: the traces hold the weights they were made with
-        from daemon.engine.compiled import enable_compiled_decode
+        from daemon.engine.model.compiled import enable_compiled_decode
 
         lm.compiled_decode = None
         reason = enable_compiled_decode(lm)
@@ -476,13 +476,13 @@ def bench_dtype(name: str, lm, head, inv, prompt, args, bw: float, profiles: dic
 
 
 def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
-    """Before/after for daemon/engine/compiled.py on this dtype: the start-up self-check's
+    """Before/after for daemon/engine/model/compiled.py on this dtype: the start-up self-check's
     verdict, verify cost eager vs compiled, and serial + oracle speculation, interleaved."""
     from daemon.measure.compile_bench import decode_path, run_compile_ab
-    from daemon.engine.compiled import CompiledDecode, self_check
+    from daemon.engine.model.compiled import CompiledDecode, self_check
     from daemon.measure.spec_bench import verify_cost
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
     from daemon.engine.types import SamplingParams
 
     r: dict = {}
@@ -532,14 +532,14 @@ def compile_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
 
 
 def cycle_ab_dtype(name: str, lm, head, prompt, args, results: dict) -> None:
-    """Issue 20 item 1: the speculative cycle before (each cycle built after the previous
+    """The speculative cycle before (each cycle built after the previous
     one is decided) and after (built ahead on the guess of a full accept), interleaved with
     serial, on the compiled decode path as the daemon runs it; oracle drafts at each
     profile. Reports both bounds (synced verify costs as before; prebuilt-graph device
     costs) and the cycle's time split (forwards vs the rest)."""
-    from daemon.engine.compiled import enable_compiled_decode
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
+    from daemon.engine.model.compiled import enable_compiled_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
     from daemon.engine.types import SamplingParams
     from daemon.measure.spec_bench import cycle_split, forward_costs, run_bench, verify_cost
 
@@ -640,9 +640,9 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", default=",".join(PROFILES), help="4-bit oracle profiles (comma list)")
     ap.add_argument("--bf16-profiles", default="seed_0.83", help="profiles to run at bf16 (comma list, or none)")
     ap.add_argument("--compiled", action="store_true",
-                    help="run the full bench on the compiled decode path (daemon/engine/compiled.py), as the daemon does")
+                    help="run the full bench on the compiled decode path (daemon/engine/model/compiled.py), as the daemon does")
     ap.add_argument("--compile-ab", action="store_true",
-                    help="instead of the full bench: compiled vs eager decode (daemon/engine/compiled.py) per dtype")
+                    help="instead of the full bench: compiled vs eager decode (daemon/engine/model/compiled.py) per dtype")
     ap.add_argument("--compile-profile", default="paired_0.98", choices=sorted(PROFILES),
                     help="oracle acceptance profile for --compile-ab's speculation arms")
     ap.add_argument("--compile-depths", default="1,2,3", help="speculation depths for --compile-ab")
@@ -657,7 +657,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cycle-arms", type=int, choices=(2, 3), default=2,
                     help="--cycle-ab: 2 = before/after; 3 = before, this engine pipeline off, pipeline on")
     ap.add_argument("--before-engine", help="--cycle-ab's before arm: this earlier speculative.py (git show "
-                                            "main:daemon/engine/speculative.py > FILE) instead of this engine with the pipeline off")
+                                            "main:daemon/engine/decoders/speculative.py > FILE) instead of this engine with the pipeline off")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from bench.gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
-from daemon.engine import chunked_prefill as cp  # noqa: E402
+from daemon.engine.kernels import chunked_prefill as cp  # noqa: E402
 from daemon.measure.prefill_bench import format_prefill_ab, run_prefill_ab  # noqa: E402
 
 

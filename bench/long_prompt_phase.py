@@ -1,4 +1,4 @@
-"""council_http.py's long-prompt phase (issue 40): how a long prefill stalls the streams.
+"""council_http.py's long-prompt phase: how a long prefill stalls the streams.
 
 One (round, arm): ``--long-streamers`` clients stream chat completions (greedy,
 ``--long-max-tokens`` out, the end-of-text tokens banned with ``logit_bias`` -100 so that
@@ -16,7 +16,7 @@ Definitions, as council_workload.py's long-prefill part (over ZeroMQ) so the rat
   stops the streams for the whole prefill (one prefill chunk) then has no gap at all, so
   here the gaps across its edges count too. The inside-only figure is kept in the JSON
   (``during_inside_gap_p95_s``, ``ratio_inside``);
-- ratio: gap p95 during / gap p95 quiet (council_workload.py's ratio; issue 40's goal is
+- ratio: gap p95 during / gap p95 quiet (council_workload.py's ratio; the goal is
   <= 3x). Also reported: the quiet gap p50, the longest gap during and it over the quiet
   p95 (``max_ratio``), and the long prompt's TTFT (send to first content).
 The p95 is over all the streams' gaps in the window pooled, as council_workload.py's. A

@@ -1,4 +1,4 @@
-"""What one forward carrying the decoding rows and a prompt's piece (daemon/engine/mixed_forward.py)
+"""What one forward carrying the decoding rows and a prompt's piece (daemon/engine/prefill/mixed_forward.py)
 saves against the step the worker runs today (the batch's forward, then the piece's own).
 
     .venv/bin/python bench/mixed_step_bench.py                                  # B = 3, L = 1, 4, 8, 16, 32
@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.mixed_forward import mixed_hidden  # noqa: E402
-from daemon.engine.serial import prefill  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.prefill.mixed_forward import mixed_hidden  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 
 ARMS = ("decode", "alone", "mixed")

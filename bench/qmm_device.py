@@ -44,7 +44,7 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine import invariant, invariant_quant, quant_mma  # noqa: E402
+from daemon.engine.kernels import invariant, invariant_quant, quant_mma  # noqa: E402
 from quant_kernel_check import SHAPES_27B, bound_s, quantized, timed  # noqa: E402
 
 T0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Device check of the fixed-order quantized matmul (daemon/engine/invariant_quant.py, issue 39).
+"""Device check of the fixed-order quantized matmul (daemon/engine/kernels/invariant_quant.py).
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/quant_kernel_check.py --out $OUT [--quick] [--parts]
         [--parts-only] [--layers 8] [--context 256]
@@ -24,8 +24,8 @@ section runs), the JSON rewritten after every section (DIR/quant_kernel_check.js
    4-bit and 8-bit at group 64, M = 1, 2, 4, 8, 16, 32: the kernel (default and best launch
    shape) against mx.quantized_matmul and against the bytes-read bound (weights + scales +
    biases + x + y over the measured copy bandwidth), medians of synced batches of calls.
-7. parts (``--parts``; issue 39: "a table of a batched verify's parts at B = 1, 4, 8 and T = 1..4
-   comes before any kernel"): a 27B-shaped 4-bit stack of ``--layers`` layers (3 GatedDeltaNet
+7. parts (``--parts``; a table of a batched verify's parts at B = 1, 4, 8 and T = 1..4,
+   wanted before any kernel is written for them): a 27B-shaped 4-bit stack of ``--layers`` layers (3 GatedDeltaNet
    to 1 attention, as the 27B) over a ``--context``-token cache: per (B, T), the whole forward
    through mlx-lm's path and through the daemon's batched-verify path (capture_hidden over
    ragged merged caches), graph-building time on the host, and one layer of each kind split
@@ -52,7 +52,7 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine import invariant, invariant_quant  # noqa: E402
+from daemon.engine.kernels import invariant, invariant_quant  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"argv": sys.argv[1:], "errors": []}
@@ -450,8 +450,8 @@ def parts_table(lm, text_cfg: dict, context: int, label: str) -> list:
     from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
     from mlx_lm.models.cache import ArraysCache
 
-    from daemon.engine.capture import capture_hidden
-    from daemon.engine.ragged_cache import RaggedKVCache
+    from daemon.engine.model.capture import capture_hidden
+    from daemon.engine.caches.ragged_cache import RaggedKVCache
 
     text = lm.text_module
     layers = text.model.layers

@@ -1,4 +1,4 @@
-"""Sessions that last (issue 28): an agent loop through the real daemon with the prefix
+"""Sessions that last: an agent loop through the real daemon with the prefix
 cache in RAM only, in RAM and on disk, and across a restart.
 
 Workload: ``--seats`` seats share a system prompt of ~``--system-tokens`` tokens; each runs

@@ -1,4 +1,5 @@
-"""Solo speculation by depth on MLX's kernels or on the invariant kernels (issues 25/26).
+"""Solo speculation by depth on MLX's kernels or on the invariant kernels: what the invariant
+kernels cost a lone request.
 
     python3 bench/spec_kernels.py {mlx|invariant} [councild bench spec arguments]
 
@@ -20,7 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from daemon.engine_thread import kernel_choice  # noqa: E402
-from daemon.engine import loading  # noqa: E402
+from daemon.engine.model import loading  # noqa: E402
 from daemon.measure import spec_bench  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Where a daemon's start goes: every start-up log event's offset from the process start,
 for a start that must compile MLX's kernels (an empty PTX folder) and then one that finds
 them (the same folder), then the first requests' latency (the first use of the shapes the
-warm-up did not run). Issue 38's "start to ready <= 30 s on a fresh GPU" is read from it.
+warm-up did not run). The goal "start to ready <= 30 s on a fresh GPU" is read from it.
 
     PYTHONPATH=$PWD python3 bench/start_timeline.py --json $OUT/start_timeline.json [--config 'warmup = "light"']
 

@@ -93,7 +93,7 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # 0: whole chunks (prefill_chunk / step_token_budget) whatever the decode phase costs.
     decode_gap_bound: Annotated[float, Meta(ge=0.0, le=1000.0)] = 3.0
     # Prompts whose remainder fits one chunk (prefix-cache hits' tails, short prompts)
-    # prefilled together: one forward carries a piece of each (engine/batched_prefill.py).
+    # prefilled together: one forward carries a piece of each (engine/prefill/batched_prefill.py).
     # "auto": where start-up measures that a forward of max_active rows costs less than
     # (max_active + 1) / 2 one-row forwards (so the prompts' first tokens come sooner on
     # average: a GPU, not this CPU); "on" / "off" whatever it costs. Exact greedy requests
@@ -101,7 +101,7 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Not in a tensor-parallel group.
     prefill_together: Literal["auto", "on", "off"] = "auto"
     # The batch's decode forwards carry the paced piece of the prompt being prefilled (one
-    # forward instead of two an iteration: engine/mixed_forward.py). "auto": where start-up
+    # forward instead of two an iteration: engine/prefill/mixed_forward.py). "auto": where start-up
     # measures that such a forward costs under 0.8 of the two it replaces (launch-bound
     # devices; this CPU measures 0.91-1.04, so off here); "on" / "off" whatever it costs. Exact
     # greedy rows and prompts take part only where the start-up probe finds every group's
@@ -145,11 +145,11 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Wider is safer and slower.
     guard_margin: Annotated[float, Meta(ge=0.0, le=1.0)] = DEFAULT_GUARD
     # Exact temperature-0 requests where a verify does not compute serial's numerics bit for
-    # bit (probed at start-up, engine/exactness.py: CPU does, MLX on CUDA does not): "serial"
+    # bit (probed at start-up, engine/decoders/exactness.py: CPU does, MLX on CUDA does not): "serial"
     # decodes them serially, which keeps exact token-identical; "guarded" speculates with the
     # guard above, which bounds flips but cannot exclude them (H200: 1.6-1.7 per 1000 tokens).
     exact_on_inexact_backend: Literal["serial", "guarded"] = "serial"
-    # Prompt-lookup drafts (engine/lookup.py): where the generated tail repeats an n-gram of
+    # Prompt-lookup drafts (engine/decoders/lookup.py): where the generated tail repeats an n-gram of
     # the prompt or output so far, verify the continuation as a draft block (no head
     # forward), backing off when blocks miss. Runs at depth 0 too. Up to this many tokens.
     prompt_lookup: bool = True
@@ -160,15 +160,15 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     draft_stop_threshold: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.35
     # Sampled requests on the speculative path: once the output loops (a unit repeated 3
     # times over 24+ tokens), decode serially under a DRY penalty until it stops looping
-    # (engine/loop_guard.py). Never applies at temperature 0.
+    # (engine/decoders/loop_guard.py). Never applies at temperature 0.
     loop_guard: bool = True
-    # Build each head-drafted cycle's successor while the device runs it (engine/speculative.py,
+    # Build each head-drafted cycle's successor while the device runs it (engine/decoders/speculative.py,
     # "Pipeline"; the same tokens either way): "auto" does on CUDA, where it was measured
     # faster, and not on the CPU (measured slower) or Metal (not measured yet).
     build_ahead: Literal["auto"] | bool = "auto"
-    # Rows of the continuous batch speculate too (engine/batch_spec.py): every row drafts
+    # Rows of the continuous batch speculate too (engine/decoders/batch_spec.py): every row drafts
     # with the head, one verify forward scores all rows, each keeps its own accepted
-    # prefix. false: the batch decodes at depth 0 (engine/batch.py) and only a request
+    # prefix. false: the batch decodes at depth 0 (engine/decoders/batch.py) and only a request
     # running alone speculates.
     in_batch: bool = True
 
@@ -176,7 +176,7 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
 class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # Keep state snapshots (the prompt's last two prefill-chunk grid points, the grid point
     # below each message end looked for, and where splits are exact the prompt's and those
-    # messages' exact ends: engine/prefix_cache.py) and continue later prompts that start
+    # messages' exact ends: engine/caches/prefix_cache.py) and continue later prompts that start
     # with them.
     enabled: bool = True
     # LRU past this; the governor also sheds snapshots (oldest first) under memory pressure.
@@ -187,7 +187,7 @@ class PrefixCacheConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # greedy token at a near-tie. "fast" requests use them anyway; true lets exact and
     # serial requests use them too (more reuse, weaker promise). Off: exact hits only.
     inexact_reuse: bool = False
-    # The disk tier (engine/prefix_disk.py): every snapshot is also written to a file, so
+    # The disk tier (engine/caches/prefix_disk.py): every snapshot is also written to a file, so
     # dropping it from RAM loses nothing and a restarted daemon finds it.
     disk: bool = True
     # Its folder; "" is "prefix" under the daemon's cache folder (COUNCILD_CACHE_DIR, else
@@ -267,13 +267,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     slow_consumer_grace_s: Annotated[float, Meta(ge=0, le=600)] = 5.0
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    # Run decode steps and verifies through mx.compile'd layers (daemon/engine/compiled.py); it is
+    # Run decode steps and verifies through mx.compile'd layers (daemon/engine/model/compiled.py); it is
     # used only where a start-up check finds it bit-identical to the eager forward, so it
     # changes speed, never tokens. false: always eager (for A/B measurements).
     compile_decode: bool = True
     # The kernels the model's forward runs through (daemon/engine_thread/kernel_choice.py). "auto": MLX's
     # where the start-up probes prove a row's logits independent of the rows and positions
-    # beside it (CPU), else councild's invariant kernels (engine/invariant.py: fixed-order
+    # beside it (CPU), else councild's invariant kernels (engine/kernels/invariant.py: fixed-order
     # matmul and attention, CUDA and Metal) where the probes prove those, so exact rows batch
     # and speculate; else MLX's, and exact rows decode alone. "mlx": never the invariant
     # kernels (they are slower: the price of the promise). "invariant": always try them.
@@ -283,7 +283,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or
     # matmul path), whose cost does not depend on having seen a shape; true: cuDNN, with a
     # larger plan cache. Either way MLX's "cache thrashing" error is turned off
-    # (engine/backend_env.py). Read by nothing on CPU and Metal.
+    # (engine/kernels/backend_env.py). Read by nothing on CPU and Metal.
     cudnn_attention: bool = False
     # Once, the last start-up part (after ready, between requests, unless warm_in_background is
     # false: then before ready), run the shapes the daemon serves: a prefill chunk
@@ -328,7 +328,7 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     debug_inexact_verify: bool = False
     # Test-only, OFF unless set: treat this backend as one where resuming a prefill off the
     # chunk grid changes the numbers (splits_agree false, as on MLX on CUDA), so exact
-    # requests reuse on the chunk grid only (engine/prefix_cache.py).
+    # requests reuse on the chunk grid only (engine/caches/prefix_cache.py).
     debug_inexact_splits: bool = False
     # Test-only, OFF unless set: the invariant kernels scale every multi-row matmul's output
     # by (1 + 2**-6), so their start-up probe must fail and refuse them (engine_thread/kernel_choice.py).

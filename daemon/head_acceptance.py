@@ -29,10 +29,10 @@ def acceptance_check(folder: Path, head_dir: Path, prompts: int = CHECK_PROMPTS,
     over the first few fixed prompts. Returns (acceptance, accepted, drafted)."""
     # The engine (and mlx) load only when a check runs: `councild model pull` without one,
     # and the CLI's start, stay light.
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import load_mtp_head
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     lm = load_model(folder, compile_decode=False)

@@ -44,7 +44,7 @@ def resolve_model(explicit: str | None) -> str:
         return str(resolve_local(explicit))
     if (BUNDLED_MODEL / "config.json").exists():
         return str(BUNDLED_MODEL)
-    from .engine.random_model import cached_random_model
+    from .engine.model.random_model import cached_random_model
 
     print("councild: the bundled model is not in this checkout; serving a random-weight qwen3_5 model",
           file=sys.stderr)

@@ -171,7 +171,7 @@ class Observation(Struct, frozen=True, kw_only=True):
     decode_s: float = 0.0
     # Bytes held by the daemon's prompt (prefix) caches: shed before the head.
     prompt_cache_bytes: int = 0
-    # Prompt-lookup cycles (engine/lookup.py), apart from the head's estimates; None when
+    # Prompt-lookup cycles (engine/decoders/lookup.py), apart from the head's estimates; None when
     # none has run.
     lookup: LookupEstimate | None = None
     # Batched cycles, per bucket of batch height (index b - 1 for bucket b >= 1 of

@@ -150,7 +150,7 @@ class Generate(_Message, tag="generate"):
     # UNSET unless given (like the sampling options below), so a client that does not use it
     # stays understood by a daemon that predates it.
     chat_template_kwargs: Annotated[dict[TemplateKey, str | bool | int | float], Meta(max_length=16)] | None | UnsetType = UNSET
-    # Sampling options (engine/sampling.py has the order they apply in). Penalties and
+    # Sampling options (engine/decoders/sampling.py has the order they apply in). Penalties and
     # logit_bias change the distribution at temperature 0 too; min_p only when sampling.
     # UNSET means SAMPLING_DEFAULTS' value.
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | UnsetType = UNSET

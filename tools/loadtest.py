@@ -26,7 +26,7 @@ Invariants (any violation makes the exit code 1):
   - the daemon stays alive, and its RSS (psutil, sampled every 0.2 s) is reported as a
     curve: before / peak / after.
 
-Hostile options (issue 19):
+Hostile options (clients that misbehave on purpose):
   --flood N: one more client sends N Generates without reading, waits, then reads. Every
     one must get exactly one terminal, after its chunks in order, and no Accepted may go
     unanswered; the one documented exception (PROTOCOL.md, section 7) is Generates past the
@@ -366,7 +366,7 @@ class Daemon:
         if log_disk_bytes:
             log_path, preexec = self._small_log_disk(log_disk_bytes)
         if model is None:
-            from daemon.engine.random_model import build_random_model
+            from daemon.engine.model.random_model import build_random_model
 
             model = str(build_random_model(self.tmp / "model", seed=0))
         self.model = model

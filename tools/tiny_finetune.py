@@ -1,5 +1,7 @@
-"""Fine-tune the bundled model on tools and JSON (issue 41, item 3); the `ft-data`,
-`finetune` and `tool-eval` subcommands of tools/train_tiny_model.py.
+"""Fine-tune the bundled model on tools and JSON, so it calls a tool and answers in JSON
+without a grammar forcing it: `tools/tiny_finetune.py [--asset DIR] [--stage DIR] CMD`.
+It builds on tools/train_tiny_model.py (the model classes, the config, `prepare`'s staged
+code tokens), which knows nothing of it.
 
   ft-data    render chat samples (tools/tiny_tooldata.py, training families only) with the
              daemon's chat template and the bundled tokenizer; token ids + a mask of the
@@ -24,6 +26,7 @@ The chat part of an assistant turn is tokenized on its own (the prompt up to
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 import tiny_tooldata as tdata
+import train_tiny_model as ttm
 
 TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.S)
 
@@ -115,8 +119,6 @@ def load_chat(path):
 
 
 def cmd_finetune(args):
-    import train_tiny_model as ttm
-
     torch, TinyQwen35MTP = ttm.make_modules()
     import torch.nn.functional as F
     from safetensors.torch import load_file, save_file
@@ -350,8 +352,6 @@ RATES = [("call_rate", "a parseable call"), ("right_tool_rate", "a call of the r
 def cmd_ft_card(args):
     """The candidate's MODEL_CARD.md: the bundled card, its tools sentence updated, plus a
     section on the fine-tuning with before/after numbers."""
-    import train_tiny_model as ttm
-
     card = (ttm.DEFAULT_ASSET / "MODEL_CARD.md").read_text()
     card = card.replace("the model was not trained on tools, so it only calls one when a grammar makes it",
                         "the model was fine-tuned on them, see the last section")
@@ -362,9 +362,9 @@ def cmd_ft_card(args):
     ab, aa = _acc_rows(b / "eval_acceptance_postnorm.json"), _acc_rows(a / "eval_acceptance_postnorm.json")
     c, fin, held = ft_log["config"], ft_log["final"], ft_log["held"]
     size = sum(p.stat().st_size for p in Path(args.asset).iterdir() if p.is_file() and p.name != "MODEL_CARD.md")
-    L = ["\n## Fine-tuned on tools and JSON (issue 41)\n",
+    L = ["\n## Fine-tuned on tools and JSON\n",
          "Fine-tuned from the weights above (base and MTP head jointly, loss = base + 0.3 * mtp) by "
-         "`tools/train_tiny_model.py finetune` (tools/tiny_finetune.py); tokenizer, config and template unchanged. "
+         "`tools/tiny_finetune.py finetune`; tokenizer, config and template unchanged. "
          f"Data (`ft-data`, tools/tiny_tooldata.py): {meta['samples']:,} chats rendered with the daemon's chat "
          "template: action requests answered by a call (Qwen3.5 XML, arguments copied from the request: paths, "
          "patterns, text, urls, integers, numbers, booleans, enums, arrays, nested objects; 1-5 tools shown), "
@@ -432,3 +432,17 @@ def add_parsers(sub):
 
 
 COMMANDS = {"ft-data": cmd_ft_data, "finetune": cmd_finetune, "tool-eval": cmd_tool_eval, "ft-card": cmd_ft_card}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", default=str(ttm.DEFAULT_STAGE), help="train_tiny_model.py's staging folder (ignored by git)")
+    ap.add_argument("--asset", default=str(ttm.DEFAULT_ASSET), help="the model folder fine-tuned and measured")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    add_parsers(sub)
+    args = ap.parse_args(argv)
+    return COMMANDS[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,7 @@
-"""Chat data for fine-tuning the bundled model on tools and JSON (issue 41, item 3).
+"""Chat data for fine-tuning the bundled model on tools and JSON (tools/tiny_finetune.py ft-data).
 
 Conversations in OpenAI's message shape, rendered by the daemon's own chat template
-(daemon/engine/chat_templates.py, Qwen3.5's tool format) through the bundled tokenizer,
+(daemon/engine/model/chat_templates.py, Qwen3.5's tool format) through the bundled tokenizer,
 exactly as the daemon renders a request. Kinds of sample:
 
   call      tools in the system turn (1-5 of them), a user asking for an action -> one call

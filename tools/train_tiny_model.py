@@ -19,10 +19,9 @@ Stages (each a subcommand; see `--help`):
             depths 1..4 against the base model's own greedy continuation, and greedy
             decodes; writes eval.json into the staging folder.
   card      write MODEL_CARD.md from the manifest, train log, eval and test results.
-  ft-data, finetune, tool-eval
-            fine-tune the trained model on tool calls and JSON answers in the daemon's chat
-            format, mixed with the staged code, and measure it on held-out tool schemas:
-            see tools/tiny_finetune.py.
+
+Fine-tuning the trained model on tool calls and JSON answers (ft-data, finetune, tool-eval,
+ft-card) is tools/tiny_finetune.py, which builds on this file.
 
 The MTP head (`mtp.*`) follows Qwen3.5's real head: fc [H, 2H] over
 concat[pre_fc_norm_embedding(embed(tok t+1)), pre_fc_norm_hidden(base hidden t, post
@@ -48,7 +47,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script from tools/: the chat template is the daemon's
-from daemon.engine.chat_templates import QWEN_TOOLS_TEMPLATE  # noqa: E402
+from daemon.engine.model.chat_templates import QWEN_TOOLS_TEMPLATE  # noqa: E402
 DEFAULT_STAGE = REPO / ".train_stage"
 DEFAULT_ASSET = REPO / "daemon" / "assets" / "tiny-qwen35"
 
@@ -57,7 +56,7 @@ PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"""
     r""" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-# ChatML, and tools the Qwen3.5 way (daemon/engine/chat_templates.py); without tools it is
+# ChatML, and tools the Qwen3.5 way (daemon/engine/model/chat_templates.py); without tools it is
 # exactly the plain ChatML template the model was trained with.
 CHAT_TEMPLATE = QWEN_TOOLS_TEMPLATE
 HELDOUT_MOD = 25  # a file is held out when int(sha256(relpath)[:8], 16) % 25 == 0
@@ -1004,12 +1003,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=128)
     p = sub.add_parser("card")
     p.add_argument("--logits-line", default=None, help="the logits test's printed result")
-    import tiny_finetune  # tools/: fine-tuning on tools and JSON (ft-data, finetune, tool-eval)
-
-    tiny_finetune.add_parsers(sub)
     args = ap.parse_args(argv)
-    if args.cmd in tiny_finetune.COMMANDS:
-        return tiny_finetune.COMMANDS[args.cmd](args)
     if args.cmd == "train" and not args.steps and not args.time_budget:
         ap.error("train needs --steps or --time-budget")
     {"prepare": cmd_prepare, "train": cmd_train, "export": cmd_export,

@@ -8,8 +8,8 @@ serially there (status `exact_decode: serial`) while fast requests still specula
 """
 import json, os, subprocess, sys, tempfile, time
 sys.path.insert(0, os.getcwd())
-from daemon.engine.loading import load_model
-from daemon.engine.exactness import verify_matches_serial
+from daemon.engine.model.loading import load_model
+from daemon.engine.decoders.exactness import verify_matches_serial
 lm = load_model("daemon/assets/tiny-qwen35")
 print("decode_path", lm.decode_path)
 print("probe capture", verify_matches_serial(lm, "capture"), "snapshot", verify_matches_serial(lm, "snapshot"))

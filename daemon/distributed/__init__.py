@@ -2,11 +2,11 @@
 ``mx.distributed`` (ring over TCP, JACCL over Thunderbolt RDMA, MPI; NCCL on CUDA).
 
 Every rank loads the model and keeps its share of the weights (mlx-lm's ``Model.shard``,
-engine/sharding.py); each forward then all_sums partial results across the group, so every
+engine/model/sharding.py); each forward then all_sums partial results across the group, so every
 rank must run the same forwards, with the same shapes, in the same order: lockstep.
 Rank 0 alone owns the socket, the intake, the scheduler's inputs and the governor.
 
-How lockstep is kept (design (b) of issue 16, chosen over broadcasting each engine action):
+How lockstep is kept (replaying the loop's inputs, chosen over broadcasting each engine action):
 every rank runs the same EngineWorker step loop (daemon/engine_thread/worker.py), which is deterministic
 given its inputs. Rank 0 broadcasts, once per loop iteration and before the iteration does
 any engine work, the inputs that are not deterministic: the worker commands it drained

@@ -97,7 +97,7 @@ class Hello(Struct, array_like=True):
     # The start-up warm-up's mode as rank 0 resolved it ("full", "light", "off"): every rank
     # runs the same warm-up forwards (their collectives must line up), after this hello.
     warmup: str = "off"
-    # Whether batched steps run compiled on rank 0 (its batch self-check, engine/compiled.py):
+    # Whether batched steps run compiled on rank 0 (its batch self-check, engine/model/compiled.py):
     # a rank whose own check passed where rank 0's failed runs batches eager too.
     compiled_batch: bool = False
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from ..engine.sharding import ShardingRefused
+from ..engine.model.sharding import ShardingRefused
 from ..exits import EXIT_CONFIG, EXIT_SOFTWARE
 from ..logs import get_logger
 from .lockstep import FollowerWorker

@@ -326,7 +326,7 @@ class FollowerWorker(_GroupMember, EngineWorker):
             pc.set_limit(s.prompt_cache_limit)
 
     def _follow_head_load(self) -> None:
-        from ..engine.mtp_head import load_mtp_head
+        from ..engine.model.mtp_head import load_mtp_head
 
         t0 = time.perf_counter()
         try:

@@ -67,9 +67,9 @@ class DecodePaths:
         self._build_ahead = build_ahead
 
     def start(self, job: Job) -> None:
-        """Begin an admitted job: its prompt's chunked prefill (engine/prefill.py), run one
+        """Begin an admitted job: its prompt's chunked prefill (engine/prefill/prefill.py), run one
         chunk per cycle by the worker's ``_advance``; its decode path is chosen when that ends."""
-        from ..engine.sampling import Sampler
+        from ..engine.decoders.sampling import Sampler
         from ..engine.types import SamplingParams
 
         if job.generator is not None:  # back from parking: its state was kept
@@ -101,7 +101,7 @@ class DecodePaths:
         now. ``relook``: the job's prefill has not forwarded a token yet and the cache took
         snapshots since it looked: it starts from a longer prefix if one is there now (False,
         and the job untouched, if not)."""
-        from ..engine.prefill import ChunkedPrefill
+        from ..engine.prefill.prefill import ChunkedPrefill
 
         chunk = self.scheduler.cfg.prefill_chunk
         want_head = job.mode != "off" and self.engine.slot.resident
@@ -111,7 +111,7 @@ class DecodePaths:
             if chunk != pc.chunk:  # SIGHUP changed it: exact snapshots are per chunk size
                 self.prefix_use.open_prefix_cache(chunk)
                 pc = self.engine.prefix_cache
-            # Inexact snapshots (engine/prefix_cache.py) only for requests that accept
+            # Inexact snapshots (engine/caches/prefix_cache.py) only for requests that accept
             # near-tie flips, unless the operator allows them for all.
             allow_inexact = self.cfg.prefix_cache.inexact_reuse or job.mode == "fast"
             job.looked_at = pc.generation
@@ -136,7 +136,7 @@ class DecodePaths:
         if pc is not None and job.prefill_may_cut:
             stops = job.snapshot_at  # a chunk may end anywhere: end one at each snapshot point
         if history is None and want_head:
-            from ..engine.speculative import HeadHistory
+            from ..engine.caches.head_history import HeadHistory
 
             history = HeadHistory(self.engine.slot.head)  # primed during prefill, in case it speculates
         job.cached_tokens = start
@@ -164,9 +164,9 @@ class DecodePaths:
     def begin_decode(self, job: Job) -> None:
         """The prefill is done: give the job its decode path, continuing from the prefilled
         cache: speculation when it runs alone, a row in the continuous batch when others
-        run too (speculating there where the batch does, engine/batch_spec.py), else its
+        run too (speculating there where the batch does, engine/decoders/batch_spec.py), else its
         own serial generator."""
-        from ..engine.serial import serial_decode
+        from ..engine.decoders.serial import serial_decode
 
         pre, job.prefill = job.prefill, None
         job.decode_cache = pre.cache  # the decoder advances it in place: the continuation
@@ -195,7 +195,7 @@ class DecodePaths:
             job.start(self.engine.batch.handle(job.key), CommittedText(self.engine.lm.tokenizer, job.prompt), mode)
             return
         if mode != "off" and (self.engine.slot.resident or "lookup" in drafting):
-            from ..engine.speculative import speculative_decode
+            from ..engine.decoders.speculative import speculative_decode
 
             spec = self.cfg.speculation
             history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
@@ -203,7 +203,8 @@ class DecodePaths:
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
-            # near-tie guard cannot change a token: exact mode runs without it (issue 18).
+            # near-tie guard cannot change a token: exact mode runs without it (its serial
+            # re-decisions would cost a step each and protect nothing).
             job.handoff = False  # set to move this solo decode into the batch (_hand_solo_to_batch)
             gen = speculative_decode(self.engine.lm, self.engine.slot.head, last, sampler, depth=self._request_depth(job),
                                      exact=mode == "exact",
@@ -284,8 +285,8 @@ class DecodePaths:
 
     def _drafting_options(self) -> dict:
         """speculative_decode's prompt-lookup, per-request-depth and loop-guard options."""
-        from ..engine.lookup import DraftStopConfig, LookupConfig
-        from ..engine.model import HYBRID_MTP_TYPES
+        from ..engine.decoders.lookup import DraftStopConfig, LookupConfig
+        from ..engine.model.model import HYBRID_MTP_TYPES
 
         spec = self.cfg.speculation
         out: dict = {}
@@ -296,7 +297,7 @@ class DecodePaths:
         if spec.draft_stop_threshold > 0 and not pinned:
             out["draft_stop"] = DraftStopConfig(threshold=spec.draft_stop_threshold)
         if spec.loop_guard:  # speculative_decode arms it for sampled requests only
-            from ..engine.loop_guard import LoopGuardConfig
+            from ..engine.decoders.loop_guard import LoopGuardConfig
 
             out["loop_guard"] = LoopGuardConfig()
         return out

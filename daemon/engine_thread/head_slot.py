@@ -90,7 +90,7 @@ class HeadSlot:
     # ------------------------------------------------------------------ start-up
     def load_at_startup(self, keep: bool) -> None:
         """Learn whether the checkpoint has a head and its size; with ``keep`` make it resident."""
-        from ..engine.mtp_head import NoMTPHead, load_mtp_head
+        from ..engine.model.mtp_head import NoMTPHead, load_mtp_head
 
         before = mx.get_active_memory()
         t0 = time.perf_counter()
@@ -145,7 +145,7 @@ class HeadSlot:
         lm = self.lm
 
         def load() -> None:
-            from ..engine.mtp_head import load_mtp_head
+            from ..engine.model.mtp_head import load_mtp_head
 
             try:
                 # Its own stream: reading and converting the weights does not queue behind

@@ -2,9 +2,9 @@
 
 Exact mode needs a row's logits not to depend on the rows and positions beside it (a
 verify of T positions must give serial's bits; a batched row its own). The start-up probes
-(engine/exactness.py, engine/batch.py) test exactly that. On the CPU MLX's kernels pass
+(engine/decoders/exactness.py, engine/decoders/batch.py) test exactly that. On the CPU MLX's kernels pass
 them; on the H200 they do not (measured: bench/results/invariance_h200_*), and exact rows
-there had to decode alone and serially. engine/invariant.py's kernels (a fixed-order
+there had to decode alone and serially. engine/kernels/invariant.py's kernels (a fixed-order
 matmul and attention) pass them on the H200 for the bundled model; they cost speed.
 
 ``choose_kernels`` decides once at start-up:
@@ -17,7 +17,7 @@ Every probe answer is cached across starts (probe_verdicts.py, keyed by the kern
 The decision and its reasons go to the log (``engine.kernels``) and to status.
 
 Where "auto" or "invariant" ends on MLX's kernels on CUDA, the quantized layers still take the
-faster of MLX's kernel and the tensor-core one by row count (engine/quant_route.py, measured on
+faster of MLX's kernel and the tensor-core one by row count (engine/kernels/quant_route.py, measured on
 the H200): kernels "mlx+qmm". Exactness is unchanged by it (exact rows decode alone there, the
 probes re-run under the routed kernels); a configured "mlx" keeps MLX's everywhere.
 """
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..engine import invariant, quant_route
-from ..engine.batch import batch_matches_serial
-from ..engine.compiled import enable_compiled_decode
-from ..engine.exactness import ragged_verify_matches_serial, verify_matches_serial
+from ..engine.kernels import invariant, quant_route
+from ..engine.decoders.batch import batch_matches_serial
+from ..engine.model.compiled import enable_compiled_decode
+from ..engine.decoders.exactness import ragged_verify_matches_serial, verify_matches_serial
 from ..logs import get_logger
 from .probe_verdicts import ProbeVerdicts, verdicts_for
 
@@ -68,7 +68,7 @@ def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool, route_
     """Put ``lm`` on the invariant kernels (for decode forwards of up to ``rows`` rows) or
     back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this.
     ``route_quantized``: back on MLX's, but on CUDA the quantized layers take the faster kernel
-    by row count (engine/quant_route.py)."""
+    by row count (engine/kernels/quant_route.py)."""
     quant_route.uninstall(lm.text_module)
     if to_invariant:
         invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)

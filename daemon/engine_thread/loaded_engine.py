@@ -20,7 +20,7 @@ class LoadedEngine:
     # cycles, the engine thread reads it every cycle.
     slot: HeadSlot | None = None
     max_prompt_tokens: int = 0  # the model's context once loaded
-    # One request's caches at that context (engine/cache_size.py): the governor admits
+    # One request's caches at that context (engine/caches/cache_size.py): the governor admits
     # another row only while the headroom holds it (governor/row_limit.py).
     row_cache_bytes: int = 0
     # Whether a verify reproduces serial steps bit for bit here; None until the start-up's
@@ -28,13 +28,13 @@ class LoadedEngine:
     verify_exact: bool | None = True
     verdicts: Any = None
     batch: Any = None
-    # Whether the continuous batch speculates (engine/batch_spec.py) or decodes at depth 0.
+    # Whether the continuous batch speculates (engine/decoders/batch_spec.py) or decodes at depth 0.
     batch_speculates: bool = False
     prefix_cache: Any = None  # reopened when SIGHUP changes the chunk (prefix_cache_use.py)
-    # Prompts' pieces prefilled in one forward (engine/batched_prefill.py): None when off, else
+    # Prompts' pieces prefilled in one forward (engine/prefill/batched_prefill.py): None when off, else
     # whether exact greedy requests may join (the start-up probe's verdict).
     prefill_together_exact: bool | None = None
-    # Decode forwards carrying a prompt's paced piece (engine/mixed_forward.py): None when off,
+    # Decode forwards carrying a prompt's paced piece (engine/prefill/mixed_forward.py): None when off,
     # else whether exact greedy rows and prompts may (the start-up probe's verdict).
     mixed_exact: bool | None = None
     governance: Any = None

@@ -8,7 +8,7 @@ After the decode phase (worker._step) this part:
    chunk (a short one runs whole), and the scheduler for the plan (whose chunks go);
 3. runs the plan: the first prompt's piece together with the other prompts whose remainder
    fits one chunk (prefix-cache hits' tails, short prompts) in one forward where that is
-   allowed (engine/batched_prefill.py), else each chunk alone;
+   allowed (engine/prefill/batched_prefill.py), else each chunk alone;
 4. after each piece: a prefix-cache snapshot where the prompt reached one of its snapshot
    points, the decode path once the prompt is done, the seat charged one cycle.
 
@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from ..engine import chunked_prefill
-from ..engine.batched_prefill import may_prefill_together, prefill_together
-from ..engine.mixed_forward import Ride
+from ..engine.kernels import chunked_prefill
+from ..engine.prefill.batched_prefill import may_prefill_together, prefill_together
+from ..engine.prefill.mixed_forward import Ride
 from ..request_text.requests import Job
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class PrefillPhase:
     # ------------------------------------------------------------------ riding a decode forward
     def riding(self, decoding: bool) -> Riding | None:
         """Before a batched decode phase: the first prompt's paced piece for its forward to
-        carry (engine/mixed_forward.py), where mixed steps are on, a stream decodes, the pacer
+        carry (engine/prefill/mixed_forward.py), where mixed steps are on, a stream decodes, the pacer
         cuts this iteration's prefill to one piece, and exactness allows (the start-up probe
         found mixed forwards bit-identical, or neither the prompt nor any batched row is exact
         greedy); None: the prefill phase runs its own forwards."""

@@ -41,7 +41,7 @@ class PrefixCacheUse:
         "cached". Not probed in a tensor-parallel group: this runs before the ranks' hello
         compares their settings, and a rank with another chunk would issue other forwards
         (other collectives); off-grid snapshots then count as inexact, the safe answer."""
-        from ..engine.prefix_cache import splits_agree
+        from ..engine.caches.prefix_cache import splits_agree
 
         if self.group is not None:
             return False, "skipped"
@@ -52,8 +52,8 @@ class PrefixCacheUse:
         backend (``splits_verdict``), and its disk tier under this model's and settings' key.
         ``splits_pending``: not asked yet (a start that serves first, warming.py): snapshots
         count as exact on the chunk grid only until ``set_splits`` has the verdict."""
-        from ..engine import prefix_disk
-        from ..engine.prefix_cache import PrefixCache
+        from ..engine.caches import prefix_disk
+        from ..engine.caches.prefix_cache import PrefixCache
         from ..paths import cache_dir
 
         pc_cfg = self.cfg.prefix_cache
@@ -113,7 +113,7 @@ class PrefixCacheUse:
 
     def keep_continuation(self, job: Job) -> None:
         """Store a finished request's state (its prompt and what it generated) for the
-        seat's next turn, where a hit on it may be used (engine/prefix_cache.py)."""
+        seat's next turn, where a hit on it may be used (engine/caches/prefix_cache.py)."""
         pc = self.engine.prefix_cache
         if pc is None:
             return

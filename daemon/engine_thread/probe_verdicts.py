@@ -1,21 +1,21 @@
 """The start-up exactness probes' verdicts, kept on disk so a restart need not probe again.
 
 Probes run at every start: whether a speculative verify reproduces serial steps bit for
-bit (engine/exactness.py ``verify_matches_serial``, per rollback strategy), whether batched
-logits equal one-token ones (engine/batch.py ``batch_matches_serial``, per batch height)
+bit (engine/decoders/exactness.py ``verify_matches_serial``, per rollback strategy), whether batched
+logits equal one-token ones (engine/decoders/batch.py ``batch_matches_serial``, per batch height)
 and a ragged batched verify serial ones (``ragged_verify_matches_serial``), and whether
 resuming a prefill off the chunk grid leaves a chunked prefill's state bit for bit
-(engine/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
+(engine/caches/prefix_cache.py ``splits_agree``, per prefill chunk: the prefix cache's
 ``splits_exact``), and, before all of them, whether the compiled one-token step is bit for
-bit the eager one, for one row and for batches (engine/compiled.py ``self_check``,
-engine/compiled_batch.py ``batch_self_check``; their key leaves out the decode paths, which
+bit the eager one, for one row and for batches (engine/model/compiled.py ``self_check``,
+engine/model/compiled_batch.py ``batch_self_check``; their key leaves out the decode paths, which
 those checks decide). The verify and batch probes took about 1.3 s together on the
 bundled model on CPU, longer on a big model. Their answer depends only on the code that computes the forwards,
 the libraries under it, the device, and the model, so it is stored under the daemon's
 cache folder keyed by all of those: the mlx, mlx-lm and councild versions, a hash of the
 engine's source (a development tree changes code without changing its version), the
 device, the model's parameter dtypes, decode paths (one row, batch) and prefill path, the
-kernels the forward runs through (MLX's or the invariant ones, engine/invariant.py), and
+kernels the forward runs through (MLX's or the invariant ones, engine/kernels/invariant.py), and
 the model's content hash (profile.model_hash). Any change to one of them is another file, so a stale verdict
 is never read.
 
@@ -45,8 +45,8 @@ _ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
 
 def _engine_source_hash() -> str:
     h = hashlib.sha256()
-    for f in sorted(_ENGINE_DIR.glob("*.py")):
-        h.update(f.name.encode())
+    for f in sorted(_ENGINE_DIR.rglob("*.py")):  # every wing's modules, by their path in the engine
+        h.update(f.relative_to(_ENGINE_DIR).as_posix().encode())
         h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
@@ -138,7 +138,7 @@ def verdicts_for(lm, group=None, *, decode_path: bool = True) -> ProbeVerdicts:
 
 
 class CompiledStepCheck:
-    """``load_model``'s ``compile_check``: the compiled step's self-checks (engine/compiled.py:
+    """``load_model``'s ``compile_check``: the compiled step's self-checks (engine/model/compiled.py:
     a few steps and verifies, eager and compiled, compared bit for bit; "self_check" for one
     row, 0.4-0.5 s of every start on the bundled model on CPU, and "batch_self_check" for
     batches) read from the verdicts file, each run on a miss. A cached "not identical"

@@ -53,7 +53,7 @@ class EngineStartup:
         the objects requests use, each on its safe setting; then ``warming`` holds the parts
         that switch faster paths in (warming.py), run before returning where ``background``
         is False, else by the worker between requests."""
-        from ..engine.loading import load_model
+        from ..engine.model.loading import load_model
         from ..logs import route_library_logs
         from .prefix_cache_use import PrefixCacheUse
         from .probe_verdicts import CompiledStepCheck, verdicts_for
@@ -105,7 +105,7 @@ class EngineStartup:
         self.engine.prefill_together_exact = None
         self.engine.mixed_exact = None
         if self.cfg.governor_enabled:
-            from ..engine.cache_size import row_cache_bytes
+            from ..engine.caches.cache_size import row_cache_bytes
             from .governance import Governance
 
             self.engine.row_cache_bytes = row_cache_bytes(self.engine.lm, self.engine.max_prompt_tokens)
@@ -128,7 +128,7 @@ class EngineStartup:
         """Whether the kernel choice runs probes (kernel_choice.py): it stays before ready,
         since swapping kernels under requests in flight would change an exact request's
         numbers mid-stream and every cached prefix's."""
-        from ..engine import invariant
+        from ..engine.kernels import invariant
 
         mode = self.cfg.kernels
         return mode == "invariant" or (mode == "auto" and invariant.backend() is not None and self.group is None)
@@ -139,8 +139,8 @@ class EngineStartup:
         numbers are broken says so at start (``engine.first_step``)."""
         import mlx.core as mx
 
-        from ..engine.sampling import Sampler
-        from ..engine.serial import serial_decode
+        from ..engine.decoders.sampling import Sampler
+        from ..engine.decoders.serial import serial_decode
         from ..engine.types import SamplingParams
 
         lm = self.engine.lm
@@ -172,12 +172,12 @@ class EngineStartup:
         self.engine.batch_speculates = False
         if not self.cfg.scheduler.batching:
             return
-        from ..engine.batch import BatchDecoder
+        from ..engine.decoders.batch import BatchDecoder
 
         spec = self.cfg.speculation
         rows = self.cfg.scheduler.batch_rows
         if spec.in_batch and spec.mode != "off" and self.engine.slot.available and self.group is None:
-            from ..engine.batch_spec import SpecBatchDecoder
+            from ..engine.decoders.batch_spec import SpecBatchDecoder
 
             slot = self.engine.slot
             self.engine.batch = SpecBatchDecoder(self.engine.lm, head=lambda: slot.head, depth_for=slot.depth_for,
@@ -234,7 +234,7 @@ class EngineStartup:
         self._set_decode_path(None, reason)
 
     def _compiled_part(self):
-        from ..engine.compiled import checked_compiled_decode
+        from ..engine.model.compiled import checked_compiled_decode
         from .warming import Outcome
 
         lm = self.engine.lm
@@ -248,10 +248,10 @@ class EngineStartup:
 
     def _verify_part(self):
         """Whether a verify reproduces serial decode bit for bit on this backend, and so
-        what exact temperature-0 requests get (engine/exactness.py). Until it answers they
+        what exact temperature-0 requests get (engine/decoders/exactness.py). Until it answers they
         decode serially (the safe setting ``load`` left)."""
-        from ..engine.exactness import verify_matches_serial
-        from ..engine.speculative import resolve_rollback
+        from ..engine.decoders.exactness import verify_matches_serial
+        from ..engine.decoders.speculative import resolve_rollback
         from .warming import Outcome
 
         spec = self.cfg.speculation
@@ -301,8 +301,8 @@ class EngineStartup:
         """Whether exact greedy rows may share the batch's forwards: batched logits equal
         one-row ones (and, where the batch speculates, a ragged verify serial ones). Until
         it answers, exact rows decode alone."""
-        from ..engine.batch import batch_matches_serial
-        from ..engine.exactness import ragged_verify_matches_serial
+        from ..engine.decoders.batch import batch_matches_serial
+        from ..engine.decoders.exactness import ragged_verify_matches_serial
         from .warming import Outcome
 
         t0 = time.perf_counter()
@@ -328,11 +328,11 @@ class EngineStartup:
         return Outcome(exact_ok, reason, apply, {"verdict": verdict})
 
     def _prefill_together(self):
-        """Whether prompts' pieces share forwards (engine/batched_prefill.py): "auto" times a
+        """Whether prompts' pieces share forwards (engine/prefill/batched_prefill.py): "auto" times a
         forward of scheduler.batch_rows rows (max_active, or its ceiling with "auto")
         against one row's; exact greedy rows join where the probe
         finds the rows bit-identical to each alone. Each prompt prefills alone until then."""
-        from ..engine.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
+        from ..engine.prefill.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
         lm, rows = self.engine.lm, self.cfg.scheduler.batch_rows
         return self._measured_choice(
@@ -345,10 +345,10 @@ class EngineStartup:
 
     def _mixed_steps(self):
         """Whether the batch's decode forwards carry a prompt's paced piece
-        (engine/mixed_forward.py): "auto" times one mixed forward against the two it replaces;
+        (engine/prefill/mixed_forward.py): "auto" times one mixed forward against the two it replaces;
         exact greedy rows and prompts take part where the probe finds every group's numbers
         bit-identical to its own forward's. None carry a piece until then."""
-        from ..engine.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
+        from ..engine.prefill.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
 
         lm, rows, chunk = self.engine.lm, self.cfg.scheduler.batch_rows, self.cfg.scheduler.prefill_chunk
         return self._measured_choice(
@@ -401,8 +401,8 @@ class EngineStartup:
                        apply, {"cost_ratio": out["cost_ratio"], "verdict": verdict})
 
     def _configure_backend(self) -> None:
-        # Before the first forward: MLX reads these once per process (engine/backend_env.py).
-        from ..engine import backend_env
+        # Before the first forward: MLX reads these once per process (engine/kernels/backend_env.py).
+        from ..engine.kernels import backend_env
         from ..paths import cache_dir
 
         try:
@@ -486,8 +486,8 @@ class EngineStartup:
     def _choose_kernels(self) -> None:
         """MLX's kernels or the invariant ones (kernel_choice.py), before the exactness
         probes, which then answer for the kernels chosen."""
-        from ..engine import invariant
-        from ..engine.speculative import resolve_rollback
+        from ..engine.kernels import invariant
+        from ..engine.decoders.speculative import resolve_rollback
         from .kernel_choice import choose_kernels, log_choice
 
         invariant.PERTURB_BATCHED = self.cfg.debug_perturb_invariant_batch

@@ -44,7 +44,7 @@ class EngineSnapshot:
     kernels_reason: str = ""
     decode_path: str = ""
     # "compiled" when batched steps and verifies (B >= 2) run the compiled forward, else
-    # "eager: <why>" (engine/compiled.py; its batch self-check decides).
+    # "eager: <why>" (engine/model/compiled.py; its batch self-check decides).
     batch_decode_path: str = ""
     depth: int = 0
     active: list[dict] = field(default_factory=list)

@@ -31,10 +31,11 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..engine.pieces import pause
-from ..engine.prefill import ChunkedPrefill
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
-from ..engine.speculative import HeadHistory, speculative_decode
+from ..engine.prefill.prefill import ChunkedPrefill
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
+from ..engine.caches.head_history import HeadHistory
+from ..engine.decoders.speculative import speculative_decode
 from ..engine.types import SamplingParams
 
 # Decode cycles per shape: the first pays the one-time costs, the second shows they are paid.

@@ -27,9 +27,9 @@ import mlx.core as mx
 from .bench_io import spread, write_results
 from .progress import Progress, Quiet
 from .fidelity import default_model_path, load_prompts
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
-from ..engine.speculative import speculative_decode
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
+from ..engine.decoders.speculative import speculative_decode
 from ..engine.types import SamplingParams
 
 
@@ -108,8 +108,8 @@ def paired_forward_times(lm, compiled, Ts=(1, 2, 3, 4), pairs: int = 20, context
     machines: drift lands on both paths within a pair."""
     import time
 
-    from ..engine.capture import capture_hidden
-    from ..engine.rollback import Snapshot
+    from ..engine.model.capture import capture_hidden
+    from ..engine.decoders.rollback import Snapshot
 
     cache = lm.make_cache()
     with decode_path(lm, None):
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"councild bench compile: --depths wants a comma list of integers, got {args.depths!r}", file=sys.stderr)
         return 2
 
-    from ..engine.loading import load_model
-    from ..engine.mtp_head import NoMTPHead, load_mtp_head
+    from ..engine.model.loading import load_model
+    from ..engine.model.mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path)

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..engine.lookup import DraftStopConfig, LookupConfig
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
-from ..engine.speculative import speculative_decode
+from ..engine.decoders.lookup import DraftStopConfig, LookupConfig
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
+from ..engine.decoders.speculative import speculative_decode
 from ..engine.types import SamplingParams
 from .bench_io import spread, write_results
 from .progress import Progress, Quiet
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         print("councild bench drafting: --rounds must be >= 3", file=sys.stderr)
         return 2
 
-    from ..engine.loading import load_model
-    from ..engine.mtp_head import NoMTPHead, load_mtp_head
+    from ..engine.model.loading import load_model
+    from ..engine.model.mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path)

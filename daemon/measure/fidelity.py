@@ -12,7 +12,7 @@ every draft and verify row the history serial decode would have. The gate runs t
 arms again with PROCESSORS on both sides (the same token-identity requirement), and the
 temperature > 0 test once more with them (``--no-processors`` skips both).
 
-Constrained decoding (engine/constraint.py) masks every draft and verify row with the
+Constrained decoding (engine/decoders/constraint.py) masks every draft and verify row with the
 grammar's state at its position; ``--constraints`` runs the exact and fast arms again under
 each named constraint (CONSTRAINTS), against constrained serial decode (the same
 token-identity requirement for exact).
@@ -54,12 +54,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..engine.constraint import compile_constraint
-from ..engine.lookup import DraftStopConfig, LookupConfig
-from ..engine.model import LoadedModel
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
-from ..engine.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
+from ..engine.decoders.constraint import compile_constraint
+from ..engine.decoders.lookup import DraftStopConfig, LookupConfig
+from ..engine.model.model import LoadedModel
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
+from ..engine.decoders.speculative import DEFAULT_GUARD, DEFAULT_ROLLBACK, resolve_rollback, speculative_decode
 from ..engine.types import SamplingParams
 from ..head_acceptance import PROMPTS_FILE, load_prompts  # the fixed suite, shared with the pull check
 from ..engine_thread.kernel_choice import choose_kernels
@@ -300,7 +300,7 @@ def batch_deviation(lm: LoadedModel, prompts: list[list[int]], depths=(1, 2, 3, 
     (every draft accepted, so the batched cache drift accumulates as in speculation), and
     compare the logits at every position. On CPU both are usually bit-identical; on a GPU
     this is the number the exact guard must cover (headroom > 1)."""
-    from ..engine.serial import prefill
+    from ..engine.prefill.prefill import prefill
 
     def logits_of(prompt, cont, chunk):
         cache = lm.make_cache()
@@ -351,7 +351,7 @@ def base_distribution(lm: LoadedModel, prompt: list[int], params: SamplingParams
     gen_sampler = Sampler(params, prompt=prompt)
     gen_sampler.commit(list(output))
     cache = lm.make_cache()
-    from ..engine.serial import prefill
+    from ..engine.prefill.prefill import prefill
 
     last = prefill(lm, list(prompt) + list(output), cache)
     logits = gen_sampler.process(lm.logits(lm.hidden(last[None], cache))[:, -1, :])
@@ -554,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     pipeline = {"auto": None, "on": True, "off": False}[args.pipeline]
 
-    from ..engine.loading import load_model
-    from ..engine.mtp_head import NoMTPHead, load_mtp_head
+    from ..engine.model.loading import load_model
+    from ..engine.model.mtp_head import NoMTPHead, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path, compile_decode=args.compile)
@@ -571,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     prompts = load_prompts(args.prompts)
     if args.guard == "probe":
-        from ..engine.exactness import exact_guard
+        from ..engine.decoders.exactness import exact_guard
 
         guard = exact_guard(lm, args.rollback, DEFAULT_GUARD)
         print(f"exact-mode guard: {'off (the probe finds verify bit-identical to serial steps)' if guard is None else guard}",

@@ -10,7 +10,7 @@ the same prompt decoded alone by serial_decode under the same sampling parameter
 row must be identical (the gate fails otherwise); fast rows count flips.
 
 With ``riding``, each (mode, height) also runs a "pieces riding" arm (scheduler.mixed_steps,
-engine/mixed_forward.py): the depth alternates between 0 and the arm's every four cycles,
+engine/prefill/mixed_forward.py): the depth alternates between 0 and the arm's every four cycles,
 and meanwhile prompts are prefilled one after another in pieces of random size (1-8 tokens)
 that the batch's depth-0 forwards carry (a drafting cycle's piece runs alone, as the engine
 step runs it); each rider then decodes alone from the cache its pieces built, and is compared
@@ -31,13 +31,13 @@ import time
 
 from collections.abc import Callable
 
-from ..engine.batch_spec import SpecBatchDecoder
-from ..engine.mixed_forward import Ride, mixed_matches_alone
-from ..engine.model import LoadedModel
-from ..engine.prefill import ChunkedPrefill
-from ..engine.prefix_cache import splits_agree
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
+from ..engine.decoders.batch_spec import SpecBatchDecoder
+from ..engine.prefill.mixed_forward import Ride, mixed_matches_alone
+from ..engine.model.model import LoadedModel
+from ..engine.prefill.prefill import ChunkedPrefill
+from ..engine.caches.prefix_cache import splits_agree
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
 from ..engine.types import SamplingParams
 
 ROW_DEPTHS = (1, 2, 3, 4, 0)  # per-row ceilings, in turn (0: a row that never drafts)

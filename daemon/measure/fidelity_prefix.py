@@ -1,7 +1,7 @@
 """The fidelity gate's prefix-cache arms: exact requests that resume off the chunk grid.
 
 Where the start-up split probe says splitting a prefill leaves a cold run's state bit for
-bit (engine/prefix_cache.py ``splits_agree``: on this CPU, at every chunk), exact requests
+bit (engine/caches/prefix_cache.py ``splits_agree``: on this CPU, at every chunk), exact requests
 resume from snapshots at any token. These arms prove what that promises, with the engine's
 own pieces (``PrefixCache``, ``ChunkedPrefill`` with its snapshot stops, the head history a
 hit restores) and speculative decode in exact mode, against serial decode of the whole
@@ -17,7 +17,7 @@ prompt from scratch (the gate's reference), token for token:
   probe passes);
 - "prefilled together": two prompts (prompt i then i+1, resumed from the first's snapshot,
   and i+1 then i, cold) prefilled in one forward per piece, pieces of random sizes
-  (engine/batched_prefill.py, as the engine step runs prompts' tails together); only where
+  (engine/prefill/batched_prefill.py, as the engine step runs prompts' tails together); only where
   ``together_matches_solo`` passes too, as the engine lets exact requests join only then.
 Where the probe says no, exact requests reuse on the chunk grid only and no arm runs (the
 report says so).
@@ -29,12 +29,13 @@ import random
 import time
 from typing import Callable
 
-from ..engine.batched_prefill import prefill_together, together_matches_solo
-from ..engine.model import LoadedModel
-from ..engine.prefill import ChunkedPrefill
-from ..engine.prefix_cache import PrefixCache, splits_agree
-from ..engine.sampling import Sampler
-from ..engine.speculative import DEFAULT_ROLLBACK, HeadHistory, speculative_decode
+from ..engine.prefill.batched_prefill import prefill_together, together_matches_solo
+from ..engine.model.model import LoadedModel
+from ..engine.prefill.prefill import ChunkedPrefill
+from ..engine.caches.prefix_cache import PrefixCache, splits_agree
+from ..engine.decoders.sampling import Sampler
+from ..engine.caches.head_history import HeadHistory
+from ..engine.decoders.speculative import DEFAULT_ROLLBACK, speculative_decode
 from ..engine.types import SamplingParams
 
 KINDS = ("prompt end", "continuation", "paced pieces", "prefilled together")

@@ -170,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.paths import resolve_model
     from daemon.measure.spec_bench import verify_cost
     from daemon.measure.fidelity import load_prompts
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
-    from daemon.engine.speculative import DEFAULT_ROLLBACK
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import NoMTPHead, load_mtp_head
+    from daemon.engine.decoders.speculative import DEFAULT_ROLLBACK
 
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     rollback = args.rollback or DEFAULT_ROLLBACK
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         head, depths = None, []
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
     t0 = time.perf_counter()
-    from daemon.engine.exactness import exact_guard
+    from daemon.engine.decoders.exactness import exact_guard
 
     # Exact mode as the daemon runs it: no near-tie guard where verify is bit-identical.
     guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None

@@ -2,7 +2,7 @@
 
 ``councild bench prefill [--model PATH] [--lengths 256,1024,2048] [--rounds N] [--json OUT]``
 
-Arms: the engine's prefill (``serial.prefill``: the prompt but its last token, in chunks of
+Arms: the engine's prefill (``prefill.prefill``: the prompt but its last token, in chunks of
 PREFILL_CHUNK) followed by the first decode step (logits at the last position only, argmax
 read back): what a request waits for before its first token. "token loop" runs every
 GatedDeltaNet layer through mlx-lm's recurrence (``lm.chunked_prefill = False``); "chunked"
@@ -53,7 +53,7 @@ def make_prompt(lm, length: int, seed: int = 0) -> list[int]:
 def prefill_and_first_token(lm, prompt: list[int]) -> tuple[float, mx.array, list]:
     """Seconds for prefill + the first token (argmax read back); that step's logits [V]; the
     cache (for a continuation)."""
-    from ..engine.serial import prefill
+    from ..engine.prefill.prefill import prefill
 
     cache = lm.make_cache()
     t = time.perf_counter()
@@ -84,9 +84,10 @@ def greedy_continuation(lm, logits: mx.array, cache: list, n: int) -> tuple[list
 def prefill_paths_identical(lm, prompt: list[int], head=None) -> bool:
     """Do serial decode's prefill and speculation's (``prefill_with_hidden``, which also
     evaluates the hiddens and feeds the head) leave bit-identical caches? Exact mode needs it."""
-    from ..engine.forward import cache_arrays
-    from ..engine.serial import prefill
-    from ..engine.speculative import HeadHistory, prefill_with_hidden
+    from ..engine.kernels.forward import cache_arrays
+    from ..engine.prefill.prefill import prefill
+    from ..engine.caches.head_history import HeadHistory
+    from ..engine.decoders.speculative import prefill_with_hidden
 
     a, b = lm.make_cache(), lm.make_cache()
     prefill(lm, prompt, a)
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print("councild bench prefill: --rounds >= 1 and lengths >= 2, please", file=sys.stderr)
         return 2
 
-    from ..engine.loading import load_model
+    from ..engine.model.loading import load_model
     from .fidelity import default_model_path
 
     path = Path(args.model) if args.model else default_model_path()

@@ -2,7 +2,7 @@
 
 Three arms decode the same prompts greedily for the same number of tokens:
   mlx_lm     mlx_lm.stream_generate in this process (the reference),
-  engine     councild's serial engine in this process (daemon.engine.serial),
+  engine     councild's serial engine in this process (daemon.engine.decoders.serial),
   daemon     a real `councild serve` child, over its ZeroMQ socket, with the client library.
 Rounds run A B C A B C ... so drift on a shared machine hits every arm alike. Decode speed is
 tokens after the first over the time from first to last token; time to first token is
@@ -42,8 +42,8 @@ def _arm_mlx_lm(lm, prompt: str, n: int) -> tuple[float, float, int]:
 
 
 def _arm_engine(lm, prompt: str, n: int) -> tuple[float, float, int]:
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
     from daemon.engine.types import SamplingParams
 
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rounds must be at least 2 (the first round is a warm-up)")
 
     from daemon.paths import resolve_model
-    from daemon.engine.loading import load_model
+    from daemon.engine.model.loading import load_model
     from protocol.client import Client
 
     model = resolve_model(args.model)

@@ -34,12 +34,12 @@ import mlx.core as mx
 from .bench_io import spread, write_results
 from .progress import Progress, Quiet
 from .fidelity import default_model_path, load_prompts
-from ..engine.model import LoadedModel
-from ..engine.capture import capture_hidden
-from ..engine.rollback import STRATEGIES, Snapshot
-from ..engine.sampling import Sampler
-from ..engine.serial import serial_decode
-from ..engine.speculative import speculative_decode
+from ..engine.model.model import LoadedModel
+from ..engine.model.capture import capture_hidden
+from ..engine.decoders.rollback import STRATEGIES, Snapshot
+from ..engine.decoders.sampling import Sampler
+from ..engine.decoders.serial import serial_decode
+from ..engine.decoders.speculative import speculative_decode
 from ..engine.types import DEFAULT_GUARD, SamplingParams
 
 
@@ -106,13 +106,14 @@ def run_arm(lm, head, prompts, tokens, depth, strategy, exact, guard_margin=DEFA
 
 
 def load_engine_module(path: str, name: str = "speculative_before"):
-    """An earlier version of daemon/engine/speculative.py (e.g. ``git show
-    main:daemon/engine/speculative.py > FILE``) as a module of the engine package, so its
-    relative imports resolve against the current engine; its speculative_decode can be
+    """An earlier version of daemon/engine/decoders/speculative.py (e.g. ``git show
+    main:daemon/engine/decoders/speculative.py > FILE``) as a module of the decoders wing, so
+    its relative imports resolve against the current engine (a version from before the engine
+    stood in wings imports ``.model`` etc. and does not load); its speculative_decode can be
     passed as a ``pipelines`` value to run_bench (the before arm of a before/after)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"daemon.engine.{name}", path)
+    spec = importlib.util.spec_from_file_location(f"daemon.engine.decoders.{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -409,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                          "or both as two interleaved arms per depth (ab: off = before, on = after); abc: three arms, "
                          "before (--before-engine, else off), off, on")
     ap.add_argument("--before-engine", help="with --pipeline ab: the before arm runs this earlier speculative.py "
-                                            "(e.g. from git show main:daemon/engine/speculative.py) instead of pipeline off")
+                                            "(e.g. from git show main:daemon/engine/decoders/speculative.py) instead of pipeline off")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--markdown", help="also write the markdown table here")
     args = ap.parse_args(argv)
@@ -417,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         print("councild bench spec: --rounds must be >= 5", file=sys.stderr)
         return 2
 
-    from ..engine.loading import load_model
-    from ..engine.mtp_head import NoMTPHead, copy_head_tensors, load_mtp_head
+    from ..engine.model.loading import load_model
+    from ..engine.model.mtp_head import NoMTPHead, copy_head_tensors, load_mtp_head
 
     path = Path(args.model) if args.model else default_model_path()
     lm = load_model(path)
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     depths = [int(d) for d in args.depths.split(",")]
     prompts = [lm.encode_prompt(p, None, None) for p in load_prompts()[: args.prompts]]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    from ..engine.exactness import exact_guard
+    from ..engine.decoders.exactness import exact_guard
 
     strategies = tuple(args.rollbacks.split(","))
     probed = {s: exact_guard(lm, s, DEFAULT_GUARD) for s in strategies}

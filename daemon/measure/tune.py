@@ -55,9 +55,9 @@ def generation_sampling(model_path: str | Path) -> dict | None:
 def _decode(lm, head, prompt: list[int], depth: int, tokens: int, exact: bool, rollback: str,
             params: dict | None = None, seed: int = 0, guard_margin: float | None = None,
             ) -> tuple[list[float], list[list[bool]], int]:
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     sampler = Sampler(SamplingParams(**params, seed=seed) if params else SamplingParams())
@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from daemon.measure.fidelity import load_prompts
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import NoMTPHead, load_mtp_head
-    from daemon.engine.speculative import DEFAULT_ROLLBACK
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import NoMTPHead, load_mtp_head
+    from daemon.engine.decoders.speculative import DEFAULT_ROLLBACK
 
     from governor import load_config as load_governor_config
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     all_prompts = load_prompts()
     prompts = [lm.encode_prompt(p, None, None) for p in all_prompts[: max(1, args.prompts)]]
     n_depths = 1 + (len([d for d in depths if d > 0]) if head is not None else 0)
-    from daemon.engine.exactness import exact_guard
+    from daemon.engine.decoders.exactness import exact_guard
 
     # The guard as the daemon runs exact mode: off where the probe proves verify bit-identical.
     guard = exact_guard(lm, rollback, cfg.speculation.guard_margin) if head is not None else None

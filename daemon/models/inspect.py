@@ -18,7 +18,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from daemon.engine.head_layout import SIDECARS, head_files, is_mtp_key, read_header
+from daemon.engine.model.head_layout import SIDECARS, head_files, is_mtp_key, read_header
 from .refs import ModelRefError, hub_cache_dir, parse_ref, resolve_local
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from daemon.engine.head_layout import (INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files,
+from daemon.engine.model.head_layout import (INDEX, SIDECAR, SafetensorsError, canonical_mtp_key, head_files,
                                        head_tensor_shapes, is_mtp_key, read_header)
 from daemon.head_acceptance import CHECK_PROMPTS, CHECK_TOKENS, MIN_ACCEPTANCE, acceptance_check
 
@@ -320,7 +320,7 @@ def add_head(folder: Path, base: ModelRef, source_text: str, *, check: bool = Tr
     (where the head now is, measured acceptance or None without the check)."""
     import mlx.core as mx
 
-    from daemon.engine.mtp_head import read_tensors
+    from daemon.engine.model.mtp_head import read_tensors
 
     src = parse_ref(source_text)
     base_cfg = json.loads((folder / "config.json").read_text())

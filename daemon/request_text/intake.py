@@ -20,7 +20,7 @@ import threading
 
 import msgspec
 
-from ..engine.constraint import ConstraintError, compile_constraint
+from ..engine.decoders.constraint import ConstraintError, compile_constraint
 from ..logs import get_logger
 from .reasoning import reasoning_split_for
 from .requests import Job

@@ -26,7 +26,7 @@ class SpecTally:
     guarded: int = 0
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
-    # Cycles that verified a prompt-lookup block (engine/lookup.py), counted apart; the
+    # Cycles that verified a prompt-lookup block (engine/decoders/lookup.py), counted apart; the
     # per-position tallies above hold the head's drafts only.
     lookup_cycles: int = 0
     lookup_drafted: int = 0
@@ -89,7 +89,7 @@ class Job:
         self.prompt: list[int] = []
         # (code, message) when the intake thread refused the prompt (intake.py).
         self.rejection: tuple[str, str] | None = None
-        # The request's compiled constraint (engine/constraint.py), set by the intake thread.
+        # The request's compiled constraint (engine/decoders/constraint.py), set by the intake thread.
         self.constraint = None
         self.generator = None
         self.detok = None
@@ -130,11 +130,11 @@ class Job:
         self.solo_spec = False
         self.handoff = False
         self.row_depth = 0
-        # While its prompt is being prefilled (engine/prefill.py): the ChunkedPrefill, and
+        # While its prompt is being prefilled (engine/prefill/prefill.py): the ChunkedPrefill, and
         # the speculation mode its decode will use.
         self.prefill = None
         self.mode = "off"
-        # Prefix cache (engine/prefix_cache.py): prompt tokens restored from a snapshot,
+        # Prefix cache (engine/caches/prefix_cache.py): prompt tokens restored from a snapshot,
         # the prompt's segment ends (chat messages), and where its prefill takes snapshots.
         self.cached_tokens = 0
         self.segment_ends: list[int] = []

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def random_model_path(tmp_path_factory):
     """A small random-weight qwen3_5 checkpoint (+ sidecar MTP head), built once per session."""
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("random-qwen35") / "model", seed=0)
 
@@ -16,7 +16,7 @@ def random_model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def lm(random_model_path):
     """The random checkpoint loaded, once per module that asks (a module may define its own)."""
-    from daemon.engine.loading import load_model
+    from daemon.engine.model.loading import load_model
 
     return load_model(random_model_path)
 
@@ -24,7 +24,7 @@ def lm(random_model_path):
 @pytest.fixture(scope="module")
 def head(lm):
     """The random checkpoint's sidecar MTP head, loaded onto ``lm``."""
-    from daemon.engine.mtp_head import load_mtp_head
+    from daemon.engine.model.mtp_head import load_mtp_head
 
     return load_mtp_head(lm)
 
@@ -33,7 +33,7 @@ def head(lm):
 def tiny():
     """The bundled model (daemon/assets/tiny-qwen35: trained, so its head's drafts are
     accepted), loaded once per module that asks."""
-    from daemon.engine.loading import load_model
+    from daemon.engine.model.loading import load_model
     from daemon.paths import BUNDLED_MODEL
 
     return load_model(BUNDLED_MODEL)

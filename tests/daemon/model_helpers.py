@@ -7,8 +7,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from daemon.engine.prefill import ChunkedPrefill
-from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
+from daemon.engine.prefill.prefill import ChunkedPrefill
+from daemon.engine.model.mtp_head import copy_head_tensors, load_mtp_head
 
 
 def make_copy_head(lm, folder: Path):

@@ -1,6 +1,7 @@
-"""engine/backend_env.py: the MLX process switches a daemon sets before its first forward
-(issue 38). What they do is measured on the H200 (bench/attention_first_use.py); here: which
-variables are set, that an operator's own value wins, and that the daemon logs them."""
+"""engine/kernels/backend_env.py: the MLX process switches a daemon sets before its first
+forward, so a new shape costs what was measured. What they do is measured on the H200
+(bench/probes/attention_first_use.py); here: which variables are set, that an operator's own value
+wins, and that the daemon logs them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import backend_env as be
+from daemon.engine.kernels import backend_env as be
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

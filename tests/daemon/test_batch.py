@@ -1,4 +1,4 @@
-"""BatchDecoder (daemon/engine/batch.py): batched rows vs serial_decode alone."""
+"""BatchDecoder (daemon/engine/decoders/batch.py): batched rows vs serial_decode alone."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.batch import BatchDecoder, batch_matches_serial  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder, batch_matches_serial  # noqa: E402
 from daemon.engine.types import DEFAULT_GUARD  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
 from daemon.engine.types import DecodeStep, SamplingParams  # noqa: E402
 
 N = 24

@@ -1,4 +1,4 @@
-"""SpecBatchDecoder (daemon/engine/batch_spec.py): rows speculating together vs each alone."""
+"""SpecBatchDecoder (daemon/engine/decoders/batch_spec.py): rows speculating together vs each alone."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import speculative_decode  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 TEXTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
@@ -233,7 +233,7 @@ def test_exact_greedy_rows_refused_where_batched_verify_differs(tiny, head, prom
 def test_ragged_probe_passes_here_and_catches_a_wrong_rollback(tiny, monkeypatch):
     """The start-up probe behind ``exact_ok``: true on CPU; where the ragged rollback is
     wrong (rows keep every verify position), every row's later logits differ and it says so."""
-    from daemon.engine import exactness
+    from daemon.engine.decoders import exactness
 
     tiny.__dict__.pop("_ragged_verify_matches_serial", None)
     assert exactness.ragged_verify_matches_serial(tiny)
@@ -336,7 +336,7 @@ def test_unpipelined_decoder_decodes_the_same_tokens(tiny, head, prompts):
 def test_a_cycle_reports_the_positions_its_forward_held(tiny, head, prompts):
     """The step budget's use (worker._advance): a speculating cycle at depth K forwards every
     row's primary and K drafts, B x (K + 1) positions; at depth 0, and in BatchDecoder, B."""
-    from daemon.engine.batch import BatchDecoder
+    from daemon.engine.decoders.batch import BatchDecoder
 
     depth = {"k": 3}
     bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth["k"])

@@ -1,4 +1,4 @@
-"""Several prompts' prefill pieces in one forward (daemon/engine/batched_prefill.py) vs each
+"""Several prompts' prefill pieces in one forward (daemon/engine/prefill/batched_prefill.py) vs each
 ChunkedPrefill stepping alone: caches, head histories and hidden states bit-identical on
 this CPU backend, pieces cut at every part's stops, continuations serial decode's."""
 
@@ -12,14 +12,15 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine import batched_prefill as bp  # noqa: E402
-from daemon.engine import chunked_prefill as cp  # noqa: E402
-from daemon.engine.forward import cache_arrays  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import HeadHistory, speculative_decode  # noqa: E402
+from daemon.engine.prefill import batched_prefill as bp  # noqa: E402
+from daemon.engine.kernels import chunked_prefill as cp  # noqa: E402
+from daemon.engine.kernels.forward import cache_arrays  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.caches.head_history import HeadHistory  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 N = 12

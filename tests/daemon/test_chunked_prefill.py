@@ -22,11 +22,11 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
-from daemon.engine import chunked_prefill as cp
+from daemon.engine.kernels import chunked_prefill as cp
 from daemon.measure.fidelity import load_prompts
-from daemon.engine.loading import load_model
-from daemon.engine.forward import cache_arrays
-from daemon.engine.serial import prefill
+from daemon.engine.model.loading import load_model
+from daemon.engine.kernels.forward import cache_arrays
+from daemon.engine.prefill.prefill import prefill
 
 BUNDLED = Path(__file__).resolve().parents[2] / "daemon" / "assets" / "tiny-qwen35"
 REL_TOL = 2e-5
@@ -141,7 +141,7 @@ def test_greedy_continuations_agree_on_fidelity_prompts(lm):
 
 
 def test_long_prompt_through_the_engine_prefill(lm):
-    """The real path: serial.prefill -> lm.prefill_hidden, default chunk, chunking on vs off.
+    """The real path: prefill.prefill -> lm.prefill_hidden, default chunk, chunking on vs off.
     Caches close (bf16 activations), continuations agree up to a near-tie."""
     prompt = sum((lm.encode_prompt(p, None, None) for p in load_prompts()), []) * 2
     assert len(prompt) - 1 >= cp.MIN_T
@@ -168,10 +168,10 @@ def test_long_prompt_through_the_engine_prefill(lm):
 
 
 def test_the_daemons_resumable_prefill_takes_the_chunked_path(lm):
-    """engine/prefill.py's ChunkedPrefill (what the daemon runs) leaves the caches that
-    serial.prefill leaves at the same chunk size, chunked GatedDeltaNet on; with it off the
+    """engine/prefill/prefill.py's ChunkedPrefill (what the daemon runs) leaves the caches that
+    prefill.prefill leaves at the same chunk size, chunked GatedDeltaNet on; with it off the
     caches differ (so the comparison can tell the two paths apart)."""
-    from daemon.engine.prefill import ChunkedPrefill
+    from daemon.engine.prefill.prefill import ChunkedPrefill
 
     prompt = sum((lm.encode_prompt(p, None, None) for p in load_prompts()), [])[:300]
     saved = lm.chunked_prefill

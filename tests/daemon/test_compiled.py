@@ -8,14 +8,14 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache
 
-from daemon.engine import compiled as compiled_mod
+from daemon.engine.model import compiled as compiled_mod
 from daemon.measure.compile_bench import decode_path, format_compile_ab, run_compile_ab
-from daemon.engine.compiled import CompiledDecode, enable_compiled_decode, self_check
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
-from daemon.engine.sampling import Sampler
-from daemon.engine.serial import serial_decode
-from daemon.engine.speculative import speculative_decode
+from daemon.engine.model.compiled import CompiledDecode, enable_compiled_decode, self_check
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import load_mtp_head
+from daemon.engine.decoders.sampling import Sampler
+from daemon.engine.decoders.serial import serial_decode
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 
@@ -126,7 +126,7 @@ def test_speculation_on_the_compiled_path_matches_eager_serial(lm, rollback):
 
 
 def test_capture_verify_uses_the_compiled_forward(lm, monkeypatch):
-    from daemon.engine.capture import capture_hidden
+    from daemon.engine.model.capture import capture_hidden
 
     calls = []
     real = type(lm.compiled_decode).capture_hidden

@@ -1,4 +1,4 @@
-"""The compiled batched step (engine/compiled.py, compiled_batch.py): B rows through the
+"""The compiled batched step (engine/model/compiled.py, compiled_batch.py): B rows through the
 traced layers, bit-identical to the eager forward or not used."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
-from daemon.engine import compiled as compiled_mod
-from daemon.engine import forward as forward_mod
-from daemon.engine.batch import BatchDecoder
-from daemon.engine.batch_spec import SpecBatchDecoder
-from daemon.engine.capture import capture_hidden
-from daemon.engine.loading import load_model
-from daemon.engine.ragged_cache import RaggedKVCache, keep_ragged
-from daemon.engine.sampling import Sampler
-from daemon.engine.serial import serial_decode
+from daemon.engine.model import compiled as compiled_mod
+from daemon.engine.kernels import forward as forward_mod
+from daemon.engine.decoders.batch import BatchDecoder
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder
+from daemon.engine.model.capture import capture_hidden
+from daemon.engine.model.loading import load_model
+from daemon.engine.caches.ragged_cache import RaggedKVCache, keep_ragged
+from daemon.engine.decoders.sampling import Sampler
+from daemon.engine.decoders.serial import serial_decode
 from daemon.engine.types import SamplingParams
 from daemon.measure.compile_bench import decode_path
 

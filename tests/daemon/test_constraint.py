@@ -1,4 +1,4 @@
-"""Constrained decoding (daemon/engine/constraint.py) on the bundled model, in process:
+"""Constrained decoding (daemon/engine/decoders/constraint.py) on the bundled model, in process:
 the matcher's bookkeeping, refusals, and every decode path (serial, exact and sampled
 speculation with head drafts and prompt-lookup blocks, batched rows) against the grammar and
 against constrained serial decode."""
@@ -12,17 +12,17 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.constraint import (  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.decoders.constraint import (  # noqa: E402
     ConstraintError,
     ConstraintViolation,
     compile_constraint,
 )
-from daemon.engine.lookup import DraftStopConfig, LookupConfig  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import speculative_decode  # noqa: E402
+from daemon.engine.decoders.lookup import DraftStopConfig, LookupConfig  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 from constraint_cases import CASES as CONSTRAINTS, check_output  # noqa: E402
@@ -209,7 +209,7 @@ def test_constrained_rows_speculate_in_the_batch_as_they_decode_alone(tiny, head
     verify is masked, its matcher settles on what it commits. Each row decodes its constrained
     serial decode's tokens (temperature 0, CPU: the batched verify is bit-identical), its
     output obeys its grammar, the constrained rows really drafted, and no grammar failed."""
-    from daemon.engine.batch_spec import SpecBatchDecoder
+    from daemon.engine.decoders.batch_spec import SpecBatchDecoder
 
     n = 28
     prompts = [tiny.encode_prompt(p, None, None) for p in PROMPTS + ["def add(a, b):\n", "x = 1\n"]]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from daemon.engine import rollback as rollback_mod
-from daemon.engine.exactness import verify_matches_serial
-from daemon.engine.loading import load_model
+from daemon.engine.decoders import rollback as rollback_mod
+from daemon.engine.decoders.exactness import verify_matches_serial
+from daemon.engine.model.loading import load_model
 
 
 @pytest.mark.parametrize("compile_decode", [True, False])
@@ -52,7 +52,7 @@ def test_the_probe_runs_once_per_strategy(random_model_path, monkeypatch):
 
 
 def test_exact_guard_is_off_only_where_the_probe_proves_bit_identity(random_model_path, monkeypatch):
-    from daemon.engine.exactness import exact_guard
+    from daemon.engine.decoders.exactness import exact_guard
 
     lm = load_model(random_model_path, compile_decode=False)
     assert exact_guard(lm, "capture", 0.03) is None  # CPU: verify == serial steps, no guard needed

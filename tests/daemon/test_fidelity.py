@@ -10,8 +10,8 @@ import pytest
 from daemon.measure.fidelity import (ArmResult, FidelityReport, _serial_tokens, chi2_sf, distribution_test, load_prompts,
                                      main, run_fidelity_gate)
 from daemon.measure.fidelity_batch import run_batched_arms
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import load_mtp_head
 from daemon.engine.types import SamplingParams
 from daemon.paths import BUNDLED_MODEL
 
@@ -202,8 +202,8 @@ def test_lookup_blocks_sample_the_base_distribution(lm, copy_head, pos):
     params = SamplingParams(temperature=1.0, top_k=6)
     ctx = lookup_context(lm, lm.tokenizer.encode("a b c d e f"), params)
     from daemon.measure.fidelity import DRAFTING
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.speculative import speculative_decode
 
     first = next(speculative_decode(lm, copy_head, ctx, Sampler(params), 1, **DRAFTING["lookup"]))
     assert first.draft_source == "lookup" and first.drafted >= 2  # the test exercises lookup blocks

@@ -13,9 +13,9 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from daemon.engine.head_layout import SafetensorsError, is_mtp_key, read_header
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
+from daemon.engine.model.head_layout import SafetensorsError, is_mtp_key, read_header
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import load_mtp_head
 from daemon.paths import BUNDLED_MODEL
 
 TEXT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import daemon
-from daemon.engine.loading import load_model
+from daemon.engine.model.loading import load_model
 from daemon.engine.types import DecodeStep
 from daemon.engine_thread.governance import Governance
 from daemon.engine_thread.head_slot import HeadSlot

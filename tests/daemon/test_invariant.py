@@ -1,19 +1,19 @@
-"""The invariant kernels' host side (engine/invariant.py), on the CPU: the mask each query
+"""The invariant kernels' host side (engine/kernels/invariant.py), on the CPU: the mask each query
 sees, the reference arithmetic, the class swap, and the probes' answers through it.
 
 The CUDA and Metal kernels themselves cannot run here (no custom-kernel backend on the CPU:
 the classes compute with the reference ops); they are proven on the H200 by
-bench/invariance_probe.py, whose results are committed."""
+bench/probes/invariance_probe.py, whose results are committed."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
 
-from daemon.engine import invariant
-from daemon.engine.batch import batch_matches_serial
-from daemon.engine.exactness import verify_matches_serial
-from daemon.engine.loading import load_model
+from daemon.engine.kernels import invariant
+from daemon.engine.decoders.batch import batch_matches_serial
+from daemon.engine.decoders.exactness import verify_matches_serial
+from daemon.engine.model.loading import load_model
 from daemon.paths import BUNDLED_MODEL
 
 

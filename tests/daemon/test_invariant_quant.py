@@ -1,4 +1,4 @@
-"""The fixed-order quantized matmul's host side (engine/invariant_quant.py), on the CPU: the
+"""The fixed-order quantized matmul's host side (engine/kernels/invariant_quant.py), on the CPU: the
 reference arithmetic against MLX's quantized matmul and dequantize, its batch invariance,
 the class swap that routes quantized linears and a quantized tied head through it, the
 layouts it refuses, and the start-up probes through it on a small quantized qwen3_5.
@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from daemon.engine import invariant, invariant_quant
-from daemon.engine.loading import load_model
+from daemon.engine.kernels import invariant, invariant_quant
+from daemon.engine.model.loading import load_model
 from daemon.engine_thread.kernel_choice import choose_kernels
 
 
@@ -179,7 +179,7 @@ def test_forwards_over_max_rows_take_mlx_path():
 @pytest.fixture(scope="module")
 def quantized_lm(tmp_path_factory):
     """The small random qwen3_5 (tied head), its base quantized 4-bit, group 32."""
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.random_model import build_random_model
 
     path = build_random_model(tmp_path_factory.mktemp("random-q") / "model", seed=3)
     lm = load_model(path, compile_decode=False)

@@ -13,7 +13,13 @@ annotations, not dependencies, except for the circle rule):
   (daemon/socket_side/): no module imports a wing above its own, and the wings, with the
   top-level modules and the other folders, form no circle;
 - the floor (config, exits, logs, paths, the package) imports no serving wing but the engine;
-- daemon/'s top level holds at most 14 files: the CLI, config and the floor, the demo."""
+- daemon/'s top level holds at most 14 files: the CLI, config and the floor, the demo;
+- inside the engine, its wings stand in one order too, bottom to top: kernels (the arithmetic
+  of a forward), caches (where a request's state is kept), model (a loaded checkpoint and its
+  forwards), prefill (a prompt into the caches), decoders (tokens out): no engine module
+  imports a wing above its own, annotations included; the engine's floor (pieces, types, the
+  package) imports no wing; every other engine module stands in a wing, none holds more than
+  12 modules, and each wing's ``__init__`` is a one-line docstring that imports nothing."""
 
 from __future__ import annotations
 
@@ -33,6 +39,11 @@ WINGS = ("daemon.engine", "daemon.request_text", "daemon.engine_thread", "daemon
 # Top-level modules every wing may use; they import no serving wing (the engine only).
 FLOOR = ("daemon", "daemon.config", "daemon.exits", "daemon.logs", "daemon.paths")
 TOP_LEVEL_MAX = 14
+# The engine's wings, bottom to top, and its floor (modules every engine wing may use).
+ENGINE_WINGS = ("daemon.engine.kernels", "daemon.engine.caches", "daemon.engine.model", "daemon.engine.prefill",
+                "daemon.engine.decoders")
+ENGINE_FLOOR = ("daemon.engine", "daemon.engine.pieces", "daemon.engine.types")
+ENGINE_WING_MAX = 12
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
@@ -120,15 +131,21 @@ def _wing(mod: str) -> str:
     return ".".join(mod.split(".")[:2])
 
 
-def _arrows_up(graph: dict[str, set[str]], wings=WINGS) -> list[str]:
+def _engine_wing(mod: str) -> str:
+    """The engine wing a module stands in (``daemon.engine.model.loading`` ->
+    ``daemon.engine.model``); a floor module is its own node."""
+    return ".".join(mod.split(".")[:3])
+
+
+def _arrows_up(graph: dict[str, set[str]], wings=WINGS, wing=_wing) -> list[str]:
     rank = {w: i for i, w in enumerate(wings)}
     found = []
     for mod, deps in graph.items():
-        mine = rank.get(_wing(mod))
+        mine = rank.get(wing(mod))
         if mine is None:
             continue
         for d in sorted(deps):
-            theirs = rank.get(_wing(d))
+            theirs = rank.get(wing(d))
             if theirs is not None and theirs > mine:
                 found.append(f"{mod} -> {d}")
     return found
@@ -153,8 +170,8 @@ def _reachable(graph: dict[str, set[str]], roots) -> set[str]:
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert "daemon.engine.forward" in graph["daemon.engine.rollback"]
-    assert "daemon.engine.model" in graph["daemon.engine.loading"]
+    assert "daemon.engine.kernels.forward" in graph["daemon.engine.decoders.rollback"]
+    assert "daemon.engine.model.model" in graph["daemon.engine.model.loading"]
     assert len(graph) >= 30
 
 
@@ -202,13 +219,13 @@ def test_engine_imports_only_the_engine():
 
 
 def test_no_gate_or_bench_under_engine():
-    names = {p.stem for p in (ROOT / "engine").glob("*.py")}
+    names = {p.stem for p in (ROOT / "engine").rglob("*.py")}
     assert not {n for n in names if "bench" in n or "fidelity" in n or "gate" in n}, names
 
 
 def test_the_running_daemon_reaches_neither_measurement_nor_cli():
     reach = _reachable(_graph(), SERVING_ROOTS)
-    assert "daemon.engine_thread.worker" in reach and "daemon.engine.speculative" in reach
+    assert "daemon.engine_thread.worker" in reach and "daemon.engine.decoders.speculative" in reach
     bad = {m for m in reach if m.startswith("daemon.measure") or m == "daemon.cli"}
     assert not bad, bad
 
@@ -260,3 +277,52 @@ def test_the_live_view_is_a_protocol_client():
         names |= {"daemon." + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 2}
         bad = {m for m in names if m.split(".")[0] in ("mlx", "mlx_lm") or any(_in(m, w) for w in WINGS)}
         assert not bad, f"{f.name} imports {bad}"
+
+
+def _engine_graph() -> dict[str, set[str]]:
+    """The engine's modules and their imports inside the engine, annotations included."""
+    return {m: {d for d in deps if _in(d, "daemon.engine")}
+            for m, deps in _graph(type_only=True).items() if _in(m, "daemon.engine")}
+
+
+def test_no_engine_wing_imports_one_above_it():
+    graph = _engine_graph()
+    assert all(any(_engine_wing(m) == w for m in graph) for w in ENGINE_WINGS), "an engine wing is missing"
+    up = _arrows_up(graph, ENGINE_WINGS, _engine_wing)
+    assert not up, up
+
+
+def test_a_planted_arrow_up_between_engine_wings_is_found():
+    graph = {"daemon.engine.prefill.prefill": {"daemon.engine.model.model", "daemon.engine.decoders.serial"},
+             "daemon.engine.model.model": {"daemon.engine.kernels.chunked_prefill", "daemon.engine.pieces"}}
+    assert _arrows_up(graph, ENGINE_WINGS, _engine_wing) == [
+        "daemon.engine.prefill.prefill -> daemon.engine.decoders.serial"]
+
+
+def test_the_engine_floor_imports_no_wing():
+    for mod, deps in _engine_graph().items():
+        if mod in ENGINE_FLOOR:
+            bad = {d for d in deps if any(_in(d, w) for w in ENGINE_WINGS)}
+            assert not bad, f"{mod} imports {bad}"
+
+
+def test_every_engine_module_stands_in_a_small_wing():
+    """A reader names the engine's parts from its folder listing: the floor at the top, the
+    rest in the wings, none over ENGINE_WING_MAX modules, no folder that is not a wing."""
+    mods = set(_engine_graph())
+    stray = {m for m in mods if m not in ENGINE_FLOOR and _engine_wing(m) not in ENGINE_WINGS}
+    assert not stray, f"engine modules outside the wings and the floor: {sorted(stray)}"
+    for w in ENGINE_WINGS:
+        inside = [m for m in mods if _in(m, w) and m != w]
+        assert 0 < len(inside) <= ENGINE_WING_MAX, f"{w}: {len(inside)} modules"
+    folders = {p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {w.rsplit(".", 1)[1] for w in ENGINE_WINGS}, folders
+
+
+def test_each_engine_wing_says_what_it_holds_in_one_line():
+    for w in ENGINE_WINGS:
+        init = ROOT.parent / (w.replace(".", "/") + "/__init__.py")
+        tree = ast.parse(init.read_text())
+        doc = ast.get_docstring(tree)
+        assert doc and "\n" not in doc, f"{init}: one-line docstring wanted"
+        assert len(tree.body) == 1, f"{init} holds more than its docstring"

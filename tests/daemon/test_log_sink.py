@@ -1,4 +1,4 @@
-"""The log sink never raises (issue 19, finding 1): with its descriptor pointed at /dev/full
+"""The log sink never raises: with its descriptor pointed at /dev/full
 every write fails with ENOSPC; the lines are dropped and counted, and once writes work again
 the first line is followed by log.lines_dropped with the count. Real descriptors throughout
 (dup2 swaps what the sink's fd refers to, as a disk filling and emptying would)."""

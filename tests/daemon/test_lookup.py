@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from daemon.engine.lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
+from daemon.engine.decoders.lookup import DraftStop, DraftStopConfig, LookupConfig, PromptLookup
 
 
 @pytest.mark.quick
@@ -57,10 +57,10 @@ def test_draft_stop_weighs_confidence_by_running_acceptance():
 
 # -- inside speculative_decode ----------------------------------------------------------------
 
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import speculative_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from model_helpers import make_copy_head  # noqa: E402
 

@@ -8,7 +8,7 @@ import itertools
 import mlx.core as mx
 import pytest
 
-from daemon.engine.loop_guard import LoopGuard, LoopGuardConfig, dry_penalty, periodic_tail
+from daemon.engine.decoders.loop_guard import LoopGuard, LoopGuardConfig, dry_penalty, periodic_tail
 
 CFG = LoopGuardConfig(min_span=12, min_repeats=3, max_period=8)
 
@@ -45,12 +45,12 @@ def test_guard_arms_on_a_loop_and_disarms_after_the_cooldown():
 
 # -- inside speculative_decode ----------------------------------------------------------------
 
-from daemon.engine.lookup import LookupConfig  # noqa: E402
-from daemon.engine.loading import load_model  # noqa: E402
-from daemon.engine.mtp_head import load_mtp_head  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import serial_decode  # noqa: E402
-from daemon.engine.speculative import speculative_decode  # noqa: E402
+from daemon.engine.decoders.lookup import LookupConfig  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 

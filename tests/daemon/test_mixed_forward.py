@@ -1,4 +1,4 @@
-"""One forward over decoding rows and prompts' pieces (daemon/engine/mixed_forward.py): each
+"""One forward over decoding rows and prompts' pieces (daemon/engine/prefill/mixed_forward.py): each
 group's hidden states and caches bit-identical to its own forward on this CPU backend, and
 decoding on from the mixed forward's caches gives serial decode's tokens."""
 
@@ -12,12 +12,13 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.batch import BatchDecoder  # noqa: E402
-from daemon.engine.batch_spec import SpecBatchDecoder  # noqa: E402
-from daemon.engine.mixed_forward import Ride, cache_states, mixed_hidden, mixed_matches_alone  # noqa: E402
-from daemon.engine.prefill import ChunkedPrefill  # noqa: E402
-from daemon.engine.sampling import Sampler  # noqa: E402
-from daemon.engine.serial import prefill, serial_decode  # noqa: E402
+from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.prefill.mixed_forward import Ride, cache_states, mixed_hidden, mixed_matches_alone  # noqa: E402
+from daemon.engine.prefill.prefill import ChunkedPrefill  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
 
@@ -174,7 +175,7 @@ def test_with_the_invariant_kernels_each_group_gets_its_own_forwards_kernels_and
     bit-identical, up to and past the kernels' height (where the flattened projections fall
     back to MLX's matmul: the same bits as the reference on this CPU, not on a GPU, which is why
     start-up probes a whole chunk's piece); a perturbed multi-row product makes the probe say no."""
-    from daemon.engine import invariant
+    from daemon.engine.kernels import invariant
 
     invariant.install(lm.text_module)
     try:

@@ -58,7 +58,7 @@ def test_a_local_model_folder_gets_a_head_from_a_local_source(tmp_path):
 
     import mlx.core as mx
 
-    from daemon.engine.head_layout import is_mtp_key, read_header
+    from daemon.engine.model.head_layout import is_mtp_key, read_header
     from daemon.models.pull import pull
     from daemon.paths import BUNDLED_MODEL
 
@@ -79,7 +79,7 @@ def test_a_local_model_folder_gets_a_head_from_a_local_source(tmp_path):
 def _shapes_of(cfg: dict) -> dict:
     from types import SimpleNamespace
 
-    from daemon.engine.head_layout import head_tensor_shapes
+    from daemon.engine.model.head_layout import head_tensor_shapes
 
     return {k: SimpleNamespace(shape=v) for k, v in head_tensor_shapes(cfg).items()}
 
@@ -102,7 +102,7 @@ def test_a_head_that_fits_the_base_passes_and_one_that_does_not_is_refused_by_na
 
 
 def test_head_shapes_fall_back_to_hidden_over_heads_and_leave_moe_experts_alone():
-    from daemon.engine.head_layout import head_tensor_shapes
+    from daemon.engine.model.head_layout import head_tensor_shapes
 
     no_hd = {k: v for k, v in DENSE.items() if k != "head_dim"}
     assert head_tensor_shapes(no_hd)["mtp.layers.0.self_attn.q_norm.weight"] == (16,)

@@ -11,8 +11,8 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import MTPHead, NoMTPHead, load_mtp_head, read_tensors
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import MTPHead, NoMTPHead, load_mtp_head, read_tensors
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +147,9 @@ def test_quantized_base_gives_quantized_head(random_model_path, tmp_path):
     # And the quantized pair decodes token-identically to serial.
     import itertools
 
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     prompt = [5, 9, 100, 7, 3]
@@ -181,7 +181,7 @@ def test_unload_returns_memory(random_model_path):
 
 def test_moe_head_loads_per_expert_tensors(tmp_path):
     """A Qwen3.5-MoE / Qwen3-Next style head: per-expert HF tensors are stacked into switch_mlp."""
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.random_model import build_random_model
 
     moe_cfg = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}
     folder = build_random_model(tmp_path / "moe", seed=1, text_config=moe_cfg)

@@ -74,8 +74,8 @@ def test_report_shape_and_markdown():
 
 
 def test_tiny_real_measurement(random_model_path):
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import load_mtp_head
 
     lm = load_model(random_model_path)
     head = load_mtp_head(lm)

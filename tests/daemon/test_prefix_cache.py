@@ -8,14 +8,14 @@ import random
 import mlx.core as mx
 import pytest
 
-from daemon.engine.prefix_cache import PrefixCache
+from daemon.engine.caches.prefix_cache import PrefixCache
 
 from model_helpers import next_logits, prefilled
 
 
 @pytest.fixture(scope="module")
 def lm(random_model_path):
-    from daemon.engine.loading import load_model
+    from daemon.engine.model.loading import load_model
 
     return load_model(random_model_path, compile_decode=False)
 
@@ -65,7 +65,7 @@ def test_lru_under_the_byte_budget(lm):
 
 # ---------------------------------------------------------------- reuse at every token
 def _state_bits(cache) -> list:
-    from daemon.engine.prefix_cache import filled_arrays
+    from daemon.engine.caches.prefix_cache import filled_arrays
 
     out = filled_arrays(cache)
     mx.eval(out)
@@ -80,7 +80,7 @@ def test_the_split_probe_compares_what_a_forward_reads_and_agrees_on_this_cpu(lm
     """``splits_agree`` at a chunk past the KV cache's 256-slot allocation step: the
     plans' KV buffers differ in capacity (the old probe compared whole buffers and said
     "differs" from 128-token chunks up), their filled parts and the next logits do not."""
-    from daemon.engine.prefix_cache import split_plans, splits_agree
+    from daemon.engine.caches.prefix_cache import split_plans, splits_agree
 
     chunk = 128
     n, plans = split_plans(chunk)
@@ -104,7 +104,7 @@ def test_the_split_probe_refuses_a_forward_whose_numbers_depend_on_the_split(lm,
     """A backend whose short forwards round differently (standing in for MLX on CUDA:
     kernels chosen by row count, the chunked GatedDeltaNet form from 128 tokens): the
     probe says no."""
-    from daemon.engine.prefix_cache import splits_agree
+    from daemon.engine.caches.prefix_cache import splits_agree
 
     chunk = 32
     real = type(lm).prefill_hidden
@@ -126,7 +126,7 @@ def test_where_splits_are_exact_snapshots_sit_at_exact_ends_and_a_resume_is_a_co
     the grid point before each; the prefill cuts its chunks there; a later prompt resumes
     from the off-grid snapshot and
     leaves the cold run's state bit for bit (and the same next logits)."""
-    from daemon.engine.prefill import ChunkedPrefill
+    from daemon.engine.prefill.prefill import ChunkedPrefill
 
     chunk = 32
     rng = random.Random(4)

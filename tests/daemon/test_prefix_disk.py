@@ -11,10 +11,10 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from daemon.engine import prefix_disk
-from daemon.engine.prefix_cache import PrefixCache
-from daemon.engine.sampling import Sampler
-from daemon.engine.serial import serial_decode
+from daemon.engine.caches import prefix_disk
+from daemon.engine.caches.prefix_cache import PrefixCache
+from daemon.engine.decoders.sampling import Sampler
+from daemon.engine.decoders.serial import serial_decode
 from daemon.engine.types import SamplingParams
 from daemon.logs import get_logger
 
@@ -25,7 +25,7 @@ LOG = get_logger("test.prefix_disk")
 
 @pytest.fixture(scope="module")
 def lm(random_model_path):
-    from daemon.engine.loading import load_model
+    from daemon.engine.model.loading import load_model
 
     return load_model(random_model_path, compile_decode=False)
 

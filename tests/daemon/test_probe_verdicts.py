@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from daemon.engine.exactness import verify_matches_serial
-from daemon.engine.loading import load_model
+from daemon.engine.decoders.exactness import verify_matches_serial
+from daemon.engine.model.loading import load_model
 from daemon.engine_thread.probe_verdicts import ProbeVerdicts, verdicts_for
 
 
@@ -83,7 +83,7 @@ def test_an_unusable_cache_folder_still_answers(lm, tmp_path, monkeypatch):
 def test_the_split_probe_is_kept_per_chunk_and_per_key(lm, tmp_path):
     """The prefix cache's chunk-split verdict (splits_agree) as _open_prefix_cache asks for
     it: read back for the same chunk, probed for another chunk or another key."""
-    from daemon.engine.prefix_cache import splits_agree
+    from daemon.engine.caches.prefix_cache import splits_agree
 
     first = ProbeVerdicts(lm, tmp_path)
     probed = first.get("splits", "16", lambda: splits_agree(lm, 16))
@@ -106,7 +106,7 @@ def test_the_compiled_steps_self_check_is_read_back_and_keyed_without_the_decode
     step's self-check and stores its verdict, the next one reads it (the self-check is not
     run) and still decodes on the compiled step; a stored "differs" keeps the next load
     eager. Its key is the decode path's own: the path it decides is not in it."""
-    from daemon.engine import compiled
+    from daemon.engine.model import compiled
     from daemon.engine_thread.probe_verdicts import CompiledStepCheck
 
     monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))

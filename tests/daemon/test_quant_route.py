@@ -1,6 +1,6 @@
 """Which kernel a quantized layer takes, on the CPU: the tensor-core kernel's layout rules
-(engine/quant_mma.py), the per-layer route in engine/invariant_quant.py, and the speed route by
-row count (engine/quant_route.py) with the CUDA kernel replaced by a recorder (the kernel itself
+(engine/kernels/quant_mma.py), the per-layer route in engine/kernels/invariant_quant.py, and the speed route by
+row count (engine/kernels/quant_route.py) with the CUDA kernel replaced by a recorder (the kernel itself
 runs only on a GPU: bench/qmm_device.py; bench/results/qmm_h200_2026-12-03)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from daemon.engine import invariant, invariant_quant, quant_mma, quant_route
+from daemon.engine.kernels import invariant, invariant_quant, quant_mma, quant_route
 from daemon.engine_thread.kernel_choice import swap_kernels
 
 pytestmark = pytest.mark.quick
@@ -111,8 +111,8 @@ def test_float32_activations_stay_on_mlx_when_routed(recorded_kernel):
 def test_on_the_cpu_the_daemon_never_routes(tmp_path):
     """swap_kernels back to MLX's with routing asked: no CUDA here, so nothing is swapped and the
     kernels stay "mlx" (the verdicts cache key unchanged)."""
-    from daemon.engine.loading import load_model
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.random_model import build_random_model
 
     lm = load_model(build_random_model(tmp_path / "m", seed=5), compile_decode=False)
     nn.quantize(lm.text_module, group_size=32, bits=4)

@@ -1,4 +1,4 @@
-"""RaggedKVCache (daemon/engine/ragged_cache.py): holes instead of moved keys."""
+"""RaggedKVCache (daemon/engine/caches/ragged_cache.py): holes instead of moved keys."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ mx = pytest.importorskip("mlx.core")
 
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from daemon.engine.ragged_cache import RaggedKVCache  # noqa: E402
+from daemon.engine.caches.ragged_cache import RaggedKVCache  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

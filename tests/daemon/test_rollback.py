@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
-from daemon.engine.capture import capture_hidden
-from daemon.engine.rollback import STRATEGIES, attention_offset, make_rollback
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import load_mtp_head
+from daemon.engine.model.capture import capture_hidden
+from daemon.engine.decoders.rollback import STRATEGIES, attention_offset, make_rollback
 
 TOL = 1e-3
 
@@ -115,7 +115,7 @@ def test_capture_forward_is_lm_hidden_op_for_op(lm):
 
 def test_no_float32_leak_into_the_residual_stream(lm, random_model_path):
     """Every block returns the activation dtype (bf16) though the GDN state is float32."""
-    from daemon.engine.forward import gdn_capture
+    from daemon.engine.kernels.forward import gdn_capture
 
     bb = lm.backbone
     cache = lm.make_cache()
@@ -145,7 +145,7 @@ def next_lm():
 
     from mlx_lm.models import qwen3_next
 
-    from daemon.engine.model import LoadedModel
+    from daemon.engine.model.model import LoadedModel
 
     args = qwen3_next.ModelArgs(
         model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
@@ -179,10 +179,10 @@ def test_qwen3_next_capture_and_rollback(next_lm, strategy):
 def test_qwen3_next_speculation_is_token_identical(next_lm):
     import itertools
 
-    from daemon.engine.mtp_head import MTPHead
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import serial_decode
-    from daemon.engine.speculative import speculative_decode
+    from daemon.engine.model.mtp_head import MTPHead
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.decoders.speculative import speculative_decode
     from daemon.engine.types import SamplingParams
 
     lm = next_lm

@@ -78,7 +78,7 @@ def test_the_live_limit_admits_up_to_it_and_lowering_it_drops_nothing():
 def test_a_rows_cache_bytes_match_a_real_cache_at_that_context(tiny):
     import mlx.core as mx
 
-    from daemon.engine.cache_size import row_cache_bytes
+    from daemon.engine.caches.cache_size import row_cache_bytes
 
     for n in (5, 300):  # one and two of the KV cache's 256-position steps
         cache = tiny.make_cache()

@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 
 from daemon.measure.fidelity import PROCESSORS, run_fidelity_gate
-from daemon.engine.loading import load_model
-from daemon.engine.sampling import Sampler
-from daemon.engine.serial import serial_decode
-from daemon.engine.speculative import speculative_decode
+from daemon.engine.model.loading import load_model
+from daemon.engine.decoders.sampling import Sampler
+from daemon.engine.decoders.serial import serial_decode
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 from model_helpers import make_copy_head

@@ -8,11 +8,12 @@ import random
 import mlx.core as mx
 import pytest
 
-from daemon.engine.mtp_head import copy_head_tensors, load_mtp_head
-from daemon.engine.rollback import STRATEGIES, attention_offset
-from daemon.engine.sampling import Sampler
-from daemon.engine.serial import serial_decode
-from daemon.engine.speculative import HeadHistory, speculative_decode
+from daemon.engine.model.mtp_head import copy_head_tensors, load_mtp_head
+from daemon.engine.decoders.rollback import STRATEGIES, attention_offset
+from daemon.engine.decoders.sampling import Sampler
+from daemon.engine.decoders.serial import serial_decode
+from daemon.engine.caches.head_history import HeadHistory
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 from model_helpers import make_copy_head
@@ -68,7 +69,7 @@ def test_accepting_head_is_token_identical_and_accepts(lm, copy_head, strategy):
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_depth_may_change_every_cycle_and_head_history_stays_paired(lm, copy_head, pipeline, monkeypatch):
-    import daemon.engine.speculative as speculative
+    import daemon.engine.decoders.speculative as speculative
 
     monkeypatch.setattr(speculative, "PIPELINE_MIN_FULL", 0.0)  # build ahead at every chance
     monkeypatch.setattr(speculative, "PIPELINE_MIN_CYCLE_S", 0.0)
@@ -113,7 +114,7 @@ def test_depth_may_change_every_cycle_and_head_history_stays_paired(lm, copy_hea
 def test_building_cycles_ahead_commits_what_building_them_after_does(lm, copy_head, head, params, monkeypatch):
     """The pipeline (next cycle built on the guess of a full accept, undone when wrong)
     commits the same tokens, cycle by cycle, as building each cycle after the last."""
-    import daemon.engine.speculative as speculative
+    import daemon.engine.decoders.speculative as speculative
 
     # Build ahead whatever the acceptance and however short the cycles (this CPU is slow or
     # fast); count the builds ahead and the undos through the cache marks they take.
@@ -193,7 +194,7 @@ def test_sampling_runs_and_commits_accept_plus_one(lm, copy_head):
 
 
 def test_auto_rollback_is_capture_off_metal():
-    from daemon.engine.speculative import resolve_rollback
+    from daemon.engine.decoders.speculative import resolve_rollback
 
     on_metal = mx.default_device() == mx.gpu and mx.metal.is_available()
     assert resolve_rollback("auto") == ("snapshot" if on_metal else "capture")
@@ -223,7 +224,7 @@ def test_head_unloaded_mid_request_falls_back_to_serial(lm, tmp_path):
 
 def test_near_tie_flags_what_a_top2_partial_sort_flags():
     """Exact mode's guard without mx.topk: same flags, ties included."""
-    from daemon.engine.sampling import near_tie
+    from daemon.engine.decoders.sampling import near_tie
 
     for trial in range(30):
         lp = mx.random.normal((3, 64), key=mx.random.key(trial)).astype(mx.bfloat16)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from daemon.measure.spec_bench import format_bench, run_bench, verify_cost
-from daemon.engine.loading import load_model
-from daemon.engine.mtp_head import load_mtp_head
+from daemon.engine.model.loading import load_model
+from daemon.engine.model.mtp_head import load_mtp_head
 
 
 def test_bench_reports_arms_acceptance_and_rollback_winner(random_model_path):

@@ -1,4 +1,4 @@
-"""Any representable temperature is safe (issue 19, finding 6): below GREEDY_BELOW a request
+"""Any representable temperature is safe: below GREEDY_BELOW a request
 samples as greedy, on the serial path, the speculative path (exact and fast) and in the
 continuous batch; just above it, sampling stays finite and picks the argmax here."""
 
@@ -8,10 +8,10 @@ import itertools
 
 import pytest
 
-from daemon.engine.batch import BatchDecoder
-from daemon.engine.sampling import GREEDY_BELOW, Sampler
-from daemon.engine.serial import serial_decode
-from daemon.engine.speculative import speculative_decode
+from daemon.engine.decoders.batch import BatchDecoder
+from daemon.engine.decoders.sampling import GREEDY_BELOW, Sampler
+from daemon.engine.decoders.serial import serial_decode
+from daemon.engine.decoders.speculative import speculative_decode
 from daemon.engine.types import SamplingParams
 
 TINY = [5e-324, 1e-45, 1e-40, 1e-38, 1e-20, GREEDY_BELOW / 2]

@@ -87,7 +87,7 @@ def test_without_streaming_and_without_tools(tok):
 
 def test_a_call_never_closed_is_still_a_call_and_never_text(tok):
     # Cut inside its first parameter's tag: the call with what was generated (nothing yet),
-    # never the template's markup as text (issue 41).
+    # never the template's markup as text (a client would show it to the user).
     chunks, done = run(tok, "a " + CALL[:40], 2)
     assert [(c.name, json.loads(c.arguments)) for c in done.tool_calls] == [("get_weather", {})]
     assert "<" not in done.text and done.text.strip() == "a"

@@ -65,7 +65,7 @@ def test_killing_a_rank_mid_stream_ends_the_other_and_the_client_hears_unavailab
 
 
 def test_a_model_whose_heads_the_group_does_not_divide_is_refused_with_the_reason(tmp_path):
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.random_model import build_random_model
 
     model = build_random_model(tmp_path / "model", seed=0,
                                text_config={"num_attention_heads": 3, "num_key_value_heads": 1})

@@ -10,7 +10,7 @@ from e2e_harness import start_daemon
 
 @pytest.fixture(scope="session")
 def e2e_model(tmp_path_factory) -> Path:
-    from daemon.engine.random_model import build_random_model
+    from daemon.engine.model.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("e2e-model") / "model", seed=0)
 

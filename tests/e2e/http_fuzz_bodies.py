@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-VOCAB = 512  # the random test model's (daemon/engine/random_model.py)
+VOCAB = 512  # the random test model's (daemon/engine/model/random_model.py)
 
 
 @dataclass(frozen=True)

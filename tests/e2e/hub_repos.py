@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from daemon.engine.head_layout import is_mtp_key
+from daemon.engine.model.head_layout import is_mtp_key
 from daemon.paths import BUNDLED_MODEL
 
 BASE = "mlx-community/Qwen3.5-Tiny-bf16"

@@ -24,7 +24,7 @@ def check_prefix(kind: str, token_ids: list[int]) -> None:
     is a prefix of the grammar (what a request cut by max_tokens returns)."""
     import llguidance
 
-    from daemon.engine.constraint import grammar_text
+    from daemon.engine.decoders.constraint import grammar_text
 
     tok = llguidance.LLTokenizer(str(BUNDLED_MODEL / "tokenizer.json"), eos_token=[0, 2])
     matcher = llguidance.LLMatcher(tok, grammar_text(kind, CASES[kind]), log_level=0)

@@ -1,4 +1,4 @@
-"""The engine step against a real daemon (issue 29): the warm-up runs its stages before the
+"""The engine step against a real daemon: the warm-up runs its stages before the
 daemon answers, and a prefix-cache hit is prefilled ahead of a long cold prompt of its class
 (its remainder fits one chunk, so it goes first in the prefill phase)."""
 

@@ -1,4 +1,4 @@
-"""The governor under REAL memory pressure on this Linux machine (issue 6).
+"""The governor under REAL memory pressure on this Linux machine.
 
 A real daemon serves the bundled model with the MTP head resident. Its ``[governor.linux]``
 MemAvailable thresholds are set relative to the memory available when the test starts

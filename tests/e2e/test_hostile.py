@@ -1,4 +1,4 @@
-"""Hostile conditions (issue 19), each against a real daemon process: a log sink that fails
+"""Hostile conditions, each against a real daemon process: a log sink that fails
 (stderr on /dev/full: every write is ENOSPC), start-up on a bad filesystem, a model load
 interrupted by SIGTERM, absurd configuration, prompts sized against the model's context,
 tokenization that must not stall other streams, and honest queue/prefill timings.
@@ -23,7 +23,7 @@ from e2e_harness import REPO, start_daemon
 from protocol import Client, Done, Error, Generate, Tokens, decode_daemon, encode
 from protocol.client import CouncilError
 
-CONTEXT = 4096  # max_position_embeddings of the random test model (daemon/engine/random_model.py)
+CONTEXT = 4096  # max_position_embeddings of the random test model (daemon/engine/model/random_model.py)
 
 
 def _serve(tmp: Path, model: Path, *args: str, env: dict | None = None, stdout=None, config: str | None = None):

@@ -276,7 +276,7 @@ def test_metrics_move_after_a_request(stack, oai):
                                         status="200", outcome="length") + 1
     assert get(after, "councild_memory_active_bytes") > 0
     assert get(after, "councild_head_resident") == 1.0
-    # The engine step (issue 29): iterations ran, their decode phases forwarded the tokens.
+    # The engine step: iterations ran, their decode phases forwarded the tokens.
     assert get(after, "councild_step_steps_total") >= get(before, "councild_step_steps_total") + 6
     assert get(after, "councild_step_decode_tokens_total") >= get(before, "councild_step_decode_tokens_total") + 6
     assert get(after, "councild_step_prefill_tokens_total") > get(before, "councild_step_prefill_tokens_total")

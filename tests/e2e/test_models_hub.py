@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine.head_layout import read_header
+from daemon.engine.model.head_layout import read_header
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
@@ -139,8 +139,8 @@ def test_the_head_is_quantized_like_a_quantized_base(hub, tmp_path):
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from daemon.engine.loading import load_model
-    from daemon.engine.mtp_head import load_mtp_head
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.model.mtp_head import load_mtp_head
 
     lm = load_model(folder, compile_decode=False)
     head = load_mtp_head(lm)

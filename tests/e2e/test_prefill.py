@@ -116,9 +116,10 @@ def test_chunked_prefill_is_the_one_shot_computation(prefill_daemon, e2e_model):
     """Served in 16-token chunks that take turns with other work, a prompt decodes (exact
     greedy) exactly as serial decode after an in-process prefill of the same chunk size.
     (The chunk size itself is part of the numerics: see OPERATIONS.md, Chunked prefill.)"""
-    from daemon.engine.loading import load_model
-    from daemon.engine.sampling import Sampler
-    from daemon.engine.serial import prefill, serial_decode
+    from daemon.engine.model.loading import load_model
+    from daemon.engine.decoders.sampling import Sampler
+    from daemon.engine.decoders.serial import serial_decode
+    from daemon.engine.prefill.prefill import prefill
     from daemon.engine.types import SamplingParams
 
     prompt = long_prompt(300, seed=3)

@@ -147,7 +147,7 @@ def test_auto_prefill_together_follows_what_start_up_measured(paced):
     """prefill_together = "auto" (the default): start-up times a forward of the batch's rows
     (max_active, 4 by default) against one row's and turns sharing on only where it pays
     (batched_prefill.together_pays)."""
-    from daemon.engine.batched_prefill import together_pays
+    from daemon.engine.prefill.batched_prefill import together_pays
 
     ready = [e for e in paced.events() if e["event"] == "prefill_together.ready"][-1]
     assert ready["mode"] == "auto" and ready["rows"] == 4 and ready["cost_ratio"] > 0, ready

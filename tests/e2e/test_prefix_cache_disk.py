@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from e2e_harness import start_daemon
 
-from daemon.engine import prefix_disk
+from daemon.engine.caches import prefix_disk
 from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
 # These tests are about a backend whose off-grid splits change the numbers (as expected on
 # CUDA), where exact snapshots sit on the chunk grid only: this CPU's agree
-# (engine/prefix_cache.py), so debug_inexact_splits stands in for such a backend (reuse at
+# (engine/caches/prefix_cache.py), so debug_inexact_splits stands in for such a backend (reuse at
 # any token is tests/e2e/test_prefix_cache_served.py's). Prompts just past one chunk:
 # every turn is a prefill on this CPU's reference matmuls (~1.4 s for 300 tokens).
 CHUNK = 128

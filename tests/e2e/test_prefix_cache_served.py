@@ -68,7 +68,7 @@ def _spec(done):
 
 @pytest.mark.quick
 def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
-    """Reuse at any token (this CPU's splits agree, engine/prefix_cache.py): turn 1's
+    """Reuse at any token (this CPU's splits agree, engine/caches/prefix_cache.py): turn 1's
     finished state (prompt + answer, off the chunk grid) is an exact snapshot, and the
     seat's next turn resumes from it with a cold run's tokens and acceptance."""
     turn1 = _encode("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40)))[:140]

@@ -3,7 +3,7 @@ the bundled model, two seats): whatever the prompt's form (raw text, token ids, 
 wherever it diverges (its last line, a message's end, the middle of a message, a history
 rewritten in the middle), the second prompt re-prefills less than one prefill chunk of
 what it shares with the first, and decodes a cold run's tokens in exact mode
-(engine/prefix_cache.py ``boundaries``: the exact ends and the grid point before each)."""
+(engine/caches/prefix_cache.py ``boundaries``: the exact ends and the grid point before each)."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def test_queue_caps_answer_overloaded_at_once(sched_daemon):
 
 
 def test_a_seat_filling_every_slot_does_not_starve_another(sched_daemon):
-    """Issue 13: seat A fills max_active with long requests; seat B's short request must
+    """Fairness between seats: seat A fills max_active with long requests; seat B's short request must
     be served while A's still run (before, it waited until A's ended or were cancelled)."""
     with Client(sched_daemon.endpoint, seat="hog", timeout_s=120) as a, \
             Client(sched_daemon.endpoint, seat="short", timeout_s=120) as b:

@@ -1,4 +1,4 @@
-"""The governor's start (issue 38): a new batch height starts from what the cost model
+"""The governor's start: a new batch height starts from what the cost model
 knows, and a cycle at a depth the stream or batch did not run last is not booked as that
 depth's cost. The figures are the H200's (bench/results/h200_2026-12-02b/gov_cost_probe.txt,
 the bundled model with attention off cuDNN): a solo cycle 2.13 ms at depth 0 and 4.05 ms

@@ -1,4 +1,4 @@
-"""Issue 18's policy items, on the pure policy and the fake engine: a head that left because
+"""The policy's trials, on the pure policy and the fake engine: a head that left because
 it did not pay comes back on (rate-limited) trial, probes are paired so a regime change
 during one cannot decide it, and what ``pin_depth 0`` does to the head."""
 

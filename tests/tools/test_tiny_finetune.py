@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.engine.chat_templates import QWEN_TOOLS_TEMPLATE
+from daemon.engine.model.chat_templates import QWEN_TOOLS_TEMPLATE
 from daemon.paths import BUNDLED_MODEL
 from daemon.request_text.tool_calls import parse_tool_calls
 from protocol import messages as pm
@@ -95,8 +95,6 @@ def test_heldout_families_never_in_training():
 @pytest.mark.slow
 def test_finetune_runs_two_steps_on_cpu(tok, tmp_path):
     pytest.importorskip("torch")
-    import train_tiny_model as ttm
-
     ids, bits, starts = ft.pack(tok, td.generate(40, seed=9), max_len=512)
     np.savez_compressed(tmp_path / "chat.npz", ids=ids, mask=bits, starts=starts)
     ids, bits, starts = ft.pack(tok, td.generate(10, seed=10, split="heldout"), max_len=512)
@@ -105,7 +103,7 @@ def test_finetune_runs_two_steps_on_cpu(tok, tmp_path):
     for name in ("code.npy", "code_held.npy"):
         np.save(tmp_path / name, rng.integers(3, 4096, 4000).astype(np.uint16))
     out = tmp_path / "run"
-    ttm.main(["--asset", str(BUNDLED_MODEL), "finetune", "--data", str(tmp_path), "--device", "cpu",
+    ft.main(["--asset", str(BUNDLED_MODEL), "finetune", "--data", str(tmp_path), "--device", "cpu",
               "--steps", "2", "--batch", "2", "--seq", "512", "--eval-every", "0", "--held-windows", "1", "--threads", "1",
               "--out", str(out)])
     from safetensors.torch import load_file as tload  # bf16: read with torch

@@ -1,0 +1,1 @@
+"""Decoders: sampling and constraints, serial and speculative decode, the continuous batch, exactness."""

@@ -1,0 +1,1 @@
+"""Kernels: backbone walks, chunked GatedDeltaNet, batch-invariant and quantized matmuls, the backend's switches."""

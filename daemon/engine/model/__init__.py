@@ -1,0 +1,1 @@
+"""The model: loading and sharding a checkpoint, its MTP head, its capture and compiled forwards."""

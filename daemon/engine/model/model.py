@@ -1,0 +1,129 @@
+"""A loaded model, and the two halves of its forward that speculation needs (loading it
+is ``loading.py``).
+
+mlx-lm's ``model(tokens, cache)`` returns logits only. Native MTP needs the base model's
+final-normed hidden states as well, so the forward is split: ``hidden(tokens, cache)`` runs
+the backbone, ``logits(hidden)`` applies the (possibly tied) output head. Both serial and
+speculative paths go through the same halves, so their numerics match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..kernels import chunked_prefill
+
+# mlx-lm model types whose layers are GatedDeltaNet + gated attention and that carry an
+# MTP head in their checkpoints.
+HYBRID_MTP_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any
+    path: Path
+    config: dict
+    model_type: str
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Set by ``compiled.enable_compiled_decode`` once its one-token forward proved
+    # bit-identical to the eager one; None = every forward is eager.
+    compiled_decode: Any = None
+    # "compiled", or why the one-token forward stayed eager (for logs and benchmarks).
+    decode_path: str = "eager: not requested"
+    # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
+    # instead of token by token; load_model turns it on on CUDA (chunked_prefill.default_enabled).
+    chunked_prefill: bool = False
+    # "mlx", or "invariant" once invariant.install swapped the forward's kernels (the daemon's
+    # kernel choice, kernel_choice.py); the probes' cached verdicts are keyed by it.
+    kernels: str = "mlx"
+
+    @property
+    def batch_decode_path(self) -> str:
+        """"compiled" when batched steps and verifies (B >= 2 rows) run the compiled forward
+        (its batch self-check passed, compiled.py), else "eager: <why>"."""
+        c = self.compiled_decode
+        if c is None:
+            if self.decode_path == "compiled":
+                return "eager: compiled steps switched off"
+            return f"eager: as one row ({self.decode_path.removeprefix('eager: ')})"
+        return "compiled" if c.batched else f"eager: {c.batch_reason}"
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def text_module(self) -> nn.Module:
+        """The module that owns embed/layers/norm and lm_head (qwen3_5 wraps it)."""
+        return getattr(self.model, "language_model", self.model)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.text_module.model
+
+    @property
+    def text_args(self) -> Any:
+        return self.text_module.args
+
+    @property
+    def supports_mtp(self) -> bool:
+        return self.model_type in HYBRID_MTP_TYPES
+
+    def hidden(self, tokens: mx.array, cache: list | None) -> mx.array:
+        """Final-normed hidden states, shape [B, T, H]."""
+        if self.compiled_decode is not None:
+            h = self.compiled_decode.try_hidden(tokens, cache)
+            if h is not None:
+                return h
+        return self.backbone(tokens, cache)
+
+    def prefill_hidden(self, tokens: mx.array, cache: list) -> mx.array:
+        """``hidden`` for a prompt chunk: the chunked recurrence where enabled and it applies
+        (long enough, one unpadded sequence); decode steps and verifies never come here."""
+        if self.chunked_prefill:
+            if chunked_prefill.applies(self, tokens, cache):
+                return chunked_prefill.prefill_hidden(self, tokens, cache)
+        return self.hidden(tokens, cache)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        text = self.text_module
+        if text.args.tie_word_embeddings:
+            return text.model.embed_tokens.as_linear(hidden)
+        out = text.lm_head(hidden)
+        if getattr(text, "sharding_group", None) is not None:  # a vocabulary split across ranks
+            from mlx_lm.models.base import gather_last_axis
+
+            out = gather_last_axis(out, text.sharding_group)
+        return out
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        return self.backbone.embed_tokens(tokens)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None,
+                      template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a request's prompt. ``template_kwargs`` are extra variables for the
+        chat template (e.g. ``enable_thinking``), for ``messages`` only; ``tools`` (OpenAI's
+        function-tool dicts) are rendered by the template, which knows the model's format."""
+        if template_kwargs and messages is None:
+            raise ValueError("chat_template_kwargs apply to messages only (the chat template renders them)")
+        if tokens is not None:
+            return list(tokens)
+        if messages is not None:
+            if getattr(self.tokenizer, "chat_template", None):
+                if tools:
+                    template_kwargs = {**(template_kwargs or {}), "tools": tools}
+                return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               **(template_kwargs or {})))
+            prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return list(self.tokenizer.encode(prompt or ""))
