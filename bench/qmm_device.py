@@ -1,4 +1,4 @@
-"""The tensor-core quantized matmul (daemon/engine/quant_mma.py) on the device, in one call.
+"""The tensor-core quantized matmul (daemon/engine/kernels/quant_mma.py) on the device, in one call.
 
     PYTHONPATH=/tmp/site:$PWD python3 bench/qmm_device.py --out $OUT [--budget 540] [--skip-steps]
 

@@ -12,7 +12,7 @@ is the total over L. MLX builds a CUDA graph of up to ``MLX_MAX_OPS_PER_BUFFER``
 launches one, so run it with ``MLX_MAX_OPS_PER_BUFFER=1`` to let the host encode op i + 1 while
 the device runs op i: the time per matmul is then the device's wherever the device is slower than
 the host (the host's time alone is reported beside it: the same calls on a 16-column weight).
-Arms: MLX's ``quantized_matmul`` and engine/quant_mma.py's kernel at splits S (the default and
+Arms: MLX's ``quantized_matmul`` and engine/kernels/quant_mma.py's kernel at splits S (the default and
 twice it) x column tiles per warp NA (1, 2, 4), U from its table. First, the kernel's launches
 are checked against each other (NA and U change nothing: the same bits) and against MLX's.
 Weights are random bits with random scales and biases (no quantize on a fresh device: MLX's
@@ -42,7 +42,7 @@ for p in (ROOT, ROOT / "bench"):
 
 import mlx.core as mx  # noqa: E402
 
-from daemon.engine import invariant, quant_mma  # noqa: E402
+from daemon.engine.kernels import invariant, quant_mma  # noqa: E402
 
 T0 = time.perf_counter()
 SHAPES = {  # name: (N, K), the 27B's linears that carry most of its bytes, and its lm_head

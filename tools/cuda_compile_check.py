@@ -1,4 +1,4 @@
-"""Compile engine/quant_mma.py's kernel with nvcc for sm_90 at each launch variant, before any
+"""Compile engine/kernels/quant_mma.py's kernel with nvcc for sm_90 at each launch variant, before any
 device time is spent: syntax, template and register errors show here, and ptxas reports each
 variant's registers and spills (a spilling variant is slow on the device).
 
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def kernel_texts() -> tuple[str, str]:
     """The header and body as MLX is handed them (minified), from the module."""
     sys.path.insert(0, str(ROOT))
-    from daemon.engine import quant_mma
+    from daemon.engine.kernels import quant_mma
 
     return quant_mma._HEADER_RUN, quant_mma._SOURCE_RUN
 

@@ -1,9 +1,9 @@
 """A quantized matmul whose result for a row does not depend on who else is in the forward.
 
-engine/invariant.py makes plain linears and attention batch-invariant; a quantized model's
+engine/kernels/invariant.py makes plain linears and attention batch-invariant; a quantized model's
 linears (``nn.QuantizedLinear``, and a quantized tied head, ``nn.QuantizedEmbedding.as_linear``)
 went through MLX's ``quantized_matmul``, whose kernels differ by batch height on GPUs, so the
-start-up probes failed there and exact rows of a 4-bit model never batched (issue 39).
+start-up probes failed there and exact rows of a 4-bit model never batched.
 
 ``quantized_matmul`` computes y[m, n] = sum_k x[m, k] * w[n, k] for MLX's affine
 quantization as ``nn.QuantizedLinear`` stores it: ``weight`` uint32 [N, K * bits / 32]
@@ -31,7 +31,7 @@ kernel gives other bits by batch height fails the probes and the daemon keeps ML
 ``refusal`` names what the kernel cannot take (another mode than affine, bits other than
 2/4/8, no biases, a layout whose shapes do not agree). The classes that route a model through
 the kernel (``InvariantQuantizedLinear``, ``InvariantQuantizedEmbedding``) live in
-engine/invariant.py beside the other invariant classes, whose row limit (MAX_ROWS), test hook
+engine/kernels/invariant.py beside the other invariant classes, whose row limit (MAX_ROWS), test hook
 and backend they share; its ``install`` leaves a refused layer MLX's and reports the reason.
 This module imports nothing of the engine.
 """
@@ -235,7 +235,7 @@ _routes: dict[tuple, str] = {}
 
 def _route(backend: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
            scalar: bool) -> str:
-    """"mma" (engine/quant_mma.py: a property of the layer and the activations' dtype, never of
+    """"mma" (engine/kernels/quant_mma.py: a property of the layer and the activations' dtype, never of
     M, so a layer sums in one order at every height), "scalar" (this module's kernel) or why
     neither can take the call."""
     key = (backend, w.shape, w.dtype, scales.shape, scales.dtype, None if biases is None else (biases.shape, biases.dtype),
@@ -262,8 +262,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     """x [..., K] times the quantized w [N, K] transposed, each output summed in an order
     fixed by K alone (see the module docstring), on ``backend`` ("cuda" or "metal"; None, the
     CPU: ``reference_quantized_matmul``). The keyword arguments override the launch shape
-    (for the device check's sweep). engine/invariant.py's ``invariant_quantized_matmul``
-    calls it with the process's backend. On CUDA a layer engine/quant_mma.py takes runs on the
+    (for the device check's sweep). engine/kernels/invariant.py's ``invariant_quantized_matmul``
+    calls it with the process's backend. On CUDA a layer engine/kernels/quant_mma.py takes runs on the
     tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel."""
     if backend is None:
         return reference_quantized_matmul(x, w, scales, biases, group_size, bits)

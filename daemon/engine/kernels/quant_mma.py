@@ -3,7 +3,7 @@
 A decode step of a large quantized model is bound by reading its weights: carrying 1 or 32
 positions through the same weights should cost about the same. MLX's ``quantized_matmul`` on
 the H200 does not (a 5120 -> 17408 4-bit layer: 66 us at M = 1, 211 us at M = 4, a quarter of
-the weight-read bound at M = 1), nor did engine/invariant_quant.py's scalar fixed-order kernel
+the weight-read bound at M = 1), nor did engine/kernels/invariant_quant.py's scalar fixed-order kernel
 (its float32 FMAs grow with M: 617 us at M = 32). This kernel streams each weight byte once for
 all rows and does the products on the tensor cores (``mma.sync m16n8k16``, bf16 or fp16
 operands, float32 accumulators), so rows cost almost nothing until the tensor cores fill.
@@ -33,7 +33,7 @@ exact rows batch and speculate. S is looked up per (N, K, bits) (``split_for``),
 
 What it takes (``mma_refusal``): bf16 or fp16 activations, 4- or 8-bit affine weights with
 biases, N a multiple of 16, K a multiple of CK, a group size that is a multiple of the 32 (4-bit)
-or 16 (8-bit) inputs a lane holds. Anything else goes to engine/invariant_quant.py's scalar
+or 16 (8-bit) inputs a lane holds. Anything else goes to engine/kernels/invariant_quant.py's scalar
 kernel, decided per layer (never per M). Pointers that are not 16-byte aligned take a slower
 load of four words (checked once per launch). CUDA only: Metal keeps the scalar kernel (MLX's
 own Metal qmv already reads a 2-position verify at ~1.14x a step).

@@ -3,14 +3,14 @@
 When the invariant kernel set is not installed (MLX's kernels serve, and exact rows decode
 alone), a quantized layer is still free to take whichever kernel is faster for the rows in
 front of it. On the H200 MLX's ``quantized_matmul`` is linear in rows up to 7 (a 5120 -> 17408
-4-bit layer: 76 us at 1 row, 218 us at 4), while engine/quant_mma.py's tensor-core kernel is
+4-bit layer: 76 us at 1 row, 218 us at 4), while engine/kernels/quant_mma.py's tensor-core kernel is
 flat from 1 to 8 rows (60 and 58 us) and loses from 16 rows on, where MLX switches to its own
 tensor-core kernel. ``MEASURED_FASTER`` is that measurement (bench/results/qmm_h200_2026-12-03:
 the rows counts at which the kernel beat MLX's, per layer shape and bits); ``use_mma`` reads it,
 and ``install`` swaps a model's quantized layers to classes that ask it on every call.
 
 The choice depends on the row count, so a row's bits may differ with the rows beside it: this
-is for speed only. Exact rows get the invariant set (engine/invariant.py), which puts every
+is for speed only. Exact rows get the invariant set (engine/kernels/invariant.py), which puts every
 row count on the one kernel, or decode alone.
 """
 
