@@ -70,7 +70,6 @@ def group(tmp_path_factory):
     assert any(e["event"] == "group.stopped" for e in g.events(1)), g.tail(1)
 
 
-@pytest.mark.quick
 def test_greedy_output_is_the_single_process_output_up_to_a_near_tie_and_exact_mode_is_its_own_serial(group, reference):
     with Client(group.endpoint, seat="fidelity", timeout_s=60) as c:
         status = c.status().detail

@@ -98,7 +98,6 @@ def test_a_continued_turn_hits_and_matches_a_cold_run(cached, cold):
     assert [e["cached_tokens"] for e in events] == [0, want]
 
 
-@pytest.mark.quick
 def test_another_seats_raw_prompt_that_differs_in_its_last_line_resumes_at_a_grid_point(cached, cold):
     """A raw prompt has no message ends and its exact end is a prefix of nothing else: the
     grid point before it is what another seat's prompt, the same but for its last line,
@@ -229,7 +228,6 @@ def test_a_restart_reads_the_split_probe_verdict_and_another_key_probes_again(tm
     assert all(v == {"compiled_step"} or "splits" in v for v in probes), probes
 
 
-@pytest.mark.quick
 def test_prompts_sent_together_share_the_prefix_the_first_one_prefills(cached, cold):
     """A council's seats send their first turns at once: each looked the cache up on
     admission, before any had prefilled their shared system prompt. The first prefills it

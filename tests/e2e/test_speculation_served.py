@@ -21,7 +21,6 @@ PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "im
 # bundled_daemon: the session's shared daemon on the bundled model (tests/conftest.py).
 
 
-@pytest.mark.quick
 def test_exact_speculation_streams_the_serial_text_at_every_depth(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="fidelity", timeout_s=60) as c:
         serial = {p: c.complete(p, max_tokens=40, speculation="off").text for p in PROMPTS}
