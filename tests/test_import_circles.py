@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from import_cycle import find_cycle
 
 pytestmark = pytest.mark.quick  # reads the source only (tests/README.md)
 
@@ -83,28 +84,6 @@ def _graph(root: Path) -> dict[str, set[str]]:
     return {f: _edges(f, (root / f).read_text(), known) for f in files}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
-            if m not in state and (found := dfs(m)):
-                return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := dfs(n)):
-            return found
-    return None
-
-
 def test_the_whole_tree_is_read():
     graph = _graph(ROOT)
     assert "daemon/engine/model/model.py" in graph["daemon/engine/model/loading.py"]
@@ -114,7 +93,7 @@ def test_the_whole_tree_is_read():
 
 
 def test_no_import_circle_anywhere():
-    cycle = _cycle(_graph(ROOT))
+    cycle = find_cycle(_graph(ROOT))
     assert cycle is None, " -> ".join(cycle)
 
 
@@ -125,4 +104,4 @@ def test_a_circle_between_two_scripts_is_found(tmp_path):
     (tmp_path / "tools" / "train.py").write_text("def main():\n    import finetune\n    return finetune\n")
     (tmp_path / "tools" / "finetune.py").write_text("import train\n")
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    assert _cycle(_graph(tmp_path)) == ["tools/finetune.py", "tools/train.py", "tools/finetune.py"]
+    assert find_cycle(_graph(tmp_path)) == ["tools/finetune.py", "tools/train.py", "tools/finetune.py"]

@@ -28,6 +28,7 @@ import pathlib
 
 import daemon
 import pytest
+from import_cycle import find_cycle
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
@@ -99,28 +100,6 @@ def _graph(type_only: bool = False, root: pathlib.Path = ROOT) -> dict[str, set[
     return {_module_name(f, root): _imports(f, modules, type_only, root) for f in files}
 
 
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def dfs(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
-            if m not in state and (found := dfs(m)):
-                return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := dfs(n)):
-            return found
-    return None
-
-
 def _in(mod: str, package: str) -> bool:
     return mod == package or mod.startswith(package + ".")
 
@@ -176,17 +155,17 @@ def test_the_graph_is_read():
 
 
 def test_no_import_circle_inside_daemon():
-    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+    assert find_cycle(_graph()) is None, " -> ".join(find_cycle(_graph()))
 
 
 def test_a_planted_circle_is_found():
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
 def test_no_circle_hidden_inside_a_function_or_behind_type_checking():
     """The graph with every import (module level, inside functions, type-only) has no circle:
     an import moved into a function or under TYPE_CHECKING to dodge a circle still counts."""
-    cycle = _cycle(_graph(type_only=True))
+    cycle = find_cycle(_graph(type_only=True))
     assert cycle is None, " -> ".join(cycle)
 
 
@@ -200,8 +179,8 @@ def test_a_circle_hidden_by_local_and_type_only_imports_is_found(tmp_path):
     (pkg / "prefill.py").write_text("from .forward import walk\n")
     (pkg / "forward.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                     "    from .model import f\ndef walk():\n    pass\n")
-    assert _cycle(_graph(root=pkg)) is None  # the lenient graph misses it
-    assert _cycle(_graph(type_only=True, root=pkg)) == ["pkg.forward", "pkg.model", "pkg.prefill", "pkg.forward"]
+    assert find_cycle(_graph(root=pkg)) is None  # the lenient graph misses it
+    assert find_cycle(_graph(type_only=True, root=pkg)) == ["pkg.forward", "pkg.model", "pkg.prefill", "pkg.forward"]
 
 
 def test_model_tools_do_not_reach_into_measurement():
@@ -247,7 +226,7 @@ def test_a_planted_arrow_up_is_found():
 def test_no_circle_between_wings():
     """Collapsed to folders (the wings, measure, models, service) and top-level modules, the
     import graph has no circle either."""
-    cycle = _cycle(_wing_graph(_graph(type_only=True)))
+    cycle = find_cycle(_wing_graph(_graph(type_only=True)))
     assert cycle is None, " -> ".join(cycle)
 
 
