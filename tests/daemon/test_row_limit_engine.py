@@ -4,22 +4,11 @@ at its context counted from the model's shapes (governor/row_limit.py reads them
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from daemon.config import AUTO_START_HEIGHT, ConfigError, SchedulerConfig, load_config
 from daemon.engine_thread.scheduler import Scheduler
-
-
-
-@dataclass(eq=False)
-class FakeJob:
-    seat: str
-    priority: str = "normal"
-    weight: float = 1.0
-    enqueued_at: float = 0.0
-    name: str = ""
+from scheduler_helpers import FakeJob
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

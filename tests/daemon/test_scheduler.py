@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -10,18 +10,9 @@ from hypothesis import strategies as st
 from daemon.config import SchedulerConfig
 from daemon.engine_thread.scheduler import Scheduler
 import pytest
+from scheduler_helpers import FakeJob
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
-
-
-@dataclass(eq=False)
-class FakeJob:
-    seat: str
-    priority: str = "normal"
-    weight: float = 1.0
-    enqueued_at: float = 0.0
-    name: str = ""
-    tokens: int = field(default=0)
 
 
 class Clock:
