@@ -7,6 +7,7 @@ to a default).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -235,3 +236,14 @@ class GovernorConfig(Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
 def load_config(table: dict[str, Any] | None) -> GovernorConfig:
     """The daemon's ``[governor]`` table -> GovernorConfig; raises msgspec.ValidationError."""
     return msgspec.convert(table or {}, GovernorConfig)
+
+
+def config_option(text: str | None) -> GovernorConfig | None:
+    """A command's ``--config JSON`` (a governor table) as a config, None when not given; a
+    ValueError names what is wrong (bad JSON, an unknown key, a value out of range)."""
+    if not text:
+        return None
+    try:
+        return load_config(json.loads(text))
+    except (ValueError, msgspec.ValidationError) as e:
+        raise ValueError(f"bad --config: {e}") from None

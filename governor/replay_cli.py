@@ -18,9 +18,7 @@ import json
 import sys
 from typing import Any
 
-import msgspec
-
-from .config import GovernorConfig, load_config
+from .config import GovernorConfig, config_option
 from .replay import format_table, replay
 from .timeline import write_picture
 from .timeline_data import Timeline, read_timeline, trace_lane
@@ -65,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also draw the replay beside what the daemon did (the timeline extra: plotly)")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(json.loads(args.config)) if args.config else None
-    except (ValueError, msgspec.ValidationError) as e:
-        print(f"bad --config: {e}", file=sys.stderr)
+        cfg = config_option(args.config)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     if args.synthetic:
         from .traces import SCENARIOS, generate  # the simulator is needed only for a synthetic trace

@@ -10,12 +10,9 @@ extra (plotly).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-import msgspec
-
-from .config import load_config
+from .config import config_option
 from .timeline_data import Timeline, read_timeline
 
 try:  # the optional extra: without it the command says which one to install
@@ -63,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", metavar="JSON", help="for a trace: replay with this governor config table instead of its own")
     args = ap.parse_args(argv)
     try:
-        cfg = load_config(json.loads(args.config)) if args.config else None
-    except (ValueError, msgspec.ValidationError) as e:
-        print(f"bad --config: {e}", file=sys.stderr)
+        cfg = config_option(args.config)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     try:
         tl = read_timeline(args.source, cfg)
