@@ -45,16 +45,12 @@ for p in (ROOT, ROOT / "bench"):
 import mlx.core as mx  # noqa: E402
 
 from daemon.engine.kernels import invariant, invariant_quant, quant_mma  # noqa: E402
-from quant_kernel_check import SHAPES_27B, bound_s, quantized, timed  # noqa: E402
+from quant_kernel_check import SHAPES_27B, bound_s, log, quantized, timed  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"argv": sys.argv[1:], "errors": [], "skipped": []}
 OUT: Path | None = None
 BUDGET = 540.0
-
-
-def log(msg: str) -> None:
-    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
 def save() -> None:
