@@ -254,16 +254,11 @@ def probe_mode(args) -> dict:
 
 def host_mode(args) -> dict:
     """The host's time per call on a 16-column weight (the device's part is ~nothing), arms
-    alternated by round: MLX's quantized_matmul, the kernel through quantized_matmul_mma
-    (minified source, launch cached), and the kernel called directly with its full source."""
+    alternated by round: MLX's quantized_matmul and the kernel through quantized_matmul_mma."""
     q, s, b = random_quantized(16, 5120, args.bits, key=1)
     x = mx.random.normal((1, 5120)).astype(mx.bfloat16)
-    full = mx.fast.cuda_kernel(name=quant_mma._NAME + "_full", input_names=["x", "w", "scales", "biases"],
-                               output_names=["y"], source=quant_mma._SOURCE, header=quant_mma._HEADER)
-    launch = quant_mma._launch(1, 16, 5120, mx.bfloat16, args.bits, GS, None, None, None, None)
     arms = {"mlx": lambda x, q, s, b: mlx_arm(x, q, s, b, args.bits),
-            "kernel": lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits),
-            "kernel_full_source": lambda x, q, s, b: full(inputs=[x, q, s, b], **launch)[0]}
+            "kernel": lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
     res: dict = {}
     for _ in range(args.rounds * 3):
         for arm, fn in arms.items():

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def kernel_texts() -> tuple[str, str]:
-    """The header and body as MLX is handed them (minified), from the module."""
+    """The header and body as MLX is handed them, from the module."""
     sys.path.insert(0, str(ROOT))
     from daemon.engine.kernels import quant_mma
 
-    return quant_mma._HEADER_RUN, quant_mma._SOURCE_RUN
+    return quant_mma._HEADER, quant_mma._SOURCE
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:

@@ -270,25 +270,9 @@ _SOURCE = """
     }
 """
 
-
-
-def _minified(text: str) -> str:
-    """The CUDA text without comments, indentation or blank lines. MLX rebuilds a custom
-    kernel's full source at every call and hashes it at every evaluation (to find the compiled
-    module), so the host pays per call for every byte of it; preprocessor lines stay lines."""
-    out = []
-    for line in text.splitlines():
-        code = line.split("//", 1)[0].strip()
-        if code:
-            out.append(code)
-    return "\n".join(out) + "\n"
-
-
-_HEADER_RUN = _minified(_HEADER)
-_SOURCE_RUN = _minified(_SOURCE)
 # The kernel's name carries a hash of its source: MLX caches compiled kernels on disk by name
 # (MLX_PTX_CACHE_DIR), so an edited kernel must never be served a stale binary.
-_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER_RUN + _SOURCE_RUN).encode()).hexdigest()[:10]
+_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdigest()[:10]
 
 # Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
 # measured on the H200 (bench/qmm_device.py); shapes not listed take ``default_split``.
@@ -307,7 +291,7 @@ _kernel: list = []
 def _get_kernel():
     if not _kernel:
         _kernel.append(mx.fast.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
-                                           output_names=["y"], source=_SOURCE_RUN, header=_HEADER_RUN))
+                                           output_names=["y"], source=_SOURCE, header=_HEADER))
     return _kernel[0]
 
 
