@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 
 from .config import GovernorConfig
-from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, bucket_of
+from .heights import N_BUCKETS, bucket_label, bucket_of, bucket_top
 from .types import CycleTelemetry, DepthEstimate, LookupEstimate
 
 
@@ -193,10 +193,29 @@ class CostModel:
 
     def profile(self) -> dict[str, Any]:
         """What was seeded, in the profile's format (to rebuild the model on a reconfigure)."""
-        top = lambda b: BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1  # noqa: E731
         return {"cost_s": {str(k): v for k, v in self._profile_cost.items()},
                 "acceptance": list(self._profile_accept),
-                "batch_cost_s": {str(top(b)): {str(k): v for k, v in t.items()} for b, t in self._profile_batch.items()}}
+                "batch_cost_s": {str(bucket_top(b)): {str(k): v for k, v in t.items()} for b, t in self._profile_batch.items()}}
+
+    def measured(self) -> dict[str, Any]:
+        """What this model measured itself, never its priors, in the profile's format: each
+        cost with ``trust_samples`` cycles or more behind it (the median of its window), the
+        acceptance of each position up to the first with fewer samples. A later start on the
+        same machine seeds a model with it (the daemon's learned profile), so it starts where
+        this one ended instead of from the config's priors."""
+        trust = self.cfg.trust_samples
+        acceptance: list[float] = []
+        for e in self._accept[1:]:
+            if e.n < trust:
+                break
+            acceptance.append(round(e.value, 4))
+        batch = {}
+        for b, bk in enumerate(self._buckets, start=1):
+            by_depth = {str(k): e.value for k, e in enumerate(bk.cost) if e.n >= trust and e.value > 0}
+            if by_depth:
+                batch[str(bucket_top(b))] = by_depth
+        return {"cost_s": {str(k): e.value for k, e in enumerate(self._cost) if e.n >= trust and e.value > 0},
+                "acceptance": acceptance, "batch_cost_s": batch}
 
     def record(self, t: CycleTelemetry, now: float, load: float | None = None) -> None:
         k = min(max(t.depth, 0), self.cfg.max_depth)
@@ -446,7 +465,8 @@ class CostModel:
         return DepthEstimate(depth=k, expected_tokens=et, cost_s=c, score=(et / c) if c else None, samples=e.n,
                              source=src, stale=self.batch_stale(b, k, load),
                              load_at=e.load_at if src in ("measured", "blend") else None,
-                             cost_rse=self._cost_rse(self._buckets[b - 1].cost, k, now))  # fmt: skip
+                             cost_rse=self._cost_rse(self._buckets[b - 1].cost, k, now),
+                             profiled=k in self._profile_batch.get(b, {}))  # fmt: skip
 
     def batch_estimates(self, now: float, load: float | None = None) -> tuple[tuple[DepthEstimate, ...], ...]:
         """Per batched bucket (index b - 1), per depth 0..max_depth."""

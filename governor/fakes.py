@@ -102,7 +102,9 @@ class SimEngine:
         self.batch_cost_fn = batch_cost_fn
         self.depth = gov.depth
         # The batch heights' depths (SetHeightDepth), index bucket - 1; None: the solo depth.
-        self.heights: list[int | None] = [None] * (N_BUCKETS - 1)
+        # As the daemon does, it starts from the governor's table (a learned profile sets it).
+        table = [h.depth for h in gov.state.heights]
+        self.heights: list[int | None] = table + [None] * (N_BUCKETS - 1 - len(table))
         self.resident = bool(gov._head["head_resident"])
         self.history: list[tuple[float, Action]] = []
         self._phase = 0.0

@@ -28,6 +28,12 @@ def bucket_of(height: int) -> int:
     return len(BUCKET_TOPS)
 
 
+def bucket_top(b: int) -> int:
+    """A height that falls in bucket b, its largest (the open last bucket: its smallest), as
+    a profile's ``batch_cost_s`` and learned ``depths`` key the bucket."""
+    return BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1
+
+
 def bucket_label(b: int) -> str:
     """'1', '2', '3-4', '5-8', '9+'."""
     lo = 1 if b == 0 else BUCKET_TOPS[b - 1] + 1

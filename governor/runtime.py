@@ -24,7 +24,8 @@ import structlog
 
 from .config import GovernorConfig
 from .cost_model import CostModel
-from .heights import BUCKET_TOPS, N_BUCKETS, bucket_label, depth_at
+from .heights import N_BUCKETS, bucket_label, bucket_top, depth_at
+from .learned import learned_solo_depth, learned_table, start_heights
 from .policy import Reason, apply_override, decide, start_depth
 from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
@@ -75,11 +76,22 @@ class Governor:
             now = self.clock()
             obs = Observation(**self._head, estimates=self.cost.estimates(now), decode_s=self.cost.decode_s)
             depth, self.start_reason = start_depth(obs, self.cfg, depth)
-            self.log.info("governor.decision", **{"depth": depth, "actions": [], **self.start_reason})
+        # A learned profile (this machine's last run) also says where each depth was left: the
+        # paired probes' verdicts, which win over a score from priors or an older tuning.
+        learned = (profile or {}).get("depths") or {}
+        solo = learned_solo_depth(learned, self.cfg, head_resident)
+        if solo is not None:
+            self.start_reason = {"decision": "start_depth", "depth_from": depth, "depth_to": solo,
+                                 "sentence": f"start at depth {solo}, where this machine's last run left it "
+                                             f"(learned profile)"}  # fmt: skip
+            depth = solo
+        heights, height_reasons = start_heights(learned, self.cfg, head_resident)
+        starts = ([self.start_reason] if self.start_reason is not None else []) + height_reasons
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
-        if self.start_reason is not None:
-            self.recent.append({"t": self.clock(), "depth": depth, "actions": [], **self.start_reason})
-        self.state = State(depth=depth)
+        for reason in starts:
+            self.log.info("governor.decision", **{"depth": depth, "actions": [], **reason})
+            self.recent.append({"t": self.clock(), "depth": depth, "actions": [], **reason})
+        self.state = State(depth=depth, heights=heights)
         self.last_observation: Observation | None = None
         self.last_actions: list[Action] = []
         self.last_reasons: list[Reason] = []
@@ -243,10 +255,17 @@ class Governor:
         for b in range(1, N_BUCKETS):
             chosen = hs[b - 1].depth if b - 1 < len(hs) else None
             probing = hs[b - 1].probe_depth is not None if b - 1 < len(hs) else False
-            top = BUCKET_TOPS[b] if b < len(BUCKET_TOPS) else BUCKET_TOPS[-1] + 1
+            top = bucket_top(b)
             rows.append({"heights": bucket_label(b), "chosen": chosen, "depth": depth_at(table, self.state.depth, top),
                          "probing": probing})  # fmt: skip
         return rows
+
+    def learned(self) -> dict[str, Any]:
+        """What this governor measured and chose, for the next start on this machine
+        (governor/learned.py); the daemon writes it to its cache folder."""
+        with self._lock:
+            pressure = self.last_observation.pressure if self.last_observation else NORMAL
+            return learned_table(self.cost, self.state, pressure)
 
     def rows(self) -> dict[str, Any]:
         """How many requests decode at once and why: the limit (None until the first tick

@@ -126,6 +126,10 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     # (cost_model.median_rse); None where no live cost stands behind it (a profile, a
     # prior). The policy's margin for a depth change grows with it (depth_rules.margin_for).
     cost_rse: float | None = None
+    # A profile (tuned, or learned on this machine's last run) carries a cost for this depth
+    # at this height: it was measured once, so it is no never-measured neighbour to probe at
+    # once (height_policy._maybe_probe), only a stale one to probe in its turn.
+    profiled: bool = False
 
 
 class LookupEstimate(Struct, frozen=True, kw_only=True):

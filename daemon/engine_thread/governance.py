@@ -31,6 +31,8 @@ from governor import (
 )
 
 from .head_slot import HeadSlot
+from .learned_profile import LearnedSaver, load_learned, merged
+from .profile import governor_profile, load_profile
 from ..logs import get_logger
 
 log = get_logger("councild.governor")
@@ -48,19 +50,20 @@ class Governance:
     slot (depth, residency) and to the prompt caches. It holds those two, not the worker."""
 
     def __init__(self, slot: HeadSlot, table: dict, model_path, *, prefix_cache=None,
-                 holding_head: Callable[[], int] = lambda: 0, trace: str | None = None):
+                 holding_head: Callable[[], int] = lambda: 0, trace: str | None = None, learn: bool = True):
         self.slot = slot
         self.prefix_cache = prefix_cache
         # How many requests hold the head now (reported when it is evicted under them).
         self._holding_head = holding_head
         self.cfg = load_config(table)
         self.load = LoadTracker(tau_s=self.cfg.arrival_tau_s)
-        # Start from this machine's tuned profile (`councild tune`) when one matches the
-        # model and versions; otherwise from the config's priors. The worker also reads it:
-        # it caps each request's depth by its sampling settings' tuned best depth.
-        from .profile import governor_profile, load_profile
-
+        # Start from this machine's tuned profile (`councild tune`) and what its last run
+        # learned (learned_profile.py) when they match the model and versions; otherwise from
+        # the config's priors. The worker also reads the tuned one: it caps each request's
+        # depth by its sampling settings' tuned best depth. A rank of a tensor-parallel group
+        # (learn=False) neither reads nor writes the learned one: its costs are the group's.
         self.tuned_profile = load_profile(model_path)
+        learned = load_learned(model_path) if learn else None
         self.gov = Governor(
             self.cfg,
             clock=time.monotonic,
@@ -68,7 +71,7 @@ class Governance:
             mlx_probe=MlxMemoryProbe(mx.get_active_memory, mx.get_cache_memory, mx.get_peak_memory,
                                      _recommended_working_set),
             load=self.load,
-            profile=governor_profile(self.tuned_profile),
+            profile=merged(governor_profile(self.tuned_profile), learned),
             head_available=slot.available,
             head_resident=slot.resident,
             head_bytes=slot.nbytes,
@@ -76,6 +79,7 @@ class Governance:
             trace=trace,
         )
         self.next_tick = 0.0
+        self.saver = LearnedSaver(self.gov.learned, model_path) if learn else None
         # The cycle shapes (rows, depth, drafter) this process has decoded: a shape's first
         # cycle pays first-use costs (a trace, a kernel's first launch, first allocations)
         # that its later cycles do not, so its cost is not booked (the cycle's acceptance is).
@@ -149,6 +153,8 @@ class Governance:
         if now >= self.next_tick:
             self.next_tick = now + self.cfg.tick_s
             self.apply(self.gov.tick())
+            if self.saver is not None:
+                self.saver.maybe_save(self.gov.cost.decode_s)
 
     def override(self, action: str, depth: int | None) -> tuple[bool, str]:
         """Apply an operator command; the reply says in words what now holds."""
@@ -249,6 +255,9 @@ class Governance:
         return snap
 
     def close(self) -> None:
+        """At the stop: what was learned goes to the cache folder; the trace is closed."""
+        if self.saver is not None:
+            self.saver.save(self.gov.cost.decode_s)
         self.gov.close()
 
 

@@ -66,8 +66,10 @@ def default_profile_path(model_path: str | Path) -> Path:
 
 
 def check_profile(profile: dict, model_path: str | Path, versions: dict | None = None,
-                  device: str | None = None) -> str | None:
-    """None when the profile fits this stack and model, else the reason it does not."""
+                  device: str | None = None, need_serial: bool = True) -> str | None:
+    """None when the profile fits this stack and model, else the reason it does not. A tuned
+    profile must carry the serial cost; a learned one (learned_profile.py) need not, since a
+    council may never have decoded one stream alone."""
     if profile.get("format") != PROFILE_FORMAT:
         return f"profile format {profile.get('format')!r}, expected {PROFILE_FORMAT}"
     versions = versions or current_versions()
@@ -82,7 +84,7 @@ def check_profile(profile: dict, model_path: str | Path, versions: dict | None =
     got = (profile.get("model") or {}).get("hash")
     if got != want:
         return f"made for model hash {got} ({(profile.get('model') or {}).get('path')}), this model is {want}"
-    if not isinstance(profile.get("cost_s"), dict) or "0" not in profile["cost_s"]:
+    if need_serial and (not isinstance(profile.get("cost_s"), dict) or "0" not in profile["cost_s"]):
         return "profile has no serial cost"
     return None
 

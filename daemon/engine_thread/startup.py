@@ -110,7 +110,8 @@ class EngineStartup:
 
             self.engine.row_cache_bytes = row_cache_bytes(self.engine.lm, self.engine.max_prompt_tokens)
             self.engine.governance = Governance(self.engine.slot, self.cfg.governor, lm.path, prefix_cache=self.engine.prefix_cache,
-                                         holding_head=self.requests_holding_head, trace=self.cfg.governor_trace)
+                                         holding_head=self.requests_holding_head, trace=self.cfg.governor_trace,
+                                         learn=self.group is None)
             self.engine.tuned_profile = self.engine.governance.tuned_profile
         from .warming import Warming
 

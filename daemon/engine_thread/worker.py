@@ -190,6 +190,8 @@ class EngineWorker(threading.Thread):
         finally:
             if self.warming is not None:
                 self.warming.abandon()
+            if self.engine.governance is not None:
+                self.engine.governance.close()  # what the governor learned reaches the cache folder
             self._out.close()
             pc = getattr(self.engine, "prefix_cache", None)
             if pc is not None and pc.disk is not None:

@@ -3,6 +3,8 @@ daemon, told by its test-only knob to treat this CPU as such a backend."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from daemon.paths import BUNDLED_MODEL
@@ -54,6 +56,7 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
             detail = c.status().detail
             assert detail["exact_decode"] == "speculate" and detail["decode_path"] == "compiled"
             assert detail["batch_decode_path"] == "compiled"  # batched steps too (their own self-check)
+            c.complete(PROMPT, max_tokens=24)  # something for the governor to learn
     finally:
         assert d.stop() == 0
     (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
@@ -66,6 +69,12 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert loaded["compile_check"] == "probed" and loaded["batch_compile_check"] == "probed"
     assert loaded["batch_decode_path"] == "compiled"
     assert list((tmp_path / "cache" / "probe-verdicts").glob("*.json"))
+    # What the governor learned went to the cache folder at the stop, for the next start.
+    (saved,) = [e for e in d.events() if e["event"] == "learned.saved"]
+    (learned_file,) = (tmp_path / "cache").glob("learned-*.json")
+    assert saved["path"] == str(learned_file)
+    learned = json.loads(learned_file.read_text())
+    assert learned["kind"] == "learned" and learned["cost_s"] and "1" in learned["depths"]
 
     again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
                          config='debug_inexact_verify = true\n[speculation]\nexact_on_inexact_backend = "guarded"\n')
@@ -77,6 +86,11 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
             assert exact.speculation is not None and exact.speculation.mode == "exact" and exact.speculation.drafted > 0
     finally:
         assert again.stop() == 0
+    # The restart's governor started from it: the solo depth where the first run left it.
+    (loaded,) = [e for e in again.events() if e["event"] == "learned.loaded"]
+    assert loaded["depths"] == learned["depths"]
+    (start,) = [e for e in again.events() if e["event"] == "governor.decision" and e["decision"] == "start_depth"]
+    assert start["depth_to"] == learned["depths"]["1"] and "learned profile" in start["sentence"]
     (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
     (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "cached" and batch["verdict"] == "cached"

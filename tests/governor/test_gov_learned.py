@@ -1,0 +1,89 @@
+"""What a governor learned, kept for the next start: CostModel.measured, Governor.learned, and
+a governor started from it (governor/learned.py); on a fake clock, the CPU-like council of
+test_gov_heights (a batch of four is compute-bound: depth 0 wins there)."""
+
+from __future__ import annotations
+
+import pytest
+
+from governor.config import GovernorConfig
+from governor.cost_model import CostModel
+from governor.fakes import FakeClock, FakeLoad, FakeMemoryProbe, RecordingLogger, SimEngine, seed_like_cost
+from governor.heights import bucket_of
+from governor.runtime import Governor
+from governor.types import CycleTelemetry
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
+MiB = 1 << 20
+STEP_S = 0.027
+CPU = {4: [1.52, 3.35, 4.66, 4.11, 5.0], 1: [1.0, 1.9, 2.6, 3.2, 3.8]}
+
+
+def make(profile=None, streams=4):
+    clock, logger = FakeClock(0.0), RecordingLogger()
+    gov = Governor(GovernorConfig(), clock=clock, memory_probes=[FakeMemoryProbe()], load=FakeLoad(active=1),
+                   head_resident=True, head_bytes=850 * MiB, logger=logger, profile=profile, initial_depth=2)
+    eng = SimEngine(gov, seed_like_cost(serial_s=STEP_S, load_penalty=0.0), acceptance=0.6, load_fn=lambda: 0.0,
+                    streams_fn=lambda: streams, batch_cost_fn=lambda n, k: STEP_S * CPU[n][k])
+    return gov, clock, eng, logger
+
+
+def decisions(logger, name):
+    return [e[2] for e in logger.events if e[1] == "governor.decision" and e[2]["decision"] == name]
+
+
+def batch_depths(gov):
+    """Batched cycles at heights 3-4 by depth (the cost model's sample counts)."""
+    snap = gov.snapshot()["cost_model"]["heights"][bucket_of(4) - 1]["depths"]
+    return [d["samples"] for d in snap]
+
+
+def test_measured_keeps_only_what_enough_cycles_stand_behind():
+    m = CostModel(GovernorConfig())
+    for i in range(10):
+        m.record(CycleTelemetry(depth=0, cycle_s=0.02, emitted=1), float(i))
+        m.record(CycleTelemetry(depth=0, cycle_s=0.03, emitted=4, batch=4), float(i))
+    for i in range(3):  # fewer than trust_samples (8): not a measurement to keep
+        m.record(CycleTelemetry(depth=1, cycle_s=0.05, drafted=1, accepted=1, emitted=2), float(i))
+    got = m.measured()
+    assert got["cost_s"] == {"0": pytest.approx(0.02)}
+    assert got["batch_cost_s"] == {"4": {"0": pytest.approx(0.03 / 4)}}
+    assert got["acceptance"] == []  # 3 samples of position 1
+    # Seeded back, it is a prior ("profile"), never a measurement of the new model.
+    again = CostModel(GovernorConfig(), got)
+    assert again.estimate(0, 0.0).source == "profile" and again.estimate(0, 0.0).samples == 0
+    assert again.batch_estimate(bucket_of(4), 0, 0.0).cost_s == pytest.approx(0.03 / 4)
+
+
+def test_a_restart_starts_where_the_last_run_left_each_height_and_does_not_explore_again():
+    first, clock, eng, _ = make()
+    eng.run(90.0, clock)
+    assert first.depth_for(4) == 0  # the CPU-like batch learned depth 0 (after probing depth 1)
+    learned = first.learned()
+    assert learned["depths"]["4"] == 0 and {"0", "1"} <= set(learned["batch_cost_s"]["4"])
+
+    # Without it: the first seconds of a council batch at the configured depth (2, a prior).
+    fresh, clock, eng, logger = make()
+    eng.run(10.0, clock)
+    assert sum(batch_depths(fresh)[1:]) > 0
+
+    again, clock, eng, logger = make(profile=learned)
+    (start,) = decisions(logger, "height_start")
+    assert start["heights"] == "3-4" and start["depth_to"] == 0 and "learned profile" in start["sentence"]
+    assert again.height_table()[bucket_of(4)]["chosen"] == 0
+    eng.run(10.0, clock)  # less than probe_interval_s (30 s) of the bucket's decoding
+    samples = batch_depths(again)
+    assert samples[0] > 0 and sum(samples[1:]) == 0  # every batched cycle at depth 0
+    assert not decisions(logger, "height_probe")  # depth 1 was measured last run: no probe at once
+    eng.run(60.0, clock)  # later it is re-checked in its turn, as any stale neighbour is
+    assert decisions(logger, "height_probe")
+
+
+def test_an_operator_pin_is_not_learned_as_a_choice():
+    gov, clock, eng, _ = make()
+    eng.run(30.0, clock)
+    eng.apply(gov.override("pin_depth", 3))
+    eng.run(5.0, clock)
+    assert gov.learned()["depths"] == {}
+    assert gov.learned()["batch_cost_s"]  # the costs measured still are
