@@ -112,7 +112,9 @@ def test_depth_for_follows_the_governors_table_per_batch_height(lm, random_model
     other heights follow the solo depth; a pin sets every height; no head, depth 0."""
     slot = HeadSlot(lm, depth=1)
     slot.load_at_startup(keep=True)
-    gov = Governance(slot, {}, random_model_path)
+    # learn=False: the suite's daemons on this model leave a learned profile in the shared
+    # cache folder, which would set the table this test watches being learned.
+    gov = Governance(slot, {}, random_model_path, learn=False)
     assert [slot.depth_for(n) for n in (1, 2, 4, 9)] == [slot.current_depth()] * 4  # nothing measured
 
     def tick() -> None:
@@ -146,7 +148,7 @@ def test_a_shapes_first_cycle_is_not_booked_as_its_cost(lm, random_model_path):
     first launch): Governance books its acceptance, not its cost; the next one is booked."""
     slot = HeadSlot(lm, depth=1)
     slot.load_at_startup(keep=True)
-    gov = Governance(slot, {}, random_model_path)
+    gov = Governance(slot, {}, random_model_path, learn=False)  # as above: no learned profile
     cm = gov.gov.cost
 
     def cycle(depth: int, batch: int, seconds: float) -> None:
