@@ -1,0 +1,230 @@
+"""Where a decode step's time goes on the device: host graph building, the host's encoding of
+kernels, or the GPU, for eager and compiled steps, per kernel set, in one call.
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/step_split.py --out DIR [--shape 27b|tiny]
+        [--model DIR] [--arms mlx,qmm] [--shapes 1x1,4x1,4x2,8x1] [--rounds 2] [--budget 540]
+
+A decode step of a large model should be bound by reading its weights (a 27B-shaped 4-bit
+step: ~15 GB at ~3.4 TB/s, ~4.5 ms). On the H200 it takes ~25 ms. This splits each step into
+- build: Python runs the forward and returns the lazy graph (``lm.hidden`` + ``lm.logits``);
+- encode: ``mx.async_eval`` returns once the host has encoded every kernel for the GPU;
+- total: the step's wall time, to ``mx.synchronize``;
+so a step whose total is about build + encode is bound by the host, not by the GPU or the
+matmul kernel. Arms: kernels "mlx" (MLX's everywhere) or "qmm" (the quantized linears on
+engine/kernels/quant_mma.py), each eager and compiled (model/compiled.py's CompiledDecode,
+switched in only when its self-check passes, as the daemon does). Arms alternate within each
+round, the prompt changes between rounds, the first round is reported apart.
+
+Two floors measured in the same call: ``chain``, N dependent tiny elementwise ops evaluated
+at once (MLX's cost per kernel on this backend, host and launch), and ``qmm_chain``, N
+quantized matmuls of one small shape (the cost per quantized-matmul call, each kernel set).
+
+Prints a markdown table and writes DIR/step_split.json after each section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from daemon.engine.kernels import invariant  # noqa: E402
+from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
+
+T0 = time.perf_counter()
+RESULTS: dict = {"argv": sys.argv[1:], "errors": []}
+
+
+def save(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_split.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+def split_time(fn) -> tuple[float, float, float]:
+    """(build, encode, total) seconds of one call of ``fn`` (returns the arrays to evaluate)."""
+    mx.synchronize()
+    t0 = time.perf_counter()
+    outs = fn()
+    t1 = time.perf_counter()
+    mx.async_eval(outs)
+    t2 = time.perf_counter()
+    mx.synchronize()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t0
+
+
+def med(rows: list[tuple[float, float, float]]) -> dict:
+    return {k: statistics.median(r[i] for r in rows) * 1e3 for i, k in enumerate(("build_ms", "encode_ms", "total_ms"))}
+
+
+def chain_floor(n: int = 2000) -> dict:
+    """Per-kernel cost of n dependent elementwise ops on a tiny array (no fusion: eager)."""
+    x = mx.zeros((1, 16), dtype=mx.bfloat16)
+    mx.eval(x)
+
+    def run():
+        y = x
+        for _ in range(n):
+            y = y * 1.0001 + 1
+        return [y]
+
+    run_rows = [split_time(run) for _ in range(5)]
+    m = med(run_rows[1:])
+    return {"ops": 2 * n, **m, "us_per_op_total": m["total_ms"] * 1e3 / (2 * n),
+            "us_per_op_encode": m["encode_ms"] * 1e3 / (2 * n)}
+
+
+def qmm_chain(n: int = 400) -> dict:
+    """Per-call cost of a small quantized matmul (5120 -> 1024, M = 1), MLX's and the kernel's."""
+    from daemon.engine.kernels import quant_mma
+
+    w = mx.random.normal((1024, 5120)).astype(mx.bfloat16)
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((1, 5120)).astype(mx.bfloat16)
+    mx.eval(q, s, b, x)
+    out = {}
+    fns = {"mlx": lambda v: mx.quantized_matmul(v, q, s, b, transpose=True, group_size=64, bits=4)}
+    if invariant.backend() == "cuda":
+        fns["qmm"] = lambda v: quant_mma.quantized_matmul_mma(v, q, s, b, 64, 4)
+    for name, f in fns.items():
+        def run():
+            ys = [f(x) for _ in range(n)]  # independent calls: no dependency stalls
+            return ys
+        rows = [split_time(run) for _ in range(4)]
+        m = med(rows[1:])
+        out[name] = {"calls": n, **m, "us_per_call_total": m["total_ms"] * 1e3 / n,
+                     "us_per_call_build": m["build_ms"] * 1e3 / n, "us_per_call_encode": m["encode_ms"] * 1e3 / n}
+    return out
+
+
+def set_arm(lm, kernels: str, compiled: bool) -> str:
+    lm.compiled_decode = None
+    invariant.uninstall(lm.text_module)
+    if kernels == "qmm":
+        invariant.install(lm.text_module, max_rows=72, quantized_only=True)
+    if not compiled:
+        return "eager"
+    reason = enable_compiled_decode(lm)
+    if reason is not None:
+        return f"eager: {reason}"
+    return "compiled" + ("" if lm.compiled_decode.batched else f" (batches eager: {lm.compiled_decode.batch_reason})")
+
+
+def step_times(lm, B: int, T: int, context: int, steps: int, seed: int) -> list[tuple[float, float, float]]:
+    V = lm.text_args.vocab_size
+    mx.random.seed(seed)
+    cache = make_prompt_cache(lm.text_module)
+    mx.eval(lm.hidden(mx.random.randint(0, V, (B, context)), cache))
+    # Two unmeasured steps: the first decode step of a cache (compiled traces apply from the
+    # second), and the shape's first run (kernels, traces).
+    rows = []
+    for i in range(steps + 2):
+        toks = mx.random.randint(0, V, (B, T))
+        mx.eval(toks)
+        r = split_time(lambda: [mx.argmax(lm.logits(lm.hidden(toks, cache)[:, -1:]), axis=-1)])
+        if i >= 2:
+            rows.append(r)
+    del cache
+    mx.clear_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/out/step_split")
+    ap.add_argument("--shape", choices=("27b", "tiny"), default="27b")
+    ap.add_argument("--model", help="a model folder instead of the random --shape (e.g. daemon/assets/tiny-qwen35)")
+    ap.add_argument("--arms", default="mlx,qmm")
+    ap.add_argument("--shapes", default="1x1,4x1,4x2,8x1", help="BxT, comma-separated")
+    ap.add_argument("--paths", default="eager,compiled")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--budget", type=float, default=540.0)
+    ap.add_argument("--no-floors", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    RESULTS["device"] = {"backend": invariant.backend(), "mlx": mx.__version__, "info": str(mx.default_device())}
+    try:
+        if args.no_floors:
+            raise StopIteration
+        RESULTS["chain"] = chain_floor()
+        RESULTS["qmm_chain"] = qmm_chain()
+        log(f"floors: chain {RESULTS['chain']['us_per_op_total']:.2f} us/op "
+            f"(encode {RESULTS['chain']['us_per_op_encode']:.2f}); qmm_chain "
+            + ", ".join(f"{k} {v['us_per_call_total']:.1f} us/call (build {v['us_per_call_build']:.1f}, "
+                        f"encode {v['us_per_call_encode']:.1f})" for k, v in RESULTS["qmm_chain"].items()))
+    except StopIteration:
+        pass
+    except Exception:  # noqa: BLE001 - the floors are context; the steps still run
+        RESULTS["errors"].append(traceback.format_exc())
+        print(RESULTS["errors"][-1], file=sys.stderr)
+    save(out)
+
+    t = time.perf_counter()
+    if args.model:
+        lm = load_model(args.model, compile_decode=False)
+        label = args.model
+    else:
+        lm, head, _inv = build_model(QWEN35_27B if args.shape == "27b" else TINY)
+        quantize_4bit(lm, head)
+        del head
+        label = f"{args.shape} 4-bit"
+    mx.clear_cache()
+    RESULTS["model"] = label
+    log(f"{label} ready in {time.perf_counter() - t:.0f}s")
+    arms = [(k, p) for k in args.arms.split(",") for p in args.paths.split(",")]
+    if invariant.backend() != "cuda":
+        arms = [(k, p) for k, p in arms if k == "mlx"]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rows: dict[str, list] = {}
+    paths: dict[str, str] = {}
+    for rnd in range(args.rounds):
+        for kernels, path in arms:
+            if time.perf_counter() - T0 > args.budget:
+                RESULTS["errors"].append(f"budget: stopped before round {rnd} {kernels} {path}")
+                break
+            name = f"{kernels} {path}"
+            try:
+                paths[name] = set_arm(lm, kernels, path == "compiled")
+                for B, T in shapes:
+                    r = step_times(lm, B, T, args.context, args.steps, seed=1000 * rnd + 10 * B + T)
+                    rows.setdefault(f"{name} B{B}T{T}", []).append(med(r))
+                    m = rows[f"{name} B{B}T{T}"][-1]
+                    log(f"round {rnd} {name} ({paths[name]}) B{B}T{T}: total {m['total_ms']:.2f} ms, "
+                        f"build {m['build_ms']:.2f}, encode {m['encode_ms']:.2f}")
+            except Exception:  # noqa: BLE001 - one arm's failure is a result; the others run
+                RESULTS["errors"].append(f"{name}: " + traceback.format_exc())
+                print(RESULTS["errors"][-1], file=sys.stderr)
+            RESULTS["steps"] = {"rounds": rows, "paths": paths}
+            save(out)
+    print("\n| arm | BxT | round 0 total ms | later total ms | build ms | encode ms | tok/s (B x 1000 / later total) |")
+    print("|---|---|---|---|---|---|---|")
+    for key, v in rows.items():
+        later = v[1:] or v
+        tot = statistics.median(x["total_ms"] for x in later)
+        B = int(key.split(" B")[1].split("T")[0])
+        print(f"| {key.rsplit(' B', 1)[0]} | {key.rsplit(' ', 1)[1]} | {v[0]['total_ms']:.2f} | {tot:.2f} | "
+              f"{statistics.median(x['build_ms'] for x in later):.2f} | "
+              f"{statistics.median(x['encode_ms'] for x in later):.2f} | {B * 1000 / tot:.0f} |")
+    RESULTS["wall_s"] = time.perf_counter() - T0
+    save(out)
+    return 1 if RESULTS["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
