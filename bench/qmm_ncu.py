@@ -87,9 +87,8 @@ def run(plan_path: Path, sweep: bool) -> None:
 
     mark()  # compiled here; and it opens the first case
     mx.synchronize()
-    profiler = cuda_profiler()
-    if profiler is not None:
-        profiler.cudaProfilerStart()
+    profiler = CudaProfiler()
+    profiler.start()
     for c in plan:
         q, s, b = weights[c["shape"]]
         x = xs_down[c["M"]] if c["K"] == 17408 else xs[c["M"]]
@@ -106,19 +105,34 @@ def run(plan_path: Path, sweep: bool) -> None:
             c["ran"] = False
             c["error"] = f"{type(exc).__name__}: {exc}"[:300]
             mark()
-    if profiler is not None:
-        profiler.cudaProfilerStop()
+    profiler.stop()
     plan_path.parent.mkdir(parents=True, exist_ok=True)
     plan_path.write_text(json.dumps(plan, indent=1))
 
 
-def cuda_profiler():
-    """The CUDA runtime MLX loaded (for ncu's --profile-from-start off), or None."""
-    import ctypes
+class CudaProfiler:
+    """Starts and stops ncu's range (for --profile-from-start off) through the CUDA runtime
+    or, where MLX links the runtime statically, the driver, whichever this process loaded."""
 
-    with open("/proc/self/maps") as f:
-        paths = sorted({ln.split()[-1] for ln in f if "libcudart.so" in ln})
-    return ctypes.CDLL(paths[0]) if paths else None
+    def __init__(self) -> None:
+        import ctypes
+
+        with open("/proc/self/maps") as f:
+            libs = {ln.split()[-1] for ln in f if ".so" in ln}
+        rt = sorted(p for p in libs if "libcudart.so" in p)
+        drv = sorted(p for p in libs if "libcuda.so" in p)
+        if rt:
+            lib = ctypes.CDLL(rt[0])
+            self._start, self._stop, self.via = lib.cudaProfilerStart, lib.cudaProfilerStop, rt[0]
+        else:
+            lib = ctypes.CDLL(drv[0] if drv else "libcuda.so.1")
+            self._start, self._stop, self.via = lib.cuProfilerStart, lib.cuProfilerStop, drv[0] if drv else "libcuda.so.1"
+
+    def start(self) -> None:
+        print(f"profiler start via {self.via}: {self._start()}", file=sys.stderr)
+
+    def stop(self) -> None:
+        print(f"profiler stop: {self._stop()}", file=sys.stderr)
 
 
 def report(folder: Path) -> int:
@@ -137,8 +151,11 @@ def report(folder: Path) -> int:
         v = float(r["Metric Value"].replace(",", ""))
         scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1e-3)
         segments[-1].append((name, v * scale))
-    # Profiled from the first case on: segment i holds case i's kernels (a case that raised
-    # still closed its segment); the last segment is after the last marker (empty).
+    # Each case closes with a marker (also one that raised). Profiled from the start, the
+    # marker before the first case closes the set-up's kernels: dropped. Profiled from
+    # cudaProfilerStart on, segment i is case i's. The last segment follows the last marker.
+    if len(segments) - 1 == len(plan) + 1:
+        segments = segments[1:]
     if len(segments) - 1 != len(plan):
         print(f"warning: {len(segments) - 1} marked segments for {len(plan)} cases", file=sys.stderr)
     for c, seg in zip(plan, segments):
