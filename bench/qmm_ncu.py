@@ -52,20 +52,25 @@ def cases(sweep: bool) -> list[dict]:
     if sweep:
         N, K = SHAPES[SWEEP_SHAPE]
         for M in (1, 16, 32):
-            for S in (1, 2, 4, 8):
-                for U in (1, 2, 4):
+            for S in ((1, 2, 4, 8) if M == 1 else (1, 2, 4)):
+                for U in ((1, 2, 4) if M == 1 else (1, 2)):
                     for NA in ((1,) if M == 1 else (1, 2, 4)):
                         out.append({"shape": SWEEP_SHAPE, "N": N, "K": K, "M": M, "kernel": "qmm",
                                     "launch": {"split": S, "unroll": U, "columns": NA}})
     return out
 
 
-def run(plan_path: Path, sweep: bool) -> None:
+def run(plan_path: Path, sweep: bool, only_sweep: bool = False, budget: float = 1e9) -> None:
     import mlx.core as mx
 
     from daemon.engine.kernels import quant_mma
 
+    import time
+
+    t0 = time.perf_counter()
     plan = cases(sweep)
+    if only_sweep:
+        plan = [c for c in plan if c["launch"]]
     weights = {}
     for name, (N, K) in SHAPES.items():
         w = (mx.random.normal((N, K)) * K ** -0.5).astype(mx.bfloat16)
@@ -90,6 +95,10 @@ def run(plan_path: Path, sweep: bool) -> None:
     profiler = CudaProfiler()
     profiler.start()
     for c in plan:
+        if time.perf_counter() - t0 > budget:  # not run: its segment is closed all the same
+            c["ran"], c["error"] = False, "budget"
+            mark()
+            continue
         q, s, b = weights[c["shape"]]
         x = xs_down[c["M"]] if c["K"] == 17408 else xs[c["M"]]
         try:
@@ -198,12 +207,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", type=Path, help="run the cases (under ncu), writing the plan here")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--only-sweep", action="store_true", help="the launch variants alone")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds; cases past it are not run")
     ap.add_argument("--report", type=Path, help="a folder with plan.json and ncu.csv")
     args = ap.parse_args(argv)
     if args.report:
         return report(args.report)
     if args.plan:
-        run(args.plan, args.sweep)
+        run(args.plan, args.sweep or args.only_sweep, args.only_sweep, args.budget)
         return 0
     ap.error("--plan or --report")
     return 2
