@@ -499,7 +499,8 @@ class CostModel:
                              source=src, stale=self.batch_stale(b, k, load),
                              load_at=e.load_at if src in ("measured", "blend") else None,
                              cost_rse=self._cost_rse(self._buckets[b - 1].cost, k, now),
-                             profiled=k in self._profile_batch.get(b, {}))  # fmt: skip
+                             profiled=k in self._profile_batch.get(b, {}),
+                             sample_cost_s=e.value if e.n and e.value > 0 else None)  # fmt: skip
 
     def batch_estimates(self, now: float, load: float | None = None) -> tuple[tuple[DepthEstimate, ...], ...]:
         """Per batched bucket (index b - 1), per depth 0..max_depth."""

@@ -142,6 +142,8 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
         ran = max(measured, key=lambda e: (e.samples, -e.depth)).depth
         k = first_depth(ests, ran, cfg)
         h = replace(h, last_probe_s=bk.clock)
+        if k != ran:  # the depth batches ran at lost, on its first few cycles: kept as a verdict
+            h = _verdict(h, bk, lost=ran, to=k)
         why = "the cost model's best" if k != ran else "also the cost model's best" if k else "the floor"
         return bk.emit(h, k, "height_adopt", f"first measurement (batches ran at depth {ran}): start at depth {k}, "
                                              f"{why}; this height's depth is its own now", depth_ran=ran)
@@ -229,13 +231,15 @@ def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, b
 
 
 def _verdict(h: HeightState, bk: _Bucket, lost: int, to: int) -> HeightState:
-    """Keep the verdict: ``lost`` lost to ``to`` here, at its cost now (a restart's first round
-    must not probe it again: governor/learned.py). The winner's old verdict, if any, is void."""
+    """Keep the verdict: ``lost`` lost to ``to`` here (a paired probe, or a first decision
+    that left the depth batches ran at), at the cost its own cycles measured, few as they
+    may be (a restart's first round must not probe it again: governor/learned.py). The
+    winner's old verdict, if any, is void."""
     e = bk.ests[lost] if 0 <= lost < len(bk.ests) else None
     kept = tuple(v for v in h.lost if v.depth not in (lost, to))
-    if e is None or e.cost_s is None:
+    if e is None or e.sample_cost_s is None:
         return replace(h, lost=kept)
-    v = LostProbe(depth=lost, to=to, cost_s=e.cost_s, samples=e.samples, at_s=bk.clock)
+    v = LostProbe(depth=lost, to=to, cost_s=e.sample_cost_s, samples=e.samples, at_s=bk.clock)
     return replace(h, lost=tuple(sorted(kept + (v,), key=lambda v: v.depth)))
 
 

@@ -130,6 +130,10 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     # at this height: it was measured once, so it is no never-measured neighbour to probe at
     # once (height_policy._maybe_probe), only a stale one to probe in its turn.
     profiled: bool = False
+    # The median of this depth's own recent samples alone (None without any): what a probe's
+    # verdict keeps as the depth's cost (governor/learned.py), where ``cost_s`` is still
+    # shrunk towards a prior (fewer than trust_samples samples).
+    sample_cost_s: float | None = None
 
 
 class LookupEstimate(Struct, frozen=True, kw_only=True):

@@ -107,7 +107,7 @@ def probed(logger, depth):
     return [d for d in decisions(logger, "height_probe") if d["heights"] == "3-4" and d["depth_to"] == depth]
 
 
-def test_a_probes_verdict_is_learned_with_its_cost_cycles_and_age_and_kept_across_a_restart():
+def test_verdicts_are_learned_with_their_cost_cycles_and_age_and_kept_across_a_restart():
     first, clock, eng, logger = make()
     eng.run(90.0, clock)
     (end, *_) = [d for d in decisions(logger, "height_probe_end") if "not better" in d["sentence"]]
@@ -116,6 +116,13 @@ def test_a_probes_verdict_is_learned_with_its_cost_cycles_and_age_and_kept_acros
     assert lost["cost_s"] == pytest.approx(per_row(1))
     clock_4 = first.cost.batch_decode_s()[bucket_of(4) - 1]
     assert 0 < lost["age_s"] < clock_4 - end["bucket_decode_s"] + 1e-6  # the latest verdict's, not the first's
+    # The first decision at heights 3-4 left depth 2, where batches ran for their first
+    # cycles (fewer than trust_samples: measured() keeps no cost for it): a verdict too.
+    (adopt,) = decisions(logger, "height_adopt")
+    assert adopt["depth_ran"] == 2 and adopt["depth_to"] == 0
+    early = first.learned()["lost"]["4"]["2"]
+    assert early["to"] == 0 and 0 < early["samples"] < 8 and "2" not in first.learned()["batch_cost_s"]["4"]
+    assert early["cost_s"] == pytest.approx(per_row(2))  # its own cycles' cost, not one shrunk to a prior
 
     # Restarted, the verdict is kept (a save before depth 1 is probed again must not drop
     # it) and ages on the new run's clock of that bucket.
