@@ -13,10 +13,11 @@ it (daemon/engine_thread/learned_profile.py) and hands it back as a profile:
 
 The costs become priors (never measurements: the first live cycles replace them); the
 depths are where each bucket starts, as paired probes left it. ``lost`` keeps the probes'
-verdicts by bucket top: each depth that lost a paired probe there, to which depth, its cost
-per row then and the cycles behind it (``batch_cost_s`` keeps only costs with
-trust_samples cycles, and a probe that loses clearly ends sooner), and ``age_s``, the
-bucket's decode seconds since. A restart seeds those costs as the profile's too (so the
+verdicts by bucket top: each depth that lost a paired probe there, or that the bucket's
+first decision left on its first few cycles, to which depth, its cost per row then and the
+cycles behind it (``batch_cost_s`` keeps only costs with trust_samples cycles: a first
+decision's loser has fewer, and the cost model starts a stale depth's window afresh), and
+``age_s``, the bucket's decode seconds since. A restart seeds those costs as the profile's too (so the
 depth is "profiled": no never-measured neighbour to probe at once, nor priced from priors
 as the best depth: on the H200 both ran in a restart's first round) and keeps the verdicts,
 ageing, until a probe in its turn (probe_interval_s) judges the depth again. A file without

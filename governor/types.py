@@ -205,8 +205,9 @@ class Observation(Struct, frozen=True, kw_only=True):
 
 
 class LostProbe(Struct, frozen=True, kw_only=True):
-    """A paired probe's verdict against a depth in one bucket of batch heights: ``depth``
-    lost to ``to``, its cost per row then (``samples`` cycles behind it, fewer than
+    """A verdict against a depth in one bucket of batch heights (a paired probe's, or the
+    bucket's first decision leaving the depth its batches ran at): ``depth`` lost to
+    ``to``, its cost per row then (``samples`` cycles behind it, fewer than
     trust_samples possibly: the cost model keeps no such cost, this verdict keeps it), at
     ``at_s`` on the bucket's decode clock (negative: before this start, from a learned
     profile). A restart treats it as measured, so its first round does not probe it again."""
@@ -236,7 +237,7 @@ class HeightState(Struct, frozen=True, kw_only=True):
     # The depth of the last probe when it ran none of that depth's cycles (the engine did
     # not draft it), else None: until then the next probe waits for the probe interval.
     unmeasured: int | None = None
-    # Depths that lost a paired probe here (one verdict per depth, the latest): kept in the
+    # Depths that lost here (LostProbe: one verdict per depth, the latest): kept in the
     # learned profile (governor/learned.py); a later win of that depth drops its verdict.
     lost: tuple[LostProbe, ...] = ()
 
