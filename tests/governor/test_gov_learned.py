@@ -174,3 +174,23 @@ def test_a_malformed_verdict_is_left_out_and_never_stops_the_start():
     gov, clock, eng, logger = make(profile=h200_like(lost))
     assert gov.learned()["lost"] == {}
     eng.run(2.0, clock)
+
+
+def test_a_verdict_judged_again_in_its_turn_is_replaced_when_the_depth_wins():
+    # A batch of four that is nearly flat in depth (a GPU-like verify): depth 1 wins there,
+    # whatever the old verdict said (it lost to 0 long ago, on 3 cycles).
+    flat = [1.52, 1.6, 1.7, 1.8, 1.9]
+    clock, logger = FakeClock(0.0), RecordingLogger()
+    profile = h200_like({"4": {"1": {"to": 0, "cost_s": per_row(1), "samples": 3, "age_s": 100.0}}})
+    gov = Governor(GovernorConfig(), clock=clock, memory_probes=[FakeMemoryProbe()], load=FakeLoad(active=1),
+                   head_resident=True, head_bytes=850 * MiB, logger=logger, profile=profile, initial_depth=2)
+    eng = SimEngine(gov, seed_like_cost(serial_s=STEP_S, load_penalty=0.0), acceptance=0.6, load_fn=lambda: 0.0,
+                    streams_fn=lambda: 4, batch_cost_fn=lambda n, k: STEP_S * flat[k])
+    eng.run(10.0, clock)
+    assert not decisions(logger, "height_probe")
+    eng.run(40.0, clock)
+    (won, *_) = decisions(logger, "height_probe_end")
+    assert won["sentence"].startswith("batch heights 3-4: probed depth 1 scores") and won["depth_to"] == 1
+    lost = gov.learned()["lost"]["4"]
+    assert lost["0"]["to"] == 1 and lost["0"]["samples"] >= 8  # depth 0 lost to 1, measured
+    assert lost.get("1", {}).get("to") != 0 and gov.depth_for(4) > 0  # the old verdict is gone
