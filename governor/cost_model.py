@@ -19,7 +19,9 @@ live cost of the nearest measured depth so the prior moves with load too.
 Profile format (from a tuning run): {"cost_s": {"0": 0.049, "1": 0.074, ...},
 "acceptance": [0.83, 0.79, 0.77, 0.76], "batch_cost_s": {"4": {"0": 0.021, "1": 0.025}}};
 every key optional. ``batch_cost_s`` is seconds per row of a batched cycle, by batch height
-then depth: a prior for that height's bucket.
+then depth: a prior for that height's bucket (where it has two depths or more, also the
+line a depth it lacks is priced on). A learned profile's ``lost`` (governor/learned.py)
+adds the costs its probe verdicts measured, where ``batch_cost_s`` has none.
 
 Batched cycles (``batch`` > 1) are learned apart, per bucket of batch height
 (governor/heights.py) and per depth, as seconds per row (cycle_s / rows), so a bucket's
@@ -190,6 +192,19 @@ class CostModel:
             b = bucket_of(int(height))
             if b > 0:  # height 1 is cost_s's
                 self._profile_batch[b] = {int(d): float(v) for d, v in by_depth.items() if float(v) > 0}
+        # A learned profile's probe verdicts (governor/learned.py): a depth that lost a paired
+        # probe was measured, if by fewer than trust_samples cycles; its cost then is a better
+        # prior than a ratio guessed from the solo depths (which priced it best on the H200, so
+        # a restart's first round probed it again). A cost with more cycles behind it wins.
+        for height, by_depth in (profile.get("lost") or {}).items():
+            try:
+                b, costs = bucket_of(int(height)), {int(d): float(v["cost_s"]) for d, v in by_depth.items()}
+            except (TypeError, ValueError, KeyError, AttributeError):
+                continue  # a hint: a malformed entry costs a probe, never the start
+            if b > 0:
+                for d, c in costs.items():
+                    if c > 0 and 0 <= d <= self.cfg.max_depth:
+                        self._profile_batch.setdefault(b, {}).setdefault(d, c)
 
     def profile(self) -> dict[str, Any]:
         """What was seeded, in the profile's format (to rebuild the model on a reconfigure)."""
@@ -412,15 +427,31 @@ class CostModel:
             return True
         return load is not None and e.load_at is not None and abs(load - e.load_at) > self.cfg.stale_load_delta
 
-    def _batch_ratio(self, b: int, k: int, j: int, now: float) -> float:
-        """cost(b, k) / cost(b, j): the profile's for this bucket when it has both depths,
-        else the nearest other bucket's measured ratio (learned: batches of neighbouring
-        heights share their shape, a near-flat verify on a GPU, a steep one on a CPU), else
-        the solo ratio (a guess, and too steep on a GPU, where extra verify positions are
-        nearly free in a batch: such a guess is only ever a reason to probe)."""
+    def _profile_line(self, b: int, k: int) -> float | None:
+        """The profile's cost(b, k): its own value, else, where it has two or more depths at
+        this bucket, the line through the two nearest to k (floored as _batch_anchor's live
+        line): this bucket's shape as the last run measured it, where the solo ratio would
+        guess (with the prior acceptance it priced an unmeasured depth best on the H200 and
+        on the CPU-like replay, so a restart's first round probed it)."""
         p = self._profile_batch.get(b, {})
-        if k in p and j in p:
-            return p[k] / p[j]
+        if k in p:
+            return p[k]
+        if len(p) < 2:
+            return None
+        j1, j2 = sorted(sorted(p, key=lambda j: (abs(j - k), j))[:2])
+        v = p[j1] + (p[j2] - p[j1]) * (k - j1) / (j2 - j1)
+        return max(v, 0.5 * min(p[j1], p[j2]))
+
+    def _batch_ratio(self, b: int, k: int, j: int, now: float) -> float:
+        """cost(b, k) / cost(b, j): the profile's for this bucket when it has both depths or
+        two others to draw its line through (_profile_line), else the nearest other bucket's
+        measured ratio (learned: batches of neighbouring heights share their shape, a
+        near-flat verify on a GPU, a steep one on a CPU), else the solo ratio (a guess, and
+        too steep on a GPU, where extra verify positions are nearly free in a batch: such a
+        guess is only ever a reason to probe)."""
+        pk, pj = self._profile_line(b, k), self._profile_line(b, j)
+        if pk is not None and pj:
+            return pk / pj
         trust = self.cfg.trust_samples
         for o in sorted(range(1, N_BUCKETS), key=lambda o: (abs(o - b), o)):
             if o == b:
@@ -436,7 +467,7 @@ class CostModel:
         batch's near-flat verify and this CPU's steep one both show in two points), never
         below the cheaper of them when extrapolating down nor above... only floored; else
         the nearest measured depth scaled by the profile's (or the solo) ratio; else the
-        profile's value."""
+        profile's value (or its line: _profile_line)."""
         bk = self._buckets[b - 1]
         live = [j for j, e in enumerate(bk.cost) if j != k and self._fresh(e, now) and e.n >= self.cfg.trust_samples]
         if len(live) >= 2:
@@ -450,9 +481,11 @@ class CostModel:
             e, trust, p = bk.cost[j], self.cfg.trust_samples, self._profile_batch.get(b, {})
             base = (e.n * e.value + (trust - e.n) * p[j]) / trust if e.n < trust and j in p else e.value
             return base * self._batch_ratio(b, k, j, now), "prior"
-        p = self._profile_batch.get(b, {})
+        p, line = self._profile_batch.get(b, {}), self._profile_line(b, k)
         if k in p:
             return p[k], "profile"
+        if line is not None:
+            return line, "prior"
         return None, "none"
 
     def batch_estimate(self, b: int, k: int, now: float, load: float | None = None) -> DepthEstimate:
@@ -466,7 +499,8 @@ class CostModel:
                              source=src, stale=self.batch_stale(b, k, load),
                              load_at=e.load_at if src in ("measured", "blend") else None,
                              cost_rse=self._cost_rse(self._buckets[b - 1].cost, k, now),
-                             profiled=k in self._profile_batch.get(b, {}))  # fmt: skip
+                             profiled=k in self._profile_batch.get(b, {}),
+                             sample_cost_s=e.value if e.n and e.value > 0 else None)  # fmt: skip
 
     def batch_estimates(self, now: float, load: float | None = None) -> tuple[tuple[DepthEstimate, ...], ...]:
         """Per batched bucket (index b - 1), per depth 0..max_depth."""

@@ -45,12 +45,13 @@ from .config import GovernorConfig
 from .depth_rules import (clear_verdict, fmt_margin, forced_depth, margin_for, margin_inputs, move_toward,
                           new_samples, probed_depth_wins)
 from .heights import N_BUCKETS, bucket_label
-from .types import NORMAL, DepthEstimate, HeightState, Observation, SetHeightDepth, State
+from .learned import settled
+from .types import NORMAL, DepthEstimate, HeightState, LostProbe, Observation, SetHeightDepth, State
 
 
 def settled_depth(h: HeightState) -> int | None:
     """The bucket's depth outside a probe (during one: the depth it returns to)."""
-    return h.probe_return if h.probe_depth is not None else h.depth
+    return settled(h.depth, h.probe_depth, h.probe_return)
 
 
 def first_depth(ests: tuple[DepthEstimate, ...], ran: int, cfg: GovernorConfig) -> int:
@@ -141,6 +142,8 @@ def _decide_bucket(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorC
         ran = max(measured, key=lambda e: (e.samples, -e.depth)).depth
         k = first_depth(ests, ran, cfg)
         h = replace(h, last_probe_s=bk.clock)
+        if k != ran:  # the depth batches ran at lost, on its first few cycles: kept as a verdict
+            h = _verdict(h, bk, lost=ran, to=k)
         why = "the cost model's best" if k != ran else "also the cost model's best" if k else "the floor"
         return bk.emit(h, k, "height_adopt", f"first measurement (batches ran at depth {ran}): start at depth {k}, "
                                              f"{why}; this height's depth is its own now", depth_ran=ran)
@@ -227,6 +230,19 @@ def _probe_done(h: HeightState, bk: _Bucket, cfg: GovernorConfig, probed: int, b
     return clear_verdict(n_p, n_b, _score(bk.ests, probed), _score(bk.ests, back), bk.margin(probed, back, cfg)[0], cfg)
 
 
+def _verdict(h: HeightState, bk: _Bucket, lost: int, to: int) -> HeightState:
+    """Keep the verdict: ``lost`` lost to ``to`` here (a paired probe, or a first decision
+    that left the depth batches ran at), at the cost its own cycles measured, few as they
+    may be (a restart's first round must not probe it again: governor/learned.py). The
+    winner's old verdict, if any, is void."""
+    e = bk.ests[lost] if 0 <= lost < len(bk.ests) else None
+    kept = tuple(v for v in h.lost if v.depth not in (lost, to))
+    if e is None or e.sample_cost_s is None:
+        return replace(h, lost=kept)
+    v = LostProbe(depth=lost, to=to, cost_s=e.sample_cost_s, samples=e.samples, at_s=bk.clock)
+    return replace(h, lost=tuple(sorted(kept + (v,), key=lambda v: v.depth)))
+
+
 def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
     probed = h.probe_depth if h.probe_depth is not None else 0
     back = h.probe_return if h.probe_return is not None else 0
@@ -247,7 +263,9 @@ def _probe_step(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConf
     margin, noise = bk.margin(probed, back, cfg)
     mlog = bk.margin_inputs(margin, noise)
     if probed_depth_wins(probed, back, sp, sb, margin, obs, cfg):
+        h = _verdict(h, bk, lost=back, to=probed)
         return bk.emit(h, probed, "height_probe_end", f"probed depth {probed} scores {_fmt(sp)} vs {_fmt(sb)}, "
                                                       f"{fmt_margin(margin, noise)}: stay", **mlog)  # fmt: skip
+    h = _verdict(h, bk, lost=probed, to=back)
     return bk.emit(h, back, "height_probe_end", f"probed depth {probed} ({_fmt(sp)}) not better than {back} "
                                                 f"({_fmt(sb)}) by the {fmt_margin(margin, noise)}", **mlog)  # fmt: skip

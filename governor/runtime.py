@@ -85,7 +85,7 @@ class Governor:
                                  "sentence": f"start at depth {solo}, where this machine's last run left it "
                                              f"(learned profile)"}  # fmt: skip
             depth = solo
-        heights, height_reasons = start_heights(learned, self.cfg, head_resident)
+        heights, height_reasons = start_heights(learned, self.cfg, head_resident, (profile or {}).get("lost"))
         starts = ([self.start_reason] if self.start_reason is not None else []) + height_reasons
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
         for reason in starts:

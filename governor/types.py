@@ -130,6 +130,10 @@ class DepthEstimate(Struct, frozen=True, kw_only=True):
     # at this height: it was measured once, so it is no never-measured neighbour to probe at
     # once (height_policy._maybe_probe), only a stale one to probe in its turn.
     profiled: bool = False
+    # The median of this depth's own recent samples alone (None without any): what a probe's
+    # verdict keeps as the depth's cost (governor/learned.py), where ``cost_s`` is still
+    # shrunk towards a prior (fewer than trust_samples samples).
+    sample_cost_s: float | None = None
 
 
 class LookupEstimate(Struct, frozen=True, kw_only=True):
@@ -200,6 +204,21 @@ class Observation(Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- state
 
 
+class LostProbe(Struct, frozen=True, kw_only=True):
+    """A verdict against a depth in one bucket of batch heights (a paired probe's, or the
+    bucket's first decision leaving the depth its batches ran at): ``depth`` lost to
+    ``to``, its cost per row then (``samples`` cycles behind it, fewer than
+    trust_samples possibly: the cost model keeps no such cost, this verdict keeps it), at
+    ``at_s`` on the bucket's decode clock (negative: before this start, from a learned
+    profile). A restart treats it as measured, so its first round does not probe it again."""
+
+    depth: int
+    to: int
+    cost_s: float
+    samples: int
+    at_s: float
+
+
 class HeightState(Struct, frozen=True, kw_only=True):
     """The depth chosen for one bucket of batch heights, and its probe; times of the probe
     are on that bucket's decode clock, ``last_change_at`` on the injected clock."""
@@ -218,6 +237,9 @@ class HeightState(Struct, frozen=True, kw_only=True):
     # The depth of the last probe when it ran none of that depth's cycles (the engine did
     # not draft it), else None: until then the next probe waits for the probe interval.
     unmeasured: int | None = None
+    # Depths that lost here (LostProbe: one verdict per depth, the latest): kept in the
+    # learned profile (governor/learned.py); a later win of that depth drops its verdict.
+    lost: tuple[LostProbe, ...] = ()
 
 Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
 

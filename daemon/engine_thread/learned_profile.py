@@ -65,17 +65,20 @@ def load_learned(model_path: str | Path, path: Path | None = None) -> dict | Non
         log.warning("learned.refused", path=str(p), reason=reason, message="the governor starts from its priors")
         return None
     log.info("learned.loaded", path=str(p), age_s=round(time.time() - float(doc.get("written_at") or 0), 1),
-             depths=doc.get("depths"), cost_s=doc.get("cost_s"), batch_cost_s=doc.get("batch_cost_s"))
+             depths=doc.get("depths"), cost_s=doc.get("cost_s"), batch_cost_s=doc.get("batch_cost_s"),
+             lost=doc.get("lost") or {})
     return doc
 
 
 def merged(tuned: dict | None, learned: dict | None) -> dict | None:
     """The governor's profile from both: the tuned costs and acceptance where tuning measured
-    them, the learned ones elsewhere; costs by height and the chosen depths from the learned."""
+    them, the learned ones elsewhere; costs by height, the chosen depths and the probes'
+    verdicts (``lost``; absent from a file written before they were kept) from the learned."""
     if not learned:
         return tuned
     out = {"cost_s": learned.get("cost_s") or {}, "acceptance": learned.get("acceptance") or [],
-           "batch_cost_s": learned.get("batch_cost_s") or {}, "depths": learned.get("depths") or {}}  # fmt: skip
+           "batch_cost_s": learned.get("batch_cost_s") or {}, "depths": learned.get("depths") or {},
+           "lost": learned.get("lost") or {}}  # fmt: skip
     for key in ("cost_s", "acceptance", "batch_cost_s"):
         if (tuned or {}).get(key):
             out[key] = tuned[key]
