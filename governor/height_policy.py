@@ -186,9 +186,11 @@ def _probe(h: HeightState, bk: _Bucket, n: int, sentence: str, **inputs: Any) ->
 def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorConfig) -> HeightState:
     """A neighbour this bucket never measured is probed at once (depth 0 always; another
     unless the bucket's own line, two measured depths (cost_model._batch_anchor), prices it
-    more than the margin worse); a measured one, or one a profile measured (a restart's
-    first round must not pay the exploration again), when its estimate is stale and
-    probe_interval_s of this bucket's decoding passed since the last."""
+    more than the margin worse, or the bucket started at a learned profile's depth: the
+    last run decoded here and settled, so that waits for its turn, probe_interval_s of this
+    bucket's decoding); a measured one, or one a profile measured (a restart's first round
+    must not pay the exploration again), when its estimate is stale and probe_interval_s
+    of this bucket's decoding passed since the last."""
     if obs.pressure != NORMAL:
         return h
     cur = h.depth or 0
@@ -202,7 +204,9 @@ def _maybe_probe(h: HeightState, bk: _Bucket, obs: Observation, cfg: GovernorCon
         sn = _score(bk.ests, n)
         priced_worse = (n > 0 and measured >= 2 and sn is not None and cs is not None
                         and sn * (1 + bk.margin(cur, n, cfg)[0]) < cs)  # fmt: skip
-        if bk.ests[n].samples == 0 and not bk.ests[n].profiled and not priced_worse and _may_probe(h, bk, n, cfg):
+        not_yet = h.learned and n > 0 and bk.clock < cfg.probe_interval_s
+        if (bk.ests[n].samples == 0 and not bk.ests[n].profiled and not priced_worse and not not_yet
+                and _may_probe(h, bk, n, cfg)):
             return _probe(h, bk, n, f"depth {n} was never measured at this height: probe it against {cur}")
     last = h.last_probe_s if h.last_probe_s is not None else bk.clock
     if bk.clock - last < cfg.probe_interval_s:

@@ -103,9 +103,10 @@ def start_heights(depths: dict[str, Any], cfg: GovernorConfig, head_resident: bo
         if b == 0:
             continue
         k = min(max(int(k), 0), cfg.max_depth) if head_resident else 0
-        table[b - 1] = HeightState(depth=k, lost=verdicts.get(b, ()))
+        table[b - 1] = HeightState(depth=k, lost=verdicts.get(b, ()), learned=True)
         n = len(verdicts.get(b, ()))
         kept = f"; {n} probe verdict{'s' if n != 1 else ''} kept, not probed again before their turn" if n else ""
+        kept += "; depths it never measured here are probed in their turn, not at once"
         reasons.append({"decision": "height_start", "heights": bucket_label(b), "depth_to": k,
                         "lost": [v.depth for v in verdicts.get(b, ())],
                         "sentence": f"batch heights {bucket_label(b)}: start at depth {k}, where this machine's "

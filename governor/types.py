@@ -240,6 +240,10 @@ class HeightState(Struct, frozen=True, kw_only=True):
     # Depths that lost here (LostProbe: one verdict per depth, the latest): kept in the
     # learned profile (governor/learned.py); a later win of that depth drops its verdict.
     lost: tuple[LostProbe, ...] = ()
+    # Started at a learned profile's depth (governor/learned.py): the last run on this machine
+    # decoded at these heights and settled here, so a depth it never measured is explored in
+    # its turn (probe_interval_s), not in a restart's first round.
+    learned: bool = False
 
 Override = Literal["auto", "pin_depth", "force_evict", "force_load"]
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 MiB = 1 << 20
 STEP_S = 0.027
-CPU = {4: [1.52, 3.35, 4.66, 4.11, 5.0], 1: [1.0, 1.9, 2.6, 3.2, 3.8]}
+CPU = {4: [1.52, 3.35, 4.66, 4.11, 5.0], 2: [1.25, 2.6, 3.6, 3.9, 4.6], 1: [1.0, 1.9, 2.6, 3.2, 3.8]}
 
 
 def make(profile=None, streams=4):
@@ -194,3 +194,24 @@ def test_a_verdict_judged_again_in_its_turn_is_replaced_when_the_depth_wins():
     lost = gov.learned()["lost"]["4"]
     assert lost["0"]["to"] == 1 and lost["0"]["samples"] >= 8  # depth 0 lost to 1, measured
     assert lost.get("1", {}).get("to") != 0 and gov.depth_for(4) > 0  # the old verdict is gone
+
+
+def test_a_learned_height_probes_a_depth_its_last_run_never_measured_in_its_turn_not_at_once():
+    # The H200's restart (bench/results/h200_2026-12-03c, run 3): heights 2 had settled at
+    # depth 0 in the last run, which never measured depth 1 there, so the restart's first
+    # round probed it ("never measured"). The last run decoded at that height and did not go
+    # there: a first round is no time to explore it; its turn comes with probe_interval_s.
+    profile = {"cost_s": {}, "acceptance": [], "batch_cost_s": {"2": {"0": STEP_S * CPU[2][0] / 2}},
+               "depths": {"1": 0, "2": 0}}
+    fresh, clock, eng, logger = make(streams=2)  # without a profile the same council probes at once
+    eng.run(10.0, clock)
+    assert [d for d in decisions(logger, "height_probe") if "never measured" in d["sentence"]]
+
+    gov, clock, eng, logger = make(profile=profile, streams=2)
+    (start,) = decisions(logger, "height_start")
+    assert start["heights"] == "2" and "in their turn" in start["sentence"]
+    eng.run(10.0, clock)
+    assert not decisions(logger, "height_probe")
+    eng.run(40.0, clock)  # past probe_interval_s (30 s) of the bucket's decoding
+    (probe, *_) = [d for d in decisions(logger, "height_probe") if d["heights"] == "2"]
+    assert probe["depth_to"] == 1 and probe["bucket_decode_s"] >= GovernorConfig().probe_interval_s
