@@ -278,6 +278,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # and speculate; else MLX's, and exact rows decode alone. "mlx": never the invariant
     # kernels (they are slower: the price of the promise). "invariant": always try them.
     kernels: Literal["auto", "mlx", "invariant"] = "auto"
+    # The GatedDeltaNet recurrence (gates, decay, delta rule, readout) as one kernel per layer
+    # (daemon/engine/kernels/gdn_fused.py). "auto": on CUDA, where mlx-lm has no kernel for it and
+    # runs ~20 plain ops per layer instead (a 27B step: 30 ms compiled against 37 on the H200);
+    # Metal keeps mlx-lm's own kernel, the CPU its ops. "off": mlx-lm's path everywhere. Every
+    # forward of the model takes the same one, so exactness holds either way.
+    gdn_kernel: Literal["auto", "off"] = "auto"
     # MLX-on-CUDA sends attention of more than one query to cuDNN (head dims <= 128), which
     # builds a plan per new key length (37-57 ms each on the H200): every speculative cycle
     # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or

@@ -61,7 +61,8 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
             "device": current_device(), "dtypes": dtypes,
             "decode_path": lm.decode_path if decode_path else "(being decided)",
             "batch_decode_path": lm.batch_decode_path if decode_path else "(being decided)",
-            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels, "model_hash": model_hash(lm.path)}
+            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels,
+            "recurrence": lm.recurrence.split(":")[0], "model_hash": model_hash(lm.path)}
 
 
 class ProbeVerdicts:

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
 
 def backbone_layers(backbone: nn.Module) -> list:
     return getattr(backbone, "pipeline_layers", backbone.layers)
@@ -67,6 +67,37 @@ def gdn_projections(attn: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.arr
     return qkv, z, b, a
 
 
+def gdn_conv_input(attn: nn.Module, qkv: mx.array, mask: Any, cache: ArraysCache | None) -> mx.array:
+    """[conv state, new rows] for the depthwise conv, the cache's conv state advanced past
+    them (per row by its length where the cache has lengths): mlx-lm's block, op for op."""
+    B, S, _ = qkv.shape
+    conv_state = cache[0] if cache is not None else None
+    if conv_state is None:
+        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=qkv.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    if cache is not None:
+        n_keep = attn.conv_kernel_size - 1
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    return conv_input
+
+
+def gdn_recurrence(attn: nn.Module, q, k, v, a, b, state, mask=None) -> tuple[mx.array, mx.array]:
+    """The layer's gated delta recurrence: the fused kernel where gdn_layer.install put the
+    layer on it (``fused_recurrence``), else mlx-lm's ``gated_delta_update``. Every
+    GatedDeltaNet forward of the daemon goes through here, so a model never mixes the two."""
+    fused = getattr(attn, "fused_recurrence", None)
+    if fused is not None:
+        return fused(q, k, v, a, b, attn.A_log, attn.dt_bias, state, mask)
+    return gated_delta_update(q, k, v, a, b, attn.A_log, attn.dt_bias, state, mask, use_kernel=not attn.training)
+
+
 def gdn_conv_qkv(attn: nn.Module, conv_input: mx.array, B: int, S: int) -> tuple[mx.array, mx.array, mx.array]:
     """SiLU(conv) over [conv state, new rows], split into q, k, v heads for the last S
     positions, q and k normalized: mlx-lm's order of ops."""
@@ -91,23 +122,33 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
 
-    # gated_delta_update -> gated_delta_ops, keeping every intermediate state.
+    out, states = _recurrence_with_states(attn, q, k, v, a, b, state)
+    out = attn.norm(out, z)
+    out = attn.out_proj(out.reshape(B, S, -1))
+    if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
+        out = mx.distributed.all_sum(out, group=attn.sharding_group)
+    return out, conv_input, states
+
+
+def _recurrence_with_states(attn: nn.Module, q, k, v, a, b, state) -> tuple[mx.array, list]:
+    """(y [B, S, Hv, Dv], the state after each of the S tokens): one fused call where the
+    layer is on the kernel (its per-token states are a decode step's bits), else
+    gated_delta_update -> gated_delta_ops, keeping every intermediate state."""
+    fused = getattr(attn, "fused_recurrence", None)
+    if fused is not None:
+        out, _, every = fused(q, k, v, a, b, attn.A_log, attn.dt_bias, state, None, all_states=True)
+        return out, [every[:, t] for t in range(q.shape[1])]
     beta = mx.sigmoid(b)
     g = compute_g(attn.A_log, a, attn.dt_bias)
     if (rf := attn.num_v_heads // attn.num_k_heads) > 1:
         q = mx.repeat(q, rf, -2)
         k = mx.repeat(k, rf, -2)
     ys, states = [], []
-    for t in range(S):
+    for t in range(q.shape[1]):
         y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
         ys.append(y)
         states.append(state)
-    out = mx.stack(ys, axis=1)  # y is cast to q's dtype inside the step: no float32 leak
-    out = attn.norm(out, z)
-    out = attn.out_proj(out.reshape(B, S, -1))
-    if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
-        out = mx.distributed.all_sum(out, group=attn.sharding_group)
-    return out, conv_input, states
+    return mx.stack(ys, axis=1), states  # y is cast to q's dtype inside the step: no float32 leak
 
 
 def initial_states(attn: nn.Module, cache: ArraysCache, B: int, dtype) -> tuple[mx.array, mx.array]:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..kernels import gdn_layer
 from ..kernels.chunked_prefill import default_enabled
 from .compiled import enable_compiled_decode
 from .model import LoadedModel
@@ -47,9 +48,23 @@ def _read_weights(model, progress: Callable[[int, int, float], None] | None) -> 
         progress(done, total, time.perf_counter() - t0)
 
 
+def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
+    """Install the fused GatedDeltaNet recurrence where asked and possible (before the compiled
+    step is traced: its traces hold the layers' forward); returns ``lm.recurrence``."""
+    if fused is False:
+        return "mlx-lm: configured (gdn_kernel = \"off\")"
+    why = gdn_layer.refusal(lm.text_module)
+    if why is not None:
+        if fused:
+            raise ValueError(f"the fused GatedDeltaNet kernel cannot run here: {why}")
+        return f"mlx-lm: {why}"
+    gdn_layer.install(lm.text_module)
+    return "fused"
+
+
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
                progress: Callable[[int, int, float], None] | None = None, group=None,
-               compile_check: Callable | None = None) -> LoadedModel:
+               compile_check: Callable | None = None, fused_recurrence: bool | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
@@ -59,7 +74,10 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     ``group``: an ``mx.distributed`` group of more than one rank splits the model across it
     (tensor parallel, ``sharding.py``) before the weights are read; ShardingRefused when the
     model does not divide. ``compile_check``: answers for the compiled step's self-check
-    (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict."""
+    (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict.
+    ``fused_recurrence``: run every GatedDeltaNet layer's recurrence on the fused kernel
+    (engine/kernels/gdn_fused.py); None: where it can run (CUDA), False: mlx-lm's own path;
+    ``lm.recurrence`` says which, and why."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -83,6 +101,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
         model_type=config.get("model_type", ""),
         eos_token_ids=frozenset(eos),
     )
+    lm.recurrence = _put_recurrence(lm, fused_recurrence)
     if chunked_prefill is None:
         chunked_prefill = default_enabled()
     lm.chunked_prefill = bool(chunked_prefill) and lm.supports_mtp

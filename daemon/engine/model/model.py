@@ -39,6 +39,10 @@ class LoadedModel:
     # Prompt chunks run the GatedDeltaNet recurrence in chunked form (chunked_prefill.py)
     # instead of token by token; load_model turns it on on CUDA (chunked_prefill.default_enabled).
     chunked_prefill: bool = False
+    # "fused" when every GatedDeltaNet layer runs engine/kernels/gdn_fused.py's recurrence
+    # (load_model puts it in on CUDA), else "mlx-lm: <why not>"; the probes' verdicts are keyed
+    # by it (the two round differently).
+    recurrence: str = "mlx-lm: not requested"
     # "mlx", or "invariant" once invariant.install swapped the forward's kernels (the daemon's
     # kernel choice, kernel_choice.py); the probes' cached verdicts are keyed by it.
     kernels: str = "mlx"

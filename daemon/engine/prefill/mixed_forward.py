@@ -29,9 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
-from mlx_lm.models.gated_delta import gated_delta_update
 
-from ..kernels.forward import backbone_layers, gdn_conv_qkv, gdn_projections
+from ..kernels.forward import backbone_layers, gdn_conv_input, gdn_conv_qkv, gdn_projections, gdn_recurrence
 from ..pieces import pause
 from .prefill import prefill
 
@@ -89,22 +88,9 @@ def _gdn(attn: nn.Module, x: mx.array, sizes: list[tuple[int, int]], masks: list
         qkv = qkv_all[:, start:start + n].reshape(B, L, -1)
         b = b_all[:, start:start + n].reshape(B, L, -1)
         a = a_all[:, start:start + n].reshape(B, L, -1)
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=x.dtype)
-        if mask is not None:
-            qkv = mx.where(mask[..., None], qkv, 0)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        n_keep = attn.conv_kernel_size - 1
-        if cache.lengths is not None:
-            ends = mx.clip(cache.lengths, 0, L)
-            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
-            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
-        else:
-            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        conv_input = gdn_conv_input(attn, qkv, mask, cache)
         q, k, v = gdn_conv_qkv(attn, conv_input, B, L)
-        out, state = gated_delta_update(q, k, v, a, b, attn.A_log, attn.dt_bias, cache[1], mask,
-                                        use_kernel=not attn.training)
+        out, state = gdn_recurrence(attn, q, k, v, a, b, cache[1], mask)
         cache[1] = state
         cache.advance(L)
         outs.append(out.reshape(1, n, *out.shape[2:]))

@@ -1,0 +1,190 @@
+"""The GatedDeltaNet recurrence as one CUDA kernel: gates, decay, delta rule and readout.
+
+Why: on Metal mlx-lm runs the recurrence as one custom kernel; off Metal it runs it in plain
+ops (``gated_delta_ops``: per token, slices, the decay and update products, two sums, the
+stack), plus ``sigmoid(b)`` and the compiled ``compute_g``. On the H200 a 27B-shaped decode
+step is bound by the host's cost per kernel (~4.5 us each, bench/results/h200_2026-12-03d),
+and those ops are ~20 of the ~54 nodes of each of its 48 GatedDeltaNet layers; their fused
+gate kernels are also 16 of the 26 modules MLX compiles on a fresh machine before the first
+answer (issue 46). This kernel is one node per layer, and compiles once.
+
+What it computes, for q, k [B, T, Hk, Dk] (normalised, as ``normalize_qk`` leaves them),
+v [B, T, Hv, Dv], the raw gate inputs a, b [B, T, Hv], A_log and dt_bias [Hv], the float32
+state [B, Hv, Dv, Dk] and an optional mask [B, T] (False: padding, y = 0, state kept), per
+token t, in float32:
+    beta = sigmoid(b);  g = exp(-exp(A_log) * softplus(a + dt_bias))
+    S = g * S;  kv = S k;  S = S + k (beta (v - kv))^T;  y = S q
+mlx-lm's ``gated_delta_update`` semantics (its Metal kernel's for masked tokens); q and k
+heads are shared by Hv / Hk value heads, as its ``repeat`` does.
+
+Order, fixed by construction: one warp per (row, value head, value row dv); each lane holds
+Dk / 32 contiguous state elements and sums them in order; the warp adds its lanes' partials
+by the butterfly xor 1, 2, 4, 8, 16. Nothing depends on B or on the other rows, and a call
+over T tokens does per token exactly what T calls of one token do (the state stays float32
+between tokens either way). So a row's bits are the same alone or batched, in a decode step,
+a verify or a prefill: exact rows batch and speculate on it. With ``all_states`` the kernel
+also writes the state after every token (a capture verify's rollback needs them).
+
+The numbers differ from mlx-lm's ops path in the last bits (the gates in float32, another
+summation order), so a model either runs this kernel in every GatedDeltaNet forward or in
+none: ``install`` swaps every layer (gdn_layer.py), and the start-up probes test the model so
+installed. CUDA only; elsewhere ``backend_refusal`` says why not.
+This module imports nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+_SOURCE = """
+    constexpr int NPL = Dk / 32;
+    const int lane = threadIdx.x;
+    const int dv = blockIdx.y * blockDim.y + threadIdx.y;
+    const int n = blockIdx.z;                       // row * Hv + value head
+    const int bi = n / Hv, hv = n % Hv, hk = hv / (Hv / Hk);
+    const int T = v_shape[1];
+    if (dv >= Dv) return;
+    const InT* qp = q + ((size_t)bi * T * Hk + hk) * Dk + lane * NPL;
+    const InT* kp = k + ((size_t)bi * T * Hk + hk) * Dk + lane * NPL;
+    const InT* vp = v + ((size_t)bi * T * Hv + hv) * Dv + dv;
+    const InT* ap = ga + (size_t)bi * T * Hv + hv;
+    const InT* bp = gb + (size_t)bi * T * Hv + hv;
+    InT* yp = y + ((size_t)bi * T * Hv + hv) * Dv + dv;
+    const size_t srow = ((size_t)n * Dv + dv) * Dk + lane * NPL;
+    float st[NPL];
+    #pragma unroll
+    for (int i = 0; i < NPL; ++i) st[i] = state_in[srow + i];
+    const float A = expf(static_cast<float>(A_log[hv]));
+    const float dt = static_cast<float>(dt_bias[hv]);
+    for (int t = 0; t < T; ++t) {
+        if (MASK_ON) {
+            const float x = static_cast<float>(ap[(size_t)t * Hv]) + dt;
+            const float sp = x > 20.0f ? x : log1pf(expf(x));
+            const float g = expf(-A * sp);
+            const float beta = 1.0f / (1.0f + expf(-static_cast<float>(bp[(size_t)t * Hv])));
+            const InT* kt = kp + (size_t)t * Hk * Dk;
+            const InT* qt = qp + (size_t)t * Hk * Dk;
+            float kv = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) { st[i] = st[i] * g; kv += st[i] * static_cast<float>(kt[i]); }
+            kv += __shfl_xor_sync(0xffffffff, kv, 1);
+            kv += __shfl_xor_sync(0xffffffff, kv, 2);
+            kv += __shfl_xor_sync(0xffffffff, kv, 4);
+            kv += __shfl_xor_sync(0xffffffff, kv, 8);
+            kv += __shfl_xor_sync(0xffffffff, kv, 16);
+            const float delta = (static_cast<float>(vp[(size_t)t * Hv * Dv]) - kv) * beta;
+            float o = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) { st[i] = st[i] + static_cast<float>(kt[i]) * delta; o += st[i] * static_cast<float>(qt[i]); }
+            o += __shfl_xor_sync(0xffffffff, o, 1);
+            o += __shfl_xor_sync(0xffffffff, o, 2);
+            o += __shfl_xor_sync(0xffffffff, o, 4);
+            o += __shfl_xor_sync(0xffffffff, o, 8);
+            o += __shfl_xor_sync(0xffffffff, o, 16);
+            if (lane == 0) yp[(size_t)t * Hv * Dv] = static_cast<InT>(o);
+        } else if (lane == 0) {
+            yp[(size_t)t * Hv * Dv] = static_cast<InT>(0.0f);
+        }
+        WRITE_STATE_OF_TOKEN_T
+    }
+    #pragma unroll
+    for (int i = 0; i < NPL; ++i) state_out[srow + i] = st[i];
+"""
+
+# With all_states: the state after token t, into states [B, T, Hv, Dv, Dk].
+_WRITE_STATE = """{
+            float* sp_out = states + ((((size_t)bi * T + t) * Hv + hv) * Dv + dv) * Dk + lane * NPL;
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) sp_out[i] = st[i];
+        }"""
+
+ROWS_PER_BLOCK = 4  # value rows (warps) per block: speed only, nothing is summed across warps
+_kernels: dict[tuple[bool, bool], object] = {}
+
+
+def backend_refusal() -> str | None:
+    """Why this kernel cannot run here (None: it can)."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return "not CUDA (Metal runs mlx-lm's own kernel; the CPU its ops)"
+    return None
+
+
+def shape_refusal(Dk: int, Dv: int, Hk: int, Hv: int) -> str | None:
+    """Why a layer of these head shapes cannot take the kernel (None: it can)."""
+    if Dk % 32 or Dk > 256:
+        return f"key head dim {Dk} is not a multiple of 32 up to 256"
+    if Dv % ROWS_PER_BLOCK:
+        return f"value head dim {Dv} is not a multiple of {ROWS_PER_BLOCK}"
+    if Hv % Hk:
+        return f"{Hv} value heads do not share {Hk} key heads evenly"
+    return None
+
+
+def _kernel(masked: bool, all_states: bool):
+    key = (masked, all_states)
+    if key not in _kernels:
+        inputs = ["q", "k", "v", "ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
+        outputs = ["y", "state_out"] + (["states"] if all_states else [])
+        name = "councild_gdn" + ("_mask" if masked else "") + ("_all" if all_states else "")
+        # The inputs and outputs a variant lacks must not be named in its source at all.
+        source = (_SOURCE.replace("MASK_ON", "mask[(size_t)bi * T + t]" if masked else "true")
+                  .replace("WRITE_STATE_OF_TOKEN_T", _WRITE_STATE if all_states else ""))
+        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+    return _kernels[key]
+
+
+def gated_delta_fused(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
+                      dt_bias: mx.array, state: mx.array | None = None, mask: mx.array | None = None,
+                      *, all_states: bool = False) -> tuple:
+    """(y [B, T, Hv, Dv] in q's dtype, state [B, Hv, Dv, Dk] float32), and with ``all_states``
+    the state after each token [B, T, Hv, Dv, Dk] as a third value. See the module docstring."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    elif state.dtype != mx.float32:
+        state = state.astype(mx.float32)
+    inputs = [q, k, v, a, b, A_log, dt_bias, state] + ([mask] if mask is not None else [])
+    shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(B, T, Hv, Dv, Dk)] if all_states else [])
+    out = _kernel(mask is not None, all_states)(
+        inputs=inputs,
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, ROWS_PER_BLOCK, 1),
+        output_shapes=shapes, output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1))
+    return tuple(out)
+
+
+def gated_delta_reference(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
+                          dt_bias: mx.array, state: mx.array | None = None, mask: mx.array | None = None,
+                          *, all_states: bool = False) -> tuple:
+    """The kernel's arithmetic in plain float32 ops, token by token (same outputs, same
+    masking): the numeric reference its start-up check compares against, and the recurrence a
+    CPU test installs in its place to exercise the routing."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    f32 = mx.float32
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=f32)
+    state = state.astype(f32)
+    rep = Hv // Hk
+    qf = mx.repeat(q.astype(f32), rep, axis=2) if rep > 1 else q.astype(f32)
+    kf = mx.repeat(k.astype(f32), rep, axis=2) if rep > 1 else k.astype(f32)
+    x = a.astype(f32) + dt_bias.astype(f32)
+    g = mx.exp(-mx.exp(A_log.astype(f32)) * mx.where(x > 20, x, mx.log1p(mx.exp(x))))
+    beta = mx.sigmoid(b.astype(f32))
+    ys, states = [], []
+    for t in range(T):
+        new = state * g[:, t, :, None, None]
+        kv = (new * kf[:, t, :, None, :]).sum(-1)
+        delta = (v[:, t].astype(f32) - kv) * beta[:, t, :, None]
+        new = new + kf[:, t, :, None, :] * delta[..., None]
+        y = (new * qf[:, t, :, None, :]).sum(-1)
+        if mask is not None:
+            on = mask[:, t, None, None]
+            y = mx.where(on, y, 0.0)
+            new = mx.where(on[..., None], new, state)
+        state = new
+        ys.append(y.astype(q.dtype))
+        states.append(state)
+    out = (mx.stack(ys, axis=1), state)
+    return out + (mx.stack(states, axis=1),) if all_states else out

@@ -1,0 +1,153 @@
+"""The fused GatedDeltaNet recurrence (daemon/engine/kernels/gdn_fused.py, gdn_layer.py) on this CPU.
+
+The kernel itself runs only on CUDA (bench/gdn_check.py checks it there against
+``gated_delta_reference``). Here: that reference computes what mlx-lm's recurrence computes;
+it is the same arithmetic token by token as in one call (the kernel's promise, which
+exactness rests on); and the routing: once a model is installed on a recurrence, every
+GatedDeltaNet forward the daemon runs (decode step, capture verify, mixed step, compiled step)
+goes through it, which the exactness probes then prove on a model whose recurrence rounds
+differently from mlx-lm's."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops  # noqa: E402
+
+from daemon.engine.decoders.batch import batch_matches_serial  # noqa: E402
+from daemon.engine.decoders.exactness import ragged_verify_matches_serial, verify_matches_serial  # noqa: E402
+from daemon.engine.kernels import gdn_fused, gdn_layer  # noqa: E402
+from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.prefill.mixed_forward import cache_states, mixed_hidden  # noqa: E402
+from daemon.engine.prefill.prefill import prefill  # noqa: E402
+
+pytestmark = pytest.mark.quick
+
+
+def _inputs(B, T, Hk, Hv, Dk, Dv, seed=0):
+    mx.random.seed(seed)
+    bf = mx.bfloat16
+    q = mx.random.normal((B, T, Hk, Dk))
+    k = mx.random.normal((B, T, Hk, Dk))
+    q = (q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(bf)
+    k = (k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(bf)
+    return dict(q=q, k=k, v=mx.random.normal((B, T, Hv, Dv)).astype(bf), a=mx.random.normal((B, T, Hv)).astype(bf),
+                b=mx.random.normal((B, T, Hv)).astype(bf), A_log=mx.log(mx.random.uniform(1, 16, (Hv,))),
+                dt_bias=mx.ones((Hv,)), state=mx.random.normal((B, Hv, Dv, Dk)) * 0.1)
+
+
+def _ref(d, mask=None, all_states=False, state=None, **cut):
+    d = {**d, **cut}
+    return gdn_fused.gated_delta_reference(d["q"], d["k"], d["v"], d["a"], d["b"], d["A_log"], d["dt_bias"],
+                                           d["state"] if state is None else state, mask, all_states=all_states)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 2, 4, 32, 16), (1, 5, 4, 4, 64, 64), (3, 1, 1, 3, 32, 8)])
+def test_the_reference_computes_mlx_lms_recurrence(shape):
+    d = _inputs(*shape)
+    y, s = _ref(d)
+    g = compute_g(d["A_log"], d["a"], d["dt_bias"])
+    y_mlx, s_mlx = gated_delta_ops(d["q"], d["k"], d["v"], g, mx.sigmoid(d["b"]), d["state"])
+    f = mx.float32
+    assert mx.abs(y.astype(f) - y_mlx.astype(f)).max().item() <= 0.02 * mx.abs(y_mlx.astype(f)).max().item()
+    # mlx-lm takes a + dt_bias and the softplus in bfloat16, the reference in float32: the
+    # decay differs in bfloat16's last bits, so the states agree to about that.
+    assert mx.abs(s - s_mlx).max().item() <= 0.01 * mx.abs(s_mlx).max().item()
+    assert y.dtype == d["q"].dtype and s.dtype == mx.float32
+
+
+def test_tokens_in_one_call_are_the_tokens_one_at_a_time_and_masked_tokens_keep_the_state():
+    d = _inputs(3, 4, 2, 4, 32, 16, seed=3)
+    y, s, every = _ref(d, all_states=True)
+    state, ys = d["state"], []
+    for t in range(4):
+        yt, state = _ref(d, state=state, **{n: d[n][:, t:t + 1] for n in ("q", "k", "v", "a", "b")})
+        ys.append(yt)
+        assert mx.array_equal(every[:, t], state).item()
+    assert mx.array_equal(mx.concatenate(ys, axis=1), y).item() and mx.array_equal(state, s).item()
+    mask = mx.array([[True] * 4, [False, False, True, True], [False] * 4])
+    ym, sm = _ref(d, mask)
+    assert mx.array_equal(sm[2], d["state"][2]).item() and mx.array_equal(sm[0], s[0]).item()
+    assert not mx.any(ym[1, :2]).item() and not mx.any(ym[2]).item()
+
+
+def test_cuda_only_and_said_so_here(random_model_path):
+    assert "not CUDA" in gdn_fused.backend_refusal()
+    lm = load_model(random_model_path, compile_decode=False)
+    assert lm.recurrence.startswith("mlx-lm: not CUDA") and not gdn_layer.installed(lm.text_module)
+    assert load_model(random_model_path, compile_decode=False, fused_recurrence=False).recurrence == \
+        'mlx-lm: configured (gdn_kernel = "off")'
+    with pytest.raises(ValueError, match="cannot run here: not CUDA"):
+        load_model(random_model_path, compile_decode=False, fused_recurrence=True)
+    assert gdn_fused.shape_refusal(128, 128, 16, 48) is None
+    assert "multiple of 32" in gdn_fused.shape_refusal(48, 128, 16, 48)
+    assert "evenly" in gdn_fused.shape_refusal(128, 128, 5, 48)
+
+
+@pytest.fixture(scope="module")
+def routed(random_model_path):
+    """The random model with every GatedDeltaNet layer on the reference recurrence, counted."""
+    lm = load_model(random_model_path, compile_decode=False)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[:2])
+        return gdn_fused.gated_delta_reference(*args, **kw)
+
+    n = gdn_layer.install(lm.text_module, counted)
+    assert n == len(gdn_layer.layers(lm.text_module)) > 0 and gdn_layer.installed(lm.text_module)
+    return lm, calls
+
+
+def test_every_forward_the_daemon_runs_goes_through_the_installed_recurrence(routed):
+    lm, calls = routed
+    n_layers = len(gdn_layer.layers(lm.text_module))
+    rng = random.Random(1)
+    cache = lm.make_cache()
+    prefill(lm, [rng.randrange(1, 200) for _ in range(9)], cache)  # short: the layer's own forward
+    calls.clear()
+    mx.eval(lm.hidden(mx.array([[5]]), cache))
+    assert calls == [(1, 1)] * n_layers  # the decode step
+    calls.clear()
+    other = lm.make_cache()
+    prefill(lm, [3, 4, 5], other)
+    calls.clear()
+    mx.eval(mixed_hidden(lm, [(mx.array([[7]]), copy.deepcopy(cache)), (mx.array([[8, 9]]), other)]))
+    assert sorted(calls) == sorted([(1, 1), (1, 2)] * n_layers)  # each group of the mixed step
+    calls.clear()
+    # The compiled step traces the installed layers (its self-check then holds it to eager's
+    # bits): the recurrence runs while tracing, at one token and at the check's verify length.
+    assert enable_compiled_decode(lm) is None
+    assert (1, 1) in calls and any(t > 1 for _, t in calls)
+    lm.compiled_decode = None
+
+
+def test_the_exactness_probes_pass_on_a_model_whose_recurrence_is_not_mlx_lms(routed):
+    """The reference rounds unlike mlx-lm's ops (another gate arithmetic): a path that still
+    ran mlx-lm's recurrence (a verify's capture, a batch) would break these bit-for-bit probes."""
+    lm, _ = routed
+    for key in ("_verify_matches_serial", "_batch_matches_serial", "_ragged_verify_matches_serial"):
+        lm.__dict__.pop(key, None)
+    assert verify_matches_serial(lm, "capture")
+    assert verify_matches_serial(lm, "snapshot")
+    assert batch_matches_serial(lm, 4)
+    assert ragged_verify_matches_serial(lm)
+
+
+def test_uninstall_puts_mlx_lms_layers_back(random_model_path):
+    lm = load_model(random_model_path, compile_decode=False)
+    cache = lm.make_cache()
+    before = lm.hidden(mx.array([[1, 2, 3]]), cache)
+    gdn_layer.install(lm.text_module, gdn_fused.gated_delta_reference)
+    gdn_layer.uninstall(lm.text_module)
+    assert not gdn_layer.installed(lm.text_module)
+    assert all(type(m) in gdn_layer._BASES for m in gdn_layer.layers(lm.text_module))
+    again = lm.make_cache()
+    assert mx.array_equal(before, lm.hidden(mx.array([[1, 2, 3]]), again)).item()
+    assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(cache), cache_states(again)))
