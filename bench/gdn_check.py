@@ -1,0 +1,191 @@
+"""The fused GatedDeltaNet recurrence (engine/kernels/gdn_fused.py) on the device: is it right,
+is it invariant, what does it save. One process, sections in order, JSON after each:
+
+    PYTHONPATH=/tmp/site:$PWD python3 bench/gdn_check.py --out DIR [--budget 240]
+
+1. numerics: the kernel against ``gated_delta_reference`` (the same arithmetic in plain
+   float32 ops, on the same device) at the 27B shape and the bundled model's, B 1/3/8,
+   T 1/2/5, masked and not: max |y - y_ref| / max |y_ref|, max |S - S_ref|;
+2. invariance, bit for bit: T tokens in one call against T calls of one token; a row of a
+   batch of 5 against the row alone; the last of ``all_states`` against the state;
+3. one layer's recurrence, host and GPU: mlx-lm's path (``gated_delta_update``: gates, ops,
+   per-token loop) against the kernel, 48 independent layers per step (the 27B step's count),
+   build / encode / total ms (bench/step_split.py's split), B x T of 1x1, 4x1, 4x2, 8x1;
+4. the bundled model with its layers on the kernel: the exactness probes the daemon runs at
+   start (verify through capture and snapshot, batch, ragged verify) and greedy tokens
+   against MLX's ops path (agreement is information: the two round differently).
+Prints a table per section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.gated_delta import gated_delta_update  # noqa: E402
+
+from daemon.engine.kernels import gdn_fused, gdn_layer  # noqa: E402
+from step_split import med, split_time  # noqa: E402
+
+T0 = time.perf_counter()
+R: dict = {"argv": sys.argv[1:], "errors": [], "mlx": mx.__version__}
+SHAPES = {"27b": (16, 48, 128, 128), "bundled": (4, 4, 64, 64)}  # Hk, Hv, Dk, Dv
+
+
+def save(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gdn_check.json").write_text(json.dumps(R, indent=1, default=str))
+
+
+def inputs(B: int, T: int, shape: str, seed: int) -> dict:
+    Hk, Hv, Dk, Dv = SHAPES[shape]
+    mx.random.seed(seed)
+    bf = mx.bfloat16
+    q = mx.random.normal((B, T, Hk, Dk))
+    k = mx.random.normal((B, T, Hk, Dk))
+    q = (q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(bf)  # as normalize_qk leaves them
+    k = (k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(bf)
+    d = {"q": q, "k": k, "v": mx.random.normal((B, T, Hv, Dv)).astype(bf),
+         "a": mx.random.normal((B, T, Hv)).astype(bf), "b": mx.random.normal((B, T, Hv)).astype(bf),
+         "A_log": mx.log(mx.random.uniform(1, 16, (Hv,))).astype(bf), "dt_bias": mx.ones((Hv,), dtype=bf),
+         "state": mx.random.normal((B, Hv, Dv, Dk)) * 0.1}
+    mx.eval(list(d.values()))
+    return d
+
+
+def call(fn, d: dict, mask=None, all_states=False, state=None):
+    return fn(d["q"], d["k"], d["v"], d["a"], d["b"], d["A_log"], d["dt_bias"],
+              d["state"] if state is None else state, mask, all_states=all_states)
+
+
+def numerics() -> list:
+    rows = []
+    for shape in SHAPES:
+        for B in (1, 3, 8):
+            for T in (1, 2, 5):
+                for masked in (False, True):
+                    d = inputs(B, T, shape, seed=B * 100 + T)
+                    mask = (mx.arange(T)[None, :] >= (mx.arange(B)[:, None] % T)) if masked else None
+                    y, s, every = call(gdn_fused.gated_delta_fused, d, mask, True)
+                    yr, sr, er = call(gdn_fused.gated_delta_reference, d, mask, True)
+                    f = mx.float32
+                    row = {"shape": shape, "B": B, "T": T, "masked": masked,
+                           "y_rel": (mx.abs(y.astype(f) - yr.astype(f)).max() / mx.abs(yr.astype(f)).max()).item(),
+                           "state_abs": mx.abs(s - sr).max().item(), "states_abs": mx.abs(every - er).max().item()}
+                    rows.append(row)
+    return rows
+
+
+def invariance() -> list:
+    rows = []
+    for shape in SHAPES:
+        d = inputs(5, 4, shape, seed=7)
+        y, s, every = call(gdn_fused.gated_delta_fused, d, None, True)
+        st, ys = d["state"], []
+        for t in range(4):
+            one = {**d, **{n: d[n][:, t:t + 1] for n in ("q", "k", "v", "a", "b")}}
+            yt, st = call(gdn_fused.gated_delta_fused, one, state=st)
+            ys.append(yt)
+        y_steps = mx.concatenate(ys, axis=1)
+        alone = {**d, **{n: d[n][2:3] for n in ("q", "k", "v", "a", "b", "state")}}
+        y1, s1 = call(gdn_fused.gated_delta_fused, alone)
+        rows.append({"shape": shape,
+                     "steps_equal_one_call": bool(mx.array_equal(y, y_steps).item() and mx.array_equal(s, st).item()),
+                     "row_alone_equals_batched": bool(mx.array_equal(y1, y[2:3]).item() and mx.array_equal(s1, s[2:3]).item()),
+                     "last_of_all_states_is_state": bool(mx.array_equal(every[:, -1], s).item())})
+    return rows
+
+
+def layer_timing(layers: int = 48) -> list:
+    rows = []
+    for B, T in ((1, 1), (4, 1), (4, 2), (8, 1)):
+        ds = [inputs(B, T, "27b", seed=i) for i in range(layers)]
+        arms = {
+            "mlx-lm ops": lambda: [gated_delta_update(d["q"], d["k"], d["v"], d["a"], d["b"], d["A_log"],
+                                                      d["dt_bias"], d["state"])[0] for d in ds],
+            "fused": lambda: [call(gdn_fused.gated_delta_fused, d)[0] for d in ds]}
+        for name, fn in arms.items():
+            runs = [split_time(fn) for _ in range(7)]
+            rows.append({"arm": name, "BxT": f"{B}x{T}", "layers": layers, **med(runs[2:])})
+    return rows
+
+
+def bundled_probes() -> dict:
+    from daemon.engine.decoders.batch import batch_matches_serial
+    from daemon.engine.decoders.exactness import ragged_verify_matches_serial, verify_matches_serial
+    from daemon.engine.model.loading import load_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    lm = load_model(ROOT / "daemon/assets/tiny-qwen35", compile_decode=False)
+
+    def greedy(n: int = 48) -> list[int]:
+        cache = make_prompt_cache(lm.text_module)
+        tok = mx.array([[9707, 11, 1246, 525, 498, 30, 358]])
+        out = []
+        for _ in range(n):
+            nxt = mx.argmax(lm.logits(lm.hidden(tok, cache)[:, -1:]), axis=-1)
+            out.append(nxt.item())
+            tok = nxt.reshape(1, 1)
+        return out
+
+    ops_tokens = greedy()
+    refused = gdn_layer.refusal(lm.text_module)
+    res: dict = {"refusal": refused}
+    if refused is not None:
+        return res
+    res["layers"] = gdn_layer.install(lm.text_module)
+    fused_tokens = greedy()
+    same = next((i for i, (x, y) in enumerate(zip(ops_tokens, fused_tokens)) if x != y), len(ops_tokens))
+    res["greedy_tokens_equal_prefix"] = f"{same}/{len(ops_tokens)}"
+    for name, fn in (("verify_capture", lambda: verify_matches_serial(lm, "capture")),
+                     ("verify_snapshot", lambda: verify_matches_serial(lm, "snapshot")),
+                     ("batch_8", lambda: batch_matches_serial(lm, 8)),
+                     ("ragged_verify", lambda: ragged_verify_matches_serial(lm))):
+        t = time.perf_counter()
+        res[name] = fn()
+        res[name + "_s"] = round(time.perf_counter() - t, 2)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/out/gdn_check")
+    ap.add_argument("--sections", default="numerics,invariance,layer_timing,bundled_probes")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    R["refusal"] = gdn_fused.backend_refusal()
+    if R["refusal"] is not None:
+        print(f"no kernel here: {R['refusal']}")
+        save(out)
+        return 2
+    for name in args.sections.split(","):
+        t = time.perf_counter()
+        try:
+            R[name] = globals()[name]()
+        except Exception:  # noqa: BLE001 - a section's failure is a result; the others run
+            R["errors"].append(f"{name}: " + traceback.format_exc())
+            print(R["errors"][-1], file=sys.stderr)
+        R[name + "_s"] = round(time.perf_counter() - t, 1)
+        print(f"\n## {name} ({R[name + '_s']} s)")
+        got = R.get(name)
+        for row in got if isinstance(got, list) else [got]:
+            print(json.dumps(row, default=str))
+        save(out)
+    R["wall_s"] = time.perf_counter() - T0
+    save(out)
+    return 1 if R["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
