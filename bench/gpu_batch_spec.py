@@ -2,6 +2,7 @@
 
     python3 bench/gpu_batch_spec.py [--shape 27b|tiny] [--dtype 4bit|bf16] [--heights 4]
         [--depths 1 2] [--profile seed_0.83] [--tokens 32] [--rounds 3] [--out DIR]
+        [--kernels mlx,gdn+qmm] [--compiled]
 
 A random-weight qwen3_5 with the shape of Qwen3.5-27B, decisive weights (bench/gpu_bench.py
 ``build_model``: the greedy next token of t is inv[t]), 4-bit by default. The MTP head is the
@@ -11,7 +12,10 @@ draft position i (the acceptance profile). Arms interleaved per round, B greedy 
 rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch there):
 - batch d0: BatchDecoder, one batched forward per token;
 - spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle).
-Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
+``--kernels``: one or more kernel sets, alternated within each round (bench/step_split.py's
+``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, and "qmm", the
+quantized linears on the tensor-core kernel); ``--compiled``: the compiled step, as the daemon
+runs it. Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
 markdown and written to DIR/gpu_batch_spec.json. Prefill is outside the timed region.
 """
 
@@ -36,6 +40,7 @@ from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
 from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
+from step_split import set_arm  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
 
 
@@ -101,36 +106,59 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="bench/out/gpu")
+    ap.add_argument("--kernels", default="mlx", help="kernel sets, comma-separated (alternated per round)")
+    ap.add_argument("--compiled", action="store_true", help="the compiled step (model/compiled.py), as the daemon runs")
+    ap.add_argument("--budget", type=float, default=1e9, help="stop starting rounds after this many seconds")
     args = ap.parse_args(argv)
+    t_start = time.perf_counter()
     cfg = QWEN35_27B if args.shape == "27b" else TINY
     lm, head, inv = build_model(cfg)
     if args.dtype == "4bit":
         quantize_4bit(lm, head)
     log(f"built {lm.path.name} {args.dtype}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
     oracle = BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"])
-    arms = ["batch d0"] + [f"spec d{k}" for k in args.depths]
+    kernel_sets = args.kernels.split(",")
+    arms = [f"{ks} {a}" for ks in kernel_sets for a in ["batch d0"] + [f"spec d{k}" for k in args.depths]]
     rng = random.Random(7)
     results = []
+    paths = {}
+
+    current = []
+
+    def use(ks: str) -> None:  # a switch re-traces the compiled step (and checks it): only on a change
+        if current != [ks]:
+            paths[ks] = set_arm(lm, ks, args.compiled)
+            current[:] = [ks]
+
     for B in args.heights:
         prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(args.context)] for _ in range(B)]
         for a in arms:  # one unmeasured pass: compiles every shape
-            run_arm(lm, oracle, a, prompts, 4)
+            use(a.split(" ")[0])
+            run_arm(lm, oracle, a.split(" ", 1)[1], prompts, 4)
         rates = {a: [] for a in arms}
         per_step = {a: [] for a in arms}
         for r in range(args.rounds):
+            if time.perf_counter() - t_start > args.budget:
+                log(f"budget: B={B} stopped before round {r + 1}")
+                break
             for a in arms:
-                rate, ps = run_arm(lm, oracle, a, prompts, args.tokens)
+                ks, arm = a.split(" ", 1)
+                use(ks)
+                rate, ps = run_arm(lm, oracle, arm, prompts, args.tokens)
                 rates[a].append(rate)
                 per_step[a].append(ps)
-                log(f"B={B} round {r + 1}/{args.rounds} {a}: {rate:.1f} tok/s, {ps:.2f} tokens/row/step")
+                log(f"B={B} round {r + 1}/{args.rounds} {a} ({paths[ks]}): {rate:.1f} tok/s, {ps:.2f} tokens/row/step")
         for a in arms:
-            q = [x / y for x, y in zip(rates[a], rates["batch d0"])]
+            if not rates[a]:
+                continue
+            base = rates[f"{a.split(' ')[0]} batch d0"]
+            q = [x / y for x, y in zip(rates[a], base)]
             results.append({"height": B, "arm": a, "tokens_per_s": rates[a], "ratio_vs_batch_d0": q,
                             "tokens_per_row_step": statistics.median(per_step[a]),
                             "median_tokens_per_s": statistics.median(rates[a]), "median_ratio": statistics.median(q)})
-    lines = [f"batched speculation, {lm.path.name} {args.dtype}, oracle drafts {args.profile} "
+    lines = [f"batched speculation, {lm.path.name} {args.dtype}, paths {paths}, oracle drafts {args.profile} "
              f"{PROFILES[args.profile]}, {args.tokens} tokens/row, context {args.context}, {args.rounds} rounds, "
-             f"{mx.default_device()}", "", "| rows | arm | tokens/s median (range) | vs batch d0: median (range) | tokens/row/step |",
+             f"{mx.default_device()}", "", "| rows | arm | tokens/s median (range) | vs its batch d0: median (range) | tokens/row/step |",
              "|---|---|---|---|---|"]
     for r in results:
         t, q = r["tokens_per_s"], r["ratio_vs_batch_d0"]
