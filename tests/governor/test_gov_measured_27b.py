@@ -7,7 +7,13 @@ Cycle costs in serial steps (one row, depth 0: 25.9 ms, 38.6 tok/s), from each a
 and tokens per row per cycle: one row at depth 1 1.85 tokens in 41.0 ms (1.58 steps), depth 2
 2.34 in 51.0 ms (1.97); four rows at depth 0 24.1 ms a cycle (0.93 steps: the kernel is flat in
 rows), depth 1 50.4 ms (1.95), depth 2 60.3 ms (2.33): a batch's drafting costs more than its
-verify saves there. Depths 3-4 were not measured: priced as depth 2 plus the 1 -> 2 step."""
+verify saves there. Depths 3-4 were not measured: priced as depth 2 plus the 1 -> 2 step.
+
+And the same decoders with the fused GatedDeltaNet recurrence as well, compiled
+(bench/results/h200_2026-12-04, call 6): one row at depth 0 16.7 ms (59.8 tok/s), depth 1 1.92
+tokens in 30.1 ms (1.80 steps), depth 2 2.40 in 32.1 ms (1.92); four rows at depth 0 20.1 ms a
+cycle (1.20 steps), depth 1 43.4 ms (2.60), depth 2 46.0 ms (2.75): depth 2 wins at one row
+(1.37x measured), every depth loses at four."""
 
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ from governor.runtime import Governor
 pytestmark = pytest.mark.quick
 
 MiB = 1 << 20
-STEP_S = 0.0259
 
 
 def _extend(row: list[float]) -> list[float]:
@@ -29,23 +34,28 @@ def _extend(row: list[float]) -> list[float]:
 
 
 QMM_27B = {1: _extend([1.00, 1.58, 1.97]), 4: _extend([0.93, 1.95, 2.33])}
+GDN_QMM_27B = {1: _extend([1.00, 1.80, 1.92]), 4: _extend([1.20, 2.60, 2.75])}
+MEASURED = {"qmm": (0.0259, QMM_27B), "gdn+qmm": (0.0167, GDN_QMM_27B)}
 
 
-def _run(streams: int, seconds: float = 90.0) -> Governor:
+def _run(streams: int, seconds: float = 90.0, kernels: str = "qmm") -> Governor:
+    step_s, table = MEASURED[kernels]
     clock = FakeClock(0.0)
     gov = Governor(GovernorConfig(), clock=clock, memory_probes=[FakeMemoryProbe()], load=FakeLoad(active=1),
                    head_resident=True, head_bytes=850 * MiB, logger=RecordingLogger())
-    eng = SimEngine(gov, lambda k, load: STEP_S * QMM_27B[1][k], acceptance=0.85, load_fn=lambda: 0.0,
-                    streams_fn=lambda: streams, batch_cost_fn=lambda n, k: STEP_S * QMM_27B[n][k])
+    eng = SimEngine(gov, lambda k, load: step_s * table[1][k], acceptance=0.85, load_fn=lambda: 0.0,
+                    streams_fn=lambda: streams, batch_cost_fn=lambda n, k: step_s * table[n][k])
     eng.run(seconds, clock)
     return gov
 
 
-def test_one_stream_speculates_on_the_measured_27b_costs():
-    gov = _run(streams=1)
+@pytest.mark.parametrize("kernels", sorted(MEASURED))
+def test_one_stream_speculates_on_the_measured_27b_costs(kernels):
+    gov = _run(streams=1, kernels=kernels)
     assert gov.depth_for(1) >= 1
 
 
-def test_a_batch_of_four_stays_at_depth_0_on_the_measured_27b_costs():
-    gov = _run(streams=4)
+@pytest.mark.parametrize("kernels", sorted(MEASURED))
+def test_a_batch_of_four_stays_at_depth_0_on_the_measured_27b_costs(kernels):
+    gov = _run(streams=4, kernels=kernels)
     assert gov.depth_for(4) == 0
