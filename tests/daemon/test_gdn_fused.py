@@ -151,3 +151,25 @@ def test_uninstall_puts_mlx_lms_layers_back(random_model_path):
     again = lm.make_cache()
     assert mx.array_equal(before, lm.hidden(mx.array([[1, 2, 3]]), again)).item()
     assert all(mx.array_equal(x, y).item() for x, y in zip(cache_states(cache), cache_states(again)))
+
+
+def test_the_install_time_self_check_passes_the_reference_and_refuses_a_wrong_or_raising_kernel(random_model_path):
+    lm = load_model(random_model_path, compile_decode=False)
+    tm = lm.text_module
+    assert gdn_layer.self_check(tm, gdn_fused.gated_delta_reference) is None
+
+    def off(*args, **kw):  # a kernel whose readout is 5% off (4.5% once rounded to bfloat16)
+        y, s = gdn_fused.gated_delta_reference(*args, **kw)
+        return y * 1.05, s
+
+    def per_call(*args, **kw):  # a kernel whose answer depends on how many tokens a call carries
+        y, s = gdn_fused.gated_delta_reference(*args, **kw)
+        return y, s + 1e-3 * args[0].shape[1]
+
+    def raising(*args, **kw):
+        raise RuntimeError("nvrtc: compilation failed")
+
+    assert "off the reference: y by 0.04" in gdn_layer.self_check(tm, off)
+    assert "state by" in gdn_layer.self_check(tm, per_call)
+    assert gdn_layer.self_check(tm, raising) == \
+        "the fused recurrence raised RuntimeError: nvrtc: compilation failed"

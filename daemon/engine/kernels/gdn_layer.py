@@ -81,6 +81,47 @@ def refusal(text_module, recurrence: Callable = gdn_fused.gated_delta_fused) -> 
     return None
 
 
+def self_check(text_module, recurrence: Callable = gdn_fused.gated_delta_fused, seed: int = 0) -> str | None:
+    """Run ``recurrence`` once at the model's own head shapes and dtype (the decode step's
+    kernel, compiled here if it must be) against ``gated_delta_reference``: None when it
+    agrees (within a few of the activation dtype's last bits; the float32 state to 1e-4) and
+    two tokens in one call are two calls of one token bit for bit; else why not. A kernel that
+    does not compile or run here raises inside: that is a failed check too."""
+    m = layers(text_module)[0]
+    dtype = m.norm.weight.dtype
+    B, T, Hk, Hv, Dk, Dv = 2, 2, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 6)
+    q = mx.random.normal((B, T, Hk, Dk), key=ks[0])
+    k = mx.random.normal((B, T, Hk, Dk), key=ks[1])
+    args = dict(q=(q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(dtype),
+                k=(k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(dtype),
+                v=mx.random.normal((B, T, Hv, Dv), key=ks[2]).astype(dtype),
+                a=mx.random.normal((B, T, Hv), key=ks[3]).astype(dtype),
+                b=mx.random.normal((B, T, Hv), key=ks[4]).astype(dtype))
+    state = mx.random.normal((B, Hv, Dv, Dk), key=ks[5]) * 0.1
+
+    def run(fn, cut=slice(None), s=state):
+        return fn(*(args[n][:, cut] for n in ("q", "k", "v", "a", "b")), m.A_log, m.dt_bias, s, None)
+
+    try:
+        y, s = run(recurrence)
+        y_ref, s_ref = run(gdn_fused.gated_delta_reference)
+        y0, s0 = run(recurrence, slice(0, 1))
+        y1, s1 = run(recurrence, slice(1, 2), s0)
+        f = mx.float32
+        err = (mx.abs(y.astype(f) - y_ref.astype(f)).max() / mx.maximum(mx.abs(y_ref.astype(f)).max(), 1e-6)).item()
+        state_err = mx.abs(s - s_ref).max().item()
+        stepwise = mx.array_equal(mx.concatenate([y0, y1], axis=1), y).item() and mx.array_equal(s1, s).item()
+    except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or run here is refused, not fatal
+        return f"the fused recurrence raised {type(exc).__name__}: {str(exc)[:300]}"
+    if not err <= 0.02 or not state_err <= 1e-4:
+        return f"the fused recurrence is off the reference: y by {err:.3g} of its range, the state by {state_err:.3g}"
+    if not stepwise:
+        return "the fused recurrence gives other bits for two tokens in one call than one at a time"
+    return None
+
+
 def install(text_module, recurrence: Callable = gdn_fused.gated_delta_fused) -> int:
     """Swap every GatedDeltaNet layer onto ``recurrence``; returns how many. The caller checked
     ``refusal``; the traces of a compiled step made before hold the old forward."""

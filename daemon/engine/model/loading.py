@@ -54,6 +54,8 @@ def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
     if fused is False:
         return "mlx-lm: configured (gdn_kernel = \"off\")"
     why = gdn_layer.refusal(lm.text_module)
+    if why is None:
+        why = gdn_layer.self_check(lm.text_module)
     if why is not None:
         if fused:
             raise ValueError(f"the fused GatedDeltaNet kernel cannot run here: {why}")
