@@ -1,0 +1,94 @@
+"""A fresh daemon's first council round against its later rounds, two source trees alternated.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/first_round_ab.py --trees A_DIR,B_DIR [--pairs 4]
+        [--arms default] [--rounds 2] [--json OUT.json] [--markdown OUT.md]
+
+Each run is `bench/council_http.py` of that tree (so its daemon runs that tree's code) with a new,
+empty cache folder: no stored probe verdicts, no prefix snapshots, no learned profile, as on a
+fresh machine. council_http's round 0 is the first workload after start-up; its rounds 1..N are
+"later" (each round sends new prompts). Per run and arm: round 0's tok/s over the later rounds'
+median, and the TTFT p50 and p95 ratios; then per tree the median and range over its runs. The
+trees alternate run by run (A B, B A, ...), so drift on a shared machine falls on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def one_run(tree: Path, args, out: Path) -> dict:
+    cmd = [sys.executable, str(tree / "bench/council_http.py"), "--seats", str(args.seats), "--turns", str(args.turns),
+           "--system-tokens", str(args.system_tokens), "--max-tokens", str(args.max_tokens), "--rounds",
+           str(args.rounds), "--arms", args.arms, "--cache-dir", str(out / "cache"), "--json", str(out / "r.json")]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
+    r = json.loads((out / "r.json").read_text())
+    res = {"wall_s": round(time.perf_counter() - t0, 1), "arms": {}}
+    for first in r["first_round"]:
+        later = r["arms"][first["arm"]]
+        res["arms"][first["arm"]] = {
+            "round0_tok_s": first["tok_s"], "later_tok_s": later["tok_s"]["median"],
+            "tok_s_ratio": first["tok_s"] / later["tok_s"]["median"],
+            "ttft_p50_ratio": first["ttft_p50"] / later["ttft_p50"]["median"],
+            "ttft_p95_ratio": first["ttft_p95"] / later["ttft_p95"]["median"]}
+    return res
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trees", required=True, help="two source trees, comma-separated (A first)")
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--arms", default="default")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seats", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path, default=Path("bench/out/first_round_ab.json"))
+    ap.add_argument("--markdown", type=Path)
+    args = ap.parse_args(argv)
+    trees = [Path(t).resolve() for t in args.trees.split(",")]
+    if len(trees) != 2:
+        ap.error("--trees takes exactly two folders")
+    runs: dict[str, list[dict]] = {str(t): [] for t in trees}
+    work = Path(tempfile.mkdtemp(prefix="first-round-ab-"))
+    for i in range(args.pairs):
+        for tree in (trees if i % 2 == 0 else trees[::-1]):
+            out = work / f"{i}-{tree.name}"
+            out.mkdir()
+            res = one_run(tree, args, out)
+            runs[str(tree)].append(res)
+            print(f"pair {i} {tree}: " + ", ".join(f"{a} round 0 / later {v['tok_s_ratio']:.2f}x, TTFT p95 "
+                                                      f"{v['ttft_p95_ratio']:.2f}x" for a, v in res["arms"].items())
+                  + f" ({res['wall_s']} s)", file=sys.stderr, flush=True)
+    lines = [f"`{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
+             "| tree | arm | round 0 / later tok/s | TTFT p50 round 0 / later | TTFT p95 round 0 / later | runs |",
+             "|---|---|---|---|---|---|"]
+    for tree, rs in runs.items():
+        for arm in rs[0]["arms"]:
+            vals = [r["arms"][arm] for r in rs]
+            lines.append(f"| {tree} | {arm} | {spread([v['tok_s_ratio'] for v in vals])} | "
+                         f"{spread([v['ttft_p50_ratio'] for v in vals])} | {spread([v['ttft_p95_ratio'] for v in vals])} | "
+                         f"{len(vals)} |")
+    table = "\n".join(lines)
+    print(table)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"argv": sys.argv[1:], "runs": runs}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
