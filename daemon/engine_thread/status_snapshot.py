@@ -42,6 +42,7 @@ class EngineSnapshot:
     # "mlx", "invariant" or "mlx+qmm" (kernel_choice.py), and why.
     kernels: str = "mlx"
     kernels_reason: str = ""
+    recurrence: str = ""  # the GatedDeltaNet recurrence: "fused" or "mlx-lm: <why not>" (LoadedModel.recurrence)
     decode_path: str = ""
     # "compiled" when batched steps and verifies (B >= 2) run the compiled forward, else
     # "eager: <why>" (engine/model/compiled.py; its batch self-check decides).

@@ -140,6 +140,7 @@ class EngineWorker(threading.Thread):
             self.status.snapshot.model_type = self.engine.lm.model_type
             self.status.snapshot.decode_path = self.engine.lm.decode_path
             self.status.snapshot.batch_decode_path = self.engine.lm.batch_decode_path
+            self.status.snapshot.recurrence = self.engine.lm.recurrence
 
     # ------------------------------------------------------------------ the parts' hooks
     # What a tensor-parallel rank (daemon/distributed/lockstep.py) overrides or calls.

@@ -51,6 +51,7 @@ class StatusReplies:
                 "head_bytes": snap.head_bytes,
                 "exact_decode": snap.exact_decode,
                 "kernels": {"name": snap.kernels, "reason": snap.kernels_reason},
+                "recurrence": snap.recurrence,
                 "decode_path": snap.decode_path,
                 "batch_decode_path": snap.batch_decode_path,
                 "depth": snap.depth,

@@ -73,6 +73,12 @@ def test_status_says_whether_batched_steps_run_compiled():
         "compiled (batches: compiled), mlx")
 
 
+def test_status_says_when_the_gated_delta_recurrence_runs_fused():
+    assert rows(format_status(reply(**FULL, recurrence="fused")))["decoding"].startswith(
+        "compiled, mlx kernels, fused GatedDeltaNet recurrence; exact greedy")
+    assert "recurrence" not in rows(format_status(reply(**FULL, recurrence="mlx-lm: not CUDA")))["decoding"]
+
+
 def test_status_from_an_older_daemon_has_no_decoding_row():
     detail = {k: v for k, v in FULL.items() if k not in ("decode_path", "exact_decode")}
     assert "decoding" not in rows(format_status(reply(**detail)))

@@ -20,10 +20,14 @@ PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "im
 @pytest.mark.quick
 def test_auto_keeps_mlx_kernels_on_this_cpu(bundled_daemon):
     with Client(bundled_daemon.endpoint, seat="kernels", timeout_s=60) as c:
-        kernels = c.status().detail["kernels"]
+        detail = c.status().detail
+    kernels = detail["kernels"]
     assert kernels["name"] == "mlx" and "CPU" in kernels["reason"], kernels
     (ev,) = [e for e in bundled_daemon.events() if e["event"] == "engine.kernels"]
     assert ev["kernels"] == "mlx" and ev["backend"] == "cpu"
+    # The fused GatedDeltaNet recurrence is CUDA's: here mlx-lm's ops, and the status and log say why.
+    (loaded,) = [e for e in bundled_daemon.events() if e["event"] == "model.loaded"]
+    assert detail["recurrence"] == loaded["recurrence"] and detail["recurrence"].startswith("mlx-lm: not CUDA")
 
 
 def test_forced_invariant_kernels_are_proven_and_exact_rows_batch_with_serial_tokens(tmp_path):
