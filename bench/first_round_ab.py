@@ -30,15 +30,34 @@ def one_run(tree: Path, args, out: Path) -> dict:
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
     r = json.loads((out / "r.json").read_text())
-    res = {"wall_s": round(time.perf_counter() - t0, 1), "arms": {}}
-    for first in r["first_round"]:
-        later = r["arms"][first["arm"]]
-        res["arms"][first["arm"]] = {
-            "round0_tok_s": first["tok_s"], "later_tok_s": later["tok_s"]["median"],
+    return {"wall_s": round(time.perf_counter() - t0, 1), "arms": {f["arm"]: round0_ratios(r, f["arm"]) for f in r["first_round"]}}
+
+
+def round0_ratios(r: dict, arm: str) -> dict:
+    """From council_http's JSON: ``arm``'s round 0 over its later rounds' median (tok/s, TTFT)."""
+    first = next(f for f in r["first_round"] if f["arm"] == arm)
+    later = r["arms"][arm]
+    return {"round0_tok_s": first["tok_s"], "later_tok_s": later["tok_s"]["median"],
             "tok_s_ratio": first["tok_s"] / later["tok_s"]["median"],
             "ttft_p50_ratio": first["ttft_p50"] / later["ttft_p50"]["median"],
             "ttft_p95_ratio": first["ttft_p95"] / later["ttft_p95"]["median"]}
-    return res
+
+
+def ratio_cells(vals: list[dict]) -> str:
+    """The table cells of several runs' ratios: tok/s, TTFT p50, TTFT p95, runs."""
+    return " | ".join([spread([v["tok_s_ratio"] for v in vals]), spread([v["ttft_p50_ratio"] for v in vals]),
+                       spread([v["ttft_p95_ratio"] for v in vals]), str(len(vals))])
+
+
+def finish(args, lines: list[str], payload: dict) -> int:
+    """Print the table, write it (--markdown) and the runs (--json)."""
+    table = "\n".join(lines)
+    print(table)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"argv": sys.argv[1:], **payload}, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return 0
 
 
 def spread(xs: list[float]) -> str:
@@ -77,17 +96,8 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     for tree, rs in runs.items():
         for arm in rs[0]["arms"]:
-            vals = [r["arms"][arm] for r in rs]
-            lines.append(f"| {tree} | {arm} | {spread([v['tok_s_ratio'] for v in vals])} | "
-                         f"{spread([v['ttft_p50_ratio'] for v in vals])} | {spread([v['ttft_p95_ratio'] for v in vals])} | "
-                         f"{len(vals)} |")
-    table = "\n".join(lines)
-    print(table)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"argv": sys.argv[1:], "runs": runs}, indent=1))
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
-    return 0
+            lines.append(f"| {tree} | {arm} | {ratio_cells([r['arms'][arm] for r in rs])} |")
+    return finish(args, lines, {"runs": runs})
 
 
 if __name__ == "__main__":

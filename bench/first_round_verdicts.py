@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from first_round_ab import finish, ratio_cells, round0_ratios  # noqa: E402
+
 COUNCIL = ["--seats", "4", "--turns", "3", "--system-tokens", "1000", "--max-tokens", "32", "--rounds", "2",
            "--arms", "default"]
 
@@ -31,11 +34,7 @@ COUNCIL = ["--seats", "4", "--turns", "3", "--system-tokens", "1000", "--max-tok
 def council(cache: Path, out: Path) -> dict:
     subprocess.run([sys.executable, str(REPO / "bench/council_http.py"), *COUNCIL, "--cache-dir", str(cache),
                     "--json", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    r = json.loads(out.read_text())
-    first, later = r["first_round"][0], r["arms"]["default"]
-    return {"tok_s_ratio": first["tok_s"] / later["tok_s"]["median"],
-            "ttft_p50_ratio": first["ttft_p50"] / later["ttft_p50"]["median"],
-            "ttft_p95_ratio": first["ttft_p95"] / later["ttft_p95"]["median"]}
+    return round0_ratios(json.loads(out.read_text()), "default")
 
 
 def seeded(source: Path, dest: Path, drop: list[str]) -> None:
@@ -46,10 +45,6 @@ def seeded(source: Path, dest: Path, drop: list[str]) -> None:
         for name in drop:
             data["verdicts"].pop(name, None)
         f.write_text(json.dumps(data))
-
-
-def spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})"
 
 
 def main(argv=None) -> int:
@@ -79,15 +74,8 @@ def main(argv=None) -> int:
              "| verdicts not cached (probed during round 0) | round 0 / later tok/s | TTFT p50 | TTFT p95 | runs |",
              "|---|---|---|---|---|"]
     for c, rs in results.items():
-        lines.append(f"| {c} | {spread([r['tok_s_ratio'] for r in rs])} | {spread([r['ttft_p50_ratio'] for r in rs])} | "
-                     f"{spread([r['ttft_p95_ratio'] for r in rs])} | {len(rs)} |")
-    table = "\n".join(lines)
-    print(table)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
-    if args.markdown:
-        args.markdown.write_text(table + "\n")
-    return 0
+        lines.append(f"| {c} | {ratio_cells(rs)} |")
+    return finish(args, lines, {"results": results})
 
 
 if __name__ == "__main__":
