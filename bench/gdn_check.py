@@ -50,16 +50,10 @@ def save(out: Path) -> None:
 
 def inputs(B: int, T: int, shape: str, seed: int) -> dict:
     Hk, Hv, Dk, Dv = SHAPES[shape]
-    mx.random.seed(seed)
     bf = mx.bfloat16
-    q = mx.random.normal((B, T, Hk, Dk))
-    k = mx.random.normal((B, T, Hk, Dk))
-    q = (q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(bf)  # as normalize_qk leaves them
-    k = (k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(bf)
-    d = {"q": q, "k": k, "v": mx.random.normal((B, T, Hv, Dv)).astype(bf),
-         "a": mx.random.normal((B, T, Hv)).astype(bf), "b": mx.random.normal((B, T, Hv)).astype(bf),
-         "A_log": mx.log(mx.random.uniform(1, 16, (Hv,))).astype(bf), "dt_bias": mx.ones((Hv,), dtype=bf),
-         "state": mx.random.normal((B, Hv, Dv, Dk)) * 0.1}
+    d = gdn_fused.sample_inputs(B, T, Hk, Hv, Dk, Dv, bf, mx.random.key(seed))
+    d["A_log"] = mx.log(mx.random.uniform(1, 16, (Hv,), key=mx.random.key(seed + 1))).astype(bf)
+    d["dt_bias"] = mx.ones((Hv,), dtype=bf)
     mx.eval(list(d.values()))
     return d
 

@@ -31,15 +31,8 @@ pytestmark = pytest.mark.quick
 
 
 def _inputs(B, T, Hk, Hv, Dk, Dv, seed=0):
-    mx.random.seed(seed)
-    bf = mx.bfloat16
-    q = mx.random.normal((B, T, Hk, Dk))
-    k = mx.random.normal((B, T, Hk, Dk))
-    q = (q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(bf)
-    k = (k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(bf)
-    return dict(q=q, k=k, v=mx.random.normal((B, T, Hv, Dv)).astype(bf), a=mx.random.normal((B, T, Hv)).astype(bf),
-                b=mx.random.normal((B, T, Hv)).astype(bf), A_log=mx.log(mx.random.uniform(1, 16, (Hv,))),
-                dt_bias=mx.ones((Hv,)), state=mx.random.normal((B, Hv, Dv, Dk)) * 0.1)
+    d = gdn_fused.sample_inputs(B, T, Hk, Hv, Dk, Dv, mx.bfloat16, mx.random.key(seed))
+    return dict(d, A_log=mx.log(mx.random.uniform(1, 16, (Hv,), key=mx.random.key(seed + 1))), dt_bias=mx.ones((Hv,)))
 
 
 def _ref(d, mask=None, all_states=False, state=None, **cut):

@@ -154,6 +154,22 @@ def gated_delta_fused(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.
     return tuple(out)
 
 
+def sample_inputs(B: int, T: int, Hk: int, Hv: int, Dk: int, Dv: int, dtype, key: mx.array) -> dict:
+    """Random inputs of these shapes as a GatedDeltaNet layer hands them over: q and k
+    L2-normalised (q with the Dk**-0.5 readout scale folded in, as ``normalize_qk`` leaves
+    them), v and the raw gate inputs a, b in ``dtype``, and a float32 state. For the start-up
+    self-check (gdn_layer.py), the device check and the tests."""
+    ks = mx.random.split(key, 6)
+    q = mx.random.normal((B, T, Hk, Dk), key=ks[0])
+    k = mx.random.normal((B, T, Hk, Dk), key=ks[1])
+    return {"q": (q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(dtype),
+            "k": (k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(dtype),
+            "v": mx.random.normal((B, T, Hv, Dv), key=ks[2]).astype(dtype),
+            "a": mx.random.normal((B, T, Hv), key=ks[3]).astype(dtype),
+            "b": mx.random.normal((B, T, Hv), key=ks[4]).astype(dtype),
+            "state": mx.random.normal((B, Hv, Dv, Dk), key=ks[5]) * 0.1}
+
+
 def gated_delta_reference(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
                           dt_bias: mx.array, state: mx.array | None = None, mask: mx.array | None = None,
                           *, all_states: bool = False) -> tuple:

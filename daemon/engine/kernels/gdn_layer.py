@@ -67,9 +67,9 @@ def layers(text_module) -> list[nn.Module]:
     return [m for _, m in text_module.named_modules() if isinstance(m, _BASES)]
 
 
-def refusal(text_module, recurrence: Callable = gdn_fused.gated_delta_fused) -> str | None:
-    """Why this model's layers cannot take the fused recurrence (None: they can)."""
-    if recurrence is gdn_fused.gated_delta_fused and (why := gdn_fused.backend_refusal()) is not None:
+def refusal(text_module) -> str | None:
+    """Why this model's layers cannot take the fused kernel here (None: they can)."""
+    if (why := gdn_fused.backend_refusal()) is not None:
         return why
     found = layers(text_module)
     if not found:
@@ -88,18 +88,9 @@ def self_check(text_module, recurrence: Callable = gdn_fused.gated_delta_fused, 
     two tokens in one call are two calls of one token bit for bit; else why not. A kernel that
     does not compile or run here raises inside: that is a failed check too."""
     m = layers(text_module)[0]
-    dtype = m.norm.weight.dtype
-    B, T, Hk, Hv, Dk, Dv = 2, 2, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim
-    key = mx.random.key(seed)
-    ks = mx.random.split(key, 6)
-    q = mx.random.normal((B, T, Hk, Dk), key=ks[0])
-    k = mx.random.normal((B, T, Hk, Dk), key=ks[1])
-    args = dict(q=(q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5).astype(dtype),
-                k=(k * mx.rsqrt((k * k).sum(-1, keepdims=True))).astype(dtype),
-                v=mx.random.normal((B, T, Hv, Dv), key=ks[2]).astype(dtype),
-                a=mx.random.normal((B, T, Hv), key=ks[3]).astype(dtype),
-                b=mx.random.normal((B, T, Hv), key=ks[4]).astype(dtype))
-    state = mx.random.normal((B, Hv, Dv, Dk), key=ks[5]) * 0.1
+    args = gdn_fused.sample_inputs(2, 2, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+                                   m.norm.weight.dtype, mx.random.key(seed))
+    state = args["state"]
 
     def run(fn, cut=slice(None), s=state):
         return fn(*(args[n][:, cut] for n in ("q", "k", "v", "a", "b")), m.A_log, m.dt_bias, s, None)
