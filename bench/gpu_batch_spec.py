@@ -15,7 +15,8 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 ``--kernels``: one or more kernel sets, alternated within each round (bench/step_split.py's
 ``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, and "qmm", the
 quantized linears on the tensor-core kernel); ``--compiled``: the compiled step, as the daemon
-runs it. Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
+runs it. Each measured round draws new prompts (the same length; every arm of the round gets them).
+Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
 markdown and written to DIR/gpu_batch_spec.json. Prefill is outside the timed region.
 """
 
@@ -131,7 +132,10 @@ def main(argv=None) -> int:
             current[:] = [ks]
 
     for B in args.heights:
-        prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(args.context)] for _ in range(B)]
+        def new_prompts() -> list[list[int]]:  # each round its own (the arms of a round share them)
+            return [[rng.randrange(cfg["vocab_size"]) for _ in range(args.context)] for _ in range(B)]
+
+        prompts = new_prompts()
         for a in arms:  # one unmeasured pass: compiles every shape
             use(a.split(" ")[0])
             run_arm(lm, oracle, a.split(" ", 1)[1], prompts, 4)
@@ -141,6 +145,7 @@ def main(argv=None) -> int:
             if time.perf_counter() - t_start > args.budget:
                 log(f"budget: B={B} stopped before round {r + 1}")
                 break
+            prompts = new_prompts()
             for a in arms:
                 ks, arm = a.split(" ", 1)
                 use(ks)
