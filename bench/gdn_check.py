@@ -8,10 +8,12 @@ is it invariant, what does it save. One process, sections in order, JSON after e
    T 1/2/5, masked and not: max |y - y_ref| / max |y_ref|, max |S - S_ref|;
 2. invariance, bit for bit: T tokens in one call against T calls of one token; a row of a
    batch of 5 against the row alone; the last of ``all_states`` against the state;
-3. one layer's recurrence, host and GPU: mlx-lm's path (``gated_delta_update``: gates, ops,
+3. strided: inputs that are views (slices of a merged projection's output, a transpose, a
+   slice of ``all_states``) give the bits of the same inputs made contiguous;
+4. one layer's recurrence, host and GPU: mlx-lm's path (``gated_delta_update``: gates, ops,
    per-token loop) against the kernel, 48 independent layers per step (the 27B step's count),
    build / encode / total ms (bench/step_split.py's split), B x T of 1x1, 4x1, 4x2, 8x1;
-4. the bundled model with its layers on the kernel: the exactness probes the daemon runs at
+5. the bundled model with its layers on the kernel: the exactness probes the daemon runs at
    start (verify through capture and snapshot, batch, ragged verify) and greedy tokens
    against MLX's ops path (agreement is information: the two round differently).
 Prints a table per section.
@@ -101,6 +103,36 @@ def invariance() -> list:
     return rows
 
 
+def strided() -> list:
+    """Inputs that are views, as the daemon hands them over: v, a and b as slices of one wider
+    buffer (a merged projection's output, the conv's), q and k through a transpose, the state a
+    slice of ``all_states``; the kernel reads them by their strides. Bit for bit against the
+    same inputs made contiguous, and against the reference."""
+    rows = []
+    for shape in SHAPES:
+        Hk, Hv, Dk, Dv = SHAPES[shape]
+        for B, T in ((1, 1), (4, 1), (4, 3)):
+            d = inputs(B, T, shape, seed=11 * B + T)
+            wide = mx.concatenate([d["b"], d["v"].reshape(B, T, -1), d["a"], d["b"]], axis=-1)
+            mx.eval(wide)
+            v = wide[..., Hv:Hv + Hv * Dv].reshape(B, T, Hv, Dv)
+            a, b = wide[..., Hv + Hv * Dv:2 * Hv + Hv * Dv], wide[..., :Hv]
+            qt = mx.contiguous(d["q"].transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+            _, _, every = call(gdn_fused.gated_delta_fused, d, None, True)
+            state = every[:, -1]  # a view into [B, T, Hv, Dv, Dk]
+            views = {**d, "v": v, "a": a, "b": b, "q": qt}
+            y, s = call(gdn_fused.gated_delta_fused, views, state=state)
+            dense = {n: mx.contiguous(x) for n, x in views.items()}
+            yc, sc = call(gdn_fused.gated_delta_fused, dense, state=mx.contiguous(state))
+            yr, sr = call(gdn_fused.gated_delta_reference, dense, state=mx.contiguous(state))
+            f = mx.float32
+            rows.append({"shape": shape, "B": B, "T": T,
+                         "views_equal_contiguous": bool(mx.array_equal(y, yc).item() and mx.array_equal(s, sc).item()),
+                         "y_rel": (mx.abs(y.astype(f) - yr.astype(f)).max() / mx.abs(yr.astype(f)).max()).item(),
+                         "state_abs": mx.abs(s - sr).max().item()})
+    return rows
+
+
 def layer_timing(layers: int = 48) -> list:
     rows = []
     for B, T in ((1, 1), (4, 1), (4, 2), (8, 1)):
@@ -155,7 +187,7 @@ def bundled_probes() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/out/gdn_check")
-    ap.add_argument("--sections", default="numerics,invariance,layer_timing,bundled_probes")
+    ap.add_argument("--sections", default="numerics,invariance,strided,layer_timing,bundled_probes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     R["refusal"] = gdn_fused.backend_refusal()

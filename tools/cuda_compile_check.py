@@ -1,8 +1,9 @@
-"""Compile engine/kernels/quant_mma.py's kernel with nvcc for sm_90 at each launch variant, before any
-device time is spent: syntax, template and register errors show here, and ptxas reports each
-variant's registers and spills (a spilling variant is slow on the device).
+"""Compile engine/kernels/quant_mma.py's kernel (or, with --gdn, gdn_fused.py's) with nvcc for sm_90
+at each launch variant, before any device time is spent: syntax, template and register errors
+show here, and ptxas reports each variant's registers and spills (a spilling variant is slow on
+the device).
 
-    .venv/bin/python tools/cuda_compile_check.py [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
+    .venv/bin/python tools/cuda_compile_check.py [--gdn] [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
 
 MLX wraps a ``cuda_kernel`` source in a function whose parameters are ``const T* name`` plus a
 ``name_shape`` per input and whose template arguments are constants; this script writes the
@@ -47,11 +48,69 @@ extern "C" __global__ void qmm(const T* x, const int* x_shape, const uint32_t* w
 """
 
 
+_SHAPES = """struct Shape { int v[8]; __device__ int operator[](int i) const { return v[i]; } };
+struct Strides { int64_t v[8]; __device__ int64_t operator[](int i) const { return v[i]; } };
+"""
+
+
+def gdn_wrapper(masked: bool, all_states: bool, xtype: str, params: dict[str, int]) -> str:
+    """gdn_fused.py's kernel in the signature MLX gives a ``cuda_kernel`` made with
+    ensure_row_contiguous off: every input with its shape and strides where the source names them."""
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine.kernels import gdn_fused
+
+    source = gdn_fused.kernel_source(masked, all_states)
+    ins = [("q", "T"), ("k", "T"), ("v", "T"), ("ga", "T"), ("gb", "T"), ("A_log", "float"), ("dt_bias", "T"),
+           ("state_in", "float")] + ([("mask", "bool")] if masked else [])
+    args = []
+    for name, t in ins:
+        args.append(f"const {t}* {name}")
+        args += [f"const Shape {name}_shape"] * (f"{name}_shape" in source)
+        args += [f"const Strides {name}_strides"] * (f"{name}_strides" in source)
+    args += ["T* y", "float* state_out"] + (["float* states"] if all_states else [])
+    consts = "\n".join(f"constexpr int {k} = {v};" for k, v in params.items())
+    return f"""#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+using T = {xtype};
+{_SHAPES}
+extern "C" __global__ void gdn({", ".join(args)}) {{
+using InT = T;
+{consts}
+{source}
+}}
+"""
+
+
+def gdn_main(args) -> int:
+    bad = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for masked, all_states, xtype, Dk in itertools.product((False, True), (False, True),
+                                                              ("__nv_bfloat16", "__half", "float"), (64, 128)):
+            params = {"Dk": Dk, "Dv": 128, "Hk": 16, "Hv": 48}
+            src = Path(tmp) / "g.cu"
+            src.write_text(gdn_wrapper(masked, all_states, xtype, params))
+            r = subprocess.run([args.nvcc, f"-arch={args.arch}", "-c", "-o", str(Path(tmp) / "g.o"),
+                                "-Xptxas", "-v", str(src)], capture_output=True, text=True)
+            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+            regs = re.search(r"Used (\d+) registers", r.stderr)
+            tag = f"masked={masked} all_states={all_states} {xtype} Dk={Dk}"
+            if r.returncode or (spill and int(spill.group(1))):
+                bad += 1
+                print(f"FAIL {tag}\n{r.stderr}")
+                continue
+            print(f"ok   {tag}: {regs.group(1) if regs else '?'} registers")
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
     args = ap.parse_args(argv)
+    if args.gdn:
+        return gdn_main(args)
     header, body = kernel_texts()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:

@@ -166,3 +166,12 @@ def test_the_install_time_self_check_passes_the_reference_and_refuses_a_wrong_or
     assert "state by" in gdn_layer.self_check(tm, per_call)
     assert gdn_layer.self_check(tm, raising) == \
         "the fused recurrence raised RuntimeError: nvrtc: compilation failed"
+
+    calls = []
+
+    def views_wrong(*args, **kw):  # right on contiguous inputs; the check's fourth call hands it views
+        calls.append(1)
+        y, s = gdn_fused.gated_delta_reference(*args, **kw)
+        return (y, s) if len(calls) != 4 else (y, s * 1.01)
+
+    assert "reads views of its inputs wrong" in gdn_layer.self_check(tm, views_wrong)

@@ -44,38 +44,47 @@ _SOURCE = """
     const int bi = n / Hv, hv = n % Hv, hk = hv / (Hv / Hk);
     const int T = v_shape[1];
     if (dv >= Dv) return;
-    const InT* qp = q + ((size_t)bi * T * Hk + hk) * Dk + lane * NPL;
-    const InT* kp = k + ((size_t)bi * T * Hk + hk) * Dk + lane * NPL;
-    const InT* vp = v + ((size_t)bi * T * Hv + hv) * Dv + dv;
-    const InT* ap = ga + (size_t)bi * T * Hv + hv;
-    const InT* bp = gb + (size_t)bi * T * Hv + hv;
+    // Inputs are read through their strides (the kernel is made with ensure_row_contiguous
+    // off): v, a and b are slices of a merged projection's or the conv's output, the state a
+    // slice of a capture's per-token states; a copy of each would be one more kernel.
+    const int64_t ke = lane * NPL;
+    const InT* qp = q + bi * q_strides[0] + hk * q_strides[2] + ke * q_strides[3];
+    const InT* kp = k + bi * k_strides[0] + hk * k_strides[2] + ke * k_strides[3];
+    const InT* vp = v + bi * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
+    const InT* ap = ga + bi * ga_strides[0] + hv * ga_strides[2];
+    const InT* bp = gb + bi * gb_strides[0] + hv * gb_strides[2];
     InT* yp = y + ((size_t)bi * T * Hv + hv) * Dv + dv;
-    const size_t srow = ((size_t)n * Dv + dv) * Dk + lane * NPL;
+    const float* sp_in = state_in + bi * state_in_strides[0] + hv * state_in_strides[1]
+        + dv * state_in_strides[2] + ke * state_in_strides[3];
+    const size_t srow = ((size_t)n * Dv + dv) * Dk + ke;
     float st[NPL];
     #pragma unroll
-    for (int i = 0; i < NPL; ++i) st[i] = state_in[srow + i];
-    const float A = expf(static_cast<float>(A_log[hv]));
-    const float dt = static_cast<float>(dt_bias[hv]);
+    for (int i = 0; i < NPL; ++i) st[i] = sp_in[i * state_in_strides[3]];
+    const float A = expf(static_cast<float>(A_log[hv * A_log_strides[0]]));
+    const float dt = static_cast<float>(dt_bias[hv * dt_bias_strides[0]]);
     for (int t = 0; t < T; ++t) {
         if (MASK_ON) {
-            const float x = static_cast<float>(ap[(size_t)t * Hv]) + dt;
+            const float x = static_cast<float>(ap[t * ga_strides[1]]) + dt;
             const float sp = x > 20.0f ? x : log1pf(expf(x));
             const float g = expf(-A * sp);
-            const float beta = 1.0f / (1.0f + expf(-static_cast<float>(bp[(size_t)t * Hv])));
-            const InT* kt = kp + (size_t)t * Hk * Dk;
-            const InT* qt = qp + (size_t)t * Hk * Dk;
+            const float beta = 1.0f / (1.0f + expf(-static_cast<float>(bp[t * gb_strides[1]])));
+            const InT* kt = kp + t * k_strides[1];
+            const InT* qt = qp + t * q_strides[1];
             float kv = 0.0f;
             #pragma unroll
-            for (int i = 0; i < NPL; ++i) { st[i] = st[i] * g; kv += st[i] * static_cast<float>(kt[i]); }
+            for (int i = 0; i < NPL; ++i) { st[i] = st[i] * g; kv += st[i] * static_cast<float>(kt[i * k_strides[3]]); }
             kv += __shfl_xor_sync(0xffffffff, kv, 1);
             kv += __shfl_xor_sync(0xffffffff, kv, 2);
             kv += __shfl_xor_sync(0xffffffff, kv, 4);
             kv += __shfl_xor_sync(0xffffffff, kv, 8);
             kv += __shfl_xor_sync(0xffffffff, kv, 16);
-            const float delta = (static_cast<float>(vp[(size_t)t * Hv * Dv]) - kv) * beta;
+            const float delta = (static_cast<float>(vp[t * v_strides[1]]) - kv) * beta;
             float o = 0.0f;
             #pragma unroll
-            for (int i = 0; i < NPL; ++i) { st[i] = st[i] + static_cast<float>(kt[i]) * delta; o += st[i] * static_cast<float>(qt[i]); }
+            for (int i = 0; i < NPL; ++i) {
+                st[i] = st[i] + static_cast<float>(kt[i * k_strides[3]]) * delta;
+                o += st[i] * static_cast<float>(qt[i * q_strides[3]]);
+            }
             o += __shfl_xor_sync(0xffffffff, o, 1);
             o += __shfl_xor_sync(0xffffffff, o, 2);
             o += __shfl_xor_sync(0xffffffff, o, 4);
@@ -93,7 +102,7 @@ _SOURCE = """
 
 # With all_states: the state after token t, into states [B, T, Hv, Dv, Dk].
 _WRITE_STATE = """{
-            float* sp_out = states + ((((size_t)bi * T + t) * Hv + hv) * Dv + dv) * Dk + lane * NPL;
+            float* sp_out = states + ((((size_t)bi * T + t) * Hv + hv) * Dv + dv) * Dk + ke;
             #pragma unroll
             for (int i = 0; i < NPL; ++i) sp_out[i] = st[i];
         }"""
@@ -120,16 +129,20 @@ def shape_refusal(Dk: int, Dv: int, Hk: int, Hv: int) -> str | None:
     return None
 
 
+def kernel_source(masked: bool, all_states: bool) -> str:
+    """The body of one variant. The inputs and outputs a variant lacks must not be named in it."""
+    return (_SOURCE.replace("MASK_ON", "mask[bi * mask_strides[0] + t * mask_strides[1]]" if masked else "true")
+            .replace("WRITE_STATE_OF_TOKEN_T", _WRITE_STATE if all_states else ""))
+
+
 def _kernel(masked: bool, all_states: bool):
     key = (masked, all_states)
     if key not in _kernels:
         inputs = ["q", "k", "v", "ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
         outputs = ["y", "state_out"] + (["states"] if all_states else [])
         name = "councild_gdn" + ("_mask" if masked else "") + ("_all" if all_states else "")
-        # The inputs and outputs a variant lacks must not be named in its source at all.
-        source = (_SOURCE.replace("MASK_ON", "mask[(size_t)bi * T + t]" if masked else "true")
-                  .replace("WRITE_STATE_OF_TOKEN_T", _WRITE_STATE if all_states else ""))
-        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
+        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+                                            source=kernel_source(masked, all_states), ensure_row_contiguous=False)
     return _kernels[key]
 
 

@@ -84,8 +84,9 @@ def refusal(text_module) -> str | None:
 def self_check(text_module, recurrence: Callable = gdn_fused.gated_delta_fused, seed: int = 0) -> str | None:
     """Run ``recurrence`` once at the model's own head shapes and dtype (the decode step's
     kernel, compiled here if it must be) against ``gated_delta_reference``: None when it
-    agrees (within a few of the activation dtype's last bits; the float32 state to 1e-4) and
-    two tokens in one call are two calls of one token bit for bit; else why not. A kernel that
+    agrees (within a few of the activation dtype's last bits; the float32 state to 1e-4), two
+    tokens in one call are two calls of one token bit for bit, and inputs that are views give
+    the bits of the same values contiguous; else why not. A kernel that
     does not compile or run here raises inside: that is a failed check too."""
     m = layers(text_module)[0]
     args = gdn_fused.sample_inputs(2, 2, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
@@ -100,16 +101,27 @@ def self_check(text_module, recurrence: Callable = gdn_fused.gated_delta_fused, 
         y_ref, s_ref = run(gdn_fused.gated_delta_reference)
         y0, s0 = run(recurrence, slice(0, 1))
         y1, s1 = run(recurrence, slice(1, 2), s0)
+        # The daemon hands it views (a merged projection's slices, a capture's states): the
+        # same values read through their strides must give the same bits.
+        wide = mx.concatenate([args["a"], args["v"].reshape(*args["v"].shape[:2], -1), args["b"]], axis=-1)
+        Hv = m.num_v_heads
+        v_view = wide[..., Hv:-Hv].reshape(args["v"].shape)
+        states = mx.stack([state, state], axis=1)
+        y_view, s_view = recurrence(args["q"], args["k"], v_view, wide[..., :Hv], wide[..., -Hv:], m.A_log,
+                                    m.dt_bias, states[:, 1], None)
         f = mx.float32
         err = (mx.abs(y.astype(f) - y_ref.astype(f)).max() / mx.maximum(mx.abs(y_ref.astype(f)).max(), 1e-6)).item()
         state_err = mx.abs(s - s_ref).max().item()
         stepwise = mx.array_equal(mx.concatenate([y0, y1], axis=1), y).item() and mx.array_equal(s1, s).item()
+        strided = mx.array_equal(y_view, y).item() and mx.array_equal(s_view, s).item()
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or run here is refused, not fatal
         return f"the fused recurrence raised {type(exc).__name__}: {str(exc)[:300]}"
     if not err <= 0.02 or not state_err <= 1e-4:
         return f"the fused recurrence is off the reference: y by {err:.3g} of its range, the state by {state_err:.3g}"
     if not stepwise:
         return "the fused recurrence gives other bits for two tokens in one call than one at a time"
+    if not strided:
+        return "the fused recurrence reads views of its inputs wrong (other bits than the same values contiguous)"
     return None
 
 
