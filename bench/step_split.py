@@ -11,8 +11,9 @@ step: ~15 GB at ~3.4 TB/s, ~4.5 ms). On the H200 it takes ~25 ms. This splits ea
 - total: the step's wall time, to ``mx.synchronize``;
 so a step whose total is about build + encode is bound by the host, not by the GPU or the
 matmul kernel. Arms: kernels "mlx" (MLX's everywhere), "qmm" (the quantized linears on
-engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py)
-or a "+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
+engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py),
+"merge" (projections that read one input as one matmul, engine/kernels/merged_linears.py) or a
+"+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
 switched in only when its self-check passes, as the daemon does). Arms alternate within each
 round, the prompt changes between rounds, the first round is reported apart.
 
@@ -41,7 +42,7 @@ for p in (ROOT, ROOT / "bench"):
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from daemon.engine.kernels import gdn_layer, invariant  # noqa: E402
+from daemon.engine.kernels import gdn_layer, invariant, merged_linears  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
@@ -116,11 +117,14 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
     lm.compiled_decode = None
     invariant.uninstall(lm.text_module)
     gdn_layer.uninstall(lm.text_module)
+    merged_linears.uninstall(lm.text_module)
     parts = kernels.split("+")
-    if "qmm" in parts:
-        invariant.install(lm.text_module, max_rows=72, quantized_only=True)
     if "gdn" in parts:
         gdn_layer.install(lm.text_module)
+    if "merge" in parts:  # before the kernel swap, which must reach the merged layers too
+        merged_linears.install(lm.text_module)
+    if "qmm" in parts:
+        invariant.install(lm.text_module, max_rows=72, quantized_only=True)
     if not compiled:
         return "eager"
     reason = enable_compiled_decode(lm)

@@ -284,6 +284,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # Metal keeps mlx-lm's own kernel, the CPU its ops. "off": mlx-lm's path everywhere. Every
     # forward of the model takes the same one, so exactness holds either way.
     gdn_kernel: Literal["auto", "off"] = "auto"
+    # Projections that read one input as one matmul (daemon/engine/kernels/merged_linears.py): each
+    # GatedDeltaNet layer's four input projections and each MLP's gate and up, 208 fewer matmuls
+    # in a 27B step, whose cost on CUDA is the host's per kernel. "auto": where the GatedDeltaNet
+    # layers run the fused recurrence (CUDA), whose forward reads the merged matmul. "off": the
+    # separate projections. The weights are held once either way.
+    merge_linears: Literal["auto", "off"] = "auto"
     # MLX-on-CUDA sends attention of more than one query to cuDNN (head dims <= 128), which
     # builds a plan per new key length (37-57 ms each on the H200): every speculative cycle
     # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or

@@ -62,7 +62,8 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
             "decode_path": lm.decode_path if decode_path else "(being decided)",
             "batch_decode_path": lm.batch_decode_path if decode_path else "(being decided)",
             "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels,
-            "recurrence": lm.recurrence.split(":")[0], "model_hash": model_hash(lm.path)}
+            "recurrence": lm.recurrence.split(":")[0], "linears": lm.linears.split(":")[0],
+            "model_hash": model_hash(lm.path)}
 
 
 class ProbeVerdicts:

@@ -67,7 +67,8 @@ class EngineStartup:
         compile_now = self.cfg.compile_decode and (not self.background or self._kernels_probe())
         self.engine.lm = load_model(self.model_path, compile_decode=compile_now, progress=self._load_progress,
                                     group=self.group, compile_check=self.compile_check,
-                                    fused_recurrence=None if self.cfg.gdn_kernel == "auto" else False)
+                                    fused_recurrence=None if self.cfg.gdn_kernel == "auto" else False,
+                                    merge_linears=None if self.cfg.merge_linears == "auto" else False)
         lm = self.engine.lm
         self.compile_later = self.cfg.compile_decode and not compile_now and lm.supports_mtp
         if self.compile_later:
@@ -75,6 +76,7 @@ class EngineStartup:
         context = self._prompt_limit()
         log.info("model.loaded", path=str(lm.path), model_type=lm.model_type,
                  decode_path=lm.decode_path, compile_check=self.compile_check.verdict, recurrence=lm.recurrence,
+                 linears=lm.linears,
                  batch_decode_path=lm.batch_decode_path, batch_compile_check=self.compile_check.batch_verdict,
                  seconds=round(time.perf_counter() - t0, 3),
                  context_tokens=context, max_prompt_tokens=self.engine.max_prompt_tokens)

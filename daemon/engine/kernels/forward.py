@@ -57,11 +57,15 @@ class _Capture:
 
 def gdn_projections(attn: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The GatedDeltaNet block's input projections, op for op as mlx-lm computes them, for
-    qwen3_5 and qwen3_next layouts: (qkv [B, S, C], z [B, S, Hv, Dv], b, a)."""
+    qwen3_5 and qwen3_next layouts, or as one matmul where merged_linears.py merged them:
+    (qkv [B, S, C], z [B, S, Hv, Dv], b, a)."""
     B, S, _ = inputs.shape
     if hasattr(attn, "in_proj_qkvz"):  # qwen3_next
         q, k, v, z, b, a = attn.fix_query_key_value_ordering(attn.in_proj_qkvz(inputs), attn.in_proj_ba(inputs))
         qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+    elif "in_proj_merged" in attn:  # qwen3_5, the four as one matmul (merged_linears.py)
+        qkv, z, b, a = mx.split(attn.in_proj_merged(inputs), attn._in_proj_splits, axis=-1)
+        z = z.reshape(B, S, attn.num_v_heads, attn.head_v_dim)
     else:  # qwen3_5
         qkv = attn.in_proj_qkv(inputs)
         z = attn.in_proj_z(inputs).reshape(B, S, attn.num_v_heads, attn.head_v_dim)

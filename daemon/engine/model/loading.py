@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..kernels import gdn_layer
+from ..kernels import gdn_layer, merged_linears
 from ..kernels.chunked_prefill import default_enabled
 from .compiled import enable_compiled_decode
 from .model import LoadedModel
@@ -64,9 +64,21 @@ def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
     return "fused"
 
 
+def _put_merged_linears(lm: LoadedModel, merge: bool | None) -> str:
+    """Merge the projections that read one input where asked and the fused recurrence runs
+    (its forward is the one that reads the merged matmul); returns ``lm.linears``."""
+    if merge is False:
+        return "separate: configured (merge_linears = \"off\")"
+    if lm.recurrence != "fused":
+        return "separate: the GatedDeltaNet layers run mlx-lm's block"
+    n = merged_linears.install(lm.text_module)
+    return f"merged {n}" if n else "separate: no projections merge"
+
+
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
                progress: Callable[[int, int, float], None] | None = None, group=None,
-               compile_check: Callable | None = None, fused_recurrence: bool | None = None) -> LoadedModel:
+               compile_check: Callable | None = None, fused_recurrence: bool | None = None,
+               merge_linears: bool | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
@@ -79,7 +91,9 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict.
     ``fused_recurrence``: run every GatedDeltaNet layer's recurrence on the fused kernel
     (engine/kernels/gdn_fused.py); None: where it can run (CUDA), False: mlx-lm's own path;
-    ``lm.recurrence`` says which, and why."""
+    ``lm.recurrence`` says which, and why. ``merge_linears``: projections that read one input
+    as one matmul (engine/kernels/merged_linears.py); None: with the fused recurrence, False:
+    never; ``lm.linears`` says which."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -104,6 +118,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
         eos_token_ids=frozenset(eos),
     )
     lm.recurrence = _put_recurrence(lm, fused_recurrence)
+    lm.linears = _put_merged_linears(lm, merge_linears)
     if chunked_prefill is None:
         chunked_prefill = default_enabled()
     lm.chunked_prefill = bool(chunked_prefill) and lm.supports_mtp

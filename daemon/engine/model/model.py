@@ -43,6 +43,9 @@ class LoadedModel:
     # (load_model puts it in on CUDA), else "mlx-lm: <why not>"; the probes' verdicts are keyed
     # by it (the two round differently).
     recurrence: str = "mlx-lm: not requested"
+    # "merged N" when merged_linears.py made N groups of projections one matmul each (load_model,
+    # with the fused recurrence), else "separate: <why>"; the probes' verdicts are keyed by it.
+    linears: str = "separate: not requested"
     # "mlx", or "invariant" once invariant.install swapped the forward's kernels (the daemon's
     # kernel choice, kernel_choice.py); the probes' cached verdicts are keyed by it.
     kernels: str = "mlx"
