@@ -12,7 +12,7 @@ draft position i (the acceptance profile). Arms interleaved per round, B greedy 
 rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch there):
 - batch d0: BatchDecoder, one batched forward per token;
 - spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle).
-``--kernels``: one or more kernel sets, alternated within each round (bench/step_split.py's
+``--kernels``: one or more kernel sets, each on its own copy of the model, alternated within each round (bench/step_split.py's
 ``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "merge", the
 projections that read one input as one matmul, and "qmm", the quantized linears on the
 tensor-core kernel); ``--compiled``: the compiled step, as the daemon
@@ -114,23 +114,25 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = QWEN35_27B if args.shape == "27b" else TINY
-    lm, head, inv = build_model(cfg)
-    if args.dtype == "4bit":
-        quantize_4bit(lm, head)
-    log(f"built {lm.path.name} {args.dtype}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
-    oracle = BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"])
     kernel_sets = args.kernels.split(",")
+    # One model per kernel set (the same seed: the same weights), each switched onto its set
+    # once: switching one model back and forth re-traced its compiled step inside the timed
+    # rounds (every shape a step meets after a switch), which the first call of 2026-12-04
+    # with two sets paid in every round.
+    models = {}
+    for ks in kernel_sets:
+        lm, head, inv = build_model(cfg)
+        if args.dtype == "4bit":
+            quantize_4bit(lm, head)
+        models[ks] = (lm, BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"]))
+        log(f"built {lm.path.name} {args.dtype} for {ks}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
     arms = [f"{ks} {a}" for ks in kernel_sets for a in ["batch d0"] + [f"spec d{k}" for k in args.depths]]
     rng = random.Random(7)
     results = []
     paths = {}
 
-    current = []
-
-    def use(ks: str) -> None:  # a switch re-traces the compiled step (and checks it): only on a change
-        if current != [ks]:
-            paths[ks] = set_arm(lm, ks, args.compiled)
-            current[:] = [ks]
+    for ks, (lm, _) in models.items():
+        paths[ks] = set_arm(lm, ks, args.compiled)
 
     for B in args.heights:
         def new_prompts() -> list[list[int]]:  # each round its own (the arms of a round share them)
@@ -138,8 +140,7 @@ def main(argv=None) -> int:
 
         prompts = new_prompts()
         for a in arms:  # one unmeasured pass: compiles every shape
-            use(a.split(" ")[0])
-            run_arm(lm, oracle, a.split(" ", 1)[1], prompts, 4)
+            run_arm(*models[a.split(" ")[0]], a.split(" ", 1)[1], prompts, 4)
         rates = {a: [] for a in arms}
         per_step = {a: [] for a in arms}
         for r in range(args.rounds):
@@ -149,8 +150,7 @@ def main(argv=None) -> int:
             prompts = new_prompts()
             for a in arms:
                 ks, arm = a.split(" ", 1)
-                use(ks)
-                rate, ps = run_arm(lm, oracle, arm, prompts, args.tokens)
+                rate, ps = run_arm(*models[ks], arm, prompts, args.tokens)
                 rates[a].append(rate)
                 per_step[a].append(ps)
                 log(f"B={B} round {r + 1}/{args.rounds} {a} ({paths[ks]}): {rate:.1f} tok/s, {ps:.2f} tokens/row/step")
