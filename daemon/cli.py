@@ -309,6 +309,7 @@ def _decoding(d: dict) -> str:
     kernels = (d.get("kernels") or {}).get("name", "mlx")
     batches = f" (batches: {d['batch_decode_path']})" if d.get("batch_decode_path") else ""
     fused = ", fused GatedDeltaNet recurrence" if d.get("recurrence") == "fused" else ""
+    fused += ", merged projections" if str(d.get("linears", "")).startswith("merged") else ""
     return (f"{d.get('decode_path') or '?'}{batches}, {kernels} kernels{fused}; "
             + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}"))
 

@@ -43,6 +43,7 @@ class EngineSnapshot:
     kernels: str = "mlx"
     kernels_reason: str = ""
     recurrence: str = ""  # the GatedDeltaNet recurrence: "fused" or "mlx-lm: <why not>" (LoadedModel.recurrence)
+    linears: str = ""  # "merged N" or "separate: <why>" (LoadedModel.linears, merged_linears.py)
     decode_path: str = ""
     # "compiled" when batched steps and verifies (B >= 2) run the compiled forward, else
     # "eager: <why>" (engine/model/compiled.py; its batch self-check decides).

@@ -141,6 +141,7 @@ class EngineWorker(threading.Thread):
             self.status.snapshot.decode_path = self.engine.lm.decode_path
             self.status.snapshot.batch_decode_path = self.engine.lm.batch_decode_path
             self.status.snapshot.recurrence = self.engine.lm.recurrence
+            self.status.snapshot.linears = self.engine.lm.linears
 
     # ------------------------------------------------------------------ the parts' hooks
     # What a tensor-parallel rank (daemon/distributed/lockstep.py) overrides or calls.

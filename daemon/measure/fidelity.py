@@ -563,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                             rows=max([1] + [int(b) for b in args.batched.split(",") if b]), ragged=bool(args.batched),
                             compile_decode=args.compile)
     print(f"kernels: {choice.kernels} ({choice.reason})", file=sys.stderr)
-    print(f"decode path: {lm.decode_path}; GatedDeltaNet recurrence: {lm.recurrence}", file=sys.stderr)
+    print(f"decode path: {lm.decode_path}; GatedDeltaNet recurrence: {lm.recurrence}; projections: {lm.linears}",
+          file=sys.stderr)
     try:
         head = load_mtp_head(lm)
     except NoMTPHead as exc:

@@ -52,6 +52,7 @@ class StatusReplies:
                 "exact_decode": snap.exact_decode,
                 "kernels": {"name": snap.kernels, "reason": snap.kernels_reason},
                 "recurrence": snap.recurrence,
+                "linears": snap.linears,
                 "decode_path": snap.decode_path,
                 "batch_decode_path": snap.batch_decode_path,
                 "depth": snap.depth,

@@ -77,6 +77,9 @@ def test_status_says_when_the_gated_delta_recurrence_runs_fused():
     assert rows(format_status(reply(**FULL, recurrence="fused")))["decoding"].startswith(
         "compiled, mlx kernels, fused GatedDeltaNet recurrence; exact greedy")
     assert "recurrence" not in rows(format_status(reply(**FULL, recurrence="mlx-lm: not CUDA")))["decoding"]
+    assert rows(format_status(reply(**FULL, recurrence="fused", linears="merged 64")))["decoding"].startswith(
+        "compiled, mlx kernels, fused GatedDeltaNet recurrence, merged projections; exact greedy")
+    assert "merged" not in rows(format_status(reply(**FULL, linears="separate: configured")))["decoding"]
 
 
 def test_status_from_an_older_daemon_has_no_decoding_row():

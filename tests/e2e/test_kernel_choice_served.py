@@ -28,6 +28,8 @@ def test_auto_keeps_mlx_kernels_on_this_cpu(bundled_daemon):
     # The fused GatedDeltaNet recurrence is CUDA's: here mlx-lm's ops, and the status and log say why.
     (loaded,) = [e for e in bundled_daemon.events() if e["event"] == "model.loaded"]
     assert detail["recurrence"] == loaded["recurrence"] and detail["recurrence"].startswith("mlx-lm: not CUDA")
+    # So the projections stay separate (mlx-lm's block would not read a merged one).
+    assert detail["linears"] == loaded["linears"] == "separate: the GatedDeltaNet layers run mlx-lm's block"
 
 
 def test_forced_invariant_kernels_are_proven_and_exact_rows_batch_with_serial_tokens(tmp_path):
