@@ -10,9 +10,12 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import sys
+import tempfile
+import time
 
-from .exits import EXIT_FAILED, EXIT_USAGE
+from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .frameworks import hide_unused_frameworks
 
 # The wire protocol's bound on a pinned depth (GovernorCommand.depth); the daemon refuses
@@ -48,6 +51,21 @@ systemd: READY=1 once the model is loaded and the socket bound, WATCHDOG=1 while
 loop runs, STOPPING=1 when the drain starts ($NOTIFY_SOCKET; nothing without it).
 logs: stderr, one JSON object per line, or a console format when stderr is a terminal;
 event names are listed in docs/OPERATIONS.md.
+"""
+
+
+PREPARE_DESCRIPTION = """\
+Run once what a machine's first start would pay for, then exit: load the model, and run
+every start-up check and probe to its end (the compiled step's self-checks, the kernel
+choice, the exactness probes, the chunk-split probe, the cost probes, the warm-up) as
+`warm_in_background = false` does. Their verdicts and measurements are kept in the cache
+folder (and MLX-on-CUDA's compiled kernels in its own), keyed by the model, the code, the
+versions and the device; a later `councild serve` with the same settings finds them, so its
+first council round runs at the speed of the later ones instead of sharing the engine with
+the probes. Installers run it after installing; run it again after an upgrade or a new
+model. It binds a private socket of its own, not the daemon's endpoint, but it loads the
+model: on a machine without room for two copies, run it while the service is stopped.
+Exit 0 when done; the codes of `serve` otherwise (docs/OPERATIONS.md).
 """
 
 
@@ -87,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "rank 0 binds the endpoint and leads, the others follow it in lockstep; a model whose "
                             "heads the group size does not divide is refused (exit 78); a rank that dies makes the "
                             "others exit 70 within distributed.peer_timeout_s (docs/OPERATIONS.md, Several machines)")
+
+    prep = sub.add_parser("prepare", help="pay a first start's checks now (installers run it): later starts find them",
+                          description=PREPARE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prep.add_argument("--config", help="the TOML config file the service will start with")
+    prep.add_argument("--model", help="model folder or pulled Hub repo id (default: the config's, else the bundled one)")
+    prep.add_argument("--log-format", choices=["auto", "json", "console"], help="default: json unless stderr is a terminal")
+    prep.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    prep.set_defaults(endpoint=None, speculation=None, insecure_tcp=False, distributed=False)
 
     gen = sub.add_parser("generate", help="send one prompt to a running daemon and stream the answer",
                          description="Stream a completion from a running daemon to stdout; usage and timings go to stderr.")
@@ -151,6 +177,13 @@ def cmd_serve(args) -> int:
     }.items() if v is not None}
     if args.speculation:
         overrides["speculation"] = {"mode": args.speculation}
+    prepare = args.command == "prepare"
+    if prepare:  # every part before "ready", on a socket of its own; no service manager to tell
+        overrides["warm_in_background"] = False
+        private = tempfile.mkdtemp(prefix="councild-prepare-")
+        overrides["endpoint"] = f"ipc://{private}/prepare.sock"
+        for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+            os.environ.pop(var, None)
     if getattr(args, "distributed", False):
         overrides["distributed"] = {"enabled": True}
     try:
@@ -161,6 +194,8 @@ def cmd_serve(args) -> int:
         configure_logging(args.log_format or "auto", args.log_level or "info")
         get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
         _print_err(f"councild: {exc}")
+        if prepare:
+            shutil.rmtree(private, ignore_errors=True)
         return EXIT_CONFIG
     configure_logging(cfg.log_format, cfg.log_level)
     # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
@@ -193,11 +228,20 @@ def cmd_serve(args) -> int:
 
             code = run_follower(cfg, model, group)
         else:
-            code = Server(cfg, model, endpoint, cli_overrides=overrides, group=group).run(args.config)
+            t0 = time.monotonic()
+            code = Server(cfg, model, endpoint, cli_overrides=overrides, group=group,
+                          exit_when_ready=prepare).run(args.config)
+            if prepare and code == EXIT_OK:
+                from .paths import cache_dir
+
+                print(f"councild: prepared {model} in {time.monotonic() - t0:.1f} s; the verdicts are in "
+                      f"{cache_dir() / 'probe-verdicts'}", flush=True)
     except StartupError as exc:
         log.error("daemon.startup_failed", error=str(exc), exit_code=exc.exit_code)
         _print_err(f"councild: {exc}")
         code = exc.exit_code
+    if prepare:
+        shutil.rmtree(private, ignore_errors=True)  # its socket's folder and lock file
     # Leave without interpreter teardown, once the server has closed its sockets, removed
     # its socket file and logged daemon.stop: with mlx loaded on the engine thread (and its
     # compiled-function cache alive), finalization can abort ("terminate called without an
@@ -515,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(mod.main(argv[len(prefix):]) or 0)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":
+    if args.command in ("serve", "prepare"):
         return cmd_serve(args)
     client_commands = {"generate": cmd_generate, "status": cmd_status}
     if args.command == "governor" and args.governor in ("pin", "evict", "load", "auto"):

@@ -143,6 +143,8 @@ def cmd_install(args: argparse.Namespace, ctx: Context) -> int:
     else:
         ctx.say(f"{target} unchanged")
     ctx.say(f"  runs: {paths.python} -m daemon.cli serve --config {paths.config}")
+    ctx.say(f"  once, before its first start: {paths.python} -m daemon.cli prepare --config {paths.config} "
+            "(pays the first start's checks now: docs/OPERATIONS.md)")
     if kind == "launchd":
         ctx.say(f"  logs: {paths.log_dir}/councild.err.log (JSON lines), socket folder {paths.runtime_dir}")
     else:

@@ -64,7 +64,7 @@ class Server(ClientDelivery, StatusReplies):
     client_delivery.py's, building the status reply status_reply.py's."""
 
     def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None,
-                 group=None):
+                 group=None, exit_when_ready: bool = False):
         self.cfg = cfg
         # Flags given at start-up win over the file on every SIGHUP reload too.
         self.cli_overrides = cli_overrides or {}
@@ -89,6 +89,8 @@ class Server(ClientDelivery, StatusReplies):
         self._load_noted_at = 0.0  # when the load's progress last went to systemd (load_progress)
         self.stop_now = False
         self.reload_requested = False
+        # `councild prepare`: the start-up's checks were the point; drain (nothing in flight) once ready.
+        self.exit_when_ready = exit_when_ready
         self.endpoint_guard = EndpointGuard(cfg, endpoint, self.ctx)
         self.notifier = None
         self._watchdog = None
@@ -163,6 +165,9 @@ class Server(ClientDelivery, StatusReplies):
         self._start_notifier()
         log.info("daemon.start", endpoint=self.endpoint, model=self.model_path, pid=os.getpid(),
                  version=daemon.__version__, protocol=PROTOCOL_VERSION)
+        if self.exit_when_ready:
+            log.info("daemon.prepared", model=self.model_path, seconds=round(time.monotonic() - self.started, 1))
+            self.draining_since = time.monotonic()
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(engine_out, zmq.POLLIN)
