@@ -24,6 +24,7 @@ probes re-run under the routed kernels); a configured "mlx" keeps MLX's everywhe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.kernels import invariant, quant_route
@@ -47,6 +48,9 @@ class KernelChoice:
     reason: str
     verdicts: ProbeVerdicts
     probes: dict = field(default_factory=dict)  # {"mlx": {...}, "invariant": {...}}: what each probe said
+    # The re-traced compiled step's self-check after a kernel swap: "cached" (an earlier
+    # start's verdict for these kernels), "probed", or None (no swap, or not compiling).
+    compile_check: str | None = None
 
 
 def _probe(lm, verdicts: ProbeVerdicts, rollback: str, rows: int, ragged: bool) -> dict:
@@ -64,11 +68,14 @@ def _forget_probes(lm) -> None:
         lm.__dict__.pop(key, None)
 
 
-def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool, route_quantized: bool = False) -> None:
+def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool, route_quantized: bool = False,
+                 checked: Callable[..., str | None] | None = None) -> None:
     """Put ``lm`` on the invariant kernels (for decode forwards of up to ``rows`` rows) or
     back on MLX's, unprobed: choose_kernels probes; benches that compare both sets call this.
     ``route_quantized``: back on MLX's, but on CUDA the quantized layers take the faster kernel
-    by row count (engine/kernels/quant_route.py)."""
+    by row count (engine/kernels/quant_route.py). ``checked``: answers for the re-traced
+    compiled step's self-checks from an earlier start's verdicts (probe_verdicts.CompiledStepCheck;
+    keyed by the kernels), so a start that found them does not run them again."""
     quant_route.uninstall(lm.text_module)
     if to_invariant:
         invariant.install(lm.text_module, max_rows=rows * MAX_VERIFY_POSITIONS)
@@ -87,17 +94,26 @@ def swap_kernels(lm, to_invariant: bool, rows: int, compile_decode: bool, route_
         lm.kernels = "mlx+qmm"
     _forget_probes(lm)
     # The compiled one-token forward traced the old layers: trace it again (it checks itself
-    # against the eager forward before it is used, as at load).
+    # against the eager forward before it is used, as at load, or reads that check's verdict).
     if compile_decode and lm.supports_mtp:
-        reason = enable_compiled_decode(lm)
+        reason = enable_compiled_decode(lm, checked)
         lm.decode_path = "compiled" if reason is None else f"eager: {reason}"
 
 
 def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, compile_decode: bool,
-                   group=None) -> KernelChoice:
+                   group=None, checked: Callable[..., str | None] | None = None) -> KernelChoice:
     """Decide and apply the model's kernels (see the module docstring). ``rollback``: the
     verify strategy exact rows use; ``rows``: the batch's height; ``ragged``: whether the
-    batch speculates (its ragged verify must be invariant too)."""
+    batch speculates (its ragged verify must be invariant too); ``checked``: swap_kernels'."""
+    choice = _choose(lm, mode, rollback=rollback, rows=rows, ragged=ragged, compile_decode=compile_decode,
+                     group=group, checked=checked)
+    if checked is not None and compile_decode and "invariant" in choice.probes:  # a swap re-traced the step
+        choice.compile_check = getattr(checked, "verdict", None)
+    return choice
+
+
+def _choose(lm, mode: str, *, rollback: str, rows: int, ragged: bool, compile_decode: bool, group,
+            checked) -> KernelChoice:
     verdicts = verdicts_for(lm, group)
     if mode == "mlx":
         return KernelChoice("mlx", "configured (kernels = \"mlx\")", verdicts)
@@ -112,19 +128,19 @@ def choose_kernels(lm, mode: str, *, rollback: str, rows: int, ragged: bool, com
         probes["mlx"] = _probe(lm, verdicts, rollback, rows, ragged)
         if all(probes["mlx"].values()):
             return KernelChoice("mlx", "MLX's kernels are invariant here (every probe passed)", verdicts, probes)
-    swap_kernels(lm, True, rows, compile_decode)
+    swap_kernels(lm, True, rows, compile_decode, checked=checked)
     inv_verdicts = verdicts_for(lm, group)
     try:
         probes["invariant"] = _probe(lm, inv_verdicts, rollback, rows, ragged)
     except Exception as exc:  # noqa: BLE001 - a kernel that does not compile or run here is refused, not fatal
-        swap_kernels(lm, False, rows, compile_decode)
+        swap_kernels(lm, False, rows, compile_decode, checked=checked)
         return KernelChoice("mlx", f"the invariant kernels raised {type(exc).__name__}: {str(exc)[:500]}: refused, "
                                    "MLX's kept (and the quantized layers not routed)", verdicts, probes)
     if all(probes["invariant"].values()):
         why = ("MLX's kernels failed " + ", ".join(k for k, v in probes["mlx"].items() if not v) + "; "
                if "mlx" in probes else "configured; ")
         return KernelChoice("invariant", why + "the invariant kernels passed every probe", inv_verdicts, probes)
-    swap_kernels(lm, False, rows, compile_decode, route_quantized=True)
+    swap_kernels(lm, False, rows, compile_decode, route_quantized=True, checked=checked)
     failed = ", ".join(k for k, v in probes["invariant"].items() if not v)
     return _routed_choice(lm, group, f"the invariant kernels failed {failed}: refused, MLX's kept", verdicts, probes)
 
@@ -140,4 +156,4 @@ def _routed_choice(lm, group, reason: str, verdicts: ProbeVerdicts, probes: dict
 
 def log_choice(choice: KernelChoice, backend: str | None) -> None:
     log.info("engine.kernels", kernels=choice.kernels, backend=backend or "cpu", reason=choice.reason,
-             probes=choice.probes)
+             probes=choice.probes, compile_check=choice.compile_check)

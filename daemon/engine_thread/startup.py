@@ -499,7 +499,8 @@ class EngineStartup:
         ragged = self.cfg.scheduler.batching and spec.in_batch and spec.mode != "off" and self.engine.slot.available
         choice = choose_kernels(self.engine.lm, self.cfg.kernels, rollback=resolve_rollback(spec.rollback),
                                 rows=self.cfg.scheduler.batch_rows, ragged=ragged,
-                                compile_decode=self.cfg.compile_decode, group=self.group)
+                                compile_decode=self.cfg.compile_decode, group=self.group,
+                                checked=self.compile_check)
         self.engine.verdicts = choice.verdicts
         log_choice(choice, invariant.backend())
         with self.status.snapshot_lock:

@@ -54,6 +54,26 @@ def test_forced_invariant_kernels_are_proven_and_exact_rows_batch_with_serial_to
     assert ready["exact_rows_batch"] is True
 
 
+def test_a_restart_reads_the_swapped_kernels_compiled_step_verdict_instead_of_checking_again(tmp_path):
+    """A swap to the invariant kernels re-traces the compiled step; its self-check (seconds on a
+    GPU) is a verdict kept like the others, so the second start of a machine reads it."""
+    cache = tmp_path / "own-cache"  # not the shared verdicts: the first start must probe
+    seen = []
+    for run in ("first", "second"):
+        (tmp_path / run).mkdir()
+        d = start_daemon(tmp_path / run, BUNDLED_MODEL, config='kernels = "invariant"\n',
+                         env={"COUNCILD_CACHE_DIR": str(cache)})
+        try:
+            with Client(d.endpoint, seat="restart", timeout_s=120) as c:
+                assert c.complete(PROMPTS[0], max_tokens=8, speculation="exact").usage.completion_tokens == 8
+        finally:
+            assert d.stop() == 0
+        (ev,) = [e for e in d.events() if e["event"] == "engine.kernels"]
+        assert ev["kernels"] == "invariant", ev
+        seen.append(ev["compile_check"])
+    assert seen == ["probed", "cached"]
+
+
 def test_a_path_that_is_not_invariant_is_refused_and_the_daemon_serves_on(tmp_path):
     d = start_daemon(tmp_path, BUNDLED_MODEL,
                      config='kernels = "invariant"\ndebug_perturb_invariant_batch = true\n')
