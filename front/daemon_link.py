@@ -30,6 +30,12 @@ log = logging.getLogger("councild.http")
 # The Retry-After a request refused for an unreachable daemon carries: a restarted daemon
 # answers Status within a couple of seconds of binding, and clients should not hammer.
 UNREACHABLE_RETRY_AFTER_S = 2.0
+# While the daemon is loading (or has not answered yet) the probe asks this often, and a
+# "loading" answer is never served from the cache: /health says "ready" within this of the
+# daemon's READY=1 instead of up to daemon_probe_interval_s + status_ttl_s later (issue 46:
+# the two mean the same moment). A loading daemon answers Status from its socket loop, so
+# the cost is a status read every 50 ms for as long as a load takes.
+STARTING_PROBE_S = 0.05
 
 
 class DaemonUnreachable(Exception):
@@ -79,7 +85,10 @@ class DaemonLink:
         while True:
             started = time.monotonic()
             await self.status(max_age=0.0)
-            await asyncio.sleep(max(0.0, self.cfg.daemon_probe_interval_s - (time.monotonic() - started)))
+            interval = self.cfg.daemon_probe_interval_s
+            if self.starting:
+                interval = min(interval, STARTING_PROBE_S)
+            await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
     async def status(self, max_age: float | None = None, timeout: float | None = None) -> m.StatusReply | None:
         """The daemon's StatusReply at most ``max_age`` (default status_ttl_s) old, or None
@@ -88,7 +97,8 @@ class DaemonLink:
         max_age = self.cfg.status_ttl_s if max_age is None else max_age
         timeout = self.cfg.daemon_probe_timeout_s if timeout is None else timeout
         async with self._lock:
-            if self.last_status is not None and time.monotonic() - self.last_status_at <= max_age:
+            if (self.last_status is not None and not self.loading
+                    and time.monotonic() - self.last_status_at <= max_age):
                 return self.last_status
             if self._client is None:
                 # wait_for bounds each read; the connection's own timeout only backs it up.
@@ -133,6 +143,11 @@ class DaemonLink:
     def loading(self) -> bool:
         st = self.last_status
         return self.state == "reachable" and st is not None and st.detail.get("state") == "loading"
+
+    @property
+    def starting(self) -> bool:
+        """Not heard from yet, or loading: the daemon may turn ready any moment."""
+        return self.state == "unknown" or self.loading
 
     def error(self) -> DaemonUnreachable:
         return DaemonUnreachable(self.reason or "no answer", time.monotonic() - self.since)
