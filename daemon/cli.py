@@ -63,8 +63,9 @@ folder (and MLX-on-CUDA's compiled kernels in its own), keyed by the model, the 
 versions and the device; a later `councild serve` with the same settings finds them, so its
 first council round runs at the speed of the later ones instead of sharing the engine with
 the probes. Installers run it after installing; run it again after an upgrade or a new
-model. It binds a private socket of its own, not the daemon's endpoint, but it loads the
-model: on a machine without room for two copies, run it while the service is stopped.
+model. It binds a private socket of its own, not the daemon's endpoint, and leaves the prefix
+cache's disk tier alone, but it loads the model: on a machine without room for two copies,
+run it while the service is stopped.
 Exit 0 when done; the codes of `serve` otherwise (docs/OPERATIONS.md).
 """
 
@@ -180,6 +181,8 @@ def cmd_serve(args) -> int:
     prepare = args.command == "prepare"
     if prepare:  # every part before "ready", on a socket of its own; no service manager to tell
         overrides["warm_in_background"] = False
+        # The prefix cache's disk tier belongs to the serving daemon (no lock across processes).
+        overrides["prefix_cache"] = {"disk": False}
         private = tempfile.mkdtemp(prefix="councild-prepare-")
         overrides["endpoint"] = f"ipc://{private}/prepare.sock"
         for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):

@@ -43,6 +43,7 @@ def test_prepare_pays_the_checks_and_a_later_start_finds_every_verdict(tmp_path)
     probed = {e["part"]: e.get("verdict") for e in events if e["event"] == "engine.warm"}
     assert probed["splits"] == probed["verify"] == probed["batch"] == "probed", probed
     assert not (tmp_path / "run" / "councild.sock").exists()  # the daemon's endpoint was never bound
+    assert "prefix_cache.disk_opened" not in names  # the serving daemon's disk tier is left alone
 
     d = start_daemon(tmp_path, BUNDLED_MODEL, env={"COUNCILD_CACHE_DIR": str(tmp_path / "cache")})
     try:
