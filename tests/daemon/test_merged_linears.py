@@ -119,3 +119,12 @@ def test_layers_that_cannot_be_one_matmul_are_refused_and_left_alone():
     assert ends == [4]
     y = merged(x)
     assert mx.array_equal(y[:, :4], a(x)).item() and mx.array_equal(y[:, 4:], b(x)).item()
+
+
+def test_load_model_says_why_the_projections_stay_separate_here(random_model_path):
+    # On this CPU the GatedDeltaNet layers run mlx-lm's block, which reads the separate layers.
+    lm = load_model(random_model_path, compile_decode=False)
+    assert lm.linears == "separate: the GatedDeltaNet layers run mlx-lm's block"
+    assert merged_linears.installed(lm.text_module) == 0
+    off = load_model(random_model_path, compile_decode=False, merge_linears=False)
+    assert off.linears == 'separate: configured (merge_linears = "off")'
