@@ -82,24 +82,31 @@ using InT = T;
 """
 
 
+def compile_one(args, tmp: str, source: str, tag: str) -> bool:
+    """nvcc ``source`` for ``args.arch`` and print one line for it (ptxas's registers and
+    spills, or the compiler's errors); True when it failed or spilled."""
+    src = Path(tmp) / "k.cu"
+    src.write_text(source)
+    r = subprocess.run([args.nvcc, f"-arch={args.arch}", "-c", "-o", str(Path(tmp) / "k.o"),
+                        "-Xptxas", "-v", str(src)], capture_output=True, text=True)
+    if r.returncode:
+        print(f"FAIL {tag}\n{r.stderr}")
+        return True
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    spilled = int(spill.group(1)) if spill else 0
+    print(f"{'SPILL' if spilled else 'ok   '} {tag}: {regs.group(1) if regs else '?'} registers, {spilled} bytes spilled")
+    return spilled > 0
+
+
 def gdn_main(args) -> int:
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         for masked, all_states, xtype, Dk in itertools.product((False, True), (False, True),
                                                               ("__nv_bfloat16", "__half", "float"), (64, 128)):
             params = {"Dk": Dk, "Dv": 128, "Hk": 16, "Hv": 48}
-            src = Path(tmp) / "g.cu"
-            src.write_text(gdn_wrapper(masked, all_states, xtype, params))
-            r = subprocess.run([args.nvcc, f"-arch={args.arch}", "-c", "-o", str(Path(tmp) / "g.o"),
-                                "-Xptxas", "-v", str(src)], capture_output=True, text=True)
-            spill = re.search(r"(\d+) bytes spill stores", r.stderr)
-            regs = re.search(r"Used (\d+) registers", r.stderr)
-            tag = f"masked={masked} all_states={all_states} {xtype} Dk={Dk}"
-            if r.returncode or (spill and int(spill.group(1))):
-                bad += 1
-                print(f"FAIL {tag}\n{r.stderr}")
-                continue
-            print(f"ok   {tag}: {regs.group(1) if regs else '?'} registers")
+            bad += compile_one(args, tmp, gdn_wrapper(masked, all_states, xtype, params),
+                               f"masked={masked} all_states={all_states} {xtype} Dk={Dk}")
     return 1 if bad else 0
 
 
@@ -119,23 +126,8 @@ def main(argv=None) -> int:
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
             params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA}
-            src = Path(tmp) / "k.cu"
-            src.write_text(wrapper(header, body, xtype, params))
-            r = subprocess.run([args.nvcc, f"-arch={args.arch}", "-c", "-o", str(Path(tmp) / "k.o"),
-                                "-Xptxas", "-v", str(src)], capture_output=True, text=True)
-            info = r.stderr
-            regs = re.search(r"Used (\d+) registers", info)
-            spill = re.search(r"(\d+) bytes spill stores", info)
-            spilled = int(spill.group(1)) if spill else 0
-            tag = " ".join(f"{k}={v}" for k, v in params.items())
-            if r.returncode:
-                bad += 1
-                print(f"FAIL {tag}\n{info}")
-                continue
-            if spilled:
-                bad += 1
-            print(f"{'SPILL' if spilled else 'ok   '} {tag} {xtype}: {regs.group(1) if regs else '?'} registers, "
-                  f"{spilled} bytes spilled")
+            bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
+                               " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
     return 1 if bad else 0
 
 
