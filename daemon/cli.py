@@ -15,6 +15,8 @@ import sys
 import tempfile
 import time
 
+import msgspec
+
 from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .frameworks import hide_unused_frameworks
 
@@ -179,12 +181,10 @@ def cmd_serve(args) -> int:
     if args.speculation:
         overrides["speculation"] = {"mode": args.speculation}
     prepare = args.command == "prepare"
-    if prepare:  # every part before "ready", on a socket of its own; no service manager to tell
+    if prepare:  # every part before "ready"; no service manager to tell
         overrides["warm_in_background"] = False
         # The prefix cache's disk tier belongs to the serving daemon (no lock across processes).
         overrides["prefix_cache"] = {"disk": False}
-        private = tempfile.mkdtemp(prefix="councild-prepare-")
-        overrides["endpoint"] = f"ipc://{private}/prepare.sock"
         for var in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
             os.environ.pop(var, None)
     if getattr(args, "distributed", False):
@@ -197,9 +197,10 @@ def cmd_serve(args) -> int:
         configure_logging(args.log_format or "auto", args.log_level or "info")
         get_logger("councild").error("daemon.startup_failed", error=str(exc), exit_code=EXIT_CONFIG)
         _print_err(f"councild: {exc}")
-        if prepare:
-            shutil.rmtree(private, ignore_errors=True)
         return EXIT_CONFIG
+    if prepare:  # a socket of its own, never the daemon's endpoint
+        private = tempfile.mkdtemp(prefix="councild-prepare-")
+        cfg = msgspec.structs.replace(cfg, endpoint=f"ipc://{private}/prepare.sock")
     configure_logging(cfg.log_format, cfg.log_level)
     # A watchdog SIGABRT or a hang then leaves every thread's stack in the log.
     faulthandler.enable()
@@ -483,8 +484,6 @@ def format_status(reply) -> str:
 
 
 def cmd_status(args) -> int:
-    import msgspec
-
     from protocol.client import Client, DaemonUnavailable
 
     try:
