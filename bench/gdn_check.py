@@ -10,10 +10,12 @@ is it invariant, what does it save. One process, sections in order, JSON after e
    batch of 5 against the row alone; the last of ``all_states`` against the state;
 3. strided: inputs that are views (slices of a merged projection's output, a transpose, a
    slice of ``all_states``) give the bits of the same inputs made contiguous;
-4. one layer's recurrence, host and GPU: mlx-lm's path (``gated_delta_update``: gates, ops,
+4. conv: the kernel with the conv folded in against its reference, and its invariance (as 1-3);
+5. one layer's recurrence, host and GPU: mlx-lm's path (``gated_delta_update``: gates, ops,
    per-token loop) against the kernel, 48 independent layers per step (the 27B step's count),
-   build / encode / total ms (bench/step_split.py's split), B x T of 1x1, 4x1, 4x2, 8x1;
-5. the bundled model with its layers on the kernel: the exactness probes the daemon runs at
+   build / encode / total ms (bench/step_split.py's split), B x T of 1x1, 4x1, 4x2, 8x1; and
+   the conv in MLX's ops before the kernel against the conv folded in;
+6. the bundled model with its layers on the kernel (conv folded): the exactness probes the daemon runs at
    start (verify through capture and snapshot, batch, ragged verify) and greedy tokens
    against MLX's ops path (agreement is information: the two round differently).
 Prints a table per section.
@@ -133,6 +135,81 @@ def strided() -> list:
     return rows
 
 
+def conv_inputs(B: int, T: int, shape: str, seed: int) -> dict:
+    """Inputs of the folded kernel (qkv from the projection, a conv state, a depthwise conv
+    weight) beside the recurrence's, in bfloat16; qkv a view of a wider buffer, as the
+    merged projection hands it over."""
+    Hk, Hv, Dk, Dv = SHAPES[shape]
+    C = 2 * Hk * Dk + Hv * Dv
+    d = inputs(B, T, shape, seed)
+    ks = mx.random.split(mx.random.key(seed + 7), 3)
+    wide = mx.random.normal((B, T, C + 2 * Hv), key=ks[0]).astype(mx.bfloat16)
+    d.update(qkv=wide[..., Hv:Hv + C], conv_state=mx.random.normal((B, 3, C), key=ks[1]).astype(mx.bfloat16),
+             conv_w=(0.5 * mx.random.normal((C, 4, 1), key=ks[2])).astype(mx.bfloat16), heads=(Hk, Dk, Hv, Dv))
+    mx.eval([x for x in d.values() if isinstance(x, mx.array)])
+    return d
+
+
+def conv_call(fn, d: dict, mask=None, all_states=False, **over):
+    d = {**d, **over}
+    return fn(d["qkv"], d["conv_state"], d["conv_w"], d["a"], d["b"], d["A_log"], d["dt_bias"], d["state"], mask,
+              heads=d["heads"], all_states=all_states)
+
+
+def conv() -> list:
+    """The kernel with the conv folded in (``gated_delta_conv_fused``): against its float32
+    reference on the device (y, state; the conv state it leaves bit for bit), masked and not;
+    bit for bit, T tokens in one call against T calls, a row of a batch of 5 against the row
+    alone, qkv as a view against qkv contiguous."""
+    rows = []
+    f = mx.float32
+    for shape in SHAPES:
+        for B, T in ((1, 1), (3, 2), (5, 5)):
+            d = conv_inputs(B, T, shape, seed=100 * B + T)
+            for masked in (False, True):
+                mask = (mx.arange(T)[None, :] >= (mx.arange(B)[:, None] % 2)) if masked else None
+                y, s, every, c = conv_call(gdn_fused.gated_delta_conv_fused, d, mask, True)
+                yr, sr, er, cr = conv_call(gdn_fused.gated_delta_conv_reference, d, mask, True)
+                row = {"shape": shape, "B": B, "T": T, "masked": masked,
+                       "y_rel": (mx.abs(y.astype(f) - yr.astype(f)).max() / mx.abs(yr.astype(f)).max()).item(),
+                       "state_abs": mx.abs(s - sr).max().item(), "states_abs": mx.abs(every - er).max().item(),
+                       "conv_state_equal": bool(mx.array_equal(c, cr).item())}
+                if not masked:
+                    cs, st, ys = d["conv_state"], d["state"], []
+                    for t in range(T):
+                        yt, st, cs = conv_call(gdn_fused.gated_delta_conv_fused, d, conv_state=cs, state=st,
+                                               **{n: d[n][:, t:t + 1] for n in ("qkv", "a", "b")})
+                        ys.append(yt)
+                    one = {n: d[n][B - 1:] for n in ("qkv", "conv_state", "a", "b", "state")}
+                    y1, s1, c1 = conv_call(gdn_fused.gated_delta_conv_fused, d, **one)
+                    yc, sc, cc = conv_call(gdn_fused.gated_delta_conv_fused, d, qkv=mx.contiguous(d["qkv"]))
+                    row.update(steps_equal_one_call=bool(mx.array_equal(mx.concatenate(ys, axis=1), y).item()
+                                                         and mx.array_equal(st, s).item() and mx.array_equal(cs, c).item()),
+                               row_alone_equals_batched=bool(mx.array_equal(y1, y[B - 1:]).item()
+                                                             and mx.array_equal(s1, s[B - 1:]).item()),
+                               view_equals_contiguous=bool(mx.array_equal(yc, y).item() and mx.array_equal(sc, s).item()))
+                rows.append(row)
+    return rows
+
+
+def unfolded(d: dict) -> mx.array:
+    """The conv in MLX's ops (as forward.gdn_conv_qkv: the conv, SiLU, split, normalize_qk)
+    and then the fused recurrence: what the folded kernel replaces."""
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    Hk, Dk, Hv, Dv = d["heads"]
+    B, T, _ = d["qkv"].shape
+    conv_input = mx.concatenate([d["conv_state"], d["qkv"]], axis=1)
+    kept = mx.contiguous(conv_input[:, -3:, :])
+    out = mx.conv1d(conv_input, d["conv_w"], groups=d["qkv"].shape[-1])
+    out = out * mx.sigmoid(out)
+    q, k, v = mx.split(out, [Hk * Dk, 2 * Hk * Dk], -1)
+    q, k = normalize_qk(q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), inv_scale=Dk**-0.5, eps=1e-6)
+    y, _ = gdn_fused.gated_delta_fused(q, k, v.reshape(B, T, Hv, Dv), d["a"], d["b"], d["A_log"], d["dt_bias"],
+                                       d["state"])
+    return y, kept
+
+
 def layer_timing(layers: int = 48) -> list:
     rows = []
     for B, T in ((1, 1), (4, 1), (4, 2), (8, 1)):
@@ -141,6 +218,9 @@ def layer_timing(layers: int = 48) -> list:
             "mlx-lm ops": lambda: [gated_delta_update(d["q"], d["k"], d["v"], d["a"], d["b"], d["A_log"],
                                                       d["dt_bias"], d["state"])[0] for d in ds],
             "fused": lambda: [call(gdn_fused.gated_delta_fused, d)[0] for d in ds]}
+        cds = [conv_inputs(B, T, "27b", seed=i) for i in range(layers)]
+        arms["conv in ops + fused"] = lambda: [unfolded(d) for d in cds]
+        arms["conv folded"] = lambda: [conv_call(gdn_fused.gated_delta_conv_fused, d)[::2] for d in cds]
         for name, fn in arms.items():
             runs = [split_time(fn) for _ in range(7)]
             rows.append({"arm": name, "BxT": f"{B}x{T}", "layers": layers, **med(runs[2:])})
@@ -170,7 +250,8 @@ def bundled_probes() -> dict:
     res: dict = {"refusal": refused}
     if refused is not None:
         return res
-    res["layers"] = gdn_layer.install(lm.text_module)
+    res["layers"] = gdn_layer.install(lm.text_module, conv_recurrence=gdn_fused.gated_delta_conv_fused)
+    res["conv_self_check"] = gdn_layer.conv_self_check(lm.text_module)
     fused_tokens = greedy()
     same = next((i for i, (x, y) in enumerate(zip(ops_tokens, fused_tokens)) if x != y), len(ops_tokens))
     res["greedy_tokens_equal_prefix"] = f"{same}/{len(ops_tokens)}"
@@ -187,7 +268,7 @@ def bundled_probes() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/out/gdn_check")
-    ap.add_argument("--sections", default="numerics,invariance,strided,layer_timing,bundled_probes")
+    ap.add_argument("--sections", default="numerics,invariance,strided,conv,layer_timing,bundled_probes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     R["refusal"] = gdn_fused.backend_refusal()

@@ -13,7 +13,7 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 - batch d0: BatchDecoder, one batched forward per token;
 - spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle).
 ``--kernels``: one or more kernel sets, each on its own copy of the model, alternated within each round (bench/step_split.py's
-``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "merge", the
+``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "conv", its conv folded in, "merge", the
 projections that read one input as one matmul, and "qmm", the quantized linears on the
 tensor-core kernel); ``--compiled``: the compiled step, as the daemon
 runs it. Each measured round draws new prompts (the same length; every arm of the round gets them).

@@ -12,7 +12,8 @@ step: ~15 GB at ~3.4 TB/s, ~4.5 ms). On the H200 it takes ~25 ms. This splits ea
 so a step whose total is about build + encode is bound by the host, not by the GPU or the
 matmul kernel. Arms: kernels "mlx" (MLX's everywhere), "qmm" (the quantized linears on
 engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py),
-"merge" (projections that read one input as one matmul, engine/kernels/merged_linears.py) or a
+"conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "merge" (projections
+that read one input as one matmul, engine/kernels/merged_linears.py) or a
 "+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
 switched in only when its self-check passes, as the daemon does). Arms alternate within each
 round, the prompt changes between rounds, the first round is reported apart.
@@ -42,7 +43,7 @@ for p in (ROOT, ROOT / "bench"):
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from daemon.engine.kernels import gdn_layer, invariant, merged_linears  # noqa: E402
+from daemon.engine.kernels import gdn_fused, gdn_layer, invariant, merged_linears  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
@@ -119,8 +120,8 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
     gdn_layer.uninstall(lm.text_module)
     merged_linears.uninstall(lm.text_module)
     parts = kernels.split("+")
-    if "gdn" in parts:
-        gdn_layer.install(lm.text_module)
+    if "gdn" in parts:  # "conv": with the conv folded into its kernel (the daemon's default on CUDA)
+        gdn_layer.install(lm.text_module, conv_recurrence=gdn_fused.gated_delta_conv_fused if "conv" in parts else None)
     if "merge" in parts:  # before the kernel swap, which must reach the merged layers too
         merged_linears.install(lm.text_module)
     if "qmm" in parts:

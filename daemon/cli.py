@@ -356,7 +356,9 @@ def _decoding(d: dict) -> str:
              "guarded": "exact requests speculate with the near-tie guard (verify rounds unlike serial here)"}
     kernels = (d.get("kernels") or {}).get("name", "mlx")
     batches = f" (batches: {d['batch_decode_path']})" if d.get("batch_decode_path") else ""
-    fused = ", fused GatedDeltaNet recurrence" if d.get("recurrence") == "fused" else ""
+    recurrence = str(d.get("recurrence", ""))
+    fused = (", fused GatedDeltaNet conv and recurrence" if recurrence == "fused"
+             else ", fused GatedDeltaNet recurrence" if recurrence.startswith("fused") else "")
     fused += ", merged projections" if str(d.get("linears", "")).startswith("merged") else ""
     return (f"{d.get('decode_path') or '?'}{batches}, {kernels} kernels{fused}; "
             + exact.get(d.get("exact_decode"), f"exact: {d.get('exact_decode')}"))

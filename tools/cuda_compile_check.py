@@ -53,21 +53,22 @@ struct Strides { int64_t v[8]; __device__ int64_t operator[](int i) const { retu
 """
 
 
-def gdn_wrapper(masked: bool, all_states: bool, xtype: str, params: dict[str, int]) -> str:
+def gdn_wrapper(masked: bool, all_states: bool, conv: bool, xtype: str, params: dict[str, int]) -> str:
     """gdn_fused.py's kernel in the signature MLX gives a ``cuda_kernel`` made with
     ensure_row_contiguous off: every input with its shape and strides where the source names them."""
     sys.path.insert(0, str(ROOT))
     from daemon.engine.kernels import gdn_fused
 
-    source = gdn_fused.kernel_source(masked, all_states)
-    ins = [("q", "T"), ("k", "T"), ("v", "T"), ("ga", "T"), ("gb", "T"), ("A_log", "float"), ("dt_bias", "T"),
+    source = gdn_fused.kernel_source(masked, all_states, conv)
+    qkv = [("qkv", "T"), ("conv_in", "T"), ("conv_w", "T")] if conv else [("q", "T"), ("k", "T"), ("v", "T")]
+    ins = qkv + [("ga", "T"), ("gb", "T"), ("A_log", "float"), ("dt_bias", "T"),
            ("state_in", "float")] + ([("mask", "bool")] if masked else [])
     args = []
     for name, t in ins:
         args.append(f"const {t}* {name}")
         args += [f"const Shape {name}_shape"] * (f"{name}_shape" in source)
         args += [f"const Strides {name}_strides"] * (f"{name}_strides" in source)
-    args += ["T* y", "float* state_out"] + (["float* states"] if all_states else [])
+    args += ["T* y", "float* state_out"] + (["float* states"] if all_states else []) + (["T* conv_out"] if conv else [])
     consts = "\n".join(f"constexpr int {k} = {v};" for k, v in params.items())
     return f"""#include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -102,11 +103,11 @@ def compile_one(args, tmp: str, source: str, tag: str) -> bool:
 def gdn_main(args) -> int:
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for masked, all_states, xtype, Dk in itertools.product((False, True), (False, True),
-                                                              ("__nv_bfloat16", "__half", "float"), (64, 128)):
-            params = {"Dk": Dk, "Dv": 128, "Hk": 16, "Hv": 48}
-            bad += compile_one(args, tmp, gdn_wrapper(masked, all_states, xtype, params),
-                               f"masked={masked} all_states={all_states} {xtype} Dk={Dk}")
+        for conv, masked, all_states, xtype, Dk in itertools.product(
+                (False, True), (False, True), (False, True), ("__nv_bfloat16", "__half", "float"), (64, 128)):
+            params = {"Dk": Dk, "Dv": 128, "Hk": 16, "Hv": 48, "KC": 4, "KEY": 16 * Dk}
+            bad += compile_one(args, tmp, gdn_wrapper(masked, all_states, conv, xtype, params),
+                               f"conv={conv} masked={masked} all_states={all_states} {xtype} Dk={Dk}")
     return 1 if bad else 0
 
 

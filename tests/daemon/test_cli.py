@@ -75,10 +75,12 @@ def test_status_says_whether_batched_steps_run_compiled():
 
 def test_status_says_when_the_gated_delta_recurrence_runs_fused():
     assert rows(format_status(reply(**FULL, recurrence="fused")))["decoding"].startswith(
+        "compiled, mlx kernels, fused GatedDeltaNet conv and recurrence; exact greedy")
+    assert rows(format_status(reply(**FULL, recurrence="fused recurrence, conv in mlx ops: bias")))["decoding"].startswith(
         "compiled, mlx kernels, fused GatedDeltaNet recurrence; exact greedy")
     assert "recurrence" not in rows(format_status(reply(**FULL, recurrence="mlx-lm: not CUDA")))["decoding"]
     assert rows(format_status(reply(**FULL, recurrence="fused", linears="merged 64")))["decoding"].startswith(
-        "compiled, mlx kernels, fused GatedDeltaNet recurrence, merged projections; exact greedy")
+        "compiled, mlx kernels, fused GatedDeltaNet conv and recurrence, merged projections; exact greedy")
     assert "merged" not in rows(format_status(reply(**FULL, linears="separate: configured")))["decoding"]
 
 

@@ -22,6 +22,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops  # noqa: E402
 from daemon.engine.decoders.batch import batch_matches_serial  # noqa: E402
 from daemon.engine.decoders.exactness import ragged_verify_matches_serial, verify_matches_serial  # noqa: E402
 from daemon.engine.kernels import gdn_fused, gdn_layer  # noqa: E402
+from daemon.engine.kernels.forward import gdn_conv_qkv, gdn_heads  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.prefill.mixed_forward import cache_states, mixed_hidden  # noqa: E402
@@ -175,3 +176,124 @@ def test_the_install_time_self_check_passes_the_reference_and_refuses_a_wrong_or
         return (y, s) if len(calls) != 4 else (y, s * 1.01)
 
     assert "reads views of its inputs wrong" in gdn_layer.self_check(tm, views_wrong)
+
+
+# The conv folded into the kernel (gated_delta_conv_fused): its reference, routing and check.
+
+def _conv_inputs(attn, B, T, seed=0):
+    ks = mx.random.split(mx.random.key(seed), 5)
+    C, K = attn.conv_dim, attn.conv_kernel_size
+    return {"qkv": mx.random.normal((B, T, C), key=ks[0]).astype(mx.bfloat16),
+            "conv_state": mx.random.normal((B, K - 1, C), key=ks[1]).astype(mx.bfloat16),
+            "a": mx.random.normal((B, T, attn.num_v_heads), key=ks[2]).astype(mx.bfloat16),
+            "b": mx.random.normal((B, T, attn.num_v_heads), key=ks[3]).astype(mx.bfloat16),
+            "state": mx.random.normal((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), key=ks[4]) * 0.1}
+
+
+def _conv_ref(attn, d, mask=None, all_states=False, **cut):
+    d = {**d, **cut}
+    return gdn_fused.gated_delta_conv_reference(d["qkv"], d["conv_state"], attn.conv1d.weight, d["a"], d["b"],
+                                                attn.A_log, attn.dt_bias, d["state"], mask,
+                                                heads=gdn_heads(attn), all_states=all_states)
+
+
+def test_the_folded_conv_reference_computes_mlx_lms_conv_and_normalisation(lm):
+    attn = gdn_layer.layers(lm.text_module)[0]
+    d = _conv_inputs(attn, 2, 3)
+    q, k, v, conv_after = gdn_fused.conv_qkv_reference(d["qkv"], d["conv_state"], attn.conv1d.weight, None,
+                                                       gdn_heads(attn))
+    conv_input = mx.concatenate([d["conv_state"], d["qkv"]], axis=1)
+    q_mlx, k_mlx, v_mlx = gdn_conv_qkv(attn, conv_input, 2, 3)  # bfloat16 between each op
+    f = mx.float32
+    for mine, theirs in ((q, q_mlx), (k, k_mlx), (v, v_mlx)):
+        assert mine.dtype == f and mine.shape == theirs.shape
+        assert mx.abs(mine - theirs.astype(f)).max().item() <= 0.02 * mx.abs(theirs.astype(f)).max().item()
+    assert mx.array_equal(conv_after, conv_input[:, -(attn.conv_kernel_size - 1):]).item()
+
+
+def test_the_folded_conv_reference_is_the_same_one_token_at_a_time_and_zeroes_padding(lm):
+    attn = gdn_layer.layers(lm.text_module)[0]
+    d = _conv_inputs(attn, 2, 4, seed=2)
+    y, s, every, c = _conv_ref(attn, d, all_states=True)
+    cs, st, ys = d["conv_state"], d["state"], []
+    for t in range(4):
+        yt, st, cs = _conv_ref(attn, d, conv_state=cs, state=st,
+                               **{n: d[n][:, t:t + 1] for n in ("qkv", "a", "b")})
+        ys.append(yt)
+        assert mx.array_equal(every[:, t], st).item()
+    assert mx.array_equal(mx.concatenate(ys, axis=1), y).item()
+    assert mx.array_equal(st, s).item() and mx.array_equal(cs, c).item()
+    # A padding row counts as zeros in the conv, as mlx-lm zeroes it before its conv.
+    mask = mx.array([[True, False, True, True]] * 2)
+    zeroed = d["qkv"] * mask[..., None].astype(d["qkv"].dtype)
+    assert mx.array_equal(_conv_ref(attn, d, mask)[0], _conv_ref(attn, d, mask, qkv=zeroed)[0]).item()
+    assert not mx.any(_conv_ref(attn, d, mask)[0][:, 1]).item()
+
+
+@pytest.fixture(scope="module")
+def folded(random_model_path):
+    """The random model with the conv folded in: every GatedDeltaNet layer on the folded
+    reference, counted."""
+    lm = load_model(random_model_path, compile_decode=False)
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(args[0].shape[:2])
+        return gdn_fused.gated_delta_conv_reference(*args, **kw)
+
+    assert gdn_layer.conv_refusal(lm.text_module) is None
+    gdn_layer.install(lm.text_module, gdn_fused.gated_delta_reference, conv_recurrence=counted)
+    assert gdn_layer.conv_folded(lm.text_module)
+    return lm, calls
+
+
+def test_every_forward_goes_through_the_folded_kernel_and_the_exactness_probes_pass(folded):
+    lm, calls = folded
+    n_layers = len(gdn_layer.layers(lm.text_module))
+    cache = lm.make_cache()
+    prefill(lm, list(range(3, 12)), cache)
+    calls.clear()
+    mx.eval(lm.hidden(mx.array([[5]]), cache))
+    assert calls == [(1, 1)] * n_layers
+    other = lm.make_cache()
+    prefill(lm, [3, 4, 5], other)
+    calls.clear()
+    mx.eval(mixed_hidden(lm, [(mx.array([[7]]), copy.deepcopy(cache)), (mx.array([[8, 9]]), other)]))
+    assert sorted(calls) == sorted([(1, 1), (1, 2)] * n_layers)
+    calls.clear()
+    for key in ("_verify_matches_serial", "_batch_matches_serial", "_ragged_verify_matches_serial"):
+        lm.__dict__.pop(key, None)
+    assert verify_matches_serial(lm, "capture") and verify_matches_serial(lm, "snapshot")
+    assert batch_matches_serial(lm, 4) and ragged_verify_matches_serial(lm)
+    assert any(t > 1 for _, t in calls)  # the capture verify took it too
+    assert enable_compiled_decode(lm) is None  # the compiled step holds it to eager's bits
+    lm.compiled_decode = None
+
+
+def test_the_folded_conv_self_check_passes_the_reference_and_refuses_wrong_kernels(lm):
+    tm = lm.text_module
+    assert gdn_layer.conv_self_check(tm, gdn_fused.gated_delta_conv_reference) is None
+
+    def stale_conv_state(*args, **kw):  # hands back the conv state it was given
+        y, s, _ = gdn_fused.gated_delta_conv_reference(*args, **kw)
+        return y, s, args[1]
+
+    def ignores_padding(*args, **kw):
+        return gdn_fused.gated_delta_conv_reference(*args[:8], None, **kw)
+
+    calls = []
+
+    def views_wrong(*args, **kw):  # its last call of the check hands it qkv contiguous
+        calls.append(1)
+        y, s, c = gdn_fused.gated_delta_conv_reference(*args, **kw)
+        return (y, s, c) if len(calls) < 5 else (y, s * 1.001, c)
+
+    assert "the conv state it leaves" in gdn_layer.conv_self_check(tm, stale_conv_state)
+    assert "off the reference" in gdn_layer.conv_self_check(tm, ignores_padding)
+    assert "reads views of its inputs wrong" in gdn_layer.conv_self_check(tm, views_wrong)
+    attn = gdn_layer.layers(tm)[0]
+    attn.conv_dim += 1
+    try:
+        assert "not depthwise" in gdn_layer.conv_refusal(tm)
+    finally:
+        attn.conv_dim -= 1

@@ -77,22 +77,63 @@ def gdn_projections(attn: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.arr
 def gdn_conv_input(attn: nn.Module, qkv: mx.array, mask: Any, cache: ArraysCache | None) -> mx.array:
     """[conv state, new rows] for the depthwise conv, the cache's conv state advanced past
     them (per row by its length where the cache has lengths): mlx-lm's block, op for op."""
-    B, S, _ = qkv.shape
     conv_state = cache[0] if cache is not None else None
     if conv_state is None:
-        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=qkv.dtype)
+        conv_state = zero_conv_state(attn, qkv.shape[0], qkv.dtype)
     if mask is not None:
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     if cache is not None:
-        n_keep = attn.conv_kernel_size - 1
-        if cache.lengths is not None:
-            ends = mx.clip(cache.lengths, 0, S)
-            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
-            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
-        else:
-            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        cache[0] = _conv_state_after(attn, conv_input, cache, qkv.shape[1])
     return conv_input
+
+
+def zero_conv_state(attn: nn.Module, B: int, dtype) -> mx.array:
+    return mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=dtype)
+
+
+def _conv_state_after(attn: nn.Module, conv_input: mx.array, cache: ArraysCache, S: int) -> mx.array:
+    """The conv state past the S new rows of ``conv_input``, per row by its length where the
+    cache has lengths."""
+    n_keep = attn.conv_kernel_size - 1
+    if cache.lengths is not None:
+        ends = mx.clip(cache.lengths, 0, S)
+        positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+        return mx.take_along_axis(conv_input, positions, axis=1)
+    return mx.contiguous(conv_input[:, -n_keep:, :])
+
+
+def gdn_heads(attn: nn.Module) -> tuple[int, int, int, int]:
+    """(key heads, key head dim, value heads, value head dim) of a GatedDeltaNet layer."""
+    return attn.num_k_heads, attn.head_k_dim, attn.num_v_heads, attn.head_v_dim
+
+
+def gdn_mix(attn: nn.Module, qkv: mx.array, a: mx.array, b: mx.array, mask: Any, cache: ArraysCache | None) -> mx.array:
+    """The block's conv and recurrence over the projection's qkv, the cache (conv state,
+    recurrent state, offset) advanced past the S new rows; y [B, S, Hv, Dv]. One kernel where
+    gdn_layer.py folded the conv in (``fused_conv_recurrence``), else the conv in mlx-lm's
+    ops and ``gdn_recurrence``. Every GatedDeltaNet forward but the capture's comes here."""
+    B, S, _ = qkv.shape
+    folded = getattr(attn, "fused_conv_recurrence", None)
+    if folded is None:
+        conv_input = gdn_conv_input(attn, qkv, mask, cache)
+        q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
+        out, state = gdn_recurrence(attn, q, k, v, a, b, cache[1] if cache is not None else None, mask)
+    else:
+        conv_state = cache[0] if cache is not None else None
+        if conv_state is None:
+            conv_state = zero_conv_state(attn, B, qkv.dtype)
+        out, state, conv_after = folded(qkv, conv_state, attn.conv1d.weight, a, b, attn.A_log, attn.dt_bias,
+                                        cache[1] if cache is not None else None, mask, heads=gdn_heads(attn))
+        if cache is not None and cache.lengths is not None:  # per-row ends: taken outside the kernel
+            rows = mx.where(mask[..., None], qkv, 0) if mask is not None else qkv
+            conv_after = _conv_state_after(attn, mx.concatenate([conv_state, rows], axis=1), cache, S)
+        if cache is not None:
+            cache[0] = conv_after
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+    return out
 
 
 def gdn_recurrence(attn: nn.Module, q, k, v, a, b, state, mask=None) -> tuple[mx.array, mx.array]:
@@ -123,13 +164,19 @@ def gdn_conv_qkv(attn: nn.Module, conv_input: mx.array, B: int, S: int) -> tuple
 def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
     plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
-    ops path (CPU, CUDA) bit for bit. Returns (output, conv_input, per-token states)."""
+    ops path (CPU, CUDA) bit for bit, or the folded kernel's decode step where gdn_layer.py
+    installed it. Returns (output, conv_input, per-token states)."""
     B, S, _ = inputs.shape
     qkv, z, b, a = gdn_projections(attn, inputs)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
-
-    out, states = _recurrence_with_states(attn, q, k, v, a, b, state)
+    folded = getattr(attn, "fused_conv_recurrence", None)
+    if folded is not None:
+        out, _, every, _ = folded(qkv, conv_state, attn.conv1d.weight, a, b, attn.A_log, attn.dt_bias, state, None,
+                                  heads=gdn_heads(attn), all_states=True)
+        states = [every[:, t] for t in range(S)]
+    else:
+        q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
+        out, states = _recurrence_with_states(attn, q, k, v, a, b, state)
     out = attn.norm(out, z)
     out = attn.out_proj(out.reshape(B, S, -1))
     if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
@@ -162,7 +209,7 @@ def initial_states(attn: nn.Module, cache: ArraysCache, B: int, dtype) -> tuple[
     """The layer's (conv state, recurrent state), zeros where the cache has none yet."""
     conv_state, state = cache[0], cache[1]
     if conv_state is None:
-        conv_state = mx.zeros((B, attn.conv_kernel_size - 1, attn.conv_dim), dtype=dtype)
+        conv_state = zero_conv_state(attn, B, dtype)
     if state is None:
         state = mx.zeros((B, attn.num_v_heads, attn.head_v_dim, attn.head_k_dim), dtype=mx.float32)
     return conv_state, state

@@ -36,21 +36,22 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+# The kernel's body is put together from parts (``kernel_source``): where each token's q, k, v
+# come from (read, or convolved here) and what else is written. The recurrence itself is one
+# text for every variant, so a row's bits cannot depend on the variant that carried it.
 _SOURCE = """
     constexpr int NPL = Dk / 32;
     const int lane = threadIdx.x;
     const int dv = blockIdx.y * blockDim.y + threadIdx.y;
     const int n = blockIdx.z;                       // row * Hv + value head
     const int bi = n / Hv, hv = n % Hv, hk = hv / (Hv / Hk);
-    const int T = v_shape[1];
+    const int T = TOKENS;
     if (dv >= Dv) return;
     // Inputs are read through their strides (the kernel is made with ensure_row_contiguous
     // off): v, a and b are slices of a merged projection's or the conv's output, the state a
     // slice of a capture's per-token states; a copy of each would be one more kernel.
     const int64_t ke = lane * NPL;
-    const InT* qp = q + bi * q_strides[0] + hk * q_strides[2] + ke * q_strides[3];
-    const InT* kp = k + bi * k_strides[0] + hk * k_strides[2] + ke * k_strides[3];
-    const InT* vp = v + bi * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];
+    SOURCE_OF_QKV
     const InT* ap = ga + bi * ga_strides[0] + hv * ga_strides[2];
     const InT* bp = gb + bi * gb_strides[0] + hv * gb_strides[2];
     InT* yp = y + ((size_t)bi * T * Hv + hv) * Dv + dv;
@@ -68,22 +69,22 @@ _SOURCE = """
             const float sp = x > 20.0f ? x : log1pf(expf(x));
             const float g = expf(-A * sp);
             const float beta = 1.0f / (1.0f + expf(-static_cast<float>(bp[t * gb_strides[1]])));
-            const InT* kt = kp + t * k_strides[1];
-            const InT* qt = qp + t * q_strides[1];
+            float qf[NPL], kf[NPL], vt;
+            QKV_OF_TOKEN_T
             float kv = 0.0f;
             #pragma unroll
-            for (int i = 0; i < NPL; ++i) { st[i] = st[i] * g; kv += st[i] * static_cast<float>(kt[i * k_strides[3]]); }
+            for (int i = 0; i < NPL; ++i) { st[i] = st[i] * g; kv += st[i] * kf[i]; }
             kv += __shfl_xor_sync(0xffffffff, kv, 1);
             kv += __shfl_xor_sync(0xffffffff, kv, 2);
             kv += __shfl_xor_sync(0xffffffff, kv, 4);
             kv += __shfl_xor_sync(0xffffffff, kv, 8);
             kv += __shfl_xor_sync(0xffffffff, kv, 16);
-            const float delta = (static_cast<float>(vp[t * v_strides[1]]) - kv) * beta;
+            const float delta = (vt - kv) * beta;
             float o = 0.0f;
             #pragma unroll
             for (int i = 0; i < NPL; ++i) {
-                st[i] = st[i] + static_cast<float>(kt[i * k_strides[3]]) * delta;
-                o += st[i] * static_cast<float>(qt[i * q_strides[3]]);
+                st[i] = st[i] + kf[i] * delta;
+                o += st[i] * qf[i];
             }
             o += __shfl_xor_sync(0xffffffff, o, 1);
             o += __shfl_xor_sync(0xffffffff, o, 2);
@@ -98,7 +99,86 @@ _SOURCE = """
     }
     #pragma unroll
     for (int i = 0; i < NPL; ++i) state_out[srow + i] = st[i];
+    WRITE_CONV_STATE
 """
+
+# q, k, v read from their own arrays (normalised by the caller).
+_READ_QKV = """
+    const InT* qp = q + bi * q_strides[0] + hk * q_strides[2] + ke * q_strides[3];
+    const InT* kp = k + bi * k_strides[0] + hk * k_strides[2] + ke * k_strides[3];
+    const InT* vp = v + bi * v_strides[0] + hv * v_strides[2] + dv * v_strides[3];"""
+_READ_QKV_T = """
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                kf[i] = static_cast<float>(kp[t * k_strides[1] + i * k_strides[3]]);
+                qf[i] = static_cast<float>(qp[t * q_strides[1] + i * q_strides[3]]);
+            }
+            vt = static_cast<float>(vp[t * v_strides[1]]);"""
+
+# q, k, v convolved here from the projection's qkv [B, T, C] and the conv state [B, KC-1, C]
+# (the depthwise conv over the KC-row window, SiLU, then q and k RMS-normalised with the
+# readout scale, as mlx-lm's block and normalize_qk do, but all in float32). Padding rows of
+# qkv (mask False) read as zeros, as mlx-lm zeroes them before its conv. Every warp convolves
+# its key head's q and k channels (NPL a lane) and its own v channel: the key heads' work is
+# repeated across the warps that share them, which costs reads from cache, not a kernel. The
+# sums of squares go through the same butterfly, so the order is fixed by the shapes alone.
+_CONV_QKV = """
+    const InT* xq = qkv + bi * qkv_strides[0];
+    const InT* xc = conv_in + bi * conv_in_strides[0];
+    // Row r of the window [conv state; qkv] at channel c, as float.
+    auto xin = [&](int r, int64_t c) -> float {
+        if (r < KC - 1) return static_cast<float>(xc[r * conv_in_strides[1] + c * conv_in_strides[2]]);
+        const int u = r - (KC - 1);
+        if (!(ROW_ON(u))) return 0.0f;
+        return static_cast<float>(xq[u * qkv_strides[1] + c * qkv_strides[2]]);
+    };
+    auto conv_silu = [&](int t, int64_t c) -> float {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < KC; ++j) acc += static_cast<float>(conv_w[c * conv_w_strides[0] + j * conv_w_strides[1]]) * xin(t + j, c);
+        return acc / (1.0f + expf(-acc));
+    };
+    const int64_t cq = (int64_t)hk * Dk + ke, ck = (int64_t)KEY + hk * Dk + ke;
+    const int64_t cv = 2 * (int64_t)KEY + (int64_t)hv * Dv + dv;"""
+_CONV_QKV_T = """
+            float sq = 0.0f, sk = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                qf[i] = conv_silu(t, cq + i); sq += qf[i] * qf[i];
+                kf[i] = conv_silu(t, ck + i); sk += kf[i] * kf[i];
+            }
+            sq += __shfl_xor_sync(0xffffffff, sq, 1);
+            sk += __shfl_xor_sync(0xffffffff, sk, 1);
+            sq += __shfl_xor_sync(0xffffffff, sq, 2);
+            sk += __shfl_xor_sync(0xffffffff, sk, 2);
+            sq += __shfl_xor_sync(0xffffffff, sq, 4);
+            sk += __shfl_xor_sync(0xffffffff, sk, 4);
+            sq += __shfl_xor_sync(0xffffffff, sq, 8);
+            sk += __shfl_xor_sync(0xffffffff, sk, 8);
+            sq += __shfl_xor_sync(0xffffffff, sq, 16);
+            sk += __shfl_xor_sync(0xffffffff, sk, 16);
+            // normalize_qk: rms_norm with eps 1e-6 / Dk, then Dk**-1 into q and Dk**-0.5 into k.
+            const float rq = rsqrtf(sq / Dk + 1e-6f / Dk) * (1.0f / Dk);
+            const float rk = rsqrtf(sk / Dk + 1e-6f / Dk) * rsqrtf((float)Dk);
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) { qf[i] = qf[i] * rq; kf[i] = kf[i] * rk; }
+            vt = conv_silu(t, cv);"""
+# The conv state after the last token: the window's last KC - 1 rows, written once per
+# channel (q and k channels by the first warp of each key head, v's by its own warp).
+_WRITE_CONV = """
+    InT* co = conv_out + (size_t)bi * (KC - 1) * (2 * KEY + Hv * Dv);
+    #pragma unroll
+    for (int r = 0; r < KC - 1; ++r) {
+        InT* cr = co + (size_t)r * (2 * KEY + Hv * Dv);
+        if (dv == 0 && hv % (Hv / Hk) == 0) {
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                cr[cq + i] = static_cast<InT>(xin(T + r, cq + i));
+                cr[ck + i] = static_cast<InT>(xin(T + r, ck + i));
+            }
+        }
+        if (lane == 0) cr[cv] = static_cast<InT>(xin(T + r, cv));
+    }"""
 
 # With all_states: the state after token t, into states [B, T, Hv, Dv, Dk].
 _WRITE_STATE = """{
@@ -129,21 +209,35 @@ def shape_refusal(Dk: int, Dv: int, Hk: int, Hv: int) -> str | None:
     return None
 
 
-def kernel_source(masked: bool, all_states: bool) -> str:
+def kernel_source(masked: bool, all_states: bool, conv: bool = False) -> str:
     """The body of one variant. The inputs and outputs a variant lacks must not be named in it."""
-    return (_SOURCE.replace("MASK_ON", "mask[bi * mask_strides[0] + t * mask_strides[1]]" if masked else "true")
+    row_on = "mask[bi * mask_strides[0] + (ROW) * mask_strides[1]]" if masked else "true"
+    return (_SOURCE.replace("TOKENS", "qkv_shape[1]" if conv else "v_shape[1]")
+            .replace("SOURCE_OF_QKV", _CONV_QKV if conv else _READ_QKV)
+            .replace("QKV_OF_TOKEN_T", _CONV_QKV_T if conv else _READ_QKV_T)
+            .replace("WRITE_CONV_STATE", _WRITE_CONV if conv else "")
+            .replace("ROW_ON(u)", row_on.replace("ROW", "u"))
+            .replace("MASK_ON", row_on.replace("ROW", "t"))
             .replace("WRITE_STATE_OF_TOKEN_T", _WRITE_STATE if all_states else ""))
 
 
-def _kernel(masked: bool, all_states: bool):
-    key = (masked, all_states)
+def _kernel(masked: bool, all_states: bool, conv: bool = False):
+    key = (masked, all_states, conv)
     if key not in _kernels:
-        inputs = ["q", "k", "v", "ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
-        outputs = ["y", "state_out"] + (["states"] if all_states else [])
-        name = "councild_gdn" + ("_mask" if masked else "") + ("_all" if all_states else "")
+        qkv = ["qkv", "conv_in", "conv_w"] if conv else ["q", "k", "v"]
+        inputs = qkv + ["ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
+        outputs = ["y", "state_out"] + (["states"] if all_states else []) + (["conv_out"] if conv else [])
+        name = "councild_gdn" + ("_conv" if conv else "") + ("_mask" if masked else "") + ("_all" if all_states else "")
         _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
-                                            source=kernel_source(masked, all_states), ensure_row_contiguous=False)
+                                            source=kernel_source(masked, all_states, conv),
+                                            ensure_row_contiguous=False)
     return _kernels[key]
+
+
+def _float32_state(state: mx.array | None, shape: tuple) -> mx.array:
+    if state is None:
+        return mx.zeros(shape, dtype=mx.float32)
+    return state if state.dtype == mx.float32 else state.astype(mx.float32)
 
 
 def gated_delta_fused(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.array, A_log: mx.array,
@@ -153,10 +247,7 @@ def gated_delta_fused(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.
     the state after each token [B, T, Hv, Dv, Dk] as a third value. See the module docstring."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    elif state.dtype != mx.float32:
-        state = state.astype(mx.float32)
+    state = _float32_state(state, (B, Hv, Dv, Dk))
     inputs = [q, k, v, a, b, A_log, dt_bias, state] + ([mask] if mask is not None else [])
     shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(B, T, Hv, Dv, Dk)] if all_states else [])
     out = _kernel(mask is not None, all_states)(
@@ -164,6 +255,30 @@ def gated_delta_fused(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b: mx.
         template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv), threadgroup=(32, ROWS_PER_BLOCK, 1),
         output_shapes=shapes, output_dtypes=[q.dtype] + [mx.float32] * (len(shapes) - 1))
+    return tuple(out)
+
+
+def gated_delta_conv_fused(qkv: mx.array, conv_state: mx.array, conv_weight: mx.array, a: mx.array, b: mx.array,
+                           A_log: mx.array, dt_bias: mx.array, state: mx.array | None = None,
+                           mask: mx.array | None = None, *, heads: tuple[int, int, int, int],
+                           all_states: bool = False) -> tuple:
+    """The conv, SiLU and q/k normalisation folded in front of the recurrence, in one kernel.
+    ``qkv`` [B, T, C] is the block's projection (C = 2 Hk Dk + Hv Dv, as mlx-lm lays it
+    out), ``conv_state`` [B, KC - 1, C] its cache's conv state, ``conv_weight`` [C, KC, 1]
+    the layer's depthwise conv, ``heads`` (Hk, Dk, Hv, Dv). Returns (y, state, the conv state
+    after the last token [B, KC - 1, C] in qkv's dtype), with ``all_states`` the per-token
+    states before the conv state. Padding rows (mask False) count as zeros in the conv."""
+    Hk, Dk, Hv, Dv = heads
+    B, T, C = qkv.shape
+    KC = conv_weight.shape[1]
+    state = _float32_state(state, (B, Hv, Dv, Dk))
+    inputs = [qkv, conv_state, conv_weight, a, b, A_log, dt_bias, state] + ([mask] if mask is not None else [])
+    shapes = [(B, T, Hv, Dv), (B, Hv, Dv, Dk)] + ([(B, T, Hv, Dv, Dk)] if all_states else []) + [(B, KC - 1, C)]
+    dtypes = [qkv.dtype] + [mx.float32] * (len(shapes) - 2) + [qkv.dtype]
+    out = _kernel(mask is not None, all_states, conv=True)(
+        inputs=inputs,
+        template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("KC", KC), ("KEY", Hk * Dk)],
+        grid=(32, Dv, B * Hv), threadgroup=(32, ROWS_PER_BLOCK, 1), output_shapes=shapes, output_dtypes=dtypes)
     return tuple(out)
 
 
@@ -217,3 +332,41 @@ def gated_delta_reference(q: mx.array, k: mx.array, v: mx.array, a: mx.array, b:
         states.append(state)
     out = (mx.stack(ys, axis=1), state)
     return out + (mx.stack(states, axis=1),) if all_states else out
+
+
+def conv_qkv_reference(qkv: mx.array, conv_state: mx.array, conv_weight: mx.array, mask: mx.array | None,
+                       heads: tuple[int, int, int, int]) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The folded conv's arithmetic in plain float32 ops: (q, k, v in float32, the conv state
+    after the last token in qkv's dtype), as ``gated_delta_conv_fused`` computes them."""
+    Hk, Dk, Hv, Dv = heads
+    B, T, C = qkv.shape
+    KC = conv_weight.shape[1]
+    f32 = mx.float32
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    window = mx.concatenate([conv_state.astype(qkv.dtype), qkv], axis=1)
+    x = window.astype(f32)
+    w = conv_weight[:, :, 0].astype(f32)
+    acc = mx.zeros((B, T, C), dtype=f32)
+    for j in range(KC):  # the kernel's order: tap 0 first
+        acc = acc + w[:, j] * x[:, j:j + T]
+    act = acc / (1 + mx.exp(-acc))
+    key = Hk * Dk
+    q = act[..., :key].reshape(B, T, Hk, Dk)
+    k = act[..., key:2 * key].reshape(B, T, Hk, Dk)
+    v = act[..., 2 * key:].reshape(B, T, Hv, Dv)
+    eps = mx.array(1e-6, f32) / Dk
+    q = q * (mx.rsqrt((q * q).sum(-1, keepdims=True) / Dk + eps) * (1.0 / Dk))
+    k = k * (mx.rsqrt((k * k).sum(-1, keepdims=True) / Dk + eps) * mx.rsqrt(mx.array(Dk, f32)))
+    return q, k, v, window[:, T:]
+
+
+def gated_delta_conv_reference(qkv: mx.array, conv_state: mx.array, conv_weight: mx.array, a: mx.array,
+                               b: mx.array, A_log: mx.array, dt_bias: mx.array, state: mx.array | None = None,
+                               mask: mx.array | None = None, *, heads: tuple[int, int, int, int],
+                               all_states: bool = False) -> tuple:
+    """``gated_delta_conv_fused`` in plain float32 ops (same outputs): the folded kernel's
+    numeric reference, and what a CPU test installs in its place to exercise the routing."""
+    q, k, v, conv_after = conv_qkv_reference(qkv, conv_state, conv_weight, mask, heads)
+    out = gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state, mask, all_states=all_states)
+    return (out[0].astype(qkv.dtype), *out[1:], conv_after)

@@ -24,42 +24,40 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from . import gdn_fused
-from .forward import gdn_conv_input, gdn_conv_qkv, gdn_projections, gdn_recurrence
+from .forward import gdn_heads, gdn_mix, gdn_projections
 
 _BASES = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
 
 
 class _FusedBlock:
-    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 / qwen3_next), op for op, but for the
-    recurrence: ``forward.gdn_recurrence``, which takes ``fused_recurrence``."""
+    """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 / qwen3_next), op for op, but for the conv
+    and recurrence: ``forward.gdn_mix``, which takes ``fused_conv_recurrence`` where the conv
+    is folded in, else ``fused_recurrence``."""
 
     fused_recurrence: Callable
+    fused_conv_recurrence: Callable | None
 
     def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
             inputs = sum_gradients(self.sharding_group)(inputs)
         qkv, z, b, a = gdn_projections(self, inputs)
-        conv_input = gdn_conv_input(self, qkv, mask, cache)
-        q, k, v = gdn_conv_qkv(self, conv_input, B, S)
-        out, state = gdn_recurrence(self, q, k, v, a, b, cache[1] if cache else None, mask)
-        if cache is not None:
-            cache[1] = state
-            cache.advance(S)
+        out = gdn_mix(self, qkv, a, b, mask, cache)
         out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
 
 
-_classes: dict[tuple[type, Callable], type] = {}
+_classes: dict[tuple, type] = {}
 
 
-def _fused_class(base: type, recurrence: Callable) -> type:
-    key = (base, recurrence)
+def _fused_class(base: type, recurrence: Callable, conv_recurrence: Callable | None) -> type:
+    key = (base, recurrence, conv_recurrence)
     if key not in _classes:
         _classes[key] = type(f"Fused{base.__name__}", (_FusedBlock, base),
-                             {"fused_recurrence": staticmethod(recurrence), "_base": base})
+                             {"fused_recurrence": staticmethod(recurrence), "_base": base,
+                              "fused_conv_recurrence": None if conv_recurrence is None else staticmethod(conv_recurrence)})
     return _classes[key]
 
 
@@ -109,29 +107,101 @@ def self_check(text_module, recurrence: Callable = gdn_fused.gated_delta_fused, 
         states = mx.stack([state, state], axis=1)
         y_view, s_view = recurrence(args["q"], args["k"], v_view, wide[..., :Hv], wide[..., -Hv:], m.A_log,
                                     m.dt_bias, states[:, 1], None)
-        f = mx.float32
-        err = (mx.abs(y.astype(f) - y_ref.astype(f)).max() / mx.maximum(mx.abs(y_ref.astype(f)).max(), 1e-6)).item()
-        state_err = mx.abs(s - s_ref).max().item()
-        stepwise = mx.array_equal(mx.concatenate([y0, y1], axis=1), y).item() and mx.array_equal(s1, s).item()
-        strided = mx.array_equal(y_view, y).item() and mx.array_equal(s_view, s).item()
+        off = _off_reference(y, s, y_ref, s_ref)
+        stepwise = _same(mx.concatenate([y0, y1], axis=1), y) and _same(s1, s)
+        strided = _same(y_view, y) and _same(s_view, s)
     except Exception as exc:  # noqa: BLE001 - a kernel that cannot compile or run here is refused, not fatal
         return f"the fused recurrence raised {type(exc).__name__}: {str(exc)[:300]}"
-    if not err <= 0.02 or not state_err <= 1e-4:
-        return f"the fused recurrence is off the reference: y by {err:.3g} of its range, the state by {state_err:.3g}"
+    return _verdict("the fused recurrence", off, stepwise, strided)
+
+
+def _same(a: mx.array, b: mx.array) -> bool:
+    return bool(mx.array_equal(a, b).item())
+
+
+def _off_reference(y: mx.array, s: mx.array, y_ref: mx.array, s_ref: mx.array) -> str | None:
+    """How far a kernel's (y, state) are from the reference's, where beyond a few of the
+    activation dtype's last bits (the float32 state: 1e-4); None within."""
+    f = mx.float32
+    err = (mx.abs(y.astype(f) - y_ref.astype(f)).max() / mx.maximum(mx.abs(y_ref.astype(f)).max(), 1e-6)).item()
+    state_err = mx.abs(s - s_ref).max().item()
+    if err <= 0.02 and state_err <= 1e-4:
+        return None
+    return f"y by {err:.3g} of its range, the state by {state_err:.3g}"
+
+
+def _verdict(what: str, off: str | None, stepwise: bool, strided: bool) -> str | None:
+    if off is not None:
+        return f"{what} is off the reference: {off}"
     if not stepwise:
-        return "the fused recurrence gives other bits for two tokens in one call than one at a time"
+        return f"{what} gives other bits for two tokens in one call than one at a time"
     if not strided:
-        return "the fused recurrence reads views of its inputs wrong (other bits than the same values contiguous)"
+        return f"{what} reads views of its inputs wrong (other bits than the same values contiguous)"
     return None
 
 
-def install(text_module, recurrence: Callable = gdn_fused.gated_delta_fused) -> int:
-    """Swap every GatedDeltaNet layer onto ``recurrence``; returns how many. The caller checked
-    ``refusal``; the traces of a compiled step made before hold the old forward."""
+def conv_refusal(text_module) -> str | None:
+    """Why the conv cannot be folded into the kernel for this model's layers (None: it can):
+    the conv must be mlx-lm's depthwise one over the q | k | v channels, without a bias."""
+    for m in layers(text_module):
+        Hk, Dk, Hv, Dv = gdn_heads(m)
+        C = 2 * Hk * Dk + Hv * Dv
+        if m.conv_dim != C or tuple(m.conv1d.weight.shape) != (C, m.conv_kernel_size, 1):
+            return f"the conv is not depthwise over the {C} q, k, v channels"
+        if "bias" in m.conv1d or m.conv_kernel_size < 2:
+            return "the conv has a bias or no history"
+    return None
+
+
+def conv_self_check(text_module, conv_recurrence: Callable = gdn_fused.gated_delta_conv_fused,
+                    seed: int = 0) -> str | None:
+    """``self_check`` for the kernel with the conv folded in (``gated_delta_conv_fused``),
+    with the model's own conv weights, against ``gated_delta_conv_reference``: within the
+    reference as there, with and without padding rows, the conv state it leaves exactly the
+    window's last rows, two tokens in one call = two calls, a view of qkv = the same values
+    contiguous. None when it passes, else why not."""
+    m = layers(text_module)[0]
+    heads = gdn_heads(m)
+    C, dtype = m.conv_dim, m.norm.weight.dtype
+    ks = mx.random.split(mx.random.key(seed), 3)
+    r = gdn_fused.sample_inputs(2, 2, heads[0], heads[2], heads[1], heads[3], dtype, ks[0])
+    wide = mx.random.normal((2, 2, C + 8), key=ks[1]).astype(dtype)
+    qkv = wide[..., 4:-4]  # a view, as the merged projection's slice is
+    conv_state = mx.random.normal((2, m.conv_kernel_size - 1, C), key=ks[2]).astype(dtype)
+    mask = mx.array([[True, True], [False, True]])
+
+    def run(fn, cut=slice(None), cs=conv_state, s=r["state"], x=qkv, pad=None):
+        return fn(x[:, cut], cs, m.conv1d.weight, r["a"][:, cut], r["b"][:, cut], m.A_log, m.dt_bias, s, pad,
+                  heads=heads)
+
+    try:
+        y, s, c = run(conv_recurrence)
+        y_ref, s_ref, c_ref = run(gdn_fused.gated_delta_conv_reference)
+        yp, sp, cp = run(conv_recurrence, pad=mask)
+        yp_ref, sp_ref, cp_ref = run(gdn_fused.gated_delta_conv_reference, pad=mask)
+        y0, s0, c0 = run(conv_recurrence, slice(0, 1))
+        y1, s1, c1 = run(conv_recurrence, slice(1, 2), c0, s0)
+        y_dense, s_dense, c_dense = run(conv_recurrence, x=mx.contiguous(qkv))
+        off = _off_reference(y, s, y_ref, s_ref) or _off_reference(yp, sp, yp_ref, sp_ref)
+        if off is None and not (_same(c, c_ref) and _same(cp, cp_ref)):
+            off = "the conv state it leaves is not the window's last rows"
+        stepwise = _same(mx.concatenate([y0, y1], axis=1), y) and _same(s1, s) and _same(c1, c)
+        strided = _same(y_dense, y) and _same(s_dense, s) and _same(c_dense, c)
+    except Exception as exc:  # noqa: BLE001 - as in self_check
+        return f"the folded conv kernel raised {type(exc).__name__}: {str(exc)[:300]}"
+    return _verdict("the folded conv kernel", off, stepwise, strided)
+
+
+def install(text_module, recurrence: Callable = gdn_fused.gated_delta_fused,
+            conv_recurrence: Callable | None = None) -> int:
+    """Swap every GatedDeltaNet layer onto ``recurrence``, and with ``conv_recurrence`` (the
+    caller checked ``conv_refusal`` and ``conv_self_check``) the conv folded into that kernel;
+    returns how many. The caller checked ``refusal``; the traces of a compiled step made
+    before hold the old forward."""
     n = 0
     for m in layers(text_module):
         base = getattr(type(m), "_base", type(m))
-        m.__class__ = _fused_class(base, recurrence)
+        m.__class__ = _fused_class(base, recurrence, conv_recurrence)
         n += 1
     return n
 
@@ -143,3 +213,7 @@ def uninstall(text_module) -> None:
 
 def installed(text_module) -> bool:
     return any(getattr(m, "fused_recurrence", None) is not None for m in layers(text_module))
+
+
+def conv_folded(text_module) -> bool:
+    return any(getattr(m, "fused_conv_recurrence", None) is not None for m in layers(text_module))

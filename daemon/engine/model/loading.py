@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..kernels import gdn_layer, merged_linears
+from ..kernels import gdn_fused, gdn_layer, merged_linears
 from ..kernels.chunked_prefill import default_enabled
 from .compiled import enable_compiled_decode
 from .model import LoadedModel
@@ -49,11 +49,18 @@ def _read_weights(model, progress: Callable[[int, int, float], None] | None) -> 
 
 
 def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
-    """Install the fused GatedDeltaNet recurrence where asked and possible (before the compiled
-    step is traced: its traces hold the layers' forward); returns ``lm.recurrence``."""
+    """Install the fused GatedDeltaNet kernel where asked and possible (before the compiled
+    step is traced: its traces hold the layers' forward), with the conv folded into it where
+    that passes its own check (which covers the recurrence's arithmetic too); returns
+    ``lm.recurrence``: "fused" (conv folded), "fused recurrence, conv in mlx ops: <why>" or
+    "mlx-lm: <why>"."""
     if fused is False:
         return "mlx-lm: configured (gdn_kernel = \"off\")"
     why = gdn_layer.refusal(lm.text_module)
+    conv_why = why or gdn_layer.conv_refusal(lm.text_module) or gdn_layer.conv_self_check(lm.text_module)
+    if conv_why is None:
+        gdn_layer.install(lm.text_module, conv_recurrence=gdn_fused.gated_delta_conv_fused)
+        return "fused"
     if why is None:
         why = gdn_layer.self_check(lm.text_module)
     if why is not None:
@@ -61,7 +68,7 @@ def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
             raise ValueError(f"the fused GatedDeltaNet kernel cannot run here: {why}")
         return f"mlx-lm: {why}"
     gdn_layer.install(lm.text_module)
-    return "fused"
+    return f"fused recurrence, conv in mlx ops: {conv_why}"
 
 
 def _put_merged_linears(lm: LoadedModel, merge: bool | None) -> str:
@@ -69,7 +76,7 @@ def _put_merged_linears(lm: LoadedModel, merge: bool | None) -> str:
     (its forward is the one that reads the merged matmul); returns ``lm.linears``."""
     if merge is False:
         return "separate: configured (merge_linears = \"off\")"
-    if lm.recurrence != "fused":
+    if not lm.recurrence.startswith("fused"):
         return "separate: the GatedDeltaNet layers run mlx-lm's block"
     n = merged_linears.install(lm.text_module)
     return f"merged {n}" if n else "separate: no projections merge"
@@ -89,8 +96,9 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     (tensor parallel, ``sharding.py``) before the weights are read; ShardingRefused when the
     model does not divide. ``compile_check``: answers for the compiled step's self-check
     (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict.
-    ``fused_recurrence``: run every GatedDeltaNet layer's recurrence on the fused kernel
-    (engine/kernels/gdn_fused.py); None: where it can run (CUDA), False: mlx-lm's own path;
+    ``fused_recurrence``: run every GatedDeltaNet layer's recurrence (and its conv, where
+    that checks out) on the fused kernel (engine/kernels/gdn_fused.py); None: where it can run
+    (CUDA), False: mlx-lm's own path;
     ``lm.recurrence`` says which, and why. ``merge_linears``: projections that read one input
     as one matmul (engine/kernels/merged_linears.py); None: with the fused recurrence, False:
     never; ``lm.linears`` says which."""

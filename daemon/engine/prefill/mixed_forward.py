@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 
-from ..kernels.forward import backbone_layers, gdn_conv_input, gdn_conv_qkv, gdn_projections, gdn_recurrence
+from ..kernels.forward import backbone_layers, gdn_mix, gdn_projections
 from ..pieces import pause
 from .prefill import prefill
 
@@ -88,11 +88,7 @@ def _gdn(attn: nn.Module, x: mx.array, sizes: list[tuple[int, int]], masks: list
         qkv = qkv_all[:, start:start + n].reshape(B, L, -1)
         b = b_all[:, start:start + n].reshape(B, L, -1)
         a = a_all[:, start:start + n].reshape(B, L, -1)
-        conv_input = gdn_conv_input(attn, qkv, mask, cache)
-        q, k, v = gdn_conv_qkv(attn, conv_input, B, L)
-        out, state = gdn_recurrence(attn, q, k, v, a, b, cache[1], mask)
-        cache[1] = state
-        cache.advance(L)
+        out = gdn_mix(attn, qkv, a, b, mask, cache)
         outs.append(out.reshape(1, n, *out.shape[2:]))
         start += n
     out = attn.norm(mx.concatenate(outs, axis=1), z_all)
