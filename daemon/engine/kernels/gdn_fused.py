@@ -118,11 +118,13 @@ _READ_QKV_T = """
 # q, k, v convolved here from the projection's qkv [B, T, C] and the conv state [B, KC-1, C]
 # (the depthwise conv over the KC-row window, SiLU, then q and k RMS-normalised with the
 # readout scale, as mlx-lm's block and normalize_qk do, but all in float32). Padding rows of
-# qkv (mask False) read as zeros, as mlx-lm zeroes them before its conv. Every warp convolves
-# its key head's q and k channels (NPL a lane) and its own v channel: the key heads' work is
-# repeated across the warps that share them, which costs reads from cache, not a kernel. The
-# sums of squares go through the same butterfly, so the order is fixed by the shapes alone.
+# qkv (mask False) read as zeros, as mlx-lm zeroes them before its conv. In each block (one
+# row, one value head, ROWS_PER_BLOCK value rows) warp 0 convolves the key head's q channels
+# and warp 1 its k channels, NPL a lane, the sum of squares by the butterfly (so the order is
+# fixed by the shapes alone), into shared memory for the block's warps; each warp convolves
+# its own v channel. Double-buffered by token parity: one barrier a token.
 _CONV_QKV = """
+    __shared__ float qk_s[2][2][Dk];
     const InT* xq = qkv + bi * qkv_strides[0];
     const InT* xc = conv_in + bi * conv_in_strides[0];
     // Row r of the window [conv state; qkv] at channel c, as float.
@@ -132,37 +134,45 @@ _CONV_QKV = """
         if (!(ROW_ON(u))) return 0.0f;
         return static_cast<float>(xq[u * qkv_strides[1] + c * qkv_strides[2]]);
     };
-    auto conv_silu = [&](int t, int64_t c) -> float {
-        float acc = 0.0f;
+    // SiLU of the conv at token t for the N channels c0.. (taps in order 0..KC-1 for each:
+    // the loop over taps is kept, so a warp has its N channels' loads of a tap in flight at once).
+    auto conv_silu = [&](int t, int64_t c0, float* out, const int N) {
+        float acc[NPL];
         #pragma unroll
-        for (int j = 0; j < KC; ++j) acc += static_cast<float>(conv_w[c * conv_w_strides[0] + j * conv_w_strides[1]]) * xin(t + j, c);
-        return acc / (1.0f + expf(-acc));
+        for (int i = 0; i < NPL; ++i) acc[i] = 0.0f;
+        #pragma unroll 1
+        for (int j = 0; j < KC; ++j) {
+            #pragma unroll
+            for (int i = 0; i < NPL; ++i) {
+                if (i < N) acc[i] += static_cast<float>(conv_w[(c0 + i) * conv_w_strides[0] + j * conv_w_strides[1]]) * xin(t + j, c0 + i);
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < NPL; ++i) if (i < N) out[i] = acc[i] / (1.0f + expf(-acc[i]));
     };
     const int64_t cq = (int64_t)hk * Dk + ke, ck = (int64_t)KEY + hk * Dk + ke;
     const int64_t cv = 2 * (int64_t)KEY + (int64_t)hv * Dv + dv;"""
 _CONV_QKV_T = """
-            float sq = 0.0f, sk = 0.0f;
-            #pragma unroll
-            for (int i = 0; i < NPL; ++i) {
-                qf[i] = conv_silu(t, cq + i); sq += qf[i] * qf[i];
-                kf[i] = conv_silu(t, ck + i); sk += kf[i] * kf[i];
+            if (threadIdx.y < 2) {
+                const bool is_q = threadIdx.y == 0;
+                float x[NPL], ss = 0.0f;
+                conv_silu(t, is_q ? cq : ck, x, NPL);
+                #pragma unroll
+                for (int i = 0; i < NPL; ++i) ss += x[i] * x[i];
+                ss += __shfl_xor_sync(0xffffffff, ss, 1);
+                ss += __shfl_xor_sync(0xffffffff, ss, 2);
+                ss += __shfl_xor_sync(0xffffffff, ss, 4);
+                ss += __shfl_xor_sync(0xffffffff, ss, 8);
+                ss += __shfl_xor_sync(0xffffffff, ss, 16);
+                // normalize_qk: rms_norm with eps 1e-6 / Dk, then Dk**-1 into q and Dk**-0.5 into k.
+                const float r = rsqrtf(ss / Dk + 1e-6f / Dk) * (is_q ? 1.0f / Dk : rsqrtf((float)Dk));
+                #pragma unroll
+                for (int i = 0; i < NPL; ++i) qk_s[t & 1][threadIdx.y][ke + i] = x[i] * r;
             }
-            sq += __shfl_xor_sync(0xffffffff, sq, 1);
-            sk += __shfl_xor_sync(0xffffffff, sk, 1);
-            sq += __shfl_xor_sync(0xffffffff, sq, 2);
-            sk += __shfl_xor_sync(0xffffffff, sk, 2);
-            sq += __shfl_xor_sync(0xffffffff, sq, 4);
-            sk += __shfl_xor_sync(0xffffffff, sk, 4);
-            sq += __shfl_xor_sync(0xffffffff, sq, 8);
-            sk += __shfl_xor_sync(0xffffffff, sk, 8);
-            sq += __shfl_xor_sync(0xffffffff, sq, 16);
-            sk += __shfl_xor_sync(0xffffffff, sk, 16);
-            // normalize_qk: rms_norm with eps 1e-6 / Dk, then Dk**-1 into q and Dk**-0.5 into k.
-            const float rq = rsqrtf(sq / Dk + 1e-6f / Dk) * (1.0f / Dk);
-            const float rk = rsqrtf(sk / Dk + 1e-6f / Dk) * rsqrtf((float)Dk);
+            conv_silu(t, cv, &vt, 1);
+            __syncthreads();  // the mask is the same for the whole block: every warp gets here
             #pragma unroll
-            for (int i = 0; i < NPL; ++i) { qf[i] = qf[i] * rq; kf[i] = kf[i] * rk; }
-            vt = conv_silu(t, cv);"""
+            for (int i = 0; i < NPL; ++i) { qf[i] = qk_s[t & 1][0][ke + i]; kf[i] = qk_s[t & 1][1][ke + i]; }"""
 # The conv state after the last token: the window's last KC - 1 rows, written once per
 # channel (q and k channels by the first warp of each key head, v's by its own warp).
 _WRITE_CONV = """
@@ -187,7 +197,7 @@ _WRITE_STATE = """{
             for (int i = 0; i < NPL; ++i) sp_out[i] = st[i];
         }"""
 
-ROWS_PER_BLOCK = 4  # value rows (warps) per block: speed only, nothing is summed across warps
+ROWS_PER_BLOCK = 4  # value rows (warps) per block, >= 2 (the folded conv's q and k warps); nothing is summed across warps
 _kernels: dict[tuple[bool, bool], object] = {}
 
 
