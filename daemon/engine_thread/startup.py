@@ -68,6 +68,7 @@ class EngineStartup:
         self.engine.lm = load_model(self.model_path, compile_decode=compile_now, progress=self._load_progress,
                                     group=self.group, compile_check=self.compile_check,
                                     fused_recurrence=None if self.cfg.gdn_kernel == "auto" else False,
+                                    fold_conv=self.cfg.gdn_conv_fold == "auto",
                                     merge_linears=None if self.cfg.merge_linears == "auto" else False)
         lm = self.engine.lm
         self.compile_later = self.cfg.compile_decode and not compile_now and lm.supports_mtp

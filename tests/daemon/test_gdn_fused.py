@@ -297,3 +297,22 @@ def test_the_folded_conv_self_check_passes_the_reference_and_refuses_wrong_kerne
         assert "not depthwise" in gdn_layer.conv_refusal(tm)
     finally:
         attn.conv_dim -= 1
+
+
+def test_load_model_folds_the_conv_where_its_check_passes_and_not_when_configured_off(random_model_path, monkeypatch):
+    """load_model's choice, as on CUDA: the backend refusal lifted, the kernels replaced by
+    their references (the checks then run the references, which pass)."""
+    monkeypatch.setattr(gdn_fused, "backend_refusal", lambda: None)
+    monkeypatch.setattr(gdn_fused, "gated_delta_conv_fused", gdn_fused.gated_delta_conv_reference)
+    checks, conv_check = [], gdn_layer.conv_self_check
+    monkeypatch.setattr(gdn_layer, "conv_self_check",
+                        lambda tm: checks.append("conv") or conv_check(tm, gdn_fused.gated_delta_conv_reference))
+    monkeypatch.setattr(gdn_layer, "self_check", lambda tm: checks.append("plain") or None)
+    lm = load_model(random_model_path, compile_decode=False)
+    assert lm.recurrence == "fused" and gdn_layer.conv_folded(lm.text_module) and checks == ["conv"]
+    assert lm.linears.startswith("merged")
+    checks.clear()
+    off = load_model(random_model_path, compile_decode=False, fold_conv=False)
+    assert off.recurrence == 'fused recurrence, conv in mlx ops: configured (gdn_conv_fold = "off")'
+    assert gdn_layer.installed(off.text_module) and not gdn_layer.conv_folded(off.text_module)
+    assert checks == ["plain"]

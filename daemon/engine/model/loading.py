@@ -48,7 +48,7 @@ def _read_weights(model, progress: Callable[[int, int, float], None] | None) -> 
         progress(done, total, time.perf_counter() - t0)
 
 
-def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
+def _put_recurrence(lm: LoadedModel, fused: bool | None, fold_conv: bool = True) -> str:
     """Install the fused GatedDeltaNet kernel where asked and possible (before the compiled
     step is traced: its traces hold the layers' forward), with the conv folded into it where
     that passes its own check (which covers the recurrence's arithmetic too); returns
@@ -57,7 +57,8 @@ def _put_recurrence(lm: LoadedModel, fused: bool | None) -> str:
     if fused is False:
         return "mlx-lm: configured (gdn_kernel = \"off\")"
     why = gdn_layer.refusal(lm.text_module)
-    conv_why = why or gdn_layer.conv_refusal(lm.text_module) or gdn_layer.conv_self_check(lm.text_module)
+    conv_why = why or (None if fold_conv else "configured (gdn_conv_fold = \"off\")")
+    conv_why = conv_why or gdn_layer.conv_refusal(lm.text_module) or gdn_layer.conv_self_check(lm.text_module)
     if conv_why is None:
         gdn_layer.install(lm.text_module, conv_recurrence=gdn_fused.gated_delta_conv_fused)
         return "fused"
@@ -85,7 +86,7 @@ def _put_merged_linears(lm: LoadedModel, merge: bool | None) -> str:
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
                progress: Callable[[int, int, float], None] | None = None, group=None,
                compile_check: Callable | None = None, fused_recurrence: bool | None = None,
-               merge_linears: bool | None = None) -> LoadedModel:
+               merge_linears: bool | None = None, fold_conv: bool = True) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
@@ -98,7 +99,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     (``compiled.enable_compiled_decode``'s ``checked``), e.g. from a stored verdict.
     ``fused_recurrence``: run every GatedDeltaNet layer's recurrence (and its conv, where
     that checks out) on the fused kernel (engine/kernels/gdn_fused.py); None: where it can run
-    (CUDA), False: mlx-lm's own path;
+    (CUDA), False: mlx-lm's own path; ``fold_conv`` False keeps the conv out of the kernel;
     ``lm.recurrence`` says which, and why. ``merge_linears``: projections that read one input
     as one matmul (engine/kernels/merged_linears.py); None: with the fused recurrence, False:
     never; ``lm.linears`` says which."""
@@ -125,7 +126,7 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
         model_type=config.get("model_type", ""),
         eos_token_ids=frozenset(eos),
     )
-    lm.recurrence = _put_recurrence(lm, fused_recurrence)
+    lm.recurrence = _put_recurrence(lm, fused_recurrence, fold_conv)
     lm.linears = _put_merged_linears(lm, merge_linears)
     if chunked_prefill is None:
         chunked_prefill = default_enabled()
