@@ -10,9 +10,10 @@ op-for-op copies of mlx-lm's code live in one place:
   lives above model.py, which imports this module through chunked_prefill.py).
 - ``compiled_forward``: the same walk through ``compiled.CompiledDecode``'s traced layers,
   plain or capturing.
-- ``gdn_recurrence``: the recurrence every GatedDeltaNet forward of the daemon runs: the fused
-  kernel where gdn_layer.py installed it (capture then takes every token's state from one
-  fused call), else mlx-lm's ``gated_delta_update``.
+- ``gdn_mix``: the conv and recurrence every GatedDeltaNet forward of the daemon but the
+  capture's runs: one kernel with the conv folded in where gdn_layer.py installed it, else the
+  conv in mlx-lm's ops and ``gdn_recurrence``: the fused kernel where installed (capture then
+  takes every token's state from one fused call), else mlx-lm's ``gated_delta_update``.
 
 dtype discipline: the recurrent state is float32; what the capturing block returns to the
 residual stream is in the activation dtype (the per-token readout is cast back, as in

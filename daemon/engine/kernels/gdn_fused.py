@@ -25,6 +25,12 @@ between tokens either way). So a row's bits are the same alone or batched, in a 
 a verify or a prefill: exact rows batch and speculate on it. With ``all_states`` the kernel
 also writes the state after every token (a capture verify's rollback needs them).
 
+``gated_delta_conv_fused`` is the same kernel with the block's conv in front of it: it takes
+the projection's qkv [B, T, C] and the conv state [B, KC - 1, C] instead of q, k, v, and
+convolves, takes the SiLU and normalises q and k itself (in float32, sums by the same fixed
+butterfly), and writes the new conv state: ~8 fewer kernels a layer. Its reference is
+``gated_delta_conv_reference``.
+
 The numbers differ from mlx-lm's ops path in the last bits (the gates in float32, another
 summation order), so a model either runs this kernel in every GatedDeltaNet forward or in
 none: ``install`` swaps every layer (gdn_layer.py), and the start-up probes test the model so
@@ -155,10 +161,10 @@ _CONV_QKV = """
 _CONV_QKV_T = """
             if (threadIdx.y < 2) {
                 const bool is_q = threadIdx.y == 0;
-                float x[NPL], ss = 0.0f;
-                conv_silu(t, is_q ? cq : ck, x, NPL);
+                float cx[NPL], ss = 0.0f;
+                conv_silu(t, is_q ? cq : ck, cx, NPL);
                 #pragma unroll
-                for (int i = 0; i < NPL; ++i) ss += x[i] * x[i];
+                for (int i = 0; i < NPL; ++i) ss += cx[i] * cx[i];
                 ss += __shfl_xor_sync(0xffffffff, ss, 1);
                 ss += __shfl_xor_sync(0xffffffff, ss, 2);
                 ss += __shfl_xor_sync(0xffffffff, ss, 4);
@@ -167,7 +173,7 @@ _CONV_QKV_T = """
                 // normalize_qk: rms_norm with eps 1e-6 / Dk, then Dk**-1 into q and Dk**-0.5 into k.
                 const float r = rsqrtf(ss / Dk + 1e-6f / Dk) * (is_q ? 1.0f / Dk : rsqrtf((float)Dk));
                 #pragma unroll
-                for (int i = 0; i < NPL; ++i) qk_s[t & 1][threadIdx.y][ke + i] = x[i] * r;
+                for (int i = 0; i < NPL; ++i) qk_s[t & 1][threadIdx.y][ke + i] = cx[i] * r;
             }
             conv_silu(t, cv, &vt, 1);
             __syncthreads();  // the mask is the same for the whole block: every warp gets here
