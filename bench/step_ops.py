@@ -37,8 +37,8 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from daemon.engine.kernels import invariant  # noqa: E402
-from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from gpu_bench import TINY, build_model, quantize_4bit  # noqa: E402
+from step_split import set_arm  # noqa: E402
 
 VIEWS = {"Reshape", "Broadcast", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient", "AsStrided",
          "BroadcastAxes", "Flatten", "Unflatten"}
@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=64, help="decoder layers (the 27B model has 64)")
     ap.add_argument("--shapes", default="1x1,4x1", help="BxT, comma-separated")
     ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--arms", default="mlx,qmm", help="kernel sets; qmm (the tensor-core kernel) on CUDA only")
+    ap.add_argument("--arms", default="mlx,qmm", help="kernel sets as bench/step_split.py's set_arm takes them (mlx, or a "
+                    "'+' of gdn, conv, merge, qmm); all but mlx on CUDA only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     lm, head, _ = build_model(dict(TINY, num_hidden_layers=args.layers))
@@ -88,16 +89,11 @@ def main(argv=None) -> int:
     res: dict = {"layers": args.layers, "backend": str(mx.default_device()), "mlx": mx.__version__, "steps": {}}
     arms = [a for a in args.arms.split(",") if a == "mlx" or invariant.backend() == "cuda"]
     for arm in arms:
-        invariant.uninstall(lm.text_module)
-        if arm == "qmm":
-            invariant.install(lm.text_module, max_rows=72, quantized_only=True)
         for path in ("eager", "compiled"):
-            lm.compiled_decode = None
-            if path == "compiled":
-                reason = enable_compiled_decode(lm)
-                if reason is not None:
-                    res["steps"][f"{arm} {path}"] = f"not compiled: {reason}"
-                    continue
+            how = set_arm(lm, arm, path == "compiled")
+            if path == "compiled" and not how.startswith("compiled"):
+                res["steps"][f"{arm} {path}"] = f"not compiled: {how}"
+                continue
             for B, T in shapes:
                 res["steps"][f"{arm} {path} B{B}T{T}"] = summary(step_graph(lm, B, T, args.context))
                 if args.json:

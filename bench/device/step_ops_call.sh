@@ -7,7 +7,7 @@ export PYTHONPATH=/tmp/site:$PWD MLX_CUDA_USE_CUDNN_SDPA=0
 o=${OUT:-/tmp/out}
 mkdir -p "$o/sw"
 t0=$(date +%s)
-timeout ${OPS_TIMEOUT:-200} python3 bench/step_ops.py --json "$o/step_ops.json" > "$o/step_ops.log" 2>&1
+timeout ${OPS_TIMEOUT:-200} python3 bench/step_ops.py --arms ${OPS_ARMS:-mlx,qmm} --json "$o/step_ops.json" > "$o/step_ops.log" 2>&1
 echo "step_ops rc $? after $(( $(date +%s) - t0 )) s" >> "$o/step_ops.log"
 left=$(( ${CALL_LIMIT:-380} - ($(date +%s) - t0) ))
 if [ $left -gt 90 ]; then
