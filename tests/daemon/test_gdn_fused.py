@@ -316,3 +316,31 @@ def test_load_model_folds_the_conv_where_its_check_passes_and_not_when_configure
     assert off.recurrence == 'fused recurrence, conv in mlx ops: configured (gdn_conv_fold = "off")'
     assert gdn_layer.installed(off.text_module) and not gdn_layer.conv_folded(off.text_module)
     assert checks == ["plain"]
+
+
+def test_rows_of_given_lengths_keep_the_conv_state_at_their_own_ends_when_folded(lm):
+    """mlx-lm's batch caches may carry per-row lengths (``prepare``): the conv state then ends
+    at each row's length, which the folded path takes outside its kernel, as mlx-lm's ops do."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from daemon.engine.kernels.forward import gdn_mix
+
+    attn = gdn_layer.layers(lm.text_module)[0]
+    d = _conv_inputs(attn, 2, 4, seed=5)
+
+    def run(folded: bool):
+        cache = ArraysCache(2)
+        cache[0], cache[1] = d["conv_state"], d["state"]
+        cache.prepare(lengths=[2, 4])
+        mask = cache.make_mask(4)
+        attn.fused_conv_recurrence = gdn_fused.gated_delta_conv_reference if folded else None
+        try:
+            gdn_mix(attn, d["qkv"], d["a"], d["b"], mask, cache)
+        finally:
+            del attn.fused_conv_recurrence
+        return cache[0]
+
+    unfolded, folded = run(False), run(True)
+    assert mx.array_equal(unfolded, folded).item()
+    window = mx.concatenate([d["conv_state"], d["qkv"]], axis=1)
+    assert mx.array_equal(folded[0], window[0, 2:2 + attn.conv_kernel_size - 1]).item()  # row 0 ends at 2
