@@ -1,4 +1,4 @@
-"""Run gdn_fused.py's folded-conv CUDA kernel text on this CPU, against its float32 reference.
+"""Run gdn_fused.py's CUDA kernel text on this CPU, against its float32 reference.
 
     .venv/bin/python tools/gdn_cpu_emulate.py [--cxx g++] [--shapes 1x1,2x3,3x5]
 
@@ -10,9 +10,10 @@ CUDA on threads: each block's 128 threads are std::threads (blocks in turn), ``_
 a barrier of the block, ``__shfl_xor_sync`` an exchange through a per-warp buffer between two
 barriers, ``__shared__`` a static (blocks run one at a time). Activations are float32 (the
 kernel's float variant), at a small shape (2 key heads of 64, 4 value heads of 8, a 4-tap
-conv). Each variant (masked or not, every token's state or not) runs at each B x T; the
-outputs must match ``gated_delta_conv_reference`` to 1e-4 of their range, the conv state bit
-for bit, and no output element may be left unwritten. A kernel whose barrier some thread
+conv). Each variant (the conv folded in or not, masked or not, every token's state or not)
+runs at each B x T; the outputs must match ``gated_delta_conv_reference`` (or, for the plain
+kernel, ``gated_delta_reference``) to 1e-4 of their range, the conv state bit for bit, and no
+output element may be left unwritten. A kernel whose barrier some thread
 skipped would hang here, as on the GPU: each run has a timeout.
 Not checked here: bfloat16 rounding, speed, and anything about the GPU's memory model beyond
 what the barriers order. Exit status 0 when every case passes.
@@ -101,16 +102,17 @@ int main() {
 """
 
 
-def _names(masked: bool, all_states: bool) -> tuple[list[str], list[str]]:
-    ins = ["qkv", "conv_in", "conv_w", "ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
-    outs = ["y", "state_out"] + (["states"] if all_states else []) + ["conv_out"]
-    return ins, outs
+def _names(masked: bool, all_states: bool, conv: bool) -> tuple[list[str], list[str]]:
+    ins = (["qkv", "conv_in", "conv_w"] if conv else ["q", "k", "v"]) + ["ga", "gb", "A_log", "dt_bias", "state_in"]
+    outs = ["y", "state_out"] + (["states"] if all_states else []) + (["conv_out"] if conv else [])
+    return ins + (["mask"] if masked else []), outs
 
 
-def build(folder: Path, masked: bool, all_states: bool, cxx: str) -> Path:
-    """The folded kernel's variant as a CPU program in ``folder``; its path."""
+def build(folder: Path, masked: bool, all_states: bool, cxx: str, conv: bool = True) -> Path:
+    """The kernel's variant (the folded conv's, or with ``conv`` False the plain recurrence's)
+    as a CPU program in ``folder``; its path."""
     assert gdn_fused.ROWS_PER_BLOCK == 4, "the emulation plays blocks of four warps"
-    ins, outs = _names(masked, all_states)
+    ins, outs = _names(masked, all_states, conv)
     decl = [f"const {'bool' if n == 'mask' else 'float'}* {n}; int64_t {n}_shape[8]; int64_t {n}_strides[8];"
             for n in ins] + [f"float* {n};" for n in outs]
     loads = []
@@ -123,7 +125,7 @@ def build(folder: Path, masked: bool, all_states: bool, cxx: str) -> Path:
     writes = [f"    {{ std::ofstream f(\"out_{n}.bin\", std::ios::binary); f.write((char*)o_{n}.data(), o_{n}.size() * 4); }}"
               for n in outs]
     src = (_PRELUDE % {"DK": DK, "DV": DV, "HK": HK, "HV": HV, "KC": KC, "KEY": HK * DK} + "\n".join(decl)
-           + "\nvoid kernel() {\n" + gdn_fused.kernel_source(masked, all_states, conv=True) + "\n}\n"
+           + "\nvoid kernel() {\n" + gdn_fused.kernel_source(masked, all_states, conv) + "\n}\n"
            + _MAIN % {"loads": "\n".join(loads), "writes": "\n".join(writes)})
     (folder / "emu.cpp").write_text(src)
     exe = folder / "emu"
@@ -131,11 +133,12 @@ def build(folder: Path, masked: bool, all_states: bool, cxx: str) -> Path:
     return exe
 
 
-def run_case(exe: Path, masked: bool, all_states: bool, B: int, T: int, seed: int = 0) -> dict:
-    """One run of ``exe`` at B x T against the reference: {output: (relative error, exact,
-    unwritten elements)} and "ok"."""
+def run_case(exe: Path, masked: bool, all_states: bool, B: int, T: int, seed: int = 0, conv: bool = True) -> dict:
+    """One run of ``exe`` at B x T against the reference (``gated_delta_conv_reference``, or
+    ``gated_delta_reference`` for the plain kernel): {output: (relative error, exact, unwritten
+    elements)} and "ok"."""
     folder = exe.parent
-    ins, outs = _names(masked, all_states)
+    ins, outs = _names(masked, all_states, conv)
     rng = np.random.default_rng(seed)
     wide = rng.standard_normal((B, T, C + 6)).astype(np.float32)
     d = {"qkv": wide[..., 3:3 + C],  # a view, as the merged projection's slice is
@@ -146,6 +149,8 @@ def run_case(exe: Path, masked: bool, all_states: bool, B: int, T: int, seed: in
          "A_log": np.log(rng.uniform(1, 16, (HV,))).astype(np.float32), "dt_bias": np.ones((HV,), np.float32),
          "state_in": (0.1 * rng.standard_normal((B, HV, DV, DK))).astype(np.float32),
          "mask": np.arange(T)[None, :] >= (np.arange(B)[:, None] % 2)}  # odd rows: first token padding
+    plain = gdn_fused.sample_inputs(B, T, HK, HV, DK, DV, mx.float32, mx.random.key(seed))
+    d.update({n: np.array(plain[n]) for n in ("q", "k", "v")})
     meta = [DV // 4, B * HV]
     for n in ins:
         arr = d[n]
@@ -157,10 +162,11 @@ def run_case(exe: Path, masked: bool, all_states: bool, B: int, T: int, seed: in
     meta += [sizes[o] for o in outs]
     (folder / "meta.txt").write_text(" ".join(map(str, meta)))
     subprocess.run([str(exe)], cwd=folder, check=True, timeout=120)
-    ref = gdn_fused.gated_delta_conv_reference(
-        *(mx.array(np.ascontiguousarray(d[n])) for n in ("qkv", "conv_in", "conv_w", "ga", "gb", "A_log", "dt_bias",
-                                                          "state_in")),
-        mx.array(d["mask"]) if masked else None, heads=(HK, DK, HV, DV), all_states=all_states)
+    args = [mx.array(np.ascontiguousarray(d[n])) for n in ins if n != "mask"] + [mx.array(d["mask"]) if masked else None]
+    if conv:
+        ref = gdn_fused.gated_delta_conv_reference(*args, heads=(HK, DK, HV, DV), all_states=all_states)
+    else:
+        ref = gdn_fused.gated_delta_reference(*args, all_states=all_states)
     res: dict = {"ok": True}
     for n, r in zip(outs, ref):
         r = np.array(r).reshape(-1)
@@ -181,15 +187,15 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for masked, all_states in itertools.product((False, True), (False, True)):
-            folder = Path(tmp) / f"m{int(masked)}a{int(all_states)}"
+        for conv, masked, all_states in itertools.product((True, False), (False, True), (False, True)):
+            folder = Path(tmp) / f"c{int(conv)}m{int(masked)}a{int(all_states)}"
             folder.mkdir()
-            exe = build(folder, masked, all_states, args.cxx)
+            exe = build(folder, masked, all_states, args.cxx, conv)
             for B, T in shapes:
-                r = run_case(exe, masked, all_states, B, T, seed=B * 10 + T)
+                r = run_case(exe, masked, all_states, B, T, seed=B * 10 + T, conv=conv)
                 cells = ", ".join(f"{n} {e:.1e}{' exact' if x else ''}{f' UNWRITTEN {u}' if u else ''}"
                                   for n, (e, x, u) in ((k, v) for k, v in r.items() if k != "ok"))
-                print(f"{'ok  ' if r['ok'] else 'FAIL'} masked={masked} all_states={all_states} B{B}T{T}: {cells}")
+                print(f"{'ok  ' if r['ok'] else 'FAIL'} conv={conv} masked={masked} all_states={all_states} B{B}T{T}: {cells}")
                 bad += not r["ok"]
     return 1 if bad else 0
 

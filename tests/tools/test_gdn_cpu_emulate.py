@@ -1,4 +1,4 @@
-"""tools/gdn_cpu_emulate.py: the folded-conv CUDA kernel's text, run on this CPU by C++
+"""tools/gdn_cpu_emulate.py: the GatedDeltaNet CUDA kernel's text (conv folded in or not), run on this CPU by C++
 threads playing the GPU's, matches its float32 reference; and a kernel with a wrong read
 does not (the emulation can fail)."""
 
@@ -20,13 +20,14 @@ import gdn_cpu_emulate  # noqa: E402
 from daemon.engine.kernels import gdn_fused  # noqa: E402
 
 
-@pytest.mark.parametrize("masked,all_states", [(False, False), (True, True)])
-def test_the_folded_kernel_text_matches_its_reference_on_cpu_threads(tmp_path, masked, all_states):
-    exe = gdn_cpu_emulate.build(tmp_path, masked, all_states, CXX)
+@pytest.mark.parametrize("conv,masked,all_states", [(True, False, False), (True, True, True), (False, True, True)])
+def test_the_kernel_text_matches_its_reference_on_cpu_threads(tmp_path, conv, masked, all_states):
+    exe = gdn_cpu_emulate.build(tmp_path, masked, all_states, CXX, conv)
     for B, T in ((1, 1), (3, 4)):
-        r = gdn_cpu_emulate.run_case(exe, masked, all_states, B, T, seed=B + T)
+        r = gdn_cpu_emulate.run_case(exe, masked, all_states, B, T, seed=B + T, conv=conv)
         assert r["ok"], r
-        assert r["conv_out"][1] and all(v[2] == 0 for k, v in r.items() if k != "ok")
+        assert all(v[2] == 0 for k, v in r.items() if k != "ok")
+        assert not conv or r["conv_out"][1]
 
 
 def test_a_kernel_that_reads_k_from_the_q_buffer_fails(tmp_path, monkeypatch):
