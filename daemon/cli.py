@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args) -> int:
     from .config import ConfigError, load_config
     from .logs import configure_logging, get_logger
-    from .paths import ensure_runtime_dir, resolve_model
+    from .paths import cache_dir, ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
     from .socket_side.endpoint import StartupError, startup_fs_error
     from .socket_side.server import Server
@@ -236,8 +236,6 @@ def cmd_serve(args) -> int:
             code = Server(cfg, model, endpoint, cli_overrides=overrides, group=group,
                           exit_when_ready=prepare).run(args.config)
             if prepare and code == EXIT_OK:
-                from .paths import cache_dir
-
                 print(f"councild: prepared {model} in {time.monotonic() - t0:.1f} s; the verdicts are in "
                       f"{cache_dir() / 'probe-verdicts'}", flush=True)
     except StartupError as exc:

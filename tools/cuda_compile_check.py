@@ -60,15 +60,14 @@ def gdn_wrapper(masked: bool, all_states: bool, conv: bool, xtype: str, params: 
     from daemon.engine.kernels import gdn_fused
 
     source = gdn_fused.kernel_source(masked, all_states, conv)
-    qkv = [("qkv", "T"), ("conv_in", "T"), ("conv_w", "T")] if conv else [("q", "T"), ("k", "T"), ("v", "T")]
-    ins = qkv + [("ga", "T"), ("gb", "T"), ("A_log", "float"), ("dt_bias", "T"),
-           ("state_in", "float")] + ([("mask", "bool")] if masked else [])
+    ins, outs = gdn_fused.kernel_names(masked, all_states, conv)
+    ctype = {"A_log": "float", "state_in": "float", "mask": "bool", "state_out": "float", "states": "float"}
     args = []
-    for name, t in ins:
-        args.append(f"const {t}* {name}")
+    for name in ins:
+        args.append(f"const {ctype.get(name, 'T')}* {name}")
         args += [f"const Shape {name}_shape"] * (f"{name}_shape" in source)
         args += [f"const Strides {name}_strides"] * (f"{name}_strides" in source)
-    args += ["T* y", "float* state_out"] + (["float* states"] if all_states else []) + (["T* conv_out"] if conv else [])
+    args += [f"{ctype.get(name, 'T')}* {name}" for name in outs]
     consts = "\n".join(f"constexpr int {k} = {v};" for k, v in params.items())
     return f"""#include <cuda_bf16.h>
 #include <cuda_fp16.h>

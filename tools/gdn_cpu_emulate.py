@@ -102,17 +102,11 @@ int main() {
 """
 
 
-def _names(masked: bool, all_states: bool, conv: bool) -> tuple[list[str], list[str]]:
-    ins = (["qkv", "conv_in", "conv_w"] if conv else ["q", "k", "v"]) + ["ga", "gb", "A_log", "dt_bias", "state_in"]
-    outs = ["y", "state_out"] + (["states"] if all_states else []) + (["conv_out"] if conv else [])
-    return ins + (["mask"] if masked else []), outs
-
-
 def build(folder: Path, masked: bool, all_states: bool, cxx: str, conv: bool = True) -> Path:
     """The kernel's variant (the folded conv's, or with ``conv`` False the plain recurrence's)
     as a CPU program in ``folder``; its path."""
     assert gdn_fused.ROWS_PER_BLOCK == 4, "the emulation plays blocks of four warps"
-    ins, outs = _names(masked, all_states, conv)
+    ins, outs = gdn_fused.kernel_names(masked, all_states, conv)
     decl = [f"const {'bool' if n == 'mask' else 'float'}* {n}; int64_t {n}_shape[8]; int64_t {n}_strides[8];"
             for n in ins] + [f"float* {n};" for n in outs]
     loads = []
@@ -138,7 +132,7 @@ def run_case(exe: Path, masked: bool, all_states: bool, B: int, T: int, seed: in
     ``gated_delta_reference`` for the plain kernel): {output: (relative error, exact, unwritten
     elements)} and "ok"."""
     folder = exe.parent
-    ins, outs = _names(masked, all_states, conv)
+    ins, outs = gdn_fused.kernel_names(masked, all_states, conv)
     rng = np.random.default_rng(seed)
     wide = rng.standard_normal((B, T, C + 6)).astype(np.float32)
     d = {"qkv": wide[..., 3:3 + C],  # a view, as the merged projection's slice is

@@ -42,7 +42,9 @@ class EngineSnapshot:
     # "mlx", "invariant" or "mlx+qmm" (kernel_choice.py), and why.
     kernels: str = "mlx"
     kernels_reason: str = ""
-    recurrence: str = ""  # the GatedDeltaNet recurrence: "fused" or "mlx-lm: <why not>" (LoadedModel.recurrence)
+    # The GatedDeltaNet conv and recurrence (LoadedModel.recurrence): "fused" (conv folded in),
+    # "fused recurrence, conv in mlx ops: <why>" or "mlx-lm: <why not>".
+    recurrence: str = ""
     linears: str = ""  # "merged N" or "separate: <why>" (LoadedModel.linears, merged_linears.py)
     decode_path: str = ""
     # "compiled" when batched steps and verifies (B >= 2) run the compiled forward, else

@@ -237,12 +237,19 @@ def kernel_source(masked: bool, all_states: bool, conv: bool = False) -> str:
             .replace("WRITE_STATE_OF_TOKEN_T", _WRITE_STATE if all_states else ""))
 
 
+def kernel_names(masked: bool, all_states: bool, conv: bool = False) -> tuple[list[str], list[str]]:
+    """A variant's input and output names, in the order the kernel takes and returns them
+    (the tools that compile or emulate its text outside MLX read them here too)."""
+    qkv = ["qkv", "conv_in", "conv_w"] if conv else ["q", "k", "v"]
+    inputs = qkv + ["ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
+    outputs = ["y", "state_out"] + (["states"] if all_states else []) + (["conv_out"] if conv else [])
+    return inputs, outputs
+
+
 def _kernel(masked: bool, all_states: bool, conv: bool = False):
     key = (masked, all_states, conv)
     if key not in _kernels:
-        qkv = ["qkv", "conv_in", "conv_w"] if conv else ["q", "k", "v"]
-        inputs = qkv + ["ga", "gb", "A_log", "dt_bias", "state_in"] + (["mask"] if masked else [])
-        outputs = ["y", "state_out"] + (["states"] if all_states else []) + (["conv_out"] if conv else [])
+        inputs, outputs = kernel_names(masked, all_states, conv)
         name = "councild_gdn" + ("_conv" if conv else "") + ("_mask" if masked else "") + ("_all" if all_states else "")
         _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                                             source=kernel_source(masked, all_states, conv),
