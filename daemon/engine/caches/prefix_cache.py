@@ -171,7 +171,9 @@ def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
     """Does resuming off the chunk grid (and stepping token by token, as decode does)
     leave the same state, bit for bit, as prefilling in ``chunk``-sized pieces? Compares
     every layer's filled state (``filled_arrays``) and the next step's logits after each of
-    ``split_plans``. Where it does, snapshots at any position are exact."""
+    ``split_plans``. Where it does, snapshots at any position are exact. Runs one layer of
+    each kind (``LoadedModel.layer_kinds_view``): what holds for it holds for the model."""
+    lm = lm.layer_kinds_view()
     rng = random.Random(seed)
     n, plans = split_plans(chunk)
     vocab = min(1000, lm.text_args.vocab_size)  # ids past the vocabulary read past the embedding

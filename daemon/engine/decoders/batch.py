@@ -102,7 +102,8 @@ def batch_matches_serial(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> b
     probed = lm.__dict__.setdefault("_batch_matches_serial", {})
     if max_rows not in probed:
         heights = sorted({h for h in (2, 3, 4, 8, max_rows) if 2 <= h <= max_rows})
-        probed[max_rows] = all(d == 0.0 for d in max_logit_diff(lm, heights).values())
+        # One layer of each kind answers for the model (LoadedModel.layer_kinds_view).
+        probed[max_rows] = all(d == 0.0 for d in max_logit_diff(lm.layer_kinds_view(), heights).values())
     return probed[max_rows]
 
 

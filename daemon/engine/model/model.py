@@ -9,12 +9,15 @@ speculative paths go through the same halves, so their numerics match.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..kernels import chunked_prefill
 
@@ -49,6 +52,10 @@ class LoadedModel:
     # "mlx", or "invariant" once invariant.install swapped the forward's kernels (the daemon's
     # kernel choice, kernel_choice.py); the probes' cached verdicts are keyed by it.
     kernels: str = "mlx"
+    # Set on a ``layer_kinds_view`` only: its backbone (a copy holding some of the layers)
+    # and which of the model's cache entries those layers use.
+    backbone_view: nn.Module | None = None
+    view_layers: tuple[int, ...] | None = None
 
     @property
     def batch_decode_path(self) -> str:
@@ -72,7 +79,42 @@ class LoadedModel:
 
     @property
     def backbone(self) -> nn.Module:
-        return self.text_module.model
+        return self.backbone_view if self.backbone_view is not None else self.text_module.model
+
+    def layer_kinds_view(self) -> LoadedModel:
+        """The same model with one layer of each kind (``layer_kind``): the first of each, in
+        order, then the layer after the last of them, between the same embedding and final
+        norm, forwarding eagerly. The probes compare caches and next-token logits, not a
+        prompt chunk's hidden states: a layer's output shows in the next layer's cache, so the
+        last kept layer needs one after it, as it has in the model.
+
+        For the exactness probes that ask whether two ways of running a forward (in other
+        splits, other row counts) give the same bits. MLX picks an op's kernel by its shapes
+        and dtypes, never by the values, so a layer that gives the same bits both ways on
+        an input does so for every layer of its kind: the view answers for the whole model
+        at a fraction of its cost (a 64-layer Qwen3.5 has two kinds; the probes run 3 layers).
+        The compiled step is left out: its own self-check proved it bit for bit the eager
+        step. A pipeline-split backbone (a group) is returned whole, its ranks' layers differ."""
+        bb = self.backbone
+        if getattr(bb, "pipeline_size", 1) != 1 or self.backbone_view is not None:
+            return self
+        layers, seen, keep = list(bb.layers), set(), []
+        for i, layer in enumerate(layers):
+            kind = layer_kind(layer)
+            if kind not in seen:
+                seen.add(kind)
+                keep.append(i)
+        if keep[-1] + 1 < len(layers):
+            keep.append(keep[-1] + 1)
+        view = copy.copy(bb)  # shares every module; only its layer list differs
+        view.layers = [layers[i] for i in keep]
+        linear = [bool(getattr(layer, "is_linear", False)) for layer in view.layers]
+        if hasattr(bb, "ssm_idx"):
+            view.ssm_idx = linear.index(True) if True in linear else None
+        if hasattr(bb, "fa_idx"):
+            view.fa_idx = linear.index(False) if False in linear else None
+        return dataclasses.replace(self, compiled_decode=None, decode_path="eager: a layer kinds view",
+                                   backbone_view=view, view_layers=tuple(keep))
 
     @property
     def text_args(self) -> Any:
@@ -115,7 +157,8 @@ class LoadedModel:
     def make_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
 
-        return make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model)
+        return cache if self.view_layers is None else [cache[i] for i in self.view_layers]
 
     def encode_prompt(self, prompt: str | None, messages: list[dict] | None, tokens: list[int] | None,
                       template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
@@ -134,3 +177,11 @@ class LoadedModel:
                                                                **(template_kwargs or {})))
             prompt = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(self.tokenizer.encode(prompt or ""))
+
+
+def layer_kind(layer: nn.Module) -> tuple:
+    """What decides which kernels a layer's forward runs: its modules' names and classes and
+    its parameters' names, shapes and dtypes (a layer quantized to other bits is another kind)."""
+    modules = tuple((name, type(m).__name__) for name, m in layer.named_modules())
+    params = tuple((name, tuple(a.shape), str(a.dtype)) for name, a in tree_flatten(layer.parameters()))
+    return type(layer).__name__, getattr(layer, "is_linear", None), modules, params

@@ -186,7 +186,8 @@ def together_matches_solo(lm: LoadedModel, max_rows: int = DEFAULT_MAX_ROWS) -> 
 
         heights = sorted({h for h in (2, 3, 4, max_rows) if 2 <= h <= max_rows})
         pieces = PROBE_PIECES + ((MIN_T,) if lm.chunked_prefill else ())
-        probed[key] = all(d == 0.0 for d in max_prefill_diff(lm, heights, pieces).values())
+        # One layer of each kind answers for the model (LoadedModel.layer_kinds_view).
+        probed[key] = all(d == 0.0 for d in max_prefill_diff(lm.layer_kinds_view(), heights, pieces).values())
     return probed[key]
 
 

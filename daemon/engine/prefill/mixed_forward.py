@@ -152,6 +152,7 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
     each length in ``pieces``, one resumed from a prefix and one fresh. The caller includes
     the longest piece it will carry (a chunk): the invariant kernels (invariant.py) take
     forwards up to a height and MLX's above it, which a short piece alone would not reach."""
+    lm = lm.layer_kinds_view()  # what holds for one layer of each kind holds for the model
     rng = random.Random(seed)
     V = lm.text_args.vocab_size
     for L in pieces:
