@@ -195,10 +195,11 @@ class EngineStartup:
     def _parts(self) -> list:
         """The parts, the compiled step first (the others' verdicts are keyed by the decode
         path it decides), then what serving gains most from soonest: exact rows speculating
-        and batching, each shape's first use paid; then the cost probes and the prefix
-        cache's off-grid snapshots. Each verdict depends only on the model, backend and code
-        (probe_verdicts.py), not on the order it is asked in. A group's warm-up comes after
-        its hello (lockstep.py)."""
+        and batching, exact snapshots anywhere (a council's seats resume at the shared
+        system prompt's end, not a grid point up to a chunk before it), each shape's first
+        use paid; then the cost probes. Each verdict depends only on the model, backend and
+        code (probe_verdicts.py), not on the order it is asked in. A group's warm-up comes
+        after its hello (lockstep.py)."""
         from .warming import WarmPart
 
         parts = []
@@ -208,14 +209,14 @@ class EngineStartup:
             parts.append(WarmPart("verify", self._verify_part))
         if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
             parts.append(WarmPart("batch", self._batch_part))
+        if self.engine.prefix_cache is not None:
+            parts.append(WarmPart("splits", self._splits_part))
         if self.group is None:  # the shapes' first uses, paid before the requests that bring them
             parts.append(WarmPart("warmup", self._warmup_part))
         if self.cfg.scheduler.prefill_together != "off" and self.group is None:
             parts.append(WarmPart("prefill_together", self._prefill_together))
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
             parts.append(WarmPart("mixed_steps", self._mixed_steps))
-        if self.engine.prefix_cache is not None:  # the longest here (chunk-sized prefills): last
-            parts.append(WarmPart("splits", self._splits_part))
         return parts
 
     def _publish_warming(self, warming: dict) -> None:

@@ -40,16 +40,18 @@ from .scheduler import Scheduler
 from .startup import EngineStartup
 from .stats import StepUse, Tallies
 from .status_snapshot import EngineSnapshot, EngineStatus
+from .warming import BusyShare
 
 log = get_logger("councild.engine")
 
 OUT_ENDPOINT = "inproc://councild-engine-out"
 
 # Under load that never lets the engine idle, the start-up parts still finish (warming.py):
-# between steps, one piece once the engine has served (1 - share) / share times the last
-# piece's length, so they take at most this share of its time and a request waits at most
-# one piece. Idle, pieces run back to back.
+# between steps, pieces within the credit its serving earned (warming.BusyShare), so they take
+# this share of its time and a request waits at most WARM_BURST_S and one piece. Idle, pieces
+# run back to back.
 WARM_SHARE_WHEN_BUSY = 0.2
+WARM_BURST_S = 0.25
 
 
 class EngineWorker(threading.Thread):
@@ -86,7 +88,7 @@ class EngineWorker(threading.Thread):
         # The start-up parts still to run between requests (warming.py), and when the next
         # piece is due while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
         self.warming = None
-        self._warm_due = 0.0
+        self._warm_share = BusyShare(WARM_SHARE_WHEN_BUSY, WARM_BURST_S)
         # An mx.distributed group of several ranks when serving tensor-parallel
         # (daemon/distributed/, which subclasses this worker); None in one process.
         self.group = None
@@ -204,15 +206,18 @@ class EngineWorker(threading.Thread):
         return self.warming is not None and bool(self.warming.parts) and not self.handling.stopping
 
     def _warm_piece(self, idle: bool) -> None:
-        """One piece of the start-up's remaining checks (warming.py): about one step's
-        work, so a request arriving meanwhile waits about one step. Idle, at once; busy,
-        when due (WARM_SHARE_WHEN_BUSY)."""
-        now = time.monotonic()
-        if not idle and now < self._warm_due:
+        """The start-up's remaining checks (warming.py) between steps: idle, one piece (about
+        one step's work, so a request arriving meanwhile waits about one step); busy, the
+        pieces the serving since the last has earned (WARM_SHARE_WHEN_BUSY)."""
+        share = self._warm_share
+        if idle:
+            self.warming.step()
+            share.idle()
             return
-        self.warming.step()
-        spent = time.monotonic() - now
-        self._warm_due = time.monotonic() + spent * (1 - WARM_SHARE_WHEN_BUSY) / WARM_SHARE_WHEN_BUSY
+        while share.earn() > 0 and self._warming_left():
+            t0 = time.monotonic()
+            self.warming.step()
+            share.charge(time.monotonic() - t0)
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked

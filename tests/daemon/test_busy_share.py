@@ -1,0 +1,73 @@
+"""warming.BusyShare: the start-up parts' share of a busy engine, on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from daemon.engine_thread.warming import BusyShare
+
+pytestmark = pytest.mark.quick
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _serve(share: BusyShare, clock: Clock, steps: list[float], piece: float) -> tuple[list[int], float]:
+    """The worker's loop: a step of each length, then the pieces the credit allows."""
+    per_step, warm = [], 0.0
+    for step in steps:
+        clock.t += step
+        n = 0
+        while share.earn() > 0:
+            clock.t += piece
+            share.charge(piece)
+            warm += piece
+            n += 1
+        per_step.append(n)
+    return per_step, warm
+
+
+def test_long_steps_earn_several_short_pieces_and_the_share_holds():
+    """A prompt's 0.6 s prefill steps, 20 ms pieces: about 8 pieces a step (not one), and the
+    parts take a fifth of the time in all."""
+    clock = Clock()
+    share = BusyShare(0.2, 0.25, clock)
+    steps = [0.6] * 50
+    per_step, warm = _serve(share, clock, steps, 0.02)
+    assert per_step[0] == 0  # nothing earned before the first step
+    assert all(7 <= n <= 9 for n in per_step[1:])
+    assert warm / (warm + sum(steps)) == pytest.approx(0.2, abs=0.01)
+
+
+def test_short_steps_wait_for_a_long_piece_to_be_repaid():
+    """10 ms decode steps, 300 ms pieces: a piece, then the debt it left is served off
+    (about 1.2 s of steps) before the next."""
+    clock = Clock()
+    share = BusyShare(0.2, 0.25, clock)
+    per_step, warm = _serve(share, clock, [0.01] * 2000, 0.3)
+    runs = [i for i, n in enumerate(per_step) if n]
+    assert all(per_step[i] == 1 for i in runs)
+    gaps = [b - a for a, b in zip(runs, runs[1:])]
+    assert gaps and all(115 <= g <= 125 for g in gaps)
+    assert warm / (warm + 20.0) == pytest.approx(0.2, abs=0.01)
+
+
+def test_the_credit_is_capped_and_an_idle_piece_owes_nothing():
+    clock = Clock()
+    share = BusyShare(0.2, 0.25, clock)
+    share.earn()
+    clock.t += 60.0  # a minute of serving with nothing to warm earns at most the burst
+    assert share.earn() == pytest.approx(0.25)
+    share.charge(1.0)
+    assert share.credit < 0
+    share.idle()  # the engine idled: the part ran freely
+    assert share.credit == 0.0
+    clock.t += 0.4
+    assert share.earn() == 0.0  # the first look after idling only starts the count
+    clock.t += 0.4
+    assert share.earn() == pytest.approx(0.1)
