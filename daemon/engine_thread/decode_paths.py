@@ -93,6 +93,10 @@ class DecodePaths:
             # This backend's verify rounds unlike serial steps (or its verdict is not in yet,
             # warming.py): only serial is exact.
             job.mode = "off"
+            # Until the verdict is in, its prompt's snapshots still carry the head's history:
+            # the requests after the verdict speculate, and resume only from such snapshots
+            # (a council's first turn would otherwise leave its second nothing to resume from).
+            job.prefill_head = self.engine.verify_exact is None
         job.started_at = time.monotonic()
         self._open_prefill(job)
 
@@ -104,7 +108,7 @@ class DecodePaths:
         from ..engine.prefill.prefill import ChunkedPrefill
 
         chunk = self.scheduler.cfg.prefill_chunk
-        want_head = job.mode != "off" and self.engine.slot.resident
+        want_head = (job.mode != "off" or job.prefill_head) and self.engine.slot.resident
         cache, history, start, stops = None, None, 0, ()
         pc = self.engine.prefix_cache
         if pc is not None:
@@ -183,7 +187,8 @@ class DecodePaths:
         speculate = mode != "off" and can_draft and alone
         if not speculate and self._batchable(job):
             if self.engine.batch_speculates:
-                history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
+                history = (pre.history if mode != "off" and pre.history is not None
+                           and pre.history.head is self.engine.slot.head else None)  # a serial row drafts nothing
                 self.engine.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
                                depth=self._row_depth(job))
                 job.batched = True

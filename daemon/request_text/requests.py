@@ -123,6 +123,9 @@ class Job:
         # temperature 0, and, for a row of the continuous batch, its state while parked.
         self.sampler = None
         self.exact = True
+        # An exact request decoding serially only until the verify verdict is in
+        # (decode_paths.py): its prefill still primes the head's history, for its snapshots.
+        self.prefill_head = False
         self.batched = False
         self.parked_state = None
         # A solo speculative decode (it may move into the batch: ``handoff`` asks its

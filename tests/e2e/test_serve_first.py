@@ -134,3 +134,31 @@ def test_a_stop_during_warm_up_exits_cleanly_and_ends_every_request_once(tmp_pat
     names = [e["event"] for e in events]
     assert "daemon.stop" in names and "engine.crashed" not in names
     assert "engine.warmed" not in names  # the stop came mid-way
+
+
+def test_a_prompt_served_before_the_verify_verdict_leaves_snapshots_that_speculating_requests_resume(tmp_path):
+    """An exact request that starts before the verify verdict decodes serially, but its prompt's
+    snapshots still carry the head's history, so a speculating exact request after the verdict
+    (a council's second turn) resumes from them instead of prefilling its whole prompt again."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # empty: every check runs
+    d = start_daemon(tmp_path, BUNDLED_MODEL, env=cache, config=CONFIG, warmed=False)
+    shared = "".join(f"line {i}: the council weighs the motion, seat by seat.\n" for i in range(24))
+    try:
+        with Client(d.endpoint, seat="first", timeout_s=120) as c:
+            first = c.generate(shared + "Seat one:", max_tokens=4, speculation="exact", temperature=0.0)
+            first.result()
+            while _pending(c):
+                time.sleep(0.2)
+            second = c.generate(shared + "Seat two, in turn:", max_tokens=4, speculation="exact", temperature=0.0)
+            second.result()
+    finally:
+        assert d.stop() == 0
+    events = d.events()
+    names = [(e["event"], e.get("part")) for e in events]
+    done = [e for e in events if e["event"] == "request.done"]
+    assert len(done) == 2
+    # The premise: the first request was accepted, and ended, before the verify verdict.
+    assert names.index(("request.done", None)) < names.index(("engine.warm", "verify"))
+    assert done[0]["speculation"] is None  # serial until the verdict
+    assert done[1]["speculation"] is not None and done[1]["speculation"]["mode"] == "exact"
+    assert done[1]["cached_tokens"] >= 32 * 8, done[1]  # resumed from the first prompt's snapshots
