@@ -180,17 +180,20 @@ def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
     ids = mx.array([rng.randrange(1, vocab) for _ in range(n + 1)], dtype=mx.uint32)
 
     def run(plan: list[int]) -> list:
-        cache, pos = lm.make_cache(), 0
+        cache, pos, hidden = lm.make_cache(), 0, []
         for m in plan:
             if m == 1 and pos >= n - 9:  # the tail: decode steps
-                lm.hidden(ids[None, pos : pos + 1], cache)
+                h = lm.hidden(ids[None, pos : pos + 1], cache)
             else:
-                lm.prefill_hidden(ids[None, pos : pos + m], cache)
-            mx.eval(_arrays(cache))
+                h = lm.prefill_hidden(ids[None, pos : pos + m], cache)
+            hidden.append(h)
+            mx.eval(_arrays(cache), h)
             pos += m
             pause()  # run piecewise at start-up: a forward a piece (engine/pieces.py)
         logits = lm.logits(lm.hidden(ids[None, n : n + 1], cache))
-        out = filled_arrays(cache) + [logits]
+        # Every position's hidden state too: the view's last layer has no layer after it
+        # whose cache would show its output.
+        out = filled_arrays(cache) + [logits, mx.concatenate(hidden, axis=1)]
         mx.eval(out)
         return out
 

@@ -83,16 +83,15 @@ class LoadedModel:
 
     def layer_kinds_view(self) -> LoadedModel:
         """The same model with one layer of each kind (``layer_kind``): the first of each, in
-        order, then the layer after the last of them, between the same embedding and final
-        norm, forwarding eagerly. The probes compare caches and next-token logits, not a
-        prompt chunk's hidden states: a layer's output shows in the next layer's cache, so the
-        last kept layer needs one after it, as it has in the model.
+        order, between the same embedding and final norm, forwarding eagerly. A probe on it
+        compares every forward's hidden states (or the logits of every position), not only
+        the caches: the view's last layer has no layer after it whose cache shows its output.
 
         For the exactness probes that ask whether two ways of running a forward (in other
         splits, other row counts) give the same bits. MLX picks an op's kernel by its shapes
         and dtypes, never by the values, so a layer that gives the same bits both ways on
         an input does so for every layer of its kind: the view answers for the whole model
-        at a fraction of its cost (a 64-layer Qwen3.5 has two kinds; the probes run 3 layers).
+        at a fraction of its cost (a 64-layer Qwen3.5 has two kinds; the probes run 2 layers).
         The compiled step is left out: its own self-check proved it bit for bit the eager
         step. A pipeline-split backbone (a group) is returned whole, its ranks' layers differ."""
         bb = self.backbone
@@ -104,8 +103,6 @@ class LoadedModel:
             if kind not in seen:
                 seen.add(kind)
                 keep.append(i)
-        if keep[-1] + 1 < len(layers):
-            keep.append(keep[-1] + 1)
         view = copy.copy(bb)  # shares every module; only its layer list differs
         view.layers = [layers[i] for i in keep]
         linear = [bool(getattr(layer, "is_linear", False)) for layer in view.layers]
