@@ -206,11 +206,11 @@ class EngineStartup:
         if self.compile_later:
             parts.append(WarmPart("compiled_step", self._compiled_part, refused=self._compiled_refused))
         if self.engine.slot.available:
-            parts.append(WarmPart("verify", self._verify_part))
+            parts.append(WarmPart("verify", self._verify_part, exact_only=True))
         if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
-            parts.append(WarmPart("batch", self._batch_part))
+            parts.append(WarmPart("batch", self._batch_part, exact_only=True))
         if self.engine.prefix_cache is not None:
-            parts.append(WarmPart("splits", self._splits_part))
+            parts.append(WarmPart("splits", self._splits_part, exact_only=True))
         if self.group is None:  # the shapes' first uses, paid before the requests that bring them
             parts.append(WarmPart("warmup", self._warmup_part))
         if self.cfg.scheduler.prefill_together != "off" and self.group is None:

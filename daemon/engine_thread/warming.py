@@ -53,6 +53,9 @@ class WarmPart:
     # Called with the reason when the check raised or was forced to fail: what the safe
     # path's status should say now that the part is over (e.g. the decode path's "eager: why").
     refused: Callable[[str], None] | None = None
+    # Only exact greedy requests wait for its verdict (verify, batch, splits): fast ones
+    # speculate, batch and reuse snapshots anywhere without it.
+    exact_only: bool = False
 
 
 class Warming:
@@ -71,6 +74,11 @@ class Warming:
     @property
     def pending(self) -> list[str]:
         return [p.name for p in self.parts]
+
+    @property
+    def exact_only(self) -> bool:
+        """The part under way speeds up exact greedy requests only."""
+        return bool(self.parts) and self.parts[0].exact_only
 
     def step(self) -> bool:
         """Run one piece of the current part; False when nothing is left."""
@@ -138,11 +146,15 @@ class BusyShare:
     share, and verdicts that speed round 0 up came in round 1. ``clock`` is injected for tests."""
 
     def __init__(self, share: float, burst_s: float, clock: Callable[[], float] = time.monotonic):
-        self.rate = share / (1 - share)
+        self.share(share)
         self.burst_s = burst_s
         self.clock = clock
         self.credit = 0.0
         self._mark: float | None = None  # the end of the last piece (or of the last look)
+
+    def share(self, share: float) -> None:
+        """Earn at this share from now on."""
+        self.rate = share / (1 - share)
 
     def earn(self) -> float:
         """Credit for the serving since the last piece ended; the credit now."""

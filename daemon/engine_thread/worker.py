@@ -16,6 +16,7 @@ with what it needs: ``EngineStartup`` (startup.py) builds the ``LoadedEngine`` t
 from __future__ import annotations
 
 import gc
+import itertools
 import queue
 import threading
 import time
@@ -52,6 +53,9 @@ OUT_ENDPOINT = "inproc://councild-engine-out"
 # run back to back.
 WARM_SHARE_WHEN_BUSY = 0.2
 WARM_BURST_S = 0.25
+# The share of a part only exact greedy requests wait for (verify, batch, splits) while none is
+# in the engine: a fast-only council's first round pays for what it does not use otherwise.
+WARM_SHARE_NONE_WAITING = 0.05
 
 
 class EngineWorker(threading.Thread):
@@ -214,10 +218,19 @@ class EngineWorker(threading.Thread):
             self.warming.step()
             share.idle()
             return
+        waiting = not self.warming.exact_only or self._exact_greedy_in_engine()
+        share.share(WARM_SHARE_WHEN_BUSY if waiting else WARM_SHARE_NONE_WAITING)
         while share.earn() > 0 and self._warming_left():
             t0 = time.monotonic()
             self.warming.step()
             share.charge(time.monotonic() - t0)
+
+    def _exact_greedy_in_engine(self) -> bool:
+        """A request decoding or waiting that is exact at temperature 0: one the exactness
+        verdicts speed up."""
+        default = self.cfg.speculation.mode
+        return any((j.msg.speculation or default) != "fast" and j.msg.temperature == 0
+                   for j in itertools.chain(self.scheduler.active, self.scheduler.waiting()))
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked

@@ -71,3 +71,35 @@ def test_the_credit_is_capped_and_an_idle_piece_owes_nothing():
     assert share.earn() == 0.0  # the first look after idling only starts the count
     clock.t += 0.4
     assert share.earn() == pytest.approx(0.1)
+
+
+def test_a_lower_share_earns_less_from_then_on():
+    """While no exact greedy request waits for a part's verdict the worker lowers the share
+    (WARM_SHARE_NONE_WAITING): a twentieth of the time, not a fifth."""
+    clock = Clock()
+    share = BusyShare(0.2, 0.25, clock)
+    share.share(0.05)
+    _, warm = _serve(share, clock, [0.6] * 200, 0.02)
+    assert warm / (warm + 120.0) == pytest.approx(0.05, abs=0.005)
+    share.share(0.2)
+    clock.t += 0.6
+    assert share.earn() == pytest.approx(0.15, abs=0.02)
+
+
+def test_only_the_exactness_parts_wait_for_exact_requests(tmp_path, monkeypatch):
+    """A fresh start's parts (the bundled model, an empty cache folder): those whose verdicts
+    only exact greedy requests wait for (verify, batch, splits) are marked so; the compiled step,
+    the warm-up and the cost probes serve every request."""
+    import zmq
+
+    from daemon.config import Config
+    from daemon.engine_thread.worker import EngineWorker
+    from daemon.paths import BUNDLED_MODEL
+
+    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
+    worker = EngineWorker(Config(), zmq.Context.instance(), str(BUNDLED_MODEL))
+    worker._load()
+    parts = {p.name: p.exact_only for p in worker.warming.parts}
+    assert {name for name, only in parts.items() if only} == {"verify", "batch", "splits"}
+    assert {"compiled_step", "warmup", "prefill_together", "mixed_steps"} <= set(parts)
+    assert worker.warming.exact_only is False  # the compiled step comes first
