@@ -86,20 +86,27 @@ def test_a_lower_share_earns_less_from_then_on():
     assert share.earn() == pytest.approx(0.15, abs=0.02)
 
 
-def test_only_the_exactness_parts_wait_for_exact_requests(tmp_path, monkeypatch):
-    """A fresh start's parts (the bundled model, an empty cache folder): those whose verdicts
-    only exact greedy requests wait for (verify, batch, splits) are marked so; the compiled step,
-    the warm-up and the cost probes serve every request."""
-    import zmq
+def test_only_the_exactness_parts_wait_for_exact_requests(tmp_path):
+    """A fresh start's parts (the bundled model, an empty cache folder, the worker's own
+    start-up in a process of its own: it freezes the collector and starts the disk tier's
+    thread): those whose verdicts only exact greedy requests wait for (verify, batch, splits)
+    are marked so; the compiled step, the warm-up and the cost probes serve every request."""
+    import json
+    import os
+    import subprocess
+    import sys
 
-    from daemon.config import Config
-    from daemon.engine_thread.worker import EngineWorker
-    from daemon.paths import BUNDLED_MODEL
-
-    monkeypatch.setenv("COUNCILD_CACHE_DIR", str(tmp_path))
-    worker = EngineWorker(Config(), zmq.Context.instance(), str(BUNDLED_MODEL))
-    worker._load()
-    parts = {p.name: p.exact_only for p in worker.warming.parts}
-    assert {name for name, only in parts.items() if only} == {"verify", "batch", "splits"}
-    assert {"compiled_step", "warmup", "prefill_together", "mixed_steps"} <= set(parts)
-    assert worker.warming.exact_only is False  # the compiled step comes first
+    code = ("import json, zmq\n"
+            "from daemon.config import Config\n"
+            "from daemon.engine_thread.worker import EngineWorker\n"
+            "from daemon.paths import BUNDLED_MODEL\n"
+            "w = EngineWorker(Config(), zmq.Context.instance(), str(BUNDLED_MODEL))\n"
+            "w._load()\n"
+            "print(json.dumps([[p.name, p.exact_only] for p in w.warming.parts] + [w.warming.exact_only]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, COUNCILD_CACHE_DIR=str(tmp_path)), check=True)
+    *parts, first_exact_only = json.loads(out.stdout.strip().splitlines()[-1])
+    marked = dict(parts)
+    assert {name for name, only in marked.items() if only} == {"verify", "batch", "splits"}
+    assert {"compiled_step", "warmup", "prefill_together", "mixed_steps"} <= set(marked)
+    assert first_exact_only is False  # the compiled step comes first
