@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 from protocol import messages as m
 
+from ..engine.decoders.sampling import GREEDY_BELOW
 from ..request_text.detokenize import CommittedText
 from ..logs import get_logger
 from ..request_text.requests import Job
@@ -48,6 +49,17 @@ def _fail_after(gen, limit: int):
                 raise InjectedFault(f"injected fault after {n} tokens (debug_fail_after_tokens = {limit})")
     finally:
         gen.close()
+
+
+def requested_mode(msg, cfg) -> str:
+    """The speculation mode a request asked for, else the configured one."""
+    return msg.speculation or cfg.speculation.mode
+
+
+def exact_greedy(msg, cfg) -> bool:
+    """Exact at temperature 0 (as its sampler will count greedy): the requests the exactness
+    verdicts (verify, batch, splits) speed up."""
+    return requested_mode(msg, cfg) != "fast" and msg.temperature < GREEDY_BELOW
 
 
 class DecodePaths:
@@ -84,7 +96,7 @@ class DecodePaths:
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
             **{name: p.option(name) for name in m.SAMPLING_DEFAULTS}), prompt=job.prompt,
             constraint=job.constraint)
-        job.mode = p.speculation or self.cfg.speculation.mode
+        job.mode = requested_mode(p, self.cfg)
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = job.mode != "fast"

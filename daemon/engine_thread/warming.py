@@ -146,13 +146,13 @@ class BusyShare:
     share, and verdicts that speed round 0 up came in round 1. ``clock`` is injected for tests."""
 
     def __init__(self, share: float, burst_s: float, clock: Callable[[], float] = time.monotonic):
-        self.share(share)
+        self.set_share(share)
         self.burst_s = burst_s
         self.clock = clock
         self.credit = 0.0
         self._mark: float | None = None  # the end of the last piece (or of the last look)
 
-    def share(self, share: float) -> None:
+    def set_share(self, share: float) -> None:
         """Earn at this share from now on."""
         self.rate = share / (1 - share)
 

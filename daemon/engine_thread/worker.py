@@ -30,7 +30,7 @@ from protocol import messages as m
 
 from .commands import CommandHandling, Submit
 from ..config import Config
-from .decode_paths import DecodePaths
+from .decode_paths import DecodePaths, exact_greedy
 from .loaded_engine import LoadedEngine
 from ..logs import get_logger
 from .prefill_pacer import PrefillPacer
@@ -89,8 +89,8 @@ class EngineWorker(threading.Thread):
         self.handling: CommandHandling | None = None
         self.paths: DecodePaths | None = None
         self.prefix_use: PrefixCacheUse | None = None
-        # The start-up parts still to run between requests (warming.py), and when the next
-        # piece is due while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
+        # The start-up parts still to run between requests (warming.py), and the credit their
+        # pieces draw on while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
         self.warming = None
         self._warm_share = BusyShare(WARM_SHARE_WHEN_BUSY, WARM_BURST_S)
         # An mx.distributed group of several ranks when serving tensor-parallel
@@ -219,7 +219,7 @@ class EngineWorker(threading.Thread):
             share.idle()
             return
         waiting = not self.warming.exact_only or self._exact_greedy_in_engine()
-        share.share(WARM_SHARE_WHEN_BUSY if waiting else WARM_SHARE_NONE_WAITING)
+        share.set_share(WARM_SHARE_WHEN_BUSY if waiting else WARM_SHARE_NONE_WAITING)
         while share.earn() > 0 and self._warming_left():
             t0 = time.monotonic()
             self.warming.step()
@@ -228,9 +228,7 @@ class EngineWorker(threading.Thread):
     def _exact_greedy_in_engine(self) -> bool:
         """A request decoding or waiting that is exact at temperature 0: one the exactness
         verdicts speed up."""
-        default = self.cfg.speculation.mode
-        return any((j.msg.speculation or default) != "fast" and j.msg.temperature == 0
-                   for j in itertools.chain(self.scheduler.active, self.scheduler.waiting()))
+        return any(exact_greedy(j.msg, self.cfg) for j in itertools.chain(self.scheduler.active, self.scheduler.waiting()))
 
     def requests_holding_head(self) -> int:
         return sum(1 for j in self.scheduler.active + self.scheduler.parked

@@ -78,10 +78,10 @@ def test_a_lower_share_earns_less_from_then_on():
     (WARM_SHARE_NONE_WAITING): a twentieth of the time, not a fifth."""
     clock = Clock()
     share = BusyShare(0.2, 0.25, clock)
-    share.share(0.05)
+    share.set_share(0.05)
     _, warm = _serve(share, clock, [0.6] * 200, 0.02)
     assert warm / (warm + 120.0) == pytest.approx(0.05, abs=0.005)
-    share.share(0.2)
+    share.set_share(0.2)
     clock.t += 0.6
     assert share.earn() == pytest.approx(0.15, abs=0.02)
 
