@@ -247,11 +247,14 @@ def test_a_killed_pull_leaves_no_model_and_the_next_pull_completes(hub, tmp_path
     proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "model", "pull", BASE], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     blobs = home / "hub" / ("models--" + BASE.replace("/", "--")) / "blobs"
+    # The weights' own partial blob (named by its etag): the small files download beside it
+    # and their partials vanish as each completes (under load one was taken for it).
+    weights_partial = f"{repo.etag('model.safetensors')}.*.incomplete"
     partial = None
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and partial is None:
-            for p in blobs.glob("*.incomplete") if blobs.exists() else []:
+            for p in blobs.glob(weights_partial) if blobs.exists() else []:
                 if p.stat().st_size > 0:
                     partial = p
             time.sleep(0.1)
