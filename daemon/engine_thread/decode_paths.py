@@ -100,17 +100,23 @@ class DecodePaths:
         # Only "fast" accepts batch-height rounding flips; "exact" and "off" promise serial's
         # tokens at temperature 0 (BatchDecoder.admits knows whether this backend keeps them).
         job.exact = job.mode != "fast"
-        if (job.mode == "exact" and job.sampler.greedy and not self.engine.verify_exact
-                and (self.engine.verify_exact is None or self.cfg.speculation.exact_on_inexact_backend == "serial")):
+        if job.mode == "exact" and self._exact_only_serially(job):
             # This backend's verify rounds unlike serial steps (or its verdict is not in yet,
             # warming.py): only serial is exact.
             job.mode = "off"
             # Until the verdict is in, its prompt's snapshots still carry the head's history:
             # the requests after the verdict speculate, and resume only from such snapshots
             # (a council's first turn would otherwise leave its second nothing to resume from).
+            # begin_decode looks again: a verdict that came during the prefill lets it speculate.
             job.prefill_head = self.engine.verify_exact is None
         job.started_at = time.monotonic()
         self._open_prefill(job)
+
+    def _exact_only_serially(self, job: Job) -> bool:
+        """An exact greedy request is exact only as serial decode: the verify verdict is not
+        in yet, or says verify rounds unlike serial steps and the operator chose serial then."""
+        return job.sampler.greedy and not self.engine.verify_exact and (
+            self.engine.verify_exact is None or self.cfg.speculation.exact_on_inexact_backend == "serial")
 
     def _open_prefill(self, job: Job, relook: bool = False) -> bool:
         """Give the job its chunked prefill from the longest prefix the prefix cache holds
@@ -186,8 +192,15 @@ class DecodePaths:
 
         pre, job.prefill = job.prefill, None
         job.decode_cache = pre.cache  # the decoder advances it in place: the continuation
+        if job.prefill_head and not self._exact_only_serially(job):
+            # Served serially for want of the verify verdict, which came during its prefill
+            # (a fresh start's first council turn): it decodes as the exact request it asked
+            # to be, batched and speculating, from the head history its prefill primed.
+            job.mode, job.prefill_head = "exact", False
         last = [pre.last_token]
         sampler, mode = job.sampler, job.mode
+        # The head history its prefill primed, where that head is still the resident one.
+        primed = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
         # Interactive work is latency-bound: it decodes on its own (the scheduler's class
         # order gives it every forward first), speculating if it can, rather than sharing
         # each forward with background rows.
@@ -199,8 +212,7 @@ class DecodePaths:
         speculate = mode != "off" and can_draft and alone
         if not speculate and self._batchable(job):
             if self.engine.batch_speculates:
-                history = (pre.history if mode != "off" and pre.history is not None
-                           and pre.history.head is self.engine.slot.head else None)  # a serial row drafts nothing
+                history = primed if mode != "off" else None  # a serial row drafts nothing
                 self.engine.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
                                depth=self._row_depth(job))
                 job.batched = True
@@ -215,8 +227,7 @@ class DecodePaths:
             from ..engine.decoders.speculative import speculative_decode
 
             spec = self.cfg.speculation
-            history = pre.history if pre.history is not None and pre.history.head is self.engine.slot.head else None
-            job.decode_history = history
+            history = job.decode_history = primed
             # The cache holds the prompt but its last token (prefilled in chunks, or restored
             # from the prefix cache); prompt lookup and the loop guard read the whole prompt.
             # Where the start-up probe proved verify bit-identical to serial steps, the
@@ -232,7 +243,12 @@ class DecodePaths:
             job.solo_spec = True
         else:
             mode = "off"
-            gen = serial_decode(self.engine.lm, last, sampler, cache=pre.cache)
+            # Before the verify verdict an exact greedy request decodes serially but keeps the
+            # head's history (as its prefill did, prefill_head): its continuation then serves
+            # the seat's next turn, which speculates once the verdict is in. Without it that
+            # turn resumed at the prompt's snapshot and prefilled the whole reply again.
+            history = job.decode_history = primed if job.prefill_head else None
+            gen = serial_decode(self.engine.lm, last, sampler, cache=pre.cache, history=history)
         if self.cfg.debug_fail_after_tokens is not None:  # fault injection, off by default
             gen = _fail_after(gen, self.cfg.debug_fail_after_tokens)
         job.start(gen, CommittedText(self.engine.lm.tokenizer, job.prompt), mode)

@@ -236,3 +236,50 @@ def test_near_tie_flags_what_a_top2_partial_sort_flags():
         for margin in (0.0, 2.0**-5, 0.3):
             want = (top2.max(axis=-1) - top2.min(axis=-1)) <= margin * scale
             assert near_tie(lp, logits, margin).tolist() == want.tolist()
+
+
+def _prefilled(lm, head, tokens: list[int]):
+    """A chunked prefill of ``tokens`` (all but the last) with a head history, run to its end."""
+    from daemon.engine.prefill.prefill import ChunkedPrefill
+
+    pre = ChunkedPrefill(lm, tokens, 16, lm.make_cache(), HeadHistory(head))
+    while pre.step():
+        pass
+    return pre
+
+
+def test_serial_decode_keeps_a_head_history_in_step_that_its_continuation_stores(lm, head):
+    """Before the verify verdict an exact request decodes serially with its prefill's head
+    history (decode_paths.begin_decode): the tokens are serial decode's, bit for bit; the
+    history stays at the cache's position (past a feed every HISTORY_FEED_EVERY pairs), so the
+    continuation keeps it; and the head holds what a prefill of the same tokens gives it."""
+    from daemon.engine.caches.prefix_cache import PrefixCache, cache_offset
+    from daemon.engine.decoders.serial import HISTORY_FEED_EVERY
+
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    n = HISTORY_FEED_EVERY + 9
+    ref = serial(lm, prompt, n)
+    pre = _prefilled(lm, head, prompt)
+    steps = serial_decode(lm, [pre.last_token], Sampler(SamplingParams()), cache=pre.cache, history=pre.history)
+    out = [t for s in itertools.islice(steps, n) for t in s.tokens]
+    assert out == ref
+    hist = pre.history
+    assert hist.offset + hist.n == cache_offset(pre.cache) == len(prompt) + n
+    assert hist.offset >= len(prompt) - 1 + HISTORY_FEED_EVERY - 1  # fed along the way, not only at the end
+    pc = PrefixCache(1 << 30, 16)
+    snap = pc.store_final(prompt + out, pre.cache, hist)
+    assert snap is not None and snap.head is not None and len(snap.tokens) == len(prompt) + n
+    # The head saw each decoded token's hidden state: as a prefill of prompt + decoded does.
+    again = _prefilled(lm, head, prompt + out + [0])
+    again.history.feed(keep_last=True)
+    assert again.history.offset == hist.offset
+    n_fed = hist.offset
+    for a, b in zip(again.history.state(), hist.state()):
+        a, b = a[..., :n_fed, :].astype(mx.float32), b[..., :n_fed, :].astype(mx.float32)
+        assert a.shape == b.shape and mx.abs(b).max().item() > 0
+        assert mx.allclose(a, b, atol=2e-2, rtol=2e-2), mx.abs(a - b).max().item()
+
+
+def test_serial_decode_takes_a_head_history_only_after_a_prefill(lm, copy_head):
+    with pytest.raises(ValueError, match="one prompt token"):
+        next(serial_decode(lm, [1, 2, 3], Sampler(SamplingParams()), history=HeadHistory(copy_head)))

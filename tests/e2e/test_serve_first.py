@@ -138,14 +138,17 @@ def test_a_stop_during_warm_up_exits_cleanly_and_ends_every_request_once(tmp_pat
 
 def test_a_prompt_served_before_the_verify_verdict_leaves_snapshots_that_speculating_requests_resume(tmp_path):
     """An exact request that starts before the verify verdict decodes serially, but its prompt's
-    snapshots still carry the head's history, so a speculating exact request after the verdict
-    (a council's second turn) resumes from them instead of prefilling its whole prompt again."""
+    snapshots and its continuation still carry the head's history, so a speculating exact
+    request after the verdict (a council's second turn) resumes from them instead of
+    prefilling its whole prompt, or its seat's last reply, again."""
     cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # empty: every check runs
     d = start_daemon(tmp_path, BUNDLED_MODEL, env=cache, config=CONFIG, warmed=False)
     shared = "".join(f"line {i}: the council weighs the motion, seat by seat.\n" for i in range(24))
     try:
         with Client(d.endpoint, seat="first", timeout_s=120) as c:
-            first = c.generate(shared + "Seat one:", max_tokens=4, speculation="exact", temperature=0.0)
+            # session "keep": its continuation is stored whether or not the split verdict is in.
+            first = c.generate(shared + "Seat one:", max_tokens=4, speculation="exact", temperature=0.0,
+                               session="keep")
             first.result()
             while _pending(c):
                 time.sleep(0.2)
@@ -158,8 +161,14 @@ def test_a_prompt_served_before_the_verify_verdict_leaves_snapshots_that_specula
     done = [e for e in events if e["event"] == "request.done"]
     assert len(done) == 2
     # The premise: the first request was accepted before the verify verdict, so it decoded
-    # serially (the verdict may come while it runs; its mode was set as it started).
+    # serially; or, where the verdict came during its prefill, as the exact request it is
+    # (decode_paths.begin_decode looks again), from the history its prefill primed.
     assert names.index(("request.accepted", None)) < names.index(("engine.warm", "verify"))
-    assert done[0]["speculation"] is None
+    assert done[0]["speculation"] is None or done[0]["speculation"]["mode"] == "exact"
     assert done[1]["speculation"] is not None and done[1]["speculation"]["mode"] == "exact"
     assert done[1]["cached_tokens"] >= 32 * 8, done[1]  # resumed from the first prompt's snapshots
+    # Its serial decode kept the head's history too: the continuation a next turn of the same
+    # seat resumes from carries it (a speculating request takes no snapshot without it).
+    (kept,) = [e for e in events if e["event"] == "prefix_cache.continuation"
+               and e["request_id"] == done[0]["request_id"]]
+    assert kept["head"] is True and kept["tokens"] == done[0]["prompt_tokens"] + 4
