@@ -206,17 +206,17 @@ class EngineStartup:
         if self.compile_later:
             parts.append(WarmPart("compiled_step", self._compiled_part, refused=self._compiled_refused))
         if self.engine.slot.available:
-            parts.append(WarmPart("verify", self._verify_part, exact_only=True))
+            parts.append(WarmPart("verify", self._verify_part, waited_by="exact"))
         if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
-            parts.append(WarmPart("batch", self._batch_part, exact_only=True))
+            parts.append(WarmPart("batch", self._batch_part, waited_by="exact"))
         if self.engine.prefix_cache is not None:
-            parts.append(WarmPart("splits", self._splits_part, exact_only=True))
+            parts.append(WarmPart("splits", self._splits_part, waited_by="exact"))
         if self.group is None:  # the shapes' first uses, paid before the requests that bring them
             parts.append(WarmPart("warmup", self._warmup_part))
         if self.cfg.scheduler.prefill_together != "off" and self.group is None:
-            parts.append(WarmPart("prefill_together", self._prefill_together))
+            parts.append(WarmPart("prefill_together", self._prefill_together, waited_by="none"))
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
-            parts.append(WarmPart("mixed_steps", self._mixed_steps))
+            parts.append(WarmPart("mixed_steps", self._mixed_steps, waited_by="none"))
         return parts
 
     def _publish_warming(self, warming: dict) -> None:

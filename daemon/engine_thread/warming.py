@@ -53,9 +53,12 @@ class WarmPart:
     # Called with the reason when the check raised or was forced to fail: what the safe
     # path's status should say now that the part is over (e.g. the decode path's "eager: why").
     refused: Callable[[str], None] | None = None
-    # Only exact greedy requests wait for its verdict (verify, batch, splits): fast ones
-    # speculate, batch and reuse snapshots anywhere without it.
-    exact_only: bool = False
+    # Who waits for its verdict, which sets its share of a busy engine (worker.py):
+    # "every" request (the compiled step, the shapes' warm-up); "exact" greedy requests only
+    # (verify, batch, splits: fast ones speculate, batch and reuse snapshots anywhere without
+    # them); "none" (the cost probes prefill_together and mixed_steps: each decides an
+    # optional speed-up, and the path every request takes meanwhile is the one they test).
+    waited_by: str = "every"
 
 
 class Warming:
@@ -76,9 +79,9 @@ class Warming:
         return [p.name for p in self.parts]
 
     @property
-    def exact_only(self) -> bool:
-        """The part under way speeds up exact greedy requests only."""
-        return bool(self.parts) and self.parts[0].exact_only
+    def waited_by(self) -> str:
+        """Who waits for the part under way (WarmPart.waited_by); "none" when none is left."""
+        return self.parts[0].waited_by if self.parts else "none"
 
     def step(self) -> bool:
         """Run one piece of the current part; False when nothing is left."""

@@ -49,13 +49,19 @@ OUT_ENDPOINT = "inproc://councild-engine-out"
 
 # Under load that never lets the engine idle, the start-up parts still finish (warming.py):
 # between steps, pieces within the credit its serving earned (warming.BusyShare), so they take
-# this share of its time and a request waits at most WARM_BURST_S and one piece. Idle, pieces
-# run back to back.
+# a share of its time and a request waits at most WARM_BURST_S and one piece. Idle, pieces
+# run back to back. The share is by who waits for the part's verdict (WarmPart.waited_by):
+# - every request (the compiled step, the warm-up): a fifth;
+# - exact greedy requests (verify, batch, splits) while one is in the engine: half. Until
+#   their verdicts those requests decode alone and serially and resume on the chunk grid
+#   only: on a fresh CPU start, a council's second turn re-prefilled ~180 tokens a seat
+#   because the split verdict came at a fifth (bench/results/first_round_pacing_cpu_2026-12-05);
+# - nobody (an optional speed-up's cost probe, or an exact part while no exact request is in
+#   the engine): a twentieth, so a first round pays little for what it does not use.
 WARM_SHARE_WHEN_BUSY = 0.2
-WARM_BURST_S = 0.25
-# The share of a part only exact greedy requests wait for (verify, batch, splits) while none is
-# in the engine: a fast-only council's first round pays for what it does not use otherwise.
+WARM_SHARE_EXACT_WAITING = 0.5
 WARM_SHARE_NONE_WAITING = 0.05
+WARM_BURST_S = 0.25
 
 
 class EngineWorker(threading.Thread):
@@ -90,7 +96,7 @@ class EngineWorker(threading.Thread):
         self.paths: DecodePaths | None = None
         self.prefix_use: PrefixCacheUse | None = None
         # The start-up parts still to run between requests (warming.py), and the credit their
-        # pieces draw on while requests keep the engine busy (WARM_SHARE_WHEN_BUSY).
+        # pieces draw on while requests keep the engine busy (the WARM_SHARE_* constants).
         self.warming = None
         self._warm_share = BusyShare(WARM_SHARE_WHEN_BUSY, WARM_BURST_S)
         # An mx.distributed group of several ranks when serving tensor-parallel
@@ -212,18 +218,26 @@ class EngineWorker(threading.Thread):
     def _warm_piece(self, idle: bool) -> None:
         """The start-up's remaining checks (warming.py) between steps: idle, one piece (about
         one step's work, so a request arriving meanwhile waits about one step); busy, the
-        pieces the serving since the last has earned (WARM_SHARE_WHEN_BUSY)."""
+        pieces the serving since the last has earned (the WARM_SHARE_* constants)."""
         share = self._warm_share
         if idle:
             self.warming.step()
             share.idle()
             return
-        waiting = not self.warming.exact_only or self._exact_greedy_in_engine()
-        share.set_share(WARM_SHARE_WHEN_BUSY if waiting else WARM_SHARE_NONE_WAITING)
+        share.set_share(self._busy_warm_share())
         while share.earn() > 0 and self._warming_left():
             t0 = time.monotonic()
             self.warming.step()
             share.charge(time.monotonic() - t0)
+
+    def _busy_warm_share(self) -> float:
+        """The part under way's share of a busy engine, by who waits for it (the constants)."""
+        waited_by = self.warming.waited_by
+        if waited_by == "every":
+            return WARM_SHARE_WHEN_BUSY
+        if waited_by == "exact" and self._exact_greedy_in_engine():
+            return WARM_SHARE_EXACT_WAITING
+        return WARM_SHARE_NONE_WAITING
 
     def _exact_greedy_in_engine(self) -> bool:
         """A request decoding or waiting that is exact at temperature 0: one the exactness

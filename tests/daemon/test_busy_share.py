@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from daemon.engine_thread import worker as worker_mod
 from daemon.engine_thread.warming import BusyShare
 
 pytestmark = pytest.mark.quick
@@ -86,11 +87,12 @@ def test_a_lower_share_earns_less_from_then_on():
     assert share.earn() == pytest.approx(0.15, abs=0.02)
 
 
-def test_only_the_exactness_parts_wait_for_exact_requests(tmp_path):
+def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
     """A fresh start's parts (the bundled model, an empty cache folder, the worker's own
     start-up in a process of its own: it freezes the collector and starts the disk tier's
     thread): those whose verdicts only exact greedy requests wait for (verify, batch, splits)
-    are marked so; the compiled step, the warm-up and the cost probes serve every request."""
+    are marked "exact", the cost probes of optional speed-ups "none", the compiled step and
+    the warm-up "every"; and the busy share the worker gives the part under way follows."""
     import json
     import os
     import subprocess
@@ -102,11 +104,37 @@ def test_only_the_exactness_parts_wait_for_exact_requests(tmp_path):
             "from daemon.paths import BUNDLED_MODEL\n"
             "w = EngineWorker(Config(), zmq.Context.instance(), str(BUNDLED_MODEL))\n"
             "w._load()\n"
-            "print(json.dumps([[p.name, p.exact_only] for p in w.warming.parts] + [w.warming.exact_only]))\n")
+            "from protocol import messages as m\n"
+            "from daemon.request_text.requests import Job\n"
+            "def job(i, **kw):\n"
+            "    return Job(msg=m.Generate(request_id=f'r{i}', prompt='x', **kw), identity=b'c', seat='s',\n"
+            "               priority='normal', weight=1.0, deadline=None, received_at=0.0)\n"
+            "fast, exact = job(0, speculation='fast'), job(1)\n"
+            "shares = {}\n"
+            "while w.warming.parts:\n"
+            "    row = []\n"
+            "    for active in ([], [fast], [fast, exact]):\n"
+            "        w.scheduler.active[:] = active\n"
+            "        row.append(w._busy_warm_share())\n"
+            "    shares[w.warming.parts[0].name] = row\n"
+            "    w.warming.parts.pop(0)\n"
+            "w.scheduler.active[:] = []\n"
+            "print(json.dumps([[p, shares[p]] for p in shares] + [w.warming.waited_by]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, COUNCILD_CACHE_DIR=str(tmp_path)), check=True)
-    *parts, first_exact_only = json.loads(out.stdout.strip().splitlines()[-1])
-    marked = dict(parts)
-    assert {name for name, only in marked.items() if only} == {"verify", "batch", "splits"}
-    assert {"compiled_step", "warmup", "prefill_together", "mixed_steps"} <= set(marked)
-    assert first_exact_only is False  # the compiled step comes first
+    *parts, after_all = json.loads(out.stdout.strip().splitlines()[-1])
+    names = [name for name, _ in parts]
+    share = dict(parts)
+    assert names[0] == "compiled_step"  # the other verdicts are keyed by the decode path it decides
+    assert {"verify", "batch", "splits", "warmup", "prefill_together", "mixed_steps"} <= set(names)
+    every, exact, none = (worker_mod.WARM_SHARE_WHEN_BUSY, worker_mod.WARM_SHARE_EXACT_WAITING,
+                          worker_mod.WARM_SHARE_NONE_WAITING)
+    assert none < every < exact
+    # By the engine's requests: none, a fast one, a fast and an exact greedy one.
+    assert share["compiled_step"] == share["warmup"] == [every] * 3
+    for name in ("verify", "batch", "splits"):
+        assert share[name] == [none, none, exact], name
+    for name in ("prefill_together", "mixed_steps"):
+        assert share[name] == [none] * 3, name
+    assert after_all == "none"
+
