@@ -26,7 +26,8 @@ from pathlib import Path
 def one_run(tree: Path, args, out: Path) -> dict:
     cmd = [sys.executable, str(tree / "bench/council_http.py"), "--seats", str(args.seats), "--turns", str(args.turns),
            "--system-tokens", str(args.system_tokens), "--max-tokens", str(args.max_tokens), "--rounds",
-           str(args.rounds), "--arms", args.arms, "--cache-dir", str(out / "cache"), "--json", str(out / "r.json")]
+           str(args.rounds), "--arms", args.arms, "--cache-dir", str(out / "cache"), "--json", str(out / "r.json"),
+           "--logs", str(out / "logs")]  # each run's daemon and front logs stay in the work folder
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
     r = json.loads((out / "r.json").read_text())
@@ -82,6 +83,7 @@ def main(argv=None) -> int:
         ap.error("--trees takes exactly two folders")
     runs: dict[str, list[dict]] = {str(t): [] for t in trees}
     work = Path(tempfile.mkdtemp(prefix="first-round-ab-"))
+    print(f"runs' logs under {work}", file=sys.stderr, flush=True)
     for i in range(args.pairs):
         for tree in (trees if i % 2 == 0 else trees[::-1]):
             out = work / f"{i}-{tree.name}"
