@@ -1,7 +1,7 @@
 """A fresh daemon's first council round against its later rounds, two source trees alternated.
 
     PYTHONPATH=$PWD .venv/bin/python bench/first_round_ab.py --trees A_DIR,B_DIR [--pairs 4]
-        [--arms default] [--rounds 2] [--json OUT.json] [--markdown OUT.md]
+        [--arms default] [--rounds 2] [--max-active A_VALUE,B_VALUE] [--json OUT.json] [--markdown OUT.md]
 
 Each run is `bench/council_http.py` of that tree (so its daemon runs that tree's code) with a new,
 empty cache folder: no stored probe verdicts, no prefix snapshots, no learned profile, as on a
@@ -9,6 +9,9 @@ fresh machine. council_http's round 0 is the first workload after start-up; its 
 "later" (each round sends new prompts). Per run and arm: round 0's tok/s over the later rounds'
 median, and the TTFT p50 and p95 ratios; then per tree the median and range over its runs. The
 trees alternate run by run (A B, B A, ...), so drift on a shared machine falls on both.
+``--max-active`` gives each tree's daemon a ``scheduler.max_active`` (council_http's
+``--max-active``, one value per tree); the two "trees" may then be one folder, so the arms are
+two settings of the same code.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ import time
 from pathlib import Path
 
 
-def one_run(tree: Path, args, out: Path) -> dict:
+def one_run(tree: Path, max_active: str, args, out: Path) -> dict:
     cmd = [sys.executable, str(tree / "bench/council_http.py"), "--seats", str(args.seats), "--turns", str(args.turns),
            "--system-tokens", str(args.system_tokens), "--max-tokens", str(args.max_tokens), "--rounds",
            str(args.rounds), "--arms", args.arms, "--cache-dir", str(out / "cache"), "--json", str(out / "r.json"),
            "--logs", str(out / "logs")]  # each run's daemon and front logs stay in the work folder
+    if max_active:
+        cmd += ["--max-active", max_active]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=tree, check=True, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
     r = json.loads((out / "r.json").read_text())
-    return {"wall_s": round(time.perf_counter() - t0, 1), "arms": {f["arm"]: round0_ratios(r, f["arm"]) for f in r["first_round"]}}
+    # council_http names an arm "ARM max_active=V" when given a value: the bare arm here.
+    return {"wall_s": round(time.perf_counter() - t0, 1),
+            "arms": {f["arm"].split(" max_active=")[0]: round0_ratios(r, f["arm"]) for f in r["first_round"]}}
 
 
 def round0_ratios(r: dict, arm: str) -> dict:
@@ -75,22 +82,31 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-active", default="",
+                    help='one scheduler.max_active per tree, comma-separated ("auto" or ints); default: each '
+                         "council_http's own")
     ap.add_argument("--json", type=Path, default=Path("bench/out/first_round_ab.json"))
     ap.add_argument("--markdown", type=Path)
     args = ap.parse_args(argv)
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     if len(trees) != 2:
         ap.error("--trees takes exactly two folders")
-    runs: dict[str, list[dict]] = {str(t): [] for t in trees}
+    values = args.max_active.split(",") if args.max_active else ["", ""]
+    if len(values) != 2:
+        ap.error("--max-active takes one value per tree")
+    arms = [(t, v, f"{t} max_active={v}" if v else str(t)) for t, v in zip(trees, values)]
+    if arms[0][2] == arms[1][2]:
+        ap.error("the two arms are the same tree with the same settings")
+    runs: dict[str, list[dict]] = {label: [] for _, _, label in arms}
     work = Path(tempfile.mkdtemp(prefix="first-round-ab-"))
     print(f"runs' logs under {work}", file=sys.stderr, flush=True)
     for i in range(args.pairs):
-        for tree in (trees if i % 2 == 0 else trees[::-1]):
-            out = work / f"{i}-{tree.name}"
+        for k, (tree, value, label) in enumerate(arms if i % 2 == 0 else arms[::-1]):
+            out = work / f"{i}-{k}-{tree.name}"
             out.mkdir()
-            res = one_run(tree, args, out)
-            runs[str(tree)].append(res)
-            print(f"pair {i} {tree}: " + ", ".join(f"{a} round 0 / later {v['tok_s_ratio']:.2f}x, TTFT p95 "
+            res = one_run(tree, value, args, out)
+            runs[label].append(res)
+            print(f"pair {i} {label}: " + ", ".join(f"{a} round 0 / later {v['tok_s_ratio']:.2f}x, TTFT p95 "
                                                       f"{v['ttft_p95_ratio']:.2f}x" for a, v in res["arms"].items())
                   + f" ({res['wall_s']} s)", file=sys.stderr, flush=True)
     lines = [f"`{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
