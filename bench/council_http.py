@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-active", default="",
                     help='comma-separated scheduler.max_active values ("auto" or ints): one councild daemon each, '
                          'its arms named "ARM max_active=V" and rotated with the others (default: one daemon at '
-                         "max(4, seats), arms named as given)")
+                         '"auto", the daemon\'s own default since 2026-12-05 (before, this benchmark pinned '
+                         "max(4, seats)), arms named as given)")
     ap.add_argument("--json", default="bench/out/council_http.json")
     ap.add_argument("--markdown")
     lp.add_options(ap)
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = args.arms.split(",")
         arms: dict = {}
         endpoint: dict[str, str] = {}
-        values = [v if v == "auto" else int(v) for v in args.max_active.split(",") if v] or [max(4, args.seats)]
+        values = [v if v == "auto" else int(v) for v in args.max_active.split(",") if v] or ["auto"]
         for v in values if any(a != "mlx_lm.server" for a in wanted) else []:
             home = tmp if not args.max_active else tmp / f"councild-{v}"
             home.mkdir(exist_ok=True)

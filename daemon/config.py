@@ -48,11 +48,11 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # governor decides (governor/row_limit.py): it starts at AUTO_START_HEIGHT and admits
     # rows up to max_active_ceiling while the measured step cost by height says another row
     # pays and memory holds each row's cache at its context, and backs off under pressure.
-    # An int pins it (1..256). The default stays a pinned 4 until a council benchmark shows
-    # "auto" at least as good on a quiet machine: its one run here was cut on a box at load
-    # 25-41 (where it backed off to 2 rows), and building the batch at the ceiling cost a
-    # cold start 1.13x (bench/results/row_ceiling_startup_cpu.md).
-    max_active: Annotated[int, Meta(ge=1, le=256)] | Literal["auto"] = 4
+    # An int pins it (1..256). "auto" is the default since a council of 8 on a quiet machine
+    # did at least as well with it as pinned at 4 (1.02x and 1.03x the aggregate tok/s, TTFT
+    # p50 0.78-0.99x: bench/results/row_limit_cpu_2026-12-05); its price is a fresh machine's
+    # one-time cost probes at the ceiling, about twice those at 4.
+    max_active: Annotated[int, Meta(ge=1, le=256)] | Literal["auto"] = "auto"
     # With max_active = "auto": the most rows the governor may admit. The batch decoder is
     # built, probed and warmed up at this height at start-up (with an int max_active, at that).
     max_active_ceiling: Annotated[int, Meta(ge=1, le=256)] = 8

@@ -13,12 +13,12 @@ from scheduler_helpers import FakeJob
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
 
-def test_max_active_is_a_pinned_4_by_default_and_auto_is_asked_for():
+def test_max_active_is_the_governors_by_default_and_an_int_pins_it():
     sc = load_config(None, env={}).scheduler
-    assert sc.max_active == 4 and not sc.height_auto and sc.max_active_ceiling == 8
-    assert sc.batch_rows == 4 and sc.start_height == 4
-    sc = load_config(None, {"scheduler": {"max_active": "auto"}}, env={}).scheduler
-    assert sc.height_auto and sc.batch_rows == 8 and sc.start_height == AUTO_START_HEIGHT == 4
+    assert sc.max_active == "auto" and sc.height_auto and sc.max_active_ceiling == 8
+    assert sc.batch_rows == 8 and sc.start_height == AUTO_START_HEIGHT == 4
+    sc = load_config(None, {"scheduler": {"max_active": 4}}, env={}).scheduler
+    assert sc.max_active == 4 and not sc.height_auto and sc.batch_rows == 4 and sc.start_height == 4
     sc = load_config(None, {"scheduler": {"max_active": 6, "max_active_ceiling": 2}}, env={}).scheduler
     assert not sc.height_auto and sc.batch_rows == 6 and sc.start_height == 6  # a pin ignores the ceiling
     sc = load_config(None, {"scheduler": {"max_active": "auto", "max_active_ceiling": 3}}, env={}).scheduler
