@@ -333,38 +333,48 @@ class EngineStartup:
                   else "batched rows round unlike one row here (or the verify does): exact rows decode alone")
         return Outcome(exact_ok, reason, apply, {"verdict": verdict})
 
+    # The two cost probes time their forwards at the height the row limit starts at
+    # (scheduler.start_height: max_active, or AUTO_START_HEIGHT with "auto"), and their exactness
+    # checks run at the batch's height (batch_rows: every height the batch may reach). Whether
+    # sharing a forward pays is the device's answer (launch-bound or compute-bound), and at the
+    # ceiling of 8 the two timings cost a fresh CPU start ~1 s more than at 4, paid by a
+    # council's first rounds (bench/results/row_limit_cpu_2026-12-05).
     def _prefill_together(self):
         """Whether prompts' pieces share forwards (engine/prefill/batched_prefill.py): "auto" times a
-        forward of scheduler.batch_rows rows (max_active, or its ceiling with "auto")
-        against one row's; exact greedy rows join where the probe
-        finds the rows bit-identical to each alone. Each prompt prefills alone until then."""
+        forward of scheduler.start_height rows against one row's; exact greedy rows join where
+        the probe finds the batch's rows (batch_rows) bit-identical to each alone. Each prompt
+        prefills alone until then."""
         from ..engine.prefill.batched_prefill import together_cost_ratio, together_matches_solo, together_pays
 
-        lm, rows = self.engine.lm, self.cfg.scheduler.batch_rows
+        lm, sched = self.engine.lm, self.cfg.scheduler
+        rows, timed = sched.batch_rows, sched.start_height
         return self._measured_choice(
-            "prefill_together", self.cfg.scheduler.prefill_together, f"{rows}-{int(lm.chunked_prefill)}",
-            cost=lambda: together_cost_ratio(lm, rows), pays=lambda r: together_pays(r, rows),
-            why_not=lambda r: (f"a forward of {rows} rows costs {r:.2f} one-row forwards here, not under "
-                               f"{(rows + 1) / 2}: prompts' first tokens would come later on average"),
+            "prefill_together", sched.prefill_together, f"{rows}-{int(lm.chunked_prefill)}",
+            cost_variant=f"{timed}-{int(lm.chunked_prefill)}",
+            cost=lambda: together_cost_ratio(lm, timed), pays=lambda r: together_pays(r, timed),
+            why_not=lambda r: (f"a forward of {timed} rows costs {r:.2f} one-row forwards here, not under "
+                               f"{(timed + 1) / 2}: prompts' first tokens would come later on average"),
             exact=lambda: together_matches_solo(lm, rows), set_to=lambda v: setattr(self.engine, "prefill_together_exact", v),
-            log_ready=lambda **fields: log.info("prefill_together.ready", **fields), rows=rows)
+            log_ready=lambda **fields: log.info("prefill_together.ready", **fields), rows=rows, cost_rows=timed)
 
     def _mixed_steps(self):
         """Whether the batch's decode forwards carry a prompt's paced piece
-        (engine/prefill/mixed_forward.py): "auto" times one mixed forward against the two it replaces;
-        exact greedy rows and prompts take part where the probe finds every group's numbers
-        bit-identical to its own forward's. None carry a piece until then."""
+        (engine/prefill/mixed_forward.py): "auto" times one mixed forward of scheduler.start_height
+        rows against the two it replaces; exact greedy rows and prompts take part where the probe
+        finds every group's numbers bit-identical to its own forward's at the batch's rows. None
+        carry a piece until then."""
         from ..engine.prefill.mixed_forward import mixed_cost_ratio, mixed_matches_alone, mixed_pays
 
-        lm, rows, chunk = self.engine.lm, self.cfg.scheduler.batch_rows, self.cfg.scheduler.prefill_chunk
+        lm, sched = self.engine.lm, self.cfg.scheduler
+        rows, timed, chunk = sched.batch_rows, sched.start_height, sched.prefill_chunk
         return self._measured_choice(
-            "mixed_steps", self.cfg.scheduler.mixed_steps, f"{rows}-{chunk}",
-            cost=lambda: mixed_cost_ratio(lm, rows), pays=mixed_pays,
-            why_not=lambda r: (f"a decode forward of {rows} rows carrying a prompt's piece costs {r:.2f} of the two "
+            "mixed_steps", sched.mixed_steps, f"{rows}-{chunk}", cost_variant=f"{timed}-{chunk}",
+            cost=lambda: mixed_cost_ratio(lm, timed), pays=mixed_pays,
+            why_not=lambda r: (f"a decode forward of {timed} rows carrying a prompt's piece costs {r:.2f} of the two "
                                "forwards it replaces here: not a fifth less"),
             exact=lambda: mixed_matches_alone(lm, rows, pieces=(1, 6, chunk)),
             set_to=lambda v: setattr(self.engine, "mixed_exact", v),
-            log_ready=lambda **fields: log.info("mixed_steps.ready", **fields), rows=rows)
+            log_ready=lambda **fields: log.info("mixed_steps.ready", **fields), rows=rows, cost_rows=timed)
 
     def _warmup_part(self):
         from .warming import Outcome
@@ -374,20 +384,21 @@ class EngineStartup:
         return Outcome(level != "off", f"warm-up {level}: each served shape ran once" if level != "off"
                        else "warmup = \"off\"", None, {"mode": level})
 
-    def _measured_choice(self, probe: str, mode: str, variant: str, *, cost: Callable[[], float],
+    def _measured_choice(self, probe: str, mode: str, variant: str, *, cost_variant: str, cost: Callable[[], float],
                          pays: Callable[[float], bool], why_not: Callable[[float], str], exact: Callable[[], bool],
                          set_to: Callable[[bool | None], None], log_ready: Callable[..., None], **fields):
         """A start-up choice of an optional way to run the step ("auto" or "on"): with "auto",
         off (None) where ``cost`` (a cost ratio, timed once and kept with the probes'
-        verdicts: the backend's answer, not the moment's load) does not ``pay``; else whether
-        exact greedy requests may take part (``exact``'s verdict, kept likewise). An Outcome
-        whose ``apply`` hands that to ``set_to`` and logs the caller's ``.ready`` event (``log_ready``)."""
+        verdicts under ``cost_variant``: the backend's answer, not the moment's load) does not
+        ``pay``; else whether exact greedy requests may take part (``exact``'s verdict, kept
+        likewise under ``variant``). An Outcome whose ``apply`` hands that to ``set_to`` and
+        logs the caller's ``.ready`` event (``log_ready``)."""
         from .warming import Outcome
 
         t0 = time.perf_counter()
         ratio = None
         if mode == "auto":
-            ratio = self.engine.verdicts.measure(f"{probe}_cost", variant, cost)
+            ratio = self.engine.verdicts.measure(f"{probe}_cost", cost_variant, cost)
             if not pays(ratio):
                 out = {"mode": mode, "enabled": False, **fields, "cost_ratio": round(ratio, 3),
                        "reason": why_not(ratio), "probe_ms": round((time.perf_counter() - t0) * 1000, 1)}

@@ -144,14 +144,15 @@ def test_pieces_ride_in_decode_forwards_and_every_stream_decodes_what_it_would_a
 
 
 def test_auto_prefill_together_follows_what_start_up_measured(paced):
-    """prefill_together = "auto" (the default): start-up times a forward of the batch's rows
-    (scheduler.batch_rows: with max_active = "auto", the default, its ceiling, 8 by default)
-    against one row's and turns sharing on only where it pays (batched_prefill.together_pays)."""
+    """prefill_together = "auto" (the default): start-up times a forward of the rows the row
+    limit starts at (scheduler.start_height: 4 with max_active = "auto", the default) against
+    one row's and turns sharing on only where it pays (batched_prefill.together_pays); its
+    exactness covers the batch's rows (batch_rows: the ceiling, 8)."""
     from daemon.engine.prefill.batched_prefill import together_pays
 
     ready = [e for e in paced.events() if e["event"] == "prefill_together.ready"][-1]
-    assert ready["mode"] == "auto" and ready["rows"] == 8 and ready["cost_ratio"] > 0, ready
-    assert ready["enabled"] == together_pays(ready["cost_ratio"], 8), ready
+    assert ready["mode"] == "auto" and ready["rows"] == 8 and ready["cost_rows"] == 4 and ready["cost_ratio"] > 0, ready
+    assert ready["enabled"] == together_pays(ready["cost_ratio"], 4), ready
     with Client(paced.endpoint, seat="status") as c:
         together = c.status().detail["step"]["together"]
     assert together["enabled"] == ready["enabled"], together
