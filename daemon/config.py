@@ -50,8 +50,8 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # pays and memory holds each row's cache at its context, and backs off under pressure.
     # An int pins it (1..256). "auto" is the default since a council of 8 on a quiet machine
     # did at least as well with it as pinned at 4 (1.02x and 1.03x the aggregate tok/s, TTFT
-    # p50 0.78-0.99x: bench/results/row_limit_cpu_2026-12-05); its price is a fresh machine's
-    # one-time cost probes at the ceiling, about twice those at 4.
+    # p50 0.78-0.99x: bench/results/row_limit_cpu_2026-12-05); the batch is built, probed for
+    # exactness and warmed up at the ceiling, once per machine.
     max_active: Annotated[int, Meta(ge=1, le=256)] | Literal["auto"] = "auto"
     # With max_active = "auto": the most rows the governor may admit. The batch decoder is
     # built, probed and warmed up at this height at start-up (with an int max_active, at that).
