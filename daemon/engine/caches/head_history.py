@@ -26,6 +26,11 @@ class HeadHistory:
         self.n += tokens.size
 
     @property
+    def head_evicted(self) -> bool:
+        """The governor evicted the head this history feeds: nothing will draft from it."""
+        return getattr(self.head, "unloaded", False)
+
+    @property
     def offset(self) -> int:
         return self.cache[0].offset if self.cache else 0
 

@@ -52,7 +52,7 @@ def serial_decode(lm: LoadedModel, prompt: list[int], sampler: Sampler, cache: l
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         y = sampler(logprobs).reshape(-1)
         sampler.commit(y)  # lazy: the next step's penalties count y
-        if history is not None and getattr(history.head, "unloaded", False):
+        if history is not None and history.head_evicted:
             history = None  # the governor evicted the head: nothing will speculate from this
         if history is not None:
             history.add(h[:, -1:], y)  # (hidden at this position, the token after it)

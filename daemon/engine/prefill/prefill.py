@@ -110,7 +110,7 @@ class ChunkedPrefill:
     def check_head(self) -> None:
         """Before a forward: drop a history whose head the governor evicted (this request
         then decodes serially)."""
-        if self.history is not None and getattr(self.history.head, "unloaded", False):
+        if self.history is not None and self.history.head_evicted:
             self.history = None
 
     def piece_ids(self, n: int) -> mx.array:
