@@ -15,7 +15,8 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 ``--kernels``: one or more kernel sets, each on its own copy of the model, alternated within each round (bench/step_split.py's
 ``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "conv", its conv folded in, "merge", the
 projections that read one input as one matmul, and "qmm", the quantized linears on the
-tensor-core kernel); ``--compiled``: the compiled step, as the daemon
+tensor-core kernel, whose launch "pf" / "nopf" (prefetch on / off) and "sN" (N warps split K)
+set: ``apply_launches``); ``--compiled``: the compiled step, as the daemon
 runs it. Each measured round draws new prompts (the same length; every arm of the round gets them).
 Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
 markdown and written to DIR/gpu_batch_spec.json. Prefill is outside the timed region.
@@ -42,7 +43,7 @@ from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
 from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
-from step_split import set_arm  # noqa: E402
+from step_split import apply_launches, set_arm  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
 
 
@@ -140,6 +141,7 @@ def main(argv=None) -> int:
 
         prompts = new_prompts()
         for a in arms:  # one unmeasured pass: compiles every shape
+            apply_launches(a.split(" ")[0])
             run_arm(*models[a.split(" ")[0]], a.split(" ", 1)[1], prompts, 4)
         rates = {a: [] for a in arms}
         per_step = {a: [] for a in arms}
@@ -150,6 +152,7 @@ def main(argv=None) -> int:
             prompts = new_prompts()
             for a in arms:
                 ks, arm = a.split(" ", 1)
+                apply_launches(ks)
                 rate, ps = run_arm(*models[ks], arm, prompts, args.tokens)
                 rates[a].append(rate)
                 per_step[a].append(ps)

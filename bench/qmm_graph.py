@@ -18,6 +18,8 @@ are checked against each other (NA and U change nothing: the same bits) and agai
 Weights are random bits with random scales and biases (no quantize on a fresh device: MLX's
 kernels compile on first use).
 
+``--mode check``: that check alone (the launches' bits against each other, and against MLX's).
+
 ``--mode forward``: a 27B-shaped 4-bit stack of ``--layers`` layers (3 GatedDeltaNet : 1
 attention, the real lm_head), a 256-token cache; per B x T, the Python graph building and the
 evaluation of one forward timed apart, arms "mlx" and "qmm" (the quantized linears on the
@@ -116,7 +118,7 @@ def rel_err(y, ref) -> float:
 
 
 def check_launches(bits: int) -> dict:
-    """NA and U change only the speed: every launch gives the NA = 1 launch's bits, at every M."""
+    """NA, U and PF change only the speed: every launch gives the NA = 1 launch's bits, at every M."""
     out = {}
     for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
         N, K = SHAPES[name]
@@ -127,8 +129,8 @@ def check_launches(bits: int) -> dict:
         for M in (1, 5, 8, 16, 17, 32, 40):
             base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
             same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=na,
-                                                                     unroll=u), base).item()
-                       for na in (1, 2, 4) for u in (1, 2))
+                                                                     unroll=u, prefetch=pf), base).item()
+                       for na in (1, 2, 4) for u in (1, 2) for pf in (0, 1))
             rows[M] = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
         out[f"b{bits} {name}"] = rows
         log(f"check b{bits} {name}: " + ", ".join(f"M{m} {'same' if r['launches_equal'] else 'DIFFER'} "
@@ -203,6 +205,18 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
+def launch_of(text: str) -> tuple[int, int, int, int]:
+    """"S:U:NA" or "S:U:NA:PF" (PF: prefetch, 0 when left out)."""
+    v = [int(x) for x in text.split(":")]
+    if len(v) not in (3, 4):
+        raise SystemExit(f"--launches: {text!r} is not S:U:NA or S:U:NA:PF")
+    return v[0], v[1], v[2], v[3] if len(v) == 4 else 0
+
+
+def launch_name(S: int, U: int, NA: int, PF: int) -> str:
+    return f"S{S} U{U} NA{NA}" + (" PF" if PF else "")
+
+
 _MARKER: list = []
 
 
@@ -234,9 +248,9 @@ def probe_mode(args) -> dict:
             arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
             for launch in filter(None, args.launches.split(",")):
-                S, U, NA = (int(v) for v in launch.split(":"))
-                arms[f"S{S} U{U} NA{NA}"] = (lambda S, U, NA: lambda x: quant_mma.quantized_matmul_mma(
-                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA))(S, U, NA)
+                S, U, NA, PF = launch_of(launch)
+                arms[launch_name(S, U, NA, PF)] = (lambda S, U, NA, PF: lambda x: quant_mma.quantized_matmul_mma(
+                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA, prefetch=PF))(S, U, NA, PF)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -325,10 +339,10 @@ def save(args, res: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host"), required=True)
+    ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32)")
-    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA, comma-separated")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:PF], comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
@@ -340,7 +354,9 @@ def main(argv=None) -> int:
     if invariant.backend() != "cuda":
         print("qmm_graph.py needs MLX on CUDA (the tensor-core kernel is CUDA-only)", file=sys.stderr)
         return 2
-    res = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode}[args.mode](args)
+    modes = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode,
+             "check": lambda args: {"mode": "check", "kernel": quant_mma._NAME, "check": check_launches(args.bits)}}
+    res = modes[args.mode](args)
     save(args, res)
     if args.mode == "matmul":
         print("\n| shape | split | M=1 us (bound %) | M16/M1 | M32/M1 | best arm per M | MLX us per M |\n|---|---|---|---|---|---|---|")

@@ -1,7 +1,7 @@
 """Read the device times of bench/qmm_graph.py's ``--mode probe`` run from an ncu CSV.
 
     python3 bench/qmm_probe_read.py probe_ncu.csv [--shapes gate/up,down,lm_head] [--ms 1,2,4,8,16,32]
-        [--launches S:U:NA,...] [--json out.json]
+        [--launches S:U:NA[:PF],...] [--json out.json]
 
 The probe launches a marker kernel before each group (one shape, M and arm, in the order
 qmm_graph.py runs them: shapes in its table order, M ascending, then "mlx", "kernel" and the
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qmm_graph import GS, MS, SHAPES, bytes_read  # noqa: E402
+from qmm_graph import GS, MS, SHAPES, bytes_read, launch_name, launch_of  # noqa: E402
 
 
 def groups_of(path: Path) -> list[list[tuple[str, float]]]:
@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=3.4e12)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    arms = ["mlx", "kernel"] + [f"S{s} U{u} NA{na}" for s, u, na in
-                                (launch.split(":") for launch in filter(None, args.launches.split(",")))]
+    arms = ["mlx", "kernel"] + [launch_name(*launch_of(launch)) for launch in filter(None, args.launches.split(","))]
     ms = [int(m) for m in args.ms.split(",")] if args.ms else list(MS)
     plan = [(name, N, K, M, arm) for name, (N, K) in SHAPES.items()
             if not args.shapes or any(s in name for s in args.shapes.split(","))

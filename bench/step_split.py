@@ -43,7 +43,7 @@ for p in (ROOT, ROOT / "bench"):
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from daemon.engine.kernels import gdn_fused, gdn_layer, invariant, merged_linears  # noqa: E402
+from daemon.engine.kernels import gdn_fused, gdn_layer, invariant, merged_linears, quant_mma  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
@@ -114,7 +114,29 @@ def qmm_chain(n: int = 400) -> dict:
     return out
 
 
+_SPLIT_FOR = quant_mma.split_for
+
+
+def apply_launches(kernels: str) -> None:
+    """The tensor-core kernel's launch tables are the process's: "pf" in a kernel set turns its
+    prefetch on at every row tile (or off, "nopf"), "sN" makes every layer's split N warps (a
+    different summation order: a speed arm only). Call it before each arm of a set runs (an
+    eager step reads the tables at every call, a compiled one when it traces)."""
+    parts = kernels.split("+")
+    saved = getattr(apply_launches, "prefetch", None)
+    if saved is None:
+        saved = apply_launches.prefetch = dict(quant_mma.PREFETCH_BY_TILES)
+    quant_mma.PREFETCH_BY_TILES.clear()
+    quant_mma.PREFETCH_BY_TILES.update(saved)
+    if "pf" in parts or "nopf" in parts:
+        quant_mma.PREFETCH_BY_TILES.update({mt: int("pf" in parts) for mt in range(1, quant_mma.MAX_TILES + 1)})
+    split = next((int(p[1:]) for p in parts if p[:1] == "s" and p[1:].isdigit()), None)
+    quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
+    quant_mma.forget_launches()
+
+
 def set_arm(lm, kernels: str, compiled: bool) -> str:
+    apply_launches(kernels)
     lm.compiled_decode = None
     invariant.uninstall(lm.text_module)
     gdn_layer.uninstall(lm.text_module)

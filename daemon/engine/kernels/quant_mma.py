@@ -54,6 +54,12 @@ MAX_TILES = 8  # row tiles of 8 per pass over the weights: M <= 64 in one pass
 _HEADER = """
 struct qmm_u4 { unsigned x, y, z, w; };
 
+// One step's loads of a warp: U chunks x NA column tiles, two weight rows each.
+template <int U, int NA> struct qmm_frag {
+    qmm_u4 wa[U][NA], wb[U][NA];
+    float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
+};
+
 __device__ __forceinline__ qmm_u4 qmm_load16(const void* p, bool aligned) {
     qmm_u4 r;
     if (aligned) {
@@ -137,9 +143,11 @@ _SOURCE = """
             #pragma unroll
             for (int j = 0; j < MT; ++j) { acc[a][j][0] = 0.f; acc[a][j][1] = 0.f; acc[a][j][2] = 0.f; acc[a][j][3] = 0.f; }
         }
-        for (int cu = warp; cu < NC; cu += S * U) {
-            qmm_u4 wa[U][NA], wb[U][NA];
-            float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
+        // One step's weights, scales and biases: U chunks of NA column tiles. With PF the next
+        // step's are loaded before this step's products, so a warp's loads stay in flight while
+        // it computes (speed only: the chunks are summed in the same order either way).
+        qmm_frag<U, NA> cur, nxt;
+        auto load = [&](qmm_frag<U, NA>& f, int cu) {
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = cu + u * S;
@@ -149,14 +157,23 @@ _SOURCE = """
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
                         const int na = n0 + 16 * a + g;
-                        wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
-                        wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
-                        sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
-                        ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
-                        sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
-                        bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
+                        f.wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
+                        f.wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
+                        f.sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
+                        f.ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
+                        f.sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
+                        f.bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
                     }
                 }
+            }
+        };
+        if (PF && warp < NC) load(nxt, warp);
+        for (int cu = warp; cu < NC; cu += S * U) {
+            if (PF) {
+                cur = nxt;
+                if (cu + S * U < NC) load(nxt, cu + S * U);
+            } else {
+                load(cur, cu);
             }
             #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -167,8 +184,8 @@ _SOURCE = """
                     unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
-                        sa2[a] = qmm_pack<BF>(sa[u][a], sa[u][a]); ba2[a] = qmm_pack<BF>(ba[u][a], ba[u][a]);
-                        sb2[a] = qmm_pack<BF>(sb[u][a], sb[u][a]); bb2[a] = qmm_pack<BF>(bb[u][a], bb[u][a]);
+                        sa2[a] = qmm_pack<BF>(cur.sa[u][a], cur.sa[u][a]); ba2[a] = qmm_pack<BF>(cur.ba[u][a], cur.ba[u][a]);
+                        sb2[a] = qmm_pack<BF>(cur.sb[u][a], cur.sb[u][a]); bb2[a] = qmm_pack<BF>(cur.bb[u][a], cur.bb[u][a]);
                     }
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
@@ -185,8 +202,8 @@ _SOURCE = """
                         }
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
-                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
+                            const unsigned qa = i == 0 ? cur.wa[u][a].x : i == 1 ? cur.wa[u][a].y : i == 2 ? cur.wa[u][a].z : cur.wa[u][a].w;
+                            const unsigned qb = i == 0 ? cur.wb[u][a].x : i == 1 ? cur.wb[u][a].y : i == 2 ? cur.wb[u][a].z : cur.wb[u][a].w;
                             unsigned A[2][4];
                             #pragma unroll
                             for (int h = 0; h < 2; ++h) {
@@ -222,9 +239,9 @@ _SOURCE = """
                         }
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
-                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
-                            const float s0 = sa[u][a], b0 = ba[u][a], s1 = sb[u][a], b1 = bb[u][a];
+                            const unsigned qa = i == 0 ? cur.wa[u][a].x : i == 1 ? cur.wa[u][a].y : i == 2 ? cur.wa[u][a].z : cur.wa[u][a].w;
+                            const unsigned qb = i == 0 ? cur.wb[u][a].x : i == 1 ? cur.wb[u][a].y : i == 2 ? cur.wb[u][a].z : cur.wb[u][a].w;
+                            const float s0 = cur.sa[u][a], b0 = cur.ba[u][a], s1 = cur.sb[u][a], b1 = cur.bb[u][a];
                             const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
                             const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
                             const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
@@ -284,6 +301,8 @@ UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
 # warp loads then feeds NA tiles' products instead of one, so the activations' traffic from
 # L1/L2, which grows with M, shrinks by NA; one row wants many warps in flight instead.
 COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
+# Whether a warp loads its next step's weights before this step's products (PF): speed only.
+PREFETCH_BY_TILES: dict[int, int] = {}
 
 _kernel: list = []
 
@@ -360,16 +379,18 @@ def forget_launches() -> None:
     _launches.clear()
 
 
-def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
-    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
+def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
+            prefetch) -> dict:
+    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns, prefetch)
     got = _launches.get(key)
     if got is None:
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
         U = unroll or UNROLL_BY_TILES.get(MT, 1)
         NA = column_tiles_for(N, MT, S, columns)
+        PF = PREFETCH_BY_TILES.get(MT, 0) if prefetch is None else int(prefetch)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("PF", PF)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(M, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -378,13 +399,13 @@ def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, un
 
 def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None) -> mx.array:
+                         columns: int | None = None, prefetch: int | None = None) -> mx.array:
     """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
     output summed in an order fixed by K, bits and the split (see the module docstring). The
     keyword arguments override the launch (for the device check's sweep); ``split`` changes the
-    order, the others (``unroll``, ``tiles``, ``columns``) only the speed."""
+    order, the others (``unroll``, ``tiles``, ``columns``, ``prefetch``) only the speed."""
     M, K = x2.shape
-    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns)
+    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns, prefetch)
     (y,) = _get_kernel()(inputs=[x2, w, scales, biases], **launch)
     return y
 
