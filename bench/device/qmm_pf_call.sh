@@ -18,14 +18,14 @@ echo "check rc $? after $(( $(date +%s) - t0 )) s"; tail -4 "$o/check.log"
 SHAPES=${SHAPES:-gate/up,down,q_proj,out_proj,lm_head}
 MS=${MS:-1,4,16,32}
 LAUNCHES=${LAUNCHES:-0:0:0:1,4:0:0:0,4:0:0:1,8:0:0:0,8:0:0:1,4:2:0:1}
-MLX_USE_CUDA_GRAPHS=0 timeout ${SWEEP_LIMIT:-260} "$NC" --csv --metrics gpu__time_duration.sum \
+MLX_USE_CUDA_GRAPHS=0 timeout ${SWEEP_LIMIT:-260} "$NC" --clock-control none --csv --metrics gpu__time_duration.sum \
     --kernel-name regex:'councild|qmv|qmm' --log-file "$o/sweep_ncu.csv" \
     $q --mode probe --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" --json "$o/sweep_plan.json" > "$o/sweep.log" 2>&1
 echo "sweep rc $? after $(( $(date +%s) - t0 )) s"
 python3 bench/qmm_probe_read.py "$o/sweep_ncu.csv" --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" \
     --json "$o/sweep_device_us.json" > "$o/sweep.md" 2>&1
 cat "$o/sweep.md"
-MLX_USE_CUDA_GRAPHS=0 timeout ${DETAIL_LIMIT:-120} "$NC" --kernel-name regex:councild_qmm \
+MLX_USE_CUDA_GRAPHS=0 timeout ${DETAIL_LIMIT:-120} "$NC" --clock-control none --kernel-name regex:councild_qmm \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats \
     $q --mode probe --reps 1 --shapes gate/up --ms 1 --launches 0:0:0:1,8:0:0:1 > "$o/detail.txt" 2>&1
