@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call (after staging): the bundled model's council of 8 seats over HTTP with the
+# daemon's default config (scheduler.max_active = "auto" since ec11456), default and fast
+# modes against mlx_lm.server, rounds reported apart (issue 49's council goal, issue 46's
+# first round). Results under $OUT/council8.
+#   bash bench/device/council8_call.sh
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+o=${OUT:-/tmp/out}/council8
+mkdir -p "$o"
+s=$(date +%s)
+timeout ${CALL_LIMIT:-560} python3 bench/council_http.py --seats 8 --turns ${TURNS:-4} --system-tokens 2000 \
+    --message-tokens 100 --max-tokens 64 --rounds ${ROUNDS:-2} --arms ${ARMS:-default,fast,mlx_lm.server} \
+    --json "$o/council_http_8seats.json" --markdown "$o/council_http_8seats.md" --logs "$o/logs" > "$o/council.log" 2>&1
+echo "council rc $? ($(( $(date +%s) - s )) s)"
+cat "$o/council_http_8seats.md" 2>/dev/null | head -40
+(cd "$o" && tar czf logs.tgz logs && rm -rf logs)
