@@ -125,7 +125,7 @@ def main(argv=None) -> int:
                 (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 1)):
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
-            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "PF": PF}
+            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "PF": PF, "XL": 1}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
                                " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
     return 1 if bad else 0

@@ -187,16 +187,38 @@ _SOURCE = """
                         sa2[a] = qmm_pack<BF>(cur.sa[u][a], cur.sa[u][a]); ba2[a] = qmm_pack<BF>(cur.ba[u][a], cur.ba[u][a]);
                         sb2[a] = qmm_pack<BF>(cur.sb[u][a], cur.sb[u][a]); bb2[a] = qmm_pack<BF>(cur.bb[u][a], cur.bb[u][a]);
                     }
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
-                        // the activations, loaded once for the NA column tiles: x rows of tile j
-                        unsigned B[MT][4];
+                    // The chunk's activations. With XL, up to two row tiles, all four words are
+                    // loaded before the first is used (one wait on L1 a chunk, not four; more tiles
+                    // load a word at a time: registers), and every lane loads: a row past M reads
+                    // row M - 1 and is zeroed, so no divergent branch surrounds the load. XL = 0
+                    // loads each word under a branch just before its products (the first version).
+                    constexpr int XW = XL && MT <= 2 ? 4 : 1;
+                    qmm_u4 X[XW][MT];
+                    auto load_x = [&](int i) {
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
                             const int m = m0 + 8 * j + g;
-                            qmm_u4 xv = {0u, 0u, 0u, 0u};
-                            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
-                            // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                            if (XL) {
+                                X[i % XW][j] = qmm_load16(x + (size_t)(m < M ? m : M - 1) * K + kl + 8 * i, aligned);
+                                if (m >= M) X[i % XW][j] = {0u, 0u, 0u, 0u};
+                            } else {
+                                X[i % XW][j] = {0u, 0u, 0u, 0u};
+                                if (m < M) X[i % XW][j] = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+                            }
+                        }
+                    };
+                    if (XW == 4) {
+                        #pragma unroll
+                        for (int i = 0; i < 4; ++i) load_x(i);
+                    }
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
+                        if (XW == 1) load_x(i);
+                        // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                        unsigned B[MT][4];
+                        #pragma unroll
+                        for (int j = 0; j < MT; ++j) {
+                            const qmm_u4 xv = X[i % XW][j];
                             B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
                             B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
                         }
@@ -220,22 +242,24 @@ _SOURCE = """
                         }
                     }
                 } else {
+                    // The chunk's 16 activations of each row tile, loaded before the first is used.
+                    qmm_u4 X[2][MT];
+                    #pragma unroll
+                    for (int j = 0; j < MT; ++j) {
+                        const int m = m0 + 8 * j + g;
+                        const T* xr = x + (size_t)(m < M ? m : M - 1) * K + kl;
+                        X[0][j] = qmm_load16(xr, aligned);
+                        X[1][j] = qmm_load16(xr + 8, aligned);
+                        if (m >= M) { X[0][j] = {0u, 0u, 0u, 0u}; X[1][j] = {0u, 0u, 0u, 0u}; }
+                    }
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
                         unsigned B[MT][2];
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
-                            const int m = m0 + 8 * j + g;
-                            B[j][0] = 0u; B[j][1] = 0u;
-                            if (m < M) {
-                                if (aligned) {
-                                    const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)m * K + kl + 4 * i);
-                                    B[j][0] = v.x; B[j][1] = v.y;
-                                } else {
-                                    const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
-                                    B[j][0] = hp[0] | (unsigned(hp[1]) << 16); B[j][1] = hp[2] | (unsigned(hp[3]) << 16);
-                                }
-                            }
+                            const qmm_u4 xv = X[i >> 1][j];
+                            B[j][0] = (i & 1) ? xv.z : xv.x;
+                            B[j][1] = (i & 1) ? xv.w : xv.y;
                         }
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
@@ -302,7 +326,12 @@ UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
 # L1/L2, which grows with M, shrinks by NA; one row wants many warps in flight instead.
 COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
 # Whether a warp loads its next step's weights before this step's products (PF): speed only.
+# Measured on an H100 (bench/results/h100_2026-12-06/): no faster at one row, up to 1.65x slower
+# where its registers cost a block per SM, so it stays off.
 PREFETCH_BY_TILES: dict[int, int] = {}
+# How a 4-bit chunk's activations are loaded (XL): 1, every word before the first products and
+# without a divergent branch; 0, a word at a time under a branch (the first version). Speed only.
+XLOAD = 1
 
 _kernel: list = []
 
@@ -380,8 +409,8 @@ def forget_launches() -> None:
 
 
 def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
-            prefetch) -> dict:
-    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns, prefetch)
+            prefetch, xload) -> dict:
+    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns, prefetch, xload)
     got = _launches.get(key)
     if got is None:
         S = split or split_for(N, K, bits)
@@ -389,8 +418,9 @@ def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, un
         U = unroll or UNROLL_BY_TILES.get(MT, 1)
         NA = column_tiles_for(N, MT, S, columns)
         PF = PREFETCH_BY_TILES.get(MT, 0) if prefetch is None else int(prefetch)
+        XL = XLOAD if xload is None else int(xload)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("PF", PF)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("PF", PF), ("XL", XL)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(M, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -399,13 +429,14 @@ def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, un
 
 def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None, prefetch: int | None = None) -> mx.array:
+                         columns: int | None = None, prefetch: int | None = None,
+                         xload: int | None = None) -> mx.array:
     """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
     output summed in an order fixed by K, bits and the split (see the module docstring). The
     keyword arguments override the launch (for the device check's sweep); ``split`` changes the
-    order, the others (``unroll``, ``tiles``, ``columns``, ``prefetch``) only the speed."""
+    order, the others (``unroll``, ``tiles``, ``columns``, ``prefetch``, ``xload``) only the speed."""
     M, K = x2.shape
-    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns, prefetch)
+    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns, prefetch, xload)
     (y,) = _get_kernel()(inputs=[x2, w, scales, biases], **launch)
     return y
 
