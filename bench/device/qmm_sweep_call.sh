@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One device call (after staging MLX): the tensor-core quantized kernel's activation loading
-# (XL = 1: a chunk's words loaded before the first products, no divergent branch) against the
-# first version's (XL = 0), at the 27B shapes:
+# One device call (after staging MLX): the tensor-core quantized kernel's launches against each
+# other and MLX's at the 27B shapes (by default the activation loading, XL = 1, against the first
+# version's, XL = 0; LAUNCHES takes bench/qmm_graph.py's S:U:NA[:PF[:XL]] list):
 #   1. every launch's bits against each other and against MLX's (qmm_graph.py --mode check);
 #   2. device time per call from ncu (gpu__time_duration, caches flushed) at M = 1, 4, 8, 16, 32;
-#   3. ncu's sections (memory, scheduler, warp state, occupancy) of the M = 1 gate/up launches.
-#   bash bench/device/qmm_xl_call.sh            (results under $OUT)
+#   3. ncu's sections (memory, scheduler, warp state, occupancy) of the M = 1 gate/up launches
+#      (the default and DETAIL_LAUNCHES).
+#   bash bench/device/qmm_sweep_call.sh            (results under $OUT)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}
 mkdir -p "$o"
@@ -27,6 +28,6 @@ cat "$o/sweep.md"
 MLX_USE_CUDA_GRAPHS=0 timeout ${DETAIL_LIMIT:-90} "$NC" --clock-control none --kernel-name regex:councild_qmm \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats \
-    $q --mode probe --reps 1 --shapes gate/up --ms 1 --launches 0:0:0:0:0 > "$o/detail.txt" 2>&1
+    $q --mode probe --reps 1 --shapes gate/up --ms 1 --launches ${DETAIL_LAUNCHES:-0:0:0:0:0} > "$o/detail.txt" 2>&1
 echo "detail rc $? after $(( $(date +%s) - t0 )) s"
 grep -E "^  custom|Duration|DRAM Throughput|Issued Warp|Eligible Warps|Registers Per|Achieved Occupancy" "$o/detail.txt" | cut -c1-120
