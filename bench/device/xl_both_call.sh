@@ -5,7 +5,7 @@
 #   bash bench/device/xl_both_call.sh            (results under $OUT)
 t0=$(date +%s)
 SHAPES=${SHAPES:-gate/up,down,lm_head} MS=${MS:-1,4,16} CHECK_LIMIT=${CHECK_LIMIT:-90} SWEEP_LIMIT=${SWEEP_LIMIT:-120} \
-    DETAIL_LIMIT=${DETAIL_LIMIT:-45} bash bench/device/qmm_sweep_call.sh
+    DETAIL_LIMIT=${DETAIL_LIMIT:-45} LAUNCHES=${LAUNCHES:-0:0:0:0:0,4:0:0:0:1} bash bench/device/qmm_sweep_call.sh
 left=$(( ${CALL_LIMIT:-580} - ($(date +%s) - t0) ))
 ROUNDS=${ROUNDS:-6} KERNELS=${KERNELS:-gdn+conv+merge+qmm+xl0,gdn+conv+merge+qmm+xl1} SKIP_GATE=1 GATE_S=0 CALL_LIMIT=$left \
     bash bench/device/spec27_pf_call.sh
