@@ -118,7 +118,8 @@ def rel_err(y, ref) -> float:
 
 
 def check_launches(bits: int) -> dict:
-    """NA, U, PF and XL change only the speed: every launch gives the NA = 1 launch's bits, at every M."""
+    """NA and U change only the speed: every launch gives the NA = 1 launch's bits, at every M.
+    Compiling every variant on a fresh machine takes over 90 s: give it 200."""
     out = {}
     for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
         N, K = SHAPES[name]
@@ -127,11 +128,10 @@ def check_launches(bits: int) -> dict:
         S = quant_mma.default_split(N, K, bits)
         rows = {}
         for M in (1, 8, 17, 40):
-            base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1, xload=0)
-            launches = [(na, u, 0, 1) for na in (1, 2, 4) for u in (1, 2)] + [(1, 1, 1, 1)]
+            base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
             same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=na,
-                                                                     unroll=u, prefetch=pf, xload=xl), base).item()
-                       for na, u, pf, xl in launches)
+                                                                     unroll=u), base).item()
+                       for na in (1, 2, 4) for u in (1, 2))
             rows[M] = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
         out[f"b{bits} {name}"] = rows
         log(f"check b{bits} {name}: " + ", ".join(f"M{m} {'same' if r['launches_equal'] else 'DIFFER'} "
@@ -206,17 +206,16 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def launch_of(text: str) -> tuple[int, int, int, int, int]:
-    """"S:U:NA", "S:U:NA:PF" or "S:U:NA:PF:XL" (0 for S, U or NA: the kernel's table; PF:
-    prefetch, 0 when left out; XL: the activations' loading, the module's XLOAD when left out)."""
+def launch_of(text: str) -> tuple[int, int, int]:
+    """"S:U:NA" (0 for any of them: the kernel's table)."""
     v = [int(x) for x in text.split(":")]
-    if len(v) not in (3, 4, 5):
-        raise SystemExit(f"--launches: {text!r} is not S:U:NA[:PF[:XL]]")
-    return v[0], v[1], v[2], v[3] if len(v) > 3 else 0, v[4] if len(v) > 4 else quant_mma.XLOAD
+    if len(v) != 3:
+        raise SystemExit(f"--launches: {text!r} is not S:U:NA")
+    return v[0], v[1], v[2]
 
 
-def launch_name(S: int, U: int, NA: int, PF: int, XL: int) -> str:
-    return f"S{S} U{U} NA{NA}" + (" PF" if PF else "") + ("" if XL == quant_mma.XLOAD else f" XL{XL}")
+def launch_name(S: int, U: int, NA: int) -> str:
+    return f"S{S} U{U} NA{NA}"
 
 
 _MARKER: list = []
@@ -250,9 +249,9 @@ def probe_mode(args) -> dict:
             arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
             for launch in filter(None, args.launches.split(",")):
-                S, U, NA, PF, XL = launch_of(launch)
-                arms[launch_name(S, U, NA, PF, XL)] = (lambda S, U, NA, PF, XL: lambda x: quant_mma.quantized_matmul_mma(
-                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA, prefetch=PF, xload=XL))(S, U, NA, PF, XL)
+                S, U, NA = launch_of(launch)
+                arms[launch_name(S, U, NA)] = (lambda S, U, NA: lambda x: quant_mma.quantized_matmul_mma(
+                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA))(S, U, NA)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -344,7 +343,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32)")
-    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:PF], comma-separated")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA, comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")

@@ -1,7 +1,7 @@
 """Read the device times of bench/qmm_graph.py's ``--mode probe`` run from an ncu CSV.
 
     python3 bench/qmm_probe_read.py probe_ncu.csv [--shapes gate/up,down,lm_head] [--ms 1,2,4,8,16,32]
-        [--launches S:U:NA[:PF],...] [--json out.json]
+        [--launches S:U:NA,...] [--json out.json]
 
 The probe launches a marker kernel before each group (one shape, M and arm, in the order
 qmm_graph.py runs them: shapes in its table order, M ascending, then "mlx", "kernel" and the

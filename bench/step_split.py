@@ -118,23 +118,11 @@ _SPLIT_FOR = quant_mma.split_for
 
 
 def apply_launches(kernels: str) -> None:
-    """The tensor-core kernel's launch tables are the process's: "pf" in a kernel set turns its
-    prefetch on at every row tile (or off, "nopf"), "xl0" / "xl1" set how it loads activations
-    (``XLOAD``), "sN" makes every layer's split N warps (a different summation order: a speed arm
-    only). Call it before each arm of a set runs (an eager step reads the tables at every call, a
-    compiled one when it traces)."""
-    parts = kernels.split("+")
-    if not hasattr(apply_launches, "xload"):
-        apply_launches.xload = quant_mma.XLOAD
-    quant_mma.XLOAD = next((int(p[2:]) for p in parts if p in ("xl0", "xl1")), apply_launches.xload)
-    saved = getattr(apply_launches, "prefetch", None)
-    if saved is None:
-        saved = apply_launches.prefetch = dict(quant_mma.PREFETCH_BY_TILES)
-    quant_mma.PREFETCH_BY_TILES.clear()
-    quant_mma.PREFETCH_BY_TILES.update(saved)
-    if "pf" in parts or "nopf" in parts:
-        quant_mma.PREFETCH_BY_TILES.update({mt: int("pf" in parts) for mt in range(1, quant_mma.MAX_TILES + 1)})
-    split = next((int(p[1:]) for p in parts if p[:1] == "s" and p[1:].isdigit()), None)
+    """The tensor-core kernel's split is looked up per layer shape: "sN" in a kernel set makes
+    every layer's split N warps (a different summation order: a speed arm only). Call it before
+    each arm of a set runs (an eager step looks the split up at every call, a compiled one when
+    it traces)."""
+    split = next((int(p[1:]) for p in kernels.split("+") if p[:1] == "s" and p[1:].isdigit()), None)
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
     quant_mma.forget_launches()
 

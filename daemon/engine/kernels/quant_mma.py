@@ -54,12 +54,6 @@ MAX_TILES = 8  # row tiles of 8 per pass over the weights: M <= 64 in one pass
 _HEADER = """
 struct qmm_u4 { unsigned x, y, z, w; };
 
-// One step's loads of a warp: U chunks x NA column tiles, two weight rows each.
-template <int U, int NA> struct qmm_frag {
-    qmm_u4 wa[U][NA], wb[U][NA];
-    float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
-};
-
 __device__ __forceinline__ qmm_u4 qmm_load16(const void* p, bool aligned) {
     qmm_u4 r;
     if (aligned) {
@@ -143,11 +137,9 @@ _SOURCE = """
             #pragma unroll
             for (int j = 0; j < MT; ++j) { acc[a][j][0] = 0.f; acc[a][j][1] = 0.f; acc[a][j][2] = 0.f; acc[a][j][3] = 0.f; }
         }
-        // One step's weights, scales and biases: U chunks of NA column tiles. With PF the next
-        // step's are loaded before this step's products, so a warp's loads stay in flight while
-        // it computes (speed only: the chunks are summed in the same order either way).
-        qmm_frag<U, NA> cur, nxt;
-        auto load = [&](qmm_frag<U, NA>& f, int cu) {
+        for (int cu = warp; cu < NC; cu += S * U) {
+            qmm_u4 wa[U][NA], wb[U][NA];
+            float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
             #pragma unroll
             for (int u = 0; u < U; ++u) {
                 const int c = cu + u * S;
@@ -157,23 +149,14 @@ _SOURCE = """
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
                         const int na = n0 + 16 * a + g;
-                        f.wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
-                        f.wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
-                        f.sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
-                        f.ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
-                        f.sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
-                        f.bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
+                        wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
+                        wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
+                        sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
+                        ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
+                        sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
+                        bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
                     }
                 }
-            }
-        };
-        if (PF && warp < NC) load(nxt, warp);
-        for (int cu = warp; cu < NC; cu += S * U) {
-            if (PF) {
-                cur = nxt;
-                if (cu + S * U < NC) load(nxt, cu + S * U);
-            } else {
-                load(cur, cu);
             }
             #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -184,48 +167,26 @@ _SOURCE = """
                     unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
-                        sa2[a] = qmm_pack<BF>(cur.sa[u][a], cur.sa[u][a]); ba2[a] = qmm_pack<BF>(cur.ba[u][a], cur.ba[u][a]);
-                        sb2[a] = qmm_pack<BF>(cur.sb[u][a], cur.sb[u][a]); bb2[a] = qmm_pack<BF>(cur.bb[u][a], cur.bb[u][a]);
-                    }
-                    // The chunk's activations. With XL, up to two row tiles, all four words are
-                    // loaded before the first is used (one wait on L1 a chunk, not four; more tiles
-                    // load a word at a time: registers), and every lane loads: a row past M reads
-                    // row M - 1 and is zeroed, so no divergent branch surrounds the load. XL = 0
-                    // loads each word under a branch just before its products (the first version).
-                    constexpr int XW = XL && MT <= 2 ? 4 : 1;
-                    qmm_u4 X[XW][MT];
-                    auto load_x = [&](int i) {
-                        #pragma unroll
-                        for (int j = 0; j < MT; ++j) {
-                            const int m = m0 + 8 * j + g;
-                            if (XL) {
-                                X[i % XW][j] = qmm_load16(x + (size_t)(m < M ? m : M - 1) * K + kl + 8 * i, aligned);
-                                if (m >= M) X[i % XW][j] = {0u, 0u, 0u, 0u};
-                            } else {
-                                X[i % XW][j] = {0u, 0u, 0u, 0u};
-                                if (m < M) X[i % XW][j] = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
-                            }
-                        }
-                    };
-                    if (XW == 4) {
-                        #pragma unroll
-                        for (int i = 0; i < 4; ++i) load_x(i);
+                        sa2[a] = qmm_pack<BF>(sa[u][a], sa[u][a]); ba2[a] = qmm_pack<BF>(ba[u][a], ba[u][a]);
+                        sb2[a] = qmm_pack<BF>(sb[u][a], sb[u][a]); bb2[a] = qmm_pack<BF>(bb[u][a], bb[u][a]);
                     }
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
-                        if (XW == 1) load_x(i);
-                        // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                        // the activations, loaded once for the NA column tiles: x rows of tile j
                         unsigned B[MT][4];
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
-                            const qmm_u4 xv = X[i % XW][j];
+                            const int m = m0 + 8 * j + g;
+                            qmm_u4 xv = {0u, 0u, 0u, 0u};
+                            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+                            // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
                             B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
                             B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
                         }
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? cur.wa[u][a].x : i == 1 ? cur.wa[u][a].y : i == 2 ? cur.wa[u][a].z : cur.wa[u][a].w;
-                            const unsigned qb = i == 0 ? cur.wb[u][a].x : i == 1 ? cur.wb[u][a].y : i == 2 ? cur.wb[u][a].z : cur.wb[u][a].w;
+                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
+                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
                             unsigned A[2][4];
                             #pragma unroll
                             for (int h = 0; h < 2; ++h) {
@@ -242,30 +203,28 @@ _SOURCE = """
                         }
                     }
                 } else {
-                    // The chunk's 16 activations of each row tile, loaded before the first is used.
-                    qmm_u4 X[2][MT];
-                    #pragma unroll
-                    for (int j = 0; j < MT; ++j) {
-                        const int m = m0 + 8 * j + g;
-                        const T* xr = x + (size_t)(m < M ? m : M - 1) * K + kl;
-                        X[0][j] = qmm_load16(xr, aligned);
-                        X[1][j] = qmm_load16(xr + 8, aligned);
-                        if (m >= M) { X[0][j] = {0u, 0u, 0u, 0u}; X[1][j] = {0u, 0u, 0u, 0u}; }
-                    }
                     #pragma unroll
                     for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
                         unsigned B[MT][2];
                         #pragma unroll
                         for (int j = 0; j < MT; ++j) {
-                            const qmm_u4 xv = X[i >> 1][j];
-                            B[j][0] = (i & 1) ? xv.z : xv.x;
-                            B[j][1] = (i & 1) ? xv.w : xv.y;
+                            const int m = m0 + 8 * j + g;
+                            B[j][0] = 0u; B[j][1] = 0u;
+                            if (m < M) {
+                                if (aligned) {
+                                    const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)m * K + kl + 4 * i);
+                                    B[j][0] = v.x; B[j][1] = v.y;
+                                } else {
+                                    const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
+                                    B[j][0] = hp[0] | (unsigned(hp[1]) << 16); B[j][1] = hp[2] | (unsigned(hp[3]) << 16);
+                                }
+                            }
                         }
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? cur.wa[u][a].x : i == 1 ? cur.wa[u][a].y : i == 2 ? cur.wa[u][a].z : cur.wa[u][a].w;
-                            const unsigned qb = i == 0 ? cur.wb[u][a].x : i == 1 ? cur.wb[u][a].y : i == 2 ? cur.wb[u][a].z : cur.wb[u][a].w;
-                            const float s0 = cur.sa[u][a], b0 = cur.ba[u][a], s1 = cur.sb[u][a], b1 = cur.bb[u][a];
+                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
+                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
+                            const float s0 = sa[u][a], b0 = ba[u][a], s1 = sb[u][a], b1 = bb[u][a];
                             const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
                             const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
                             const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
@@ -325,13 +284,6 @@ UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
 # warp loads then feeds NA tiles' products instead of one, so the activations' traffic from
 # L1/L2, which grows with M, shrinks by NA; one row wants many warps in flight instead.
 COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
-# Whether a warp loads its next step's weights before this step's products (PF): speed only.
-# Measured on an H100 (bench/results/h100_2026-12-06/): no faster at one row, up to 1.65x slower
-# where its registers cost a block per SM, so it stays off.
-PREFETCH_BY_TILES: dict[int, int] = {}
-# How a 4-bit chunk's activations are loaded (XL): 1, every word before the first products and
-# without a divergent branch; 0, a word at a time under a branch (the first version). Speed only.
-XLOAD = 1
 
 _kernel: list = []
 
@@ -408,19 +360,16 @@ def forget_launches() -> None:
     _launches.clear()
 
 
-def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
-            prefetch, xload) -> dict:
-    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns, prefetch, xload)
+def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
+    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
     got = _launches.get(key)
     if got is None:
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
         U = unroll or UNROLL_BY_TILES.get(MT, 1)
         NA = column_tiles_for(N, MT, S, columns)
-        PF = PREFETCH_BY_TILES.get(MT, 0) if prefetch is None else int(prefetch)
-        XL = XLOAD if xload is None else int(xload)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("PF", PF), ("XL", XL)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(M, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -429,14 +378,13 @@ def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, un
 
 def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None, prefetch: int | None = None,
-                         xload: int | None = None) -> mx.array:
+                         columns: int | None = None) -> mx.array:
     """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
     output summed in an order fixed by K, bits and the split (see the module docstring). The
     keyword arguments override the launch (for the device check's sweep); ``split`` changes the
-    order, the others (``unroll``, ``tiles``, ``columns``, ``prefetch``, ``xload``) only the speed."""
+    order, the others (``unroll``, ``tiles``, ``columns``) only the speed."""
     M, K = x2.shape
-    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns, prefetch, xload)
+    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns)
     (y,) = _get_kernel()(inputs=[x2, w, scales, biases], **launch)
     return y
 
