@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from bench.http_servers import free_port, stop, wait_http  # noqa: E402
-from daemon.measure.bench_io import write_results  # noqa: E402
+from daemon.measure.bench_io import spread, write_results  # noqa: E402
 from protocol import messages as m  # noqa: E402
 from protocol.codec import decode_client, encode  # noqa: E402
 
@@ -219,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                 stop(procs)
 
     def med(rows: list[dict], key: str) -> str:
-        vals = [r[key] for r in rows if r[key] is not None]
-        return f"{statistics.median(vals):.2f} ({min(vals):.2f}-{max(vals):.2f})"
+        s = spread([r[key] for r in rows if r[key] is not None])
+        return f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
 
     out = {"benchmark": "front_capacity", "streams": args.streams, "seconds": args.seconds, "rounds": args.rounds,
            "machine": platform.platform(), "cpus": os.cpu_count(),
