@@ -167,6 +167,39 @@ def step_times(lm, B: int, T: int, context: int, steps: int, seed: int) -> list[
     return rows
 
 
+def profile_build(lm, B: int, T: int, context: int, steps: int, top: int = 30) -> dict:
+    """cProfile of ``steps`` step builds (Python returning the lazy graph) and, apart, the
+    encode (``mx.async_eval``), for the arm last set: which Python functions the host's build
+    time goes to."""
+    import cProfile
+    import io
+    import pstats
+
+    V = lm.text_args.vocab_size
+    cache = make_prompt_cache(lm.text_module)
+    mx.eval(lm.hidden(mx.random.randint(0, V, (B, context)), cache))
+    for _ in range(3):  # the first step of a cache and the shape's first run, unmeasured
+        mx.eval(mx.argmax(lm.logits(lm.hidden(mx.random.randint(0, V, (B, T)), cache)[:, -1:]), axis=-1))
+    prof = cProfile.Profile()
+    splits = []
+    for _ in range(steps):
+        toks = mx.random.randint(0, V, (B, T))
+        mx.eval(toks)
+        mx.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        outs = [mx.argmax(lm.logits(lm.hidden(toks, cache)[:, -1:]), axis=-1)]
+        prof.disable()
+        t1 = time.perf_counter()
+        mx.async_eval(outs)
+        t2 = time.perf_counter()
+        mx.synchronize()
+        splits.append((t1 - t0, t2 - t1, time.perf_counter() - t0))
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return {"shape": f"B{B}T{T}", "steps": steps, **med(splits), "table": buf.getvalue()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/out/step_split")
@@ -180,6 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--budget", type=float, default=540.0)
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--profile", default="", help="BxT: after the rounds, cProfile the last arm's build of this "
+                    "shape (Python's share of the host time, by function)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     RESULTS["device"] = {"backend": invariant.backend(), "mlx": mx.__version__, "info": str(mx.default_device())}
@@ -236,6 +271,14 @@ def main(argv=None) -> int:
                 print(RESULTS["errors"][-1], file=sys.stderr)
             RESULTS["steps"] = {"rounds": rows, "paths": paths}
             save(out)
+    if args.profile and rows:
+        try:
+            B, T = (int(v) for v in args.profile.split("x"))
+            RESULTS["profile"] = profile_build(lm, B, T, args.context, args.steps)
+            print(RESULTS["profile"]["table"])
+        except Exception:  # noqa: BLE001 - the profile is context; the table still prints
+            RESULTS["errors"].append("profile: " + traceback.format_exc())
+        save(out)
     print("\n| arm | BxT | round 0 total ms | later total ms | build ms | encode ms | tok/s (B x 1000 / later total) |")
     print("|---|---|---|---|---|---|---|")
     for key, v in rows.items():
