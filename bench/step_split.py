@@ -127,8 +127,19 @@ def apply_launches(kernels: str) -> None:
     quant_mma.forget_launches()
 
 
+_MMA = quant_mma.quantized_matmul_mma
+
+
+def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
+    """The kernel's call as it was before 2026-12-06: x reshaped to 2-D around it (two view
+    nodes a call). Arm token "rs"; the same kernel and the same bits, only the host's nodes."""
+    y = _MMA(x.reshape(-1, x.shape[-1]), w, scales, biases, group_size, bits, **launch)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
 def set_arm(lm, kernels: str, compiled: bool) -> str:
     apply_launches(kernels)
+    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in kernels.split("+") else _MMA
     lm.compiled_decode = None
     invariant.uninstall(lm.text_module)
     gdn_layer.uninstall(lm.text_module)
@@ -148,7 +159,11 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
     return "compiled" + ("" if lm.compiled_decode.batched else f" (batches eager: {lm.compiled_decode.batch_reason})")
 
 
-def step_times(lm, B: int, T: int, context: int, steps: int, seed: int) -> list[tuple[float, float, float]]:
+def step_times(lm, B: int, T: int, context: int, steps: int, seed: int, last: list | None = None
+               ) -> list[tuple[float, float, float]]:
+    """Median-ready (build, encode, total) of ``steps`` steps; ``last`` gets the last step's
+    logits (the same seed gives every arm the same prompt and tokens: arms that differ only in
+    speed must give the same bits)."""
     V = lm.text_args.vocab_size
     mx.random.seed(seed)
     cache = make_prompt_cache(lm.text_module)
@@ -159,9 +174,18 @@ def step_times(lm, B: int, T: int, context: int, steps: int, seed: int) -> list[
     for i in range(steps + 2):
         toks = mx.random.randint(0, V, (B, T))
         mx.eval(toks)
-        r = split_time(lambda: [mx.argmax(lm.logits(lm.hidden(toks, cache)[:, -1:]), axis=-1)])
+        kept = []
+
+        def step():
+            logits = lm.logits(lm.hidden(toks, cache)[:, -1:])
+            kept[:] = [logits]
+            return [mx.argmax(logits, axis=-1), logits]
+
+        r = split_time(step)
         if i >= 2:
             rows.append(r)
+    if last is not None:
+        last[:] = kept
     del cache
     mx.clear_cache()
     return rows
@@ -252,6 +276,7 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows: dict[str, list] = {}
     paths: dict[str, str] = {}
+    firsts: dict[tuple, tuple] = {}
     for rnd in range(args.rounds):
         for kernels, path in arms:
             if time.perf_counter() - T0 > args.budget:
@@ -261,11 +286,17 @@ def main(argv=None) -> int:
             try:
                 paths[name] = set_arm(lm, kernels, path == "compiled")
                 for B, T in shapes:
-                    r = step_times(lm, B, T, args.context, args.steps, seed=1000 * rnd + 10 * B + T)
+                    last: list = []
+                    r = step_times(lm, B, T, args.context, args.steps, seed=1000 * rnd + 10 * B + T, last=last)
                     rows.setdefault(f"{name} B{B}T{T}", []).append(med(r))
                     m = rows[f"{name} B{B}T{T}"][-1]
+                    # The round's first arm's last logits at this shape: the others' bits against it.
+                    ref = firsts.setdefault((rnd, B, T), (name, last[0]))
+                    same = bool(mx.array_equal(ref[1], last[0]).item())
+                    m["same_bits_as"] = (ref[0], same)
                     log(f"round {rnd} {name} ({paths[name]}) B{B}T{T}: total {m['total_ms']:.2f} ms, "
-                        f"build {m['build_ms']:.2f}, encode {m['encode_ms']:.2f}")
+                        f"build {m['build_ms']:.2f}, encode {m['encode_ms']:.2f}; last logits "
+                        f"{'=' if same else 'DIFFER from'} {ref[0]}'s")
             except Exception:  # noqa: BLE001 - one arm's failure is a result; the others run
                 RESULTS["errors"].append(f"{name}: " + traceback.format_exc())
                 print(RESULTS["errors"][-1], file=sys.stderr)

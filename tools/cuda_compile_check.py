@@ -40,7 +40,7 @@ def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:
 using T = {xtype};
 {consts}
 {header}
-extern "C" __global__ void qmm(const T* x, const int* x_shape, const uint32_t* w, const int* w_shape,
+extern "C" __global__ void qmm(const T* x, const int* x_shape, {"const int x_ndim, " if "x_ndim" in body else ""}const uint32_t* w, const int* w_shape,
                                const T* scales, const int* scales_shape, const T* biases, const int* biases_shape,
                                T* y) {{
 {body}

@@ -72,9 +72,9 @@ def recorded_kernel(monkeypatch):
     reference's product, so the layer's output is still a product)."""
     calls = []
 
-    def fake(x2, w, scales, biases, group_size, bits, **launch):
-        calls.append(x2.shape[0])
-        return invariant_quant.reference_quantized_matmul(x2, w, scales, biases, group_size, bits)
+    def fake(x, w, scales, biases, group_size, bits, **launch):
+        calls.append(x.size // x.shape[-1])  # the kernel's rows: every leading index of x [..., K]
+        return invariant_quant.reference_quantized_matmul(x, w, scales, biases, group_size, bits)
 
     monkeypatch.setattr(invariant, "backend", lambda: "cuda")
     monkeypatch.setattr(quant_mma, "quantized_matmul_mma", fake)

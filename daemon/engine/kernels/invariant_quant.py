@@ -272,11 +272,10 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     route = _route(backend, x, w, scales, biases, group_size, bits, scalar)
     if route != "mma" and route != "scalar":
         raise ValueError(f"invariant quantized matmul: {route}")
+    if route == "mma":  # takes x [..., K] as it is: no reshape nodes around the call
+        return quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, **(mma or {}))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
-    if route == "mma":
-        y = quant_mma.quantized_matmul_mma(x2, w, scales, biases, group_size, bits, **(mma or {}))
-        return y.reshape(*lead, N)
     ncw = cols_per_warp or COLS_PER_WARP
     wpb = warps_per_block or WARPS_PER_BLOCK
     mt = row_tile or ROW_TILE

@@ -119,7 +119,11 @@ _SOURCE = """
     constexpr bool BF = XBF != 0;
     constexpr int CK = BITS == 4 ? 128 : 64;      // inputs per chunk (4 lanes x 16 bytes)
     constexpr int KT = CK / 4;                    // inputs a lane holds per row per chunk
-    const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+    // x is [..., K], row-contiguous: its rows are every leading index, so a caller needs no
+    // reshape around the call (two view nodes per call are host time a decode step pays).
+    const int K = x_shape[x_ndim - 1], N = w_shape[0];
+    int M = 1;
+    for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];
     const int G = scales_shape[1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -360,10 +364,13 @@ def forget_launches() -> None:
     _launches.clear()
 
 
-def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
-    key = (M, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
+def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
+    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
     got = _launches.get(key)
     if got is None:
+        M = 1
+        for d in lead:
+            M *= d
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
         U = unroll or UNROLL_BY_TILES.get(MT, 1)
@@ -371,21 +378,21 @@ def _launch(M: int, N: int, K: int, dtype, bits: int, group_size: int, split, un
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
                             ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
-               "output_shapes": [(M, N)], "output_dtypes": [dtype]}
+               "output_shapes": [(*lead, N)], "output_dtypes": [dtype]}
         _launches[key] = got
     return got
 
 
-def quantized_matmul_mma(x2: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
                          columns: int | None = None) -> mx.array:
-    """x2 [M, K] (bf16/fp16) times the quantized w [N, K] transposed on the tensor cores, each
-    output summed in an order fixed by K, bits and the split (see the module docstring). The
-    keyword arguments override the launch (for the device check's sweep); ``split`` changes the
-    order, the others (``unroll``, ``tiles``, ``columns``) only the speed."""
-    M, K = x2.shape
-    launch = _launch(M, w.shape[0], K, x2.dtype, bits, group_size, split, unroll, tiles, columns)
-    (y,) = _get_kernel()(inputs=[x2, w, scales, biases], **launch)
+    """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
+    transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
+    and the split (see the module docstring). The keyword arguments override the launch (for
+    the device check's sweep); ``split`` changes the order, the others (``unroll``, ``tiles``,
+    ``columns``) only the speed."""
+    launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns)
+    (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
     return y
 
 
