@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0
 o=${OUT:-/tmp/out}/host_split
 mkdir -p "$o"
 s=$(date +%s)
-timeout ${CALL_LIMIT:-540} python3 bench/step_split.py --out "$o" --arms ${ARMS:-gdn+conv+merge+qmm,gdn+conv+merge+qmm+rs} \
+timeout ${CALL_LIMIT:-540} python3 bench/step_split.py --out "$o" --arms ${ARMS:-gdn+conv+merge+qmm+rs,gdn+conv+merge+qmm} \
     --paths ${PATHS:-compiled} --shapes ${SHAPES:-1x1,4x1} --rounds ${ROUNDS:-4} --steps 8 \
     --profile 1x1 --budget $(( ${CALL_LIMIT:-540} - 60 )) > "$o/step_split.log" 2>&1
 echo "step_split rc $? ($(( $(date +%s) - s )) s)" | tee -a "$o/step_split.log"
