@@ -117,16 +117,6 @@ def qmm_chain(n: int = 400) -> dict:
 _SPLIT_FOR = quant_mma.split_for
 
 
-def apply_launches(kernels: str) -> None:
-    """The tensor-core kernel's split is looked up per layer shape: "sN" in a kernel set makes
-    every layer's split N warps (a different summation order: a speed arm only). Call it before
-    each arm of a set runs (an eager step looks the split up at every call, a compiled one when
-    it traces)."""
-    split = next((int(p[1:]) for p in kernels.split("+") if p[:1] == "s" and p[1:].isdigit()), None)
-    quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
-    quant_mma.forget_launches()
-
-
 _MMA = quant_mma.quantized_matmul_mma
 
 
@@ -137,9 +127,20 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
+def apply_launches(kernels: str) -> None:
+    """The tensor-core kernel's split is looked up per layer shape: "sN" in a kernel set makes
+    every layer's split N warps (a different summation order: a speed arm only); "rs" calls the
+    kernel through ``_mma_reshaped``. Call it before
+    each arm of a set runs (an eager step looks the split up at every call, a compiled one when
+    it traces)."""
+    split = next((int(p[1:]) for p in kernels.split("+") if p[:1] == "s" and p[1:].isdigit()), None)
+    quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
+    quant_mma.forget_launches()
+    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in kernels.split("+") else _MMA
+
+
 def set_arm(lm, kernels: str, compiled: bool) -> str:
     apply_launches(kernels)
-    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in kernels.split("+") else _MMA
     lm.compiled_decode = None
     invariant.uninstall(lm.text_module)
     gdn_layer.uninstall(lm.text_module)
