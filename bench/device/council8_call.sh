@@ -4,6 +4,8 @@
 # modes against mlx_lm.server, rounds reported apart (issue 49's council goal, issue 46's
 # first round). Results under $OUT/council8.
 #   bash bench/device/council8_call.sh
+# Its seats are the official openai client: install tools/stage_device.sh's .whl6 first (a call
+# with carry [".whl6"]: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl6/*.whl).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/council8
 mkdir -p "$o"
