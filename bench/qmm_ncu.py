@@ -60,6 +60,40 @@ def cases(sweep: bool) -> list[dict]:
     return out
 
 
+MARKER = "councild_case_marker"
+UNITS_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+
+
+def make_marker():
+    """A one-thread kernel, evaluated alone, whose name cuts ncu's CSV into cases."""
+    import mlx.core as mx
+
+    marker = mx.fast.cuda_kernel(name=MARKER, input_names=["a"], output_names=["o"],
+                                 source="if (threadIdx.x == 0) o[0] = a[0];")
+    one = mx.ones((1,), dtype=mx.float32)
+
+    def mark() -> None:
+        (o,) = marker(inputs=[one], grid=(1, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
+                      output_dtypes=[mx.float32])
+        mx.eval(o)
+        mx.synchronize()
+
+    return mark
+
+
+def read_kernel_times(csv_path: Path) -> list[tuple[str, float]]:
+    """(kernel name, us) in launch order, markers included, from ncu's ``--csv`` log."""
+    with open(csv_path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]  # ncu's own "==PROF==" lines are not CSV
+    rows = []
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        v = float(r["Metric Value"].replace(",", ""))
+        rows.append((r.get("Kernel Name", ""), v * UNITS_US.get(r.get("Metric Unit", "ns"), 1e-3)))
+    return rows
+
+
 def run(plan_path: Path, sweep: bool, only_sweep: bool = False, budget: float = 1e9) -> None:
     import mlx.core as mx
 
@@ -80,16 +114,7 @@ def run(plan_path: Path, sweep: bool, only_sweep: bool = False, budget: float = 
     xs = {M: mx.random.normal((M, 5120)).astype(mx.bfloat16) for M in MS}
     xs_down = {M: mx.random.normal((M, 17408)).astype(mx.bfloat16) for M in MS}
     mx.eval(list(xs.values()), list(xs_down.values()))
-    marker = mx.fast.cuda_kernel(name="councild_case_marker", input_names=["a"], output_names=["o"],
-                                 source="if (threadIdx.x == 0) o[0] = a[0];")
-    one = mx.ones((1,), dtype=mx.float32)
-
-    def mark() -> None:
-        (o,) = marker(inputs=[one], grid=(1, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
-                      output_dtypes=[mx.float32])
-        mx.eval(o)
-        mx.synchronize()
-
+    mark = make_marker()
     mark()  # compiled here; and it opens the first case
     mx.synchronize()
     profiler = CudaProfiler()
@@ -147,19 +172,11 @@ class CudaProfiler:
 def report(folder: Path) -> int:
     plan = json.loads((folder / "plan.json").read_text())
     segments: list[list[tuple[str, float]]] = [[]]
-    with open(folder / "ncu.csv", newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        name = r.get("Kernel Name", "")
-        if "councild_case_marker" in name:
+    for name, us in read_kernel_times(folder / "ncu.csv"):
+        if MARKER in name:
             segments.append([])
-            continue
-        unit = r.get("Metric Unit", "ns")
-        v = float(r["Metric Value"].replace(",", ""))
-        scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1e-3)
-        segments[-1].append((name, v * scale))
+        else:
+            segments[-1].append((name, us))
     # Each case closes with a marker (also one that raised). Profiled from the start, the
     # marker before the first case closes the set-up's kernels: dropped. Profiled from
     # cudaProfilerStart on, segment i is case i's. The last segment follows the last marker.

@@ -28,7 +28,6 @@ test; ``--shape tiny`` (gpu_bench.py's small config of the same structure) makes
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import re
 import sys
@@ -39,34 +38,20 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-MARKER = "councild_case_marker"  # the name bench/qmm_ncu.py's markers have: one kind of marker in CSVs
+import qmm_ncu  # noqa: E402  (its marker kernel and its reading of ncu's CSV)
+
 CONTEXT = 256
 FULL_LAYERS = 64  # the 27B model's
 BLOCK = 4  # layers in one repeat of the layer pattern (full_attention_interval)
-UNITS_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
 # --- the profiled run --------------------------------------------------------------------
 
 def make_marker():
-    """A one-thread kernel whose name ncu prints between cases; a no-op where there is no CUDA."""
-    import mlx.core as mx
-
+    """qmm_ncu.py's marker kernel; a no-op where there is no CUDA (the CPU smoke test)."""
     from daemon.engine.kernels import invariant
 
-    if invariant.backend() != "cuda":
-        return lambda: None
-    kernel = mx.fast.cuda_kernel(name=MARKER, input_names=["a"], output_names=["o"],
-                                 source="if (threadIdx.x == 0) o[0] = a[0];")
-    one = mx.ones((1,), dtype=mx.float32)
-
-    def mark() -> None:
-        (o,) = kernel(inputs=[one], grid=(1, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(1,)],
-                      output_dtypes=[mx.float32])
-        mx.eval(o)
-        mx.synchronize()
-
-    return mark
+    return qmm_ncu.make_marker() if invariant.backend() == "cuda" else (lambda: None)
 
 
 def build(shape: str, layers: int):
@@ -138,24 +123,10 @@ def run(plan_path: Path, shape: str, layers: int, shapes: list[tuple[int, int]])
 
 # --- the report ----------------------------------------------------------------------------
 
-def read_kernels(csv_path: Path) -> list[tuple[str, float]]:
-    """(kernel name, us) in launch order, markers included, from ncu's ``--csv`` log (read as
-    bench/qmm_ncu.py reads it: its report does this inline, so not importable)."""
-    with open(csv_path, newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]  # ncu's own "==PROF==" lines are not CSV
-    rows = []
-    for r in csv.DictReader(lines):
-        if r.get("Metric Name") != "gpu__time_duration.sum":
-            continue
-        v = float(r["Metric Value"].replace(",", ""))
-        rows.append((r.get("Kernel Name", ""), v * UNITS_US.get(r.get("Metric Unit", "ns"), 1e-3)))
-    return rows
-
-
 def split_cases(rows: list[tuple[str, float]], n: int) -> list[list[tuple[str, float]]]:
     """Each case's kernels: between the (2i)th and (2i+1)th of the last 2n markers (anything
     before, the model's build and the prefills, falls outside the pairs)."""
-    at = [i for i, (name, _) in enumerate(rows) if MARKER in name]
+    at = [i for i, (name, _) in enumerate(rows) if qmm_ncu.MARKER in name]
     if len(at) < 2 * n:
         raise SystemExit(f"{len(at)} markers in ncu.csv for {n} cases (need {2 * n})")
     if len(at) != 2 * n:
@@ -238,9 +209,9 @@ def print_table(title: str, fams: dict[str, dict]) -> None:
 
 def report(folder: Path) -> int:
     plan = json.loads((folder / "plan.json").read_text())
-    segments = split_cases(read_kernels(folder / "ncu.csv"), len(plan["cases"]))
+    segments = split_cases(qmm_ncu.read_kernel_times(folder / "ncu.csv"), len(plan["cases"]))
     out = {"plan": plan, "cases": {}}
-    print(f"{plan['shape']}, {plan['layers']} layers, kernels {plan['kernels']} ({plan['path']}), context {plan['context']}")
+    print(f"{plan.get('shape', '27b')}, {plan['layers']} layers, kernels {plan['kernels']} ({plan['path']}), context {plan['context']}")
     for label, kernels in zip(plan["cases"], segments):
         fams = by_family(kernels)
         print_table(f"{label}: {plan['layers']} layers measured", fams)
