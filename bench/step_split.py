@@ -160,30 +160,31 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
     return "compiled" + ("" if lm.compiled_decode.batched else f" (batches eager: {lm.compiled_decode.batch_reason})")
 
 
-def step_times(lm, B: int, T: int, context: int, steps: int, seed: int, last: list | None = None
-               ) -> list[tuple[float, float, float]]:
+def step_times(lm, B: int, T: int, context: int, steps: int, seed: int, last: list | None = None,
+               profiler=None) -> list[tuple[float, float, float]]:
     """Median-ready (build, encode, total) of ``steps`` steps; ``last`` gets the last step's
     logits (the same seed gives every arm the same prompt and tokens: arms that differ only in
-    speed must give the same bits)."""
+    speed must give the same bits); a ``cProfile.Profile`` given as ``profiler`` records the
+    measured steps' builds (the Python returning the lazy graph) and nothing else."""
     V = lm.text_args.vocab_size
     mx.random.seed(seed)
     cache = make_prompt_cache(lm.text_module)
     mx.eval(lm.hidden(mx.random.randint(0, V, (B, context)), cache))
     # Two unmeasured steps: the first decode step of a cache (compiled traces apply from the
     # second), and the shape's first run (kernels, traces).
-    rows = []
+    rows, kept = [], []
     for i in range(steps + 2):
         toks = mx.random.randint(0, V, (B, T))
         mx.eval(toks)
-        kept = []
 
         def step():
             logits = lm.logits(lm.hidden(toks, cache)[:, -1:])
             kept[:] = [logits]
             return [mx.argmax(logits, axis=-1), logits]
 
-        r = split_time(step)
-        if i >= 2:
+        measured = i >= 2
+        r = split_time(lambda: profiler.runcall(step)) if profiler is not None and measured else split_time(step)
+        if measured:
             rows.append(r)
     if last is not None:
         last[:] = kept
@@ -193,36 +194,17 @@ def step_times(lm, B: int, T: int, context: int, steps: int, seed: int, last: li
 
 
 def profile_build(lm, B: int, T: int, context: int, steps: int, top: int = 30) -> dict:
-    """cProfile of ``steps`` step builds (Python returning the lazy graph) and, apart, the
-    encode (``mx.async_eval``), for the arm last set: which Python functions the host's build
-    time goes to."""
+    """cProfile of ``steps`` step builds of the arm last set (``step_times``'s measured steps):
+    which Python functions the host's build time goes to."""
     import cProfile
     import io
     import pstats
 
-    V = lm.text_args.vocab_size
-    cache = make_prompt_cache(lm.text_module)
-    mx.eval(lm.hidden(mx.random.randint(0, V, (B, context)), cache))
-    for _ in range(3):  # the first step of a cache and the shape's first run, unmeasured
-        mx.eval(mx.argmax(lm.logits(lm.hidden(mx.random.randint(0, V, (B, T)), cache)[:, -1:]), axis=-1))
     prof = cProfile.Profile()
-    splits = []
-    for _ in range(steps):
-        toks = mx.random.randint(0, V, (B, T))
-        mx.eval(toks)
-        mx.synchronize()
-        t0 = time.perf_counter()
-        prof.enable()
-        outs = [mx.argmax(lm.logits(lm.hidden(toks, cache)[:, -1:]), axis=-1)]
-        prof.disable()
-        t1 = time.perf_counter()
-        mx.async_eval(outs)
-        t2 = time.perf_counter()
-        mx.synchronize()
-        splits.append((t1 - t0, t2 - t1, time.perf_counter() - t0))
+    rows = step_times(lm, B, T, context, steps, seed=0, profiler=prof)
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
-    return {"shape": f"B{B}T{T}", "steps": steps, **med(splits), "table": buf.getvalue()}
+    return {"shape": f"B{B}T{T}", "steps": steps, **med(rows), "table": buf.getvalue()}
 
 
 def main(argv=None) -> int:
