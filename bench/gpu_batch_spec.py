@@ -15,7 +15,7 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 ``--kernels``: one or more kernel sets, each on its own copy of the model, alternated within each round (bench/step_split.py's
 ``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "conv", its conv folded in, "merge", the
 projections that read one input as one matmul, and "qmm", the quantized linears on the
-tensor-core kernel, whose split "sN" (N warps split K) sets: ``apply_launches``); ``--compiled``: the compiled step, as the daemon
+tensor-core kernel, whose split "sN" (N warps split K) and shared-memory stages "pN" set: ``apply_launches``); ``--compiled``: the compiled step, as the daemon
 runs it. Each measured round draws new prompts (the same length; every arm of the round gets them).
 Aggregate tokens/s per arm (median, range) and the per-round ratio to batch d0, printed as
 markdown and written to DIR/gpu_batch_spec.json. Prefill is outside the timed region.

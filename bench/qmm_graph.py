@@ -102,8 +102,8 @@ def mlx_arm(x, q, s, b, bits=4):
     return mx.quantized_matmul(x, q, s, b, transpose=True, group_size=GS, bits=bits)
 
 
-def kernel_arm(S: int, NA: int, bits: int = 4):
-    return lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, bits, split=S, columns=NA)
+def kernel_arm(S: int, NA: int | None, bits: int = 4, P: int | None = None):
+    return lambda x, q, s, b: quant_mma.quantized_matmul_mma(x, q, s, b, GS, bits, split=S, columns=NA, stages=P)
 
 
 def splits_for(N: int, K: int, bits: int) -> list[int]:
@@ -118,7 +118,7 @@ def rel_err(y, ref) -> float:
 
 
 def check_launches(bits: int) -> dict:
-    """NA and U change only the speed: every launch gives the NA = 1 launch's bits, at every M.
+    """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M.
     Compiling every variant on a fresh machine takes over 90 s: give it 200."""
     out = {}
     for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
@@ -129,9 +129,10 @@ def check_launches(bits: int) -> dict:
         rows = {}
         for M in (1, 16, 17, 32, 40):  # row tiles 1-5, whole and partial
             base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
-            same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=na,
-                                                                     unroll=u), base).item()
-                       for na in (1, 2, 4) for u in (1, 2))
+            launches = [{"columns": na, "unroll": u} for na in (1, 2, 4) for u in (1, 2)]
+            launches += [{"stages": p} for p in (2, 4)] + [{"stages": 2, "columns": 1}]
+            same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, **kw),
+                                      base).item() for kw in launches)
             rows[M] = r = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
             # one line a row count: a check cut by its time limit still shows what it saw
             log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, {r['rel_err_vs_mlx']:.1e} from MLX's")
@@ -159,6 +160,8 @@ def matmul_mode(args) -> dict:
             for NA in (1, 2, 4):
                 if (N // 16) % NA == 0:
                     arms[f"S{S} NA{NA}"] = kernel_arm(S, NA, bits)
+            for P in (2, 4):
+                arms[f"S{S} P{P}"] = kernel_arm(S, None, bits, P)
         for M in MS:
             x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
             xt = mx.random.normal((M, 5120), key=mx.random.key(M)).astype(mx.bfloat16)
@@ -206,16 +209,17 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def launch_of(text: str) -> tuple[int, int, int]:
-    """"S:U:NA" (0 for any of them: the kernel's table)."""
+def launch_of(text: str) -> tuple[int, int, int, int | None]:
+    """"S:U:NA" or "S:U:NA:P" (0 for any of S, U, NA: the kernel's table; P absent: the table's,
+    P = 0: the register feed)."""
     v = [int(x) for x in text.split(":")]
-    if len(v) != 3:
-        raise SystemExit(f"--launches: {text!r} is not S:U:NA")
-    return v[0], v[1], v[2]
+    if len(v) not in (3, 4):
+        raise SystemExit(f"--launches: {text!r} is not S:U:NA or S:U:NA:P")
+    return v[0], v[1], v[2], (v[3] if len(v) == 4 else None)
 
 
-def launch_name(S: int, U: int, NA: int) -> str:
-    return f"S{S} U{U} NA{NA}"
+def launch_name(S: int, U: int, NA: int, P: int | None = None) -> str:
+    return f"S{S} U{U} NA{NA}" + ("" if P is None else f" P{P}")
 
 
 _MARKER: list = []
@@ -249,9 +253,10 @@ def probe_mode(args) -> dict:
             arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
             for launch in filter(None, args.launches.split(",")):
-                S, U, NA = launch_of(launch)
-                arms[launch_name(S, U, NA)] = (lambda S, U, NA: lambda x: quant_mma.quantized_matmul_mma(
-                    x, q, s, b, GS, args.bits, split=S, unroll=U, columns=NA))(S, U, NA)
+                S, U, NA, P = launch_of(launch)
+                arms[launch_name(S, U, NA, P)] = (lambda S, U, NA, P: lambda x: quant_mma.quantized_matmul_mma(
+                    x, q, s, b, GS, args.bits, split=S or None, unroll=U or None, columns=NA or None,
+                    stages=P))(S, U, NA, P)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -343,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32)")
-    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA, comma-separated")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P], comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")

@@ -32,6 +32,13 @@ def kernel_texts() -> tuple[str, str]:
     return quant_mma._HEADER, quant_mma._SOURCE
 
 
+def quant_mma_ring_slots() -> int:
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine.kernels import quant_mma
+
+    return quant_mma.RING_SLOTS_MAX
+
+
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:
     consts = "\n".join(f"constexpr int {k} = {v};" for k, v in params.items())
     return f"""#include <cuda_bf16.h>
@@ -121,11 +128,13 @@ def main(argv=None) -> int:
     header, body = kernel_texts()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for bits, (xtype, xbf), S, MT, U, NA in itertools.product(
-                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4)):
+        for bits, (xtype, xbf), S, MT, U, NA, P in itertools.product(
+                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4)):
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
-            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA}
+            if P and (U != 1 or S * P * NA > quant_mma_ring_slots()):
+                continue  # the shared-memory feed ignores U; launches cap its ring
+            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
                                " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
     return 1 if bad else 0

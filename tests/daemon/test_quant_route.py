@@ -43,6 +43,20 @@ def test_the_split_of_k_depends_on_the_shape_never_on_rows():
     assert quant_mma.tiles_for(1000) == quant_mma.MAX_TILES
 
 
+def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
+    """P (chunks in flight through shared memory) is speed only, but a block's static shared
+    memory is 48 KB: the ring (S * P * NA slots of 1.5 KB) plus the warps' 2 KB of partial sums
+    must fit, or the launch fails on the device."""
+    for S in (1, 2, 4, 8, 16):
+        for NA in (1, 2, 4):
+            for wanted in (0, 2, 4, 8):
+                P = quant_mma.stages_for(1, S, NA, wanted)
+                assert 0 <= P <= wanted
+                assert S * P * NA * 1536 + S * 32 * 4 * 4 <= 48 * 1024
+    assert quant_mma.stages_for(1, 2, 1, 4) == 4 and quant_mma.stages_for(1, 16, 1, 4) == 1
+    assert quant_mma.stages_for(1, 16, 2, 4) == 0  # not one stage fits: the register feed
+
+
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
     lay = _layer()
     w, s, b = lay["weight"], lay["scales"], lay["biases"]

@@ -20,7 +20,11 @@ Layout, for MLX's affine groups as ``nn.QuantizedLinear`` stores them (``weight`
 - 4-bit weights are dequantized in pairs with bf16x2 / f16x2 arithmetic (the exponent trick:
   a nibble OR'd into 128.0's bits is 128 + q exactly; minus 128, then one fused q * s + b),
   8-bit in float32 (a byte OR'd into 2^23's bits), then rounded once to the operand type;
-- the partial sums of the S warps are added in warp order through shared memory.
+- the partial sums of the S warps are added in warp order through shared memory;
+- the weights reach a warp one of two ways (``P``, speed only: both feed the same ``qmm_chunk``):
+  loaded into registers U chunks at a time, or (P > 0) copied by ``cp.async`` into a ring of P
+  chunks in shared memory that stays P chunks ahead of the products, so a warp always has loads
+  in flight while it computes (its lanes copy exactly what they later read: no barrier).
 
 The order in which an output element is summed is fixed by K (and bits and S) alone: each MMA
 sums a fixed set of 16 inputs (the k order inside a chunk is a fixed permutation that matches
@@ -113,6 +117,107 @@ __device__ __forceinline__ float qmm_byte(unsigned q, int j, float s, float b) {
     const float v = __uint_as_float(((q >> (8 * j)) & 0xFFu) | 0x4B000000u) - 8388608.0f;
     return fmaf(v, s, b);
 }
+
+// Copies of 16 bytes (weights: L1 bypassed, each byte is read once) and 4 bytes (a pair of
+// scales or biases: L1 kept, a group's pair serves the next chunks) from global to shared
+// memory that run while the warp computes; a group of them is committed per chunk and
+// waited for P - 1 chunks later (sm_80 and newer).
+__device__ __forceinline__ unsigned qmm_smem(const void* p) {  // a shared-memory address (PTX only: no builtin)
+    unsigned a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ void qmm_cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(qmm_smem(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void qmm_cp4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(qmm_smem(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void qmm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void qmm_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
+
+// One chunk's products for a warp: its lane holds KT inputs of weight rows g and g + 8 of each
+// of its NA column tiles (wa, wb) with their group's scale and bias, and multiplies them by the
+// same KT inputs of every x row of the MT row tiles, into acc. The one place the arithmetic is
+// written: both ways of feeding the weights (registers, shared memory) call it, so they sum the
+// same products in the same order.
+template <bool BF, int BITS, int NA, int MT, typename XT>
+__device__ __forceinline__ void qmm_chunk(float (&acc)[NA][MT][4], const qmm_u4 (&wa)[NA], const qmm_u4 (&wb)[NA],
+                                          const float (&sa)[NA], const float (&ba)[NA], const float (&sb)[NA],
+                                          const float (&bb)[NA], const XT* x, int M, int K, int m0, int kl, int g,
+                                          bool aligned) {
+    if constexpr (BITS == 4) {
+        unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
+        #pragma unroll
+        for (int a = 0; a < NA; ++a) {
+            sa2[a] = qmm_pack<BF>(sa[a], sa[a]); ba2[a] = qmm_pack<BF>(ba[a], ba[a]);
+            sb2[a] = qmm_pack<BF>(sb[a], sb[a]); bb2[a] = qmm_pack<BF>(bb[a], bb[a]);
+        }
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
+            // the activations, loaded once for the NA column tiles: x rows of tile j
+            unsigned B[MT][4];
+            #pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                const int m = m0 + 8 * j + g;
+                qmm_u4 xv = {0u, 0u, 0u, 0u};
+                if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+                // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+                B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
+                B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
+            }
+            #pragma unroll
+            for (int a = 0; a < NA; ++a) {
+                const unsigned qa = i == 0 ? wa[a].x : i == 1 ? wa[a].y : i == 2 ? wa[a].z : wa[a].w;
+                const unsigned qb = i == 0 ? wb[a].x : i == 1 ? wb[a].y : i == 2 ? wb[a].z : wb[a].w;
+                unsigned A[2][4];
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a]);      // (k 2h, 2h+4), row g
+                    A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a]);      // row g + 8
+                    A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a]);  // (k 2h+1, 2h+5)
+                    A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a]);
+                }
+                #pragma unroll
+                for (int j = 0; j < MT; ++j) {
+                    qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
+                    qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
+                }
+            }
+        }
+    } else {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
+            unsigned B[MT][2];
+            #pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                const int m = m0 + 8 * j + g;
+                B[j][0] = 0u; B[j][1] = 0u;
+                if (m < M) {
+                    if (aligned) {
+                        const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)m * K + kl + 4 * i);
+                        B[j][0] = v.x; B[j][1] = v.y;
+                    } else {
+                        const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
+                        B[j][0] = hp[0] | (unsigned(hp[1]) << 16); B[j][1] = hp[2] | (unsigned(hp[3]) << 16);
+                    }
+                }
+            }
+            #pragma unroll
+            for (int a = 0; a < NA; ++a) {
+                const unsigned qa = i == 0 ? wa[a].x : i == 1 ? wa[a].y : i == 2 ? wa[a].z : wa[a].w;
+                const unsigned qb = i == 0 ? wb[a].x : i == 1 ? wb[a].y : i == 2 ? wb[a].z : wb[a].w;
+                const float s0 = sa[a], b0 = ba[a], s1 = sb[a], b1 = bb[a];
+                const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
+                const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
+                const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
+                const unsigned a3 = qmm_pack<BF>(qmm_byte(qb, 2, s1, b1), qmm_byte(qb, 3, s1, b1));
+                #pragma unroll
+                for (int j = 0; j < MT; ++j) qmm_mma<BF>(acc[a][j], a0, a1, a2, a3, B[j][0], B[j][1]);
+            }
+        }
+    }
+}
 """
 
 _SOURCE = """
@@ -132,7 +237,14 @@ _SOURCE = """
     const size_t row_bytes = (size_t)K * BITS / 8;
     const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(w);
     const bool aligned = ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) == 0 && (K % 8) == 0;
+    // The shared-memory feed copies a lane's scale and bias as the 4-byte pair that holds them.
+    const bool paired = ((reinterpret_cast<size_t>(scales) | reinterpret_cast<size_t>(biases)) & 3) == 0 && (G % 2) == 0;
     __shared__ float red[S > 1 ? S * 32 * 4 : 1];
+    // P > 0: a warp's weights stream through shared memory P chunks ahead of its products. Each
+    // lane copies exactly the pieces it later reads (its 16 bytes of rows g and g + 8 and their
+    // scale and bias pairs, per column tile), so no barrier is needed, only its own waits.
+    // Slot (stage, a) of lane l: ring[((warp * P + stage) * NA + a) * 96 + piece * 32 + l], 16 bytes a piece.
+    __shared__ uint4 ring[P > 0 ? S * P * NA * 96 : 1];   // uint4: 16-byte aligned, one load a piece
 
     for (int m0 = 0; m0 < M; m0 += 8 * MT) {
         float acc[NA][MT][4];
@@ -141,102 +253,82 @@ _SOURCE = """
             #pragma unroll
             for (int j = 0; j < MT; ++j) { acc[a][j][0] = 0.f; acc[a][j][1] = 0.f; acc[a][j][2] = 0.f; acc[a][j][3] = 0.f; }
         }
-        for (int cu = warp; cu < NC; cu += S * U) {
-            qmm_u4 wa[U][NA], wb[U][NA];
-            float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = cu + u * S;
+        if (P > 0 && aligned && paired) {
+            constexpr int PS = P > 0 ? P : 1;
+            uint4* mine = ring + (size_t)warp * PS * NA * 96;
+            // stage p's copies of chunk c (none past the last chunk: the group is then empty)
+            auto issue = [&](int p, int c) {
                 if (c < NC) {
                     const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
                     const int grp = (c * CK + t * KT) / GS;
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
                         const int na = n0 + 16 * a + g;
-                        wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
-                        wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
-                        sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
-                        ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
-                        sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
-                        bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
+                        uint4* slot = mine + (p * NA + a) * 96;
+                        qmm_cp16(slot + lane, wbytes + (size_t)na * row_bytes + off);
+                        qmm_cp16(slot + 32 + lane, wbytes + (size_t)(na + 8) * row_bytes + off);
+                        unsigned* sc = reinterpret_cast<unsigned*>(slot + 64 + lane);
+                        const size_t pa = (size_t)na * G + (grp & ~1), pb = (size_t)(na + 8) * G + (grp & ~1);
+                        qmm_cp4(sc + 0, scales + pa); qmm_cp4(sc + 1, biases + pa);
+                        qmm_cp4(sc + 2, scales + pb); qmm_cp4(sc + 3, biases + pb);
                     }
                 }
+                qmm_commit();
+            };
+            #pragma unroll 1
+            for (int p = 0; p < PS; ++p) issue(p, warp + p * S);
+            // One chunk's code, not P copies (unrolled, the copies cost ~30 registers at P = 4:
+            // a block per SM): the slot is an offset into shared memory, free to vary.
+            int p = 0;
+            #pragma unroll 1
+            for (int c = warp; c < NC; c += S) {
+                qmm_wait<PS - 1>();           // this chunk's group (the oldest in flight) has landed
+                const int hi = ((c * CK + t * KT) / GS) & 1;
+                qmm_u4 wa[NA], wb[NA];
+                float sa[NA], ba[NA], sb[NA], bb[NA];
+                #pragma unroll
+                for (int a = 0; a < NA; ++a) {
+                    const uint4* slot = mine + (p * NA + a) * 96;
+                    const uint4 va = slot[lane], vb = slot[32 + lane];
+                    wa[a] = {va.x, va.y, va.z, va.w};
+                    wb[a] = {vb.x, vb.y, vb.z, vb.w};
+                    const T* sc = reinterpret_cast<const T*>(slot + 64 + lane);
+                    sa[a] = static_cast<float>(sc[0 + hi]); ba[a] = static_cast<float>(sc[2 + hi]);
+                    sb[a] = static_cast<float>(sc[4 + hi]); bb[a] = static_cast<float>(sc[6 + hi]);
+                }
+                qmm_chunk<BF, BITS, NA, MT>(acc, wa, wb, sa, ba, sb, bb, x, M, K, m0, c * CK + t * KT, g, aligned);
+                issue(p, c + PS * S);         // the slot just read takes the chunk P ahead
+                p = p + 1 == PS ? 0 : p + 1;
             }
-            #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int c = cu + u * S;
-                if (c >= NC) break;
-                const int kl = c * CK + t * KT;     // this lane's first input of the chunk
-                if constexpr (BITS == 4) {
-                    unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
-                    #pragma unroll
-                    for (int a = 0; a < NA; ++a) {
-                        sa2[a] = qmm_pack<BF>(sa[u][a], sa[u][a]); ba2[a] = qmm_pack<BF>(ba[u][a], ba[u][a]);
-                        sb2[a] = qmm_pack<BF>(sb[u][a], sb[u][a]); bb2[a] = qmm_pack<BF>(bb[u][a], bb[u][a]);
-                    }
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
-                        // the activations, loaded once for the NA column tiles: x rows of tile j
-                        unsigned B[MT][4];
-                        #pragma unroll
-                        for (int j = 0; j < MT; ++j) {
-                            const int m = m0 + 8 * j + g;
-                            qmm_u4 xv = {0u, 0u, 0u, 0u};
-                            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
-                            // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
-                            B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
-                            B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
-                        }
+            qmm_wait<0>();                    // nothing in flight into the ring before its next pass
+        } else {
+            for (int cu = warp; cu < NC; cu += S * U) {
+                qmm_u4 wa[U][NA], wb[U][NA];
+                float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
+                #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int c = cu + u * S;
+                    if (c < NC) {
+                        const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
+                        const int grp = (c * CK + t * KT) / GS;
                         #pragma unroll
                         for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
-                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
-                            unsigned A[2][4];
-                            #pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a]);      // (k 2h, 2h+4), row g
-                                A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a]);      // row g + 8
-                                A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a]);  // (k 2h+1, 2h+5)
-                                A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a]);
-                            }
-                            #pragma unroll
-                            for (int j = 0; j < MT; ++j) {
-                                qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
-                                qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
-                            }
+                            const int na = n0 + 16 * a + g;
+                            wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
+                            wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
+                            sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
+                            ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
+                            sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
+                            bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
                         }
                     }
-                } else {
-                    #pragma unroll
-                    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
-                        unsigned B[MT][2];
-                        #pragma unroll
-                        for (int j = 0; j < MT; ++j) {
-                            const int m = m0 + 8 * j + g;
-                            B[j][0] = 0u; B[j][1] = 0u;
-                            if (m < M) {
-                                if (aligned) {
-                                    const uint2 v = *reinterpret_cast<const uint2*>(x + (size_t)m * K + kl + 4 * i);
-                                    B[j][0] = v.x; B[j][1] = v.y;
-                                } else {
-                                    const unsigned short* hp = reinterpret_cast<const unsigned short*>(x + (size_t)m * K + kl + 4 * i);
-                                    B[j][0] = hp[0] | (unsigned(hp[1]) << 16); B[j][1] = hp[2] | (unsigned(hp[3]) << 16);
-                                }
-                            }
-                        }
-                        #pragma unroll
-                        for (int a = 0; a < NA; ++a) {
-                            const unsigned qa = i == 0 ? wa[u][a].x : i == 1 ? wa[u][a].y : i == 2 ? wa[u][a].z : wa[u][a].w;
-                            const unsigned qb = i == 0 ? wb[u][a].x : i == 1 ? wb[u][a].y : i == 2 ? wb[u][a].z : wb[u][a].w;
-                            const float s0 = sa[u][a], b0 = ba[u][a], s1 = sb[u][a], b1 = bb[u][a];
-                            const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
-                            const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
-                            const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
-                            const unsigned a3 = qmm_pack<BF>(qmm_byte(qb, 2, s1, b1), qmm_byte(qb, 3, s1, b1));
-                            #pragma unroll
-                            for (int j = 0; j < MT; ++j) qmm_mma<BF>(acc[a][j], a0, a1, a2, a3, B[j][0], B[j][1]);
-                        }
-                    }
+                }
+                #pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int c = cu + u * S;
+                    if (c >= NC) break;
+                    qmm_chunk<BF, BITS, NA, MT>(acc, wa[u], wb[u], sa[u], ba[u], sb[u], bb[u], x, M, K, m0,
+                                                c * CK + t * KT, g, aligned);
                 }
             }
         }
@@ -288,6 +380,14 @@ UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
 # warp loads then feeds NA tiles' products instead of one, so the activations' traffic from
 # L1/L2, which grows with M, shrinks by NA; one row wants many warps in flight instead.
 COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
+# Chunks whose weights stream through shared memory ahead of the products (P; 0: loaded into
+# registers U chunks at a time, the first way): speed only (the same products in the same order,
+# ``qmm_chunk`` computes both). On an H100 the register feed left a warp stalled on its loads
+# ~40% of the time at one row (bench/results/h100_2026-12-06): P chunks in flight per warp keep
+# loads outstanding while it computes. 0 until a device sweep shows where it pays.
+STAGES_BY_TILES: dict[int, int] = {}
+# A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
+RING_SLOTS_MAX = 30
 
 _kernel: list = []
 
@@ -341,6 +441,16 @@ def tiles_for(M: int) -> int:
     return max(1, min(MAX_TILES, -(-M // 8)))
 
 
+def stages_for(MT: int, S: int, NA: int, wanted: int | None = None) -> int:
+    """Chunks in flight through shared memory per warp: the table's (or ``wanted``) cut to what
+    the 48 KB of a block's static shared memory holds beside the other warps' rings; 0 when even
+    one stage does not fit (the register feed)."""
+    p = STAGES_BY_TILES.get(MT, 0) if wanted is None else wanted
+    while p > 0 and S * p * NA > RING_SLOTS_MAX:
+        p -= 1
+    return p
+
+
 def column_tiles_for(N: int, MT: int, S: int, wanted: int | None = None) -> int:
     """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16.
     A block of more than 256 threads takes one: a thread of NA >= 2 holds up to ~240 registers
@@ -364,8 +474,9 @@ def forget_launches() -> None:
     _launches.clear()
 
 
-def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns) -> dict:
-    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns)
+def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
+            stages) -> dict:
+    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages)
     got = _launches.get(key)
     if got is None:
         M = 1
@@ -373,10 +484,13 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
             M *= d
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
-        U = unroll or UNROLL_BY_TILES.get(MT, 1)
         NA = column_tiles_for(N, MT, S, columns)
+        P = stages_for(MT, S, NA, stages)
+        # With P > 0 the register feed runs only for unaligned pointers: U = 1 keeps its
+        # registers (a kernel holds the most either way needs) at the shared-memory feed's.
+        U = unroll or (1 if P else UNROLL_BY_TILES.get(MT, 1))
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(*lead, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -385,13 +499,14 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None) -> mx.array:
+                         columns: int | None = None, stages: int | None = None) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
     and the split (see the module docstring). The keyword arguments override the launch (for
     the device check's sweep); ``split`` changes the order, the others (``unroll``, ``tiles``,
-    ``columns``) only the speed."""
-    launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns)
+    ``columns``, ``stages``) only the speed."""
+    launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
+                     stages)
     (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
     return y
 
