@@ -53,8 +53,8 @@ def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
                 P = quant_mma.stages_for(1, S, NA, wanted)
                 assert 0 <= P <= wanted
                 assert S * P * NA * 1536 + S * 32 * 4 * 4 <= 48 * 1024
-    assert quant_mma.stages_for(1, 2, 1, 4) == 4 and quant_mma.stages_for(1, 16, 1, 4) == 1
-    assert quant_mma.stages_for(1, 16, 2, 4) == 0  # not one stage fits: the register feed
+    assert quant_mma.stages_for(1, 2, 1, 4) == 4 and quant_mma.stages_for(1, 8, 1, 4) == 3
+    assert quant_mma.stages_for(1, 16, 1, 4) == 0  # one stage is no pipeline: the register feed
 
 
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():

@@ -384,8 +384,10 @@ COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
 # registers U chunks at a time, the first way): speed only (the same products in the same order,
 # ``qmm_chunk`` computes both). On an H100 the register feed left a warp stalled on its loads
 # ~40% of the time at one row (bench/results/h100_2026-12-06): P chunks in flight per warp keep
-# loads outstanding while it computes. 0 until a device sweep shows where it pays.
-STAGES_BY_TILES: dict[int, int] = {}
+# loads outstanding while it computes. P = 2 at every row-tile count, measured on an H100
+# (bench/results/h100_2026-12-06c): the 27B-shaped 4-bit step 0.94x (one row) and 0.95x (four
+# rows) the register feed's time, the same logits bit for bit; P = 4 was slower than P = 2.
+STAGES_BY_TILES: dict[int, int] = {mt: 2 for mt in range(1, MAX_TILES + 1)}
 # A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
 RING_SLOTS_MAX = 30
 
@@ -448,7 +450,9 @@ def stages_for(MT: int, S: int, NA: int, wanted: int | None = None) -> int:
     p = STAGES_BY_TILES.get(MT, 0) if wanted is None else wanted
     while p > 0 and S * p * NA > RING_SLOTS_MAX:
         p -= 1
-    return p
+    # One stage is no pipeline (a warp waits for each copy as it lands): slower than registers
+    # (H100: the down projection at M = 16, 69.7 us against 60.7).
+    return p if p >= 2 else 0
 
 
 def column_tiles_for(N: int, MT: int, S: int, wanted: int | None = None) -> int:
