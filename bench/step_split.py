@@ -128,18 +128,22 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 
 
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
+_WIDE = quant_mma.WIDE_SPLIT
 
 
 def apply_launches(kernels: str) -> None:
     """The tensor-core kernel's split is looked up per layer shape: "sN" in a kernel set makes
     every layer's split N warps (a different summation order: a speed arm only); "pN" streams
     every launch's weights N chunks ahead through shared memory (P = N; "p0": the register feed;
-    the same bits); "rs" calls the kernel through ``_mma_reshaped``. Call it before
+    the same bits); "wN" gives layers whose tiles fill the chip N warps ("w1": one, as before
+    2026-12-06; a different order); "rs" calls the kernel through ``_mma_reshaped``. Call it before
     each arm of a set runs (an eager step looks the split up at every call, a compiled one when
     it traces)."""
     parts = kernels.split("+")
     split = next((int(p[1:]) for p in parts if p[:1] == "s" and p[1:].isdigit()), None)
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
+    wide = next((int(p[1:]) for p in parts if p[:1] == "w" and p[1:].isdigit()), None)
+    quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
     stages = next((int(p[1:]) for p in parts if p[:1] == "p" and p[1:].isdigit()), None)
     quant_mma.STAGES_BY_TILES.clear()
     quant_mma.STAGES_BY_TILES.update(_STAGES if stages is None else {mt: stages for mt in range(1, 9)})

@@ -424,14 +424,24 @@ def mma_refusal(x_dtype, N: int, K: int, group_size: int, bits: int, has_biases:
     return None
 
 
+# Warps per block for a layer so wide that its column tiles alone fill the chip (the lm_head, the
+# merged gate/up projection): one warp a block left each warp ~40 chunks in a row and ran the
+# head at 53% of the bound on an H100, three warps at 70% (M = 1, 4, 16: 1.31x, 1.23x, 1.15x;
+# M = 32: 0.92x; bench/results/h100_2026-12-06c). Part of the summation order, like any split.
+WIDE_SPLIT = 3
+
+
 def default_split(N: int, K: int, bits: int) -> int:
     """Warps per block for a shape the table does not list: enough blocks x warps to fill an
-    H200-sized chip (132 SMs, ~16 resident warps each) while each warp keeps >= 4 chunks."""
+    H200-sized chip (132 SMs, ~16 resident warps each) while each warp keeps >= 4 chunks; a
+    layer whose tiles alone fill it takes ``WIDE_SPLIT`` warps where each keeps >= 4 chunks."""
     tiles = N // 16
     chunks = K // chunk_inputs(bits)
     s = 1
     while s < 16 and tiles * s < 132 * 16 and chunks // (2 * s) >= 4:
         s *= 2
+    if s == 1 and WIDE_SPLIT > 1 and chunks // WIDE_SPLIT >= 4:
+        s = WIDE_SPLIT
     return s
 
 
