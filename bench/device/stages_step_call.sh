@@ -6,10 +6,12 @@
 #   1. bench/step_split.py: host build / encode / total of a compiled step, 1x1 and 4x1;
 #   2. bench/gpu_batch_spec.py: the decoders (batch depth 0, speculation depth 2), heights 1 and 4.
 #   P=4 bash bench/device/stages_step_call.sh        (results under $OUT/stages_split, $OUT/stages_spec)
+#   ARMS=gdn+conv+merge+qmm+w1,gdn+conv+merge+qmm bash bench/device/stages_step_call.sh   (any two kernel sets;
+#   arms of a different summation order, such as the wide split "wN", differ in their last logits)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0
 o=${OUT:-/tmp/out}
 base=gdn+conv+merge+qmm
-arms=$base+p0,$base+p${P:-4}
+arms=${ARMS:-$base+p0,$base+p${P:-4}}
 mkdir -p "$o/stages_split" "$o/stages_spec"
 s=$(date +%s)
 timeout ${SPLIT_LIMIT:-200} python3 bench/step_split.py --out "$o/stages_split" --arms "$arms" --paths compiled \
