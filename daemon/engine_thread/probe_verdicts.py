@@ -35,20 +35,12 @@ from typing import Callable
 
 from ..logs import get_logger
 from ..paths import cache_dir
+from ..engine import source_hash
 from .profile import current_device, current_versions, model_hash
 
 log = get_logger("councild.engine")
 
 VERDICTS_FORMAT = 1
-_ENGINE_DIR = Path(__file__).resolve().parents[1] / "engine"
-
-
-def _engine_source_hash() -> str:
-    h = hashlib.sha256()
-    for f in sorted(_ENGINE_DIR.rglob("*.py")):  # every wing's modules, by their path in the engine
-        h.update(f.relative_to(_ENGINE_DIR).as_posix().encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def verdict_key(lm, *, decode_path: bool = True) -> dict:
@@ -57,7 +49,7 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
     from mlx.utils import tree_flatten
 
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
-    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": _engine_source_hash(),
+    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": source_hash(),
             "device": current_device(), "dtypes": dtypes,
             "decode_path": lm.decode_path if decode_path else "(being decided)",
             "batch_decode_path": lm.batch_decode_path if decode_path else "(being decided)",

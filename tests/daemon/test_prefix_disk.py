@@ -140,3 +140,15 @@ def test_a_continuation_is_the_decoders_cache_and_drop_forgets_it(lm, tmp_path):
     assert pc.forget_seat("s1") == (1, snap.nbytes)
     assert pc.disk.stats()["files"] == 0 and not list((tmp_path / "fp").glob("*.snap"))
     assert pc.lookup(nxt, want_head=False, allow_inexact=True) == (None, 0)
+
+
+def test_the_fingerprint_changes_with_what_changes_the_states_bits(lm):
+    """A snapshot is only as good as the arithmetic that wrote it: the kernels a forward runs
+    on (a fixed-order kernel's split, the fused recurrence, merged projections) and the engine's
+    code are part of the fingerprint, as the prefill chunk and the decode path are."""
+    key = prefix_disk.numerics_key(lm, 16)
+    assert key["engine_source"] and key["kernels"] == lm.kernels
+    base = prefix_disk.model_fingerprint(lm.path, key)
+    assert prefix_disk.model_fingerprint(lm.path, dict(key)) == base
+    for field in ("kernels", "engine_source", "recurrence", "linears", "prefill_chunk", "decode_path"):
+        assert prefix_disk.model_fingerprint(lm.path, key | {field: f"{key[field]}+other"}) != base, field
