@@ -80,14 +80,15 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1x1,4x1", help="BxT, comma-separated")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--arms", default="mlx,qmm", help="kernel sets as bench/step_split.py's set_arm takes them (mlx, or a "
-                    "'+' of gdn, conv, merge, qmm); all but mlx on CUDA only")
+                    "'+' of gdn, conv, merge, noattn, qmm); those with gdn, conv or qmm on CUDA only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     lm, head, _ = build_model(dict(TINY, num_hidden_layers=args.layers))
     quantize_4bit(lm, head)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     res: dict = {"layers": args.layers, "backend": str(mx.default_device()), "mlx": mx.__version__, "steps": {}}
-    arms = [a for a in args.arms.split(",") if a == "mlx" or invariant.backend() == "cuda"]
+    cuda_only = {"gdn", "conv", "qmm"}
+    arms = [a for a in args.arms.split(",") if not cuda_only & set(a.split("+")) or invariant.backend() == "cuda"]
     for arm in arms:
         for path in ("eager", "compiled"):
             how = set_arm(lm, arm, path == "compiled")

@@ -13,7 +13,8 @@ so a step whose total is about build + encode is bound by the host, not by the G
 matmul kernel. Arms: kernels "mlx" (MLX's everywhere), "qmm" (the quantized linears on
 engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py),
 "conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "merge" (projections
-that read one input as one matmul, engine/kernels/merged_linears.py) or a
+that read one input as one matmul, engine/kernels/merged_linears.py; with "noattn": the
+attention's q, k and v left separate, as before 2026-12-06) or a
 "+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
 switched in only when its self-check passes, as the daemon does). Arms alternate within each
 round, the prompt changes between rounds, the first round is reported apart.
@@ -161,7 +162,7 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
     if "gdn" in parts:  # "conv": with the conv folded into its kernel (the daemon's default on CUDA)
         gdn_layer.install(lm.text_module, conv_recurrence=gdn_fused.gated_delta_conv_fused if "conv" in parts else None)
     if "merge" in parts:  # before the kernel swap, which must reach the merged layers too
-        merged_linears.install(lm.text_module)
+        merged_linears.install(lm.text_module, attention="noattn" not in parts)
     if "qmm" in parts:
         invariant.install(lm.text_module, max_rows=72, quantized_only=True)
     if not compiled:

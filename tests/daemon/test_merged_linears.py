@@ -18,9 +18,10 @@ from mlx_lm.models import qwen3_next  # noqa: E402
 
 from daemon.engine.decoders.batch import batch_matches_serial  # noqa: E402
 from daemon.engine.decoders.exactness import ragged_verify_matches_serial, verify_matches_serial  # noqa: E402
-from daemon.engine.kernels import gdn_fused, gdn_layer, merged_linears  # noqa: E402
+from daemon.engine.kernels import gdn_fused, gdn_layer, invariant, merged_linears  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
+from daemon.engine.prefill.mixed_forward import mixed_hidden  # noqa: E402
 from daemon.engine.prefill.prefill import prefill  # noqa: E402
 
 pytestmark = pytest.mark.quick
@@ -74,7 +75,9 @@ def test_a_merged_model_computes_what_the_separate_one_did_and_holds_each_weight
     before = _hidden_and_steps(lm)
     n = merged_linears.install(lm.text_module)
     n_mlp = sum(type(m) is merged_linears.MergedMLP for _, m in lm.text_module.named_modules())
-    assert n == len(gdn_layer.layers(lm.text_module)) + n_mlp and n_mlp == len(lm.backbone.layers)
+    n_attn = sum(type(m) is merged_linears.MergedAttention for _, m in lm.text_module.named_modules())
+    assert n == len(gdn_layer.layers(lm.text_module)) + n_mlp + n_attn and n_mlp == len(lm.backbone.layers)
+    assert n_attn == len(lm.backbone.layers) - len(gdn_layer.layers(lm.text_module)) > 0
     assert merged_linears.installed(lm.text_module) == n
     # The originals now read rows of the merged arrays: no second copy of the weights.
     grown, weights = _install_growth(random_model_path, quantized)
@@ -84,7 +87,8 @@ def test_a_merged_model_computes_what_the_separate_one_did_and_holds_each_weight
     assert all(mx.array_equal(x, y).item() for x, y in zip(before, after))
     merged_linears.uninstall(lm.text_module)
     assert merged_linears.installed(lm.text_module) == 0
-    assert all(type(m) is not merged_linears.MergedMLP for _, m in lm.text_module.named_modules())
+    assert all(type(m) not in (merged_linears.MergedMLP, merged_linears.MergedAttention)
+               for _, m in lm.text_module.named_modules())
     assert all(mx.array_equal(x, y).item() for x, y in zip(before, _hidden_and_steps(lm)))
 
 
@@ -118,6 +122,47 @@ def test_every_gated_delta_forward_goes_through_the_merged_matmul_and_the_probes
     assert enable_compiled_decode(lm) is None
     assert verify_matches_serial(lm, "capture") and verify_matches_serial(lm, "snapshot")
     assert batch_matches_serial(lm, 4) and ragged_verify_matches_serial(lm)
+
+
+def test_every_attention_forward_goes_through_the_merged_matmul_invariant_or_not(random_model_path):
+    """q, k and v as one matmul in every forward that projects attention: the model's own
+    (mlx-lm's op order, MLX's attention), the invariant attention's, and the mixed step's
+    (groups of rows through one forward); taking the invariant set off leaves the merged class."""
+    lm = load_model(random_model_path, compile_decode=False)
+    gdn_layer.install(lm.text_module, gdn_fused.gated_delta_reference)
+    merged_linears.install(lm.text_module)
+    calls = []
+    attns = [m for _, m in lm.text_module.named_modules() if type(m) is merged_linears.MergedAttention]
+    assert attns
+    for attn in attns:
+        for name in ("qkv_proj_merged", "q_proj"):
+            layer, inner = attn[name], type(attn[name]).__call__
+
+            class Counted(type(layer)):
+                def __call__(self, x, _name=name, _inner=inner):
+                    calls.append(_name)
+                    return _inner(self, x)
+
+            layer.__class__ = Counted
+
+    def one_step_and_a_mixed_forward() -> list:
+        cache, ride_cache = lm.make_cache(), lm.make_cache()
+        prefill(lm, PROMPT, cache)
+        calls.clear()
+        mx.eval(lm.hidden(mx.array([[5]]), cache))
+        step = list(calls)
+        calls.clear()
+        mx.eval(mixed_hidden(lm, [(mx.array([[7]]), cache), (mx.array([PROMPT[:4]]), ride_cache)]))
+        return step + list(calls)
+
+    assert one_step_and_a_mixed_forward() == ["qkv_proj_merged"] * (2 * len(attns))
+    invariant.install(lm.text_module)
+    assert all(type(a) is invariant.InvariantAttention for a in attns)
+    assert one_step_and_a_mixed_forward() == ["qkv_proj_merged"] * (2 * len(attns))
+    invariant.uninstall(lm.text_module)
+    assert all(type(a) is merged_linears.MergedAttention for a in attns)
+    merged_linears.uninstall(lm.text_module)
+    assert all(type(a) is qwen3_next.Qwen3NextAttention for a in attns)
 
 
 def test_layers_that_cannot_be_one_matmul_are_refused_and_left_alone():

@@ -75,6 +75,15 @@ def gdn_projections(attn: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.arr
     return qkv, z, b, a
 
 
+def attention_projections(attn: nn.Module, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """The gated attention's input projections (q with its gate, k, v), as mlx-lm computes them,
+    or as one matmul where merged_linears.py merged them (``qkv_proj_merged``)."""
+    if "qkv_proj_merged" in attn:
+        q, k, v = mx.split(attn.qkv_proj_merged(x), attn._qkv_splits, axis=-1)
+        return q, k, v
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
 def gdn_conv_input(attn: nn.Module, qkv: mx.array, mask: Any, cache: ArraysCache | None) -> mx.array:
     """[conv state, new rows] for the depthwise conv, the cache's conv state advanced past
     them (per row by its length where the cache has lengths): mlx-lm's block, op for op."""

@@ -51,6 +51,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
 from . import invariant_quant
+from .merged_linears import MergedAttention
 
 # Keys are split into chunks of CHUNK *visible* keys (by their rank among the keys the query
 # may see, not by their slot), so a query's chunks are the same whether its row is alone,
@@ -404,29 +405,11 @@ def reference_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     return (p @ v).astype(queries.dtype)
 
 
-class InvariantAttention(qwen3_next.Qwen3NextAttention):
-    """mlx-lm's gated attention (op for op, qwen3_next.Qwen3NextAttention.__call__) with
+class InvariantAttention(MergedAttention):
+    """mlx-lm's gated attention (op for op, qwen3_next.Qwen3NextAttention.__call__, through
+    merged_linears.MergedAttention, whose q, k and v are one matmul where merged) with
     ``invariant_sdpa`` in place of the fused attention. ``install`` swaps a loaded model's
     attention layers to this class; their weights and submodules stay as they are."""
-
-    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        B, L, D = x.shape
-        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
-        output = self.attend(queries, keys, values, cache, mask)
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output * mx.sigmoid(gate))
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any) -> mx.array:
         """The attention proper for queries [B, H, L, D] (after rope and the cache update):
@@ -500,8 +483,9 @@ class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 _SWAPS = {qwen3_next.Qwen3NextAttention: InvariantAttention, nn.Linear: InvariantLinear, nn.Embedding: InvariantEmbedding,
-          nn.QuantizedLinear: InvariantQuantizedLinear, nn.QuantizedEmbedding: InvariantQuantizedEmbedding}
-_BACK = {v: k for k, v in _SWAPS.items()}
+          nn.QuantizedLinear: InvariantQuantizedLinear, nn.QuantizedEmbedding: InvariantQuantizedEmbedding,
+          MergedAttention: InvariantAttention}
+_BACK = {v: k for k, v in _SWAPS.items() if k is not MergedAttention}
 _QUANTIZED = (InvariantQuantizedLinear, InvariantQuantizedEmbedding)
 
 
@@ -556,6 +540,9 @@ def holds_classes(text_module, classes) -> bool:
 
 def uninstall(text_module) -> None:
     restore_classes(text_module, _BACK)
+    for _, m in text_module.named_modules():  # a merged attention goes back to the merged class
+        if type(m) is qwen3_next.Qwen3NextAttention and "qkv_proj_merged" in m:
+            m.__class__ = MergedAttention
 
 
 def installed(text_module) -> bool:

@@ -21,13 +21,18 @@ layers by path), and a forward that calls them gets the same weights.
   daemon's walks would round differently.
 - MLP (Qwen3NextMLP, qwen3_5's dense MLP and qwen3_next's shared expert): the class is
   swapped to ``MergedMLP``, whose forward is mlx-lm's with gate and up as one matmul.
+- Gated attention (Qwen3NextAttention): q (with its gate), k and v as ``qkv_proj_merged``
+  with ``_qkv_splits``; the class is swapped to ``MergedAttention``, whose forward is mlx-lm's
+  with the projections from ``forward.attention_projections`` (as the invariant attention's
+  and the mixed step's are). At the 27B shape k and v are 1,024 columns each, at the
+  latency floor of a matmul call (~13 us on the H200 for ~1 us of bytes): 32 of a step's calls.
 
 Numbers: each output is still one dot product over the same input row; whether its bits
 equal the separate matmul's depends on the kernel (the invariant kernel's order is fixed by K
 alone; MLX's may pick another tiling for another N). Either way every forward of the model
 uses the merged form, and the start-up probes test the model so merged (their verdicts are
 keyed by ``LoadedModel.linears``).
-This module imports nothing of the engine but the kernels' forward.
+This module imports nothing of the engine but the kernels' forward and the GatedDeltaNet block.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.activations import swiglu
 
+from .forward import attention_projections
 from .gdn_layer import layers as gdn_layers
 
 GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 MLP_PROJECTIONS = ("gate_proj", "up_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 _ARRAYS = ("weight", "scales", "biases", "bias")
 
 
@@ -98,14 +105,50 @@ class MergedMLP(qwen3_next.Qwen3NextMLP):
         return self.down_proj(swiglu(gate, up))
 
 
+class MergedAttention(qwen3_next.Qwen3NextAttention):
+    """mlx-lm's gated attention (Qwen3NextAttention.__call__, op for op) with q, k and v from
+    ``attention_projections`` (one matmul where merged) and the attention proper in ``attend``:
+    MLX's fused kernel here, the invariant kernel in invariant.InvariantAttention."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, D = x.shape
+        q, keys, values = attention_projections(self, x)
+        queries, gate = mx.split(q.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        output = self.attend(queries, keys, values, cache, mask)
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output * mx.sigmoid(gate))
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache, mask) -> mx.array:
+        """The attention proper for queries [B, H, L, D] (after rope and the cache update)."""
+        return qwen3_next.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale,
+                                                       mask=mask)
+
+
+def _attentions(text_module) -> list[nn.Module]:
+    """Every gated attention layer (mlx-lm's class or a subclass: merged, invariant)."""
+    return [m for _, m in text_module.named_modules() if isinstance(m, qwen3_next.Qwen3NextAttention)]
+
+
 def _mlps(text_module) -> list[nn.Module]:
     return [m for _, m in text_module.named_modules() if type(m) in (qwen3_next.Qwen3NextMLP, MergedMLP)]
 
 
-def install(text_module) -> int:
-    """Merge every GatedDeltaNet layer's input projections (qwen3_5 layout) and every MLP's
-    gate and up, in place; returns how many groups. Groups that ``refusal`` turns down keep
-    their separate matmuls. Before any kernel swap and before the compiled step is traced."""
+def install(text_module, *, attention: bool = True) -> int:
+    """Merge every GatedDeltaNet layer's input projections (qwen3_5 layout), every MLP's gate
+    and up and (``attention``) every gated attention's q, k and v, in place; returns how many
+    groups. Groups that ``refusal`` turns down keep their separate matmuls. Before any kernel
+    swap and before the compiled step is traced."""
     n = 0
     for attn in gdn_layers(text_module):
         if "in_proj_merged" in attn or not all(p in attn for p in GDN_PROJECTIONS):
@@ -124,6 +167,16 @@ def install(text_module) -> int:
             mlp.gate_up_proj, mlp._gate_up_splits = merged, tuple(ends)
             mlp.__class__ = MergedMLP
             n += 1
+    for attn in _attentions(text_module) if attention else []:
+        if "qkv_proj_merged" in attn or not all(p in attn for p in ATTENTION_PROJECTIONS):
+            continue
+        group = [attn[p] for p in ATTENTION_PROJECTIONS]
+        if refusal(group) is None:
+            merged, ends = merge(group)
+            attn.qkv_proj_merged, attn._qkv_splits = merged, tuple(ends)
+            if type(attn) is qwen3_next.Qwen3NextAttention:
+                attn.__class__ = MergedAttention
+            n += 1
     return n
 
 
@@ -136,9 +189,15 @@ def uninstall(text_module) -> None:
         if type(mlp) is MergedMLP:
             del mlp["gate_up_proj"]
             mlp.__class__ = qwen3_next.Qwen3NextMLP
+    for attn in _attentions(text_module):
+        if "qkv_proj_merged" in attn:
+            del attn["qkv_proj_merged"]
+        if type(attn) is MergedAttention:
+            attn.__class__ = qwen3_next.Qwen3NextAttention
 
 
 def installed(text_module) -> int:
     """How many merged groups the model holds."""
     return (sum("in_proj_merged" in a for a in gdn_layers(text_module))
-            + sum(type(m) is MergedMLP for m in _mlps(text_module)))
+            + sum(type(m) is MergedMLP for m in _mlps(text_module))
+            + sum("qkv_proj_merged" in a for a in _attentions(text_module)))

@@ -30,7 +30,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_dot_product_attention
 
-from ..kernels.forward import backbone_layers, gdn_mix, gdn_projections
+from ..kernels.forward import attention_projections, backbone_layers, gdn_mix, gdn_projections
 from ..pieces import pause
 from .prefill import prefill
 
@@ -56,7 +56,7 @@ def hidden_with(lm, tokens: mx.array, cache: list, ride: Ride | None) -> mx.arra
 def _attention(attn: nn.Module, x: mx.array, sizes: list[tuple[int, int]], masks: list, caches: list) -> mx.array:
     """mlx-lm's gated attention (Qwen3NextAttention) over the flattened groups: projections
     once, rope / cache / attention per group, the output projection once."""
-    q_all, k_all, v_all = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q_all, k_all, v_all = attention_projections(attn, x)
     outs, start = [], 0
     for (B, L), mask, cache in zip(sizes, masks, caches):
         n = B * L
