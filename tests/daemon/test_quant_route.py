@@ -59,6 +59,9 @@ def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
                 assert S * P * NA * 1536 + S * 32 * 4 * 4 <= 48 * 1024
     assert quant_mma.stages_for(1, 2, 1, 4) == 4 and quant_mma.stages_for(1, 8, 1, 4) == 3
     assert quant_mma.stages_for(1, 16, 1, 4) == 0  # one stage is no pipeline: the register feed
+    # the table's stages are for 4-bit layers (8-bit's bits with the feed are not checked on a GPU yet)
+    assert quant_mma.stages_for(1, 2, 1) == quant_mma.STAGES_BY_TILES[1] > 0
+    assert quant_mma.stages_for(1, 2, 1, bits=8) == 0 and quant_mma.stages_for(1, 2, 1, 2, bits=8) == 2
 
 
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
