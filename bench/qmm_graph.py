@@ -13,7 +13,8 @@ launches one, so run it with ``MLX_MAX_OPS_PER_BUFFER=1`` to let the host encode
 the device runs op i: the time per matmul is then the device's wherever the device is slower than
 the host (the host's time alone is reported beside it: the same calls on a 16-column weight).
 Arms: MLX's ``quantized_matmul`` and engine/kernels/quant_mma.py's kernel at splits S (the default and
-twice it) x column tiles per warp NA (1, 2, 4), U from its table. First, the kernel's launches
+twice it) x column tiles per warp NA (1, 2, 4), U from its table, and at each split the
+shared-memory feed with P = 2 and 4 stages. First, the kernel's launches
 are checked against each other (NA and U change nothing: the same bits) and against MLX's.
 Weights are random bits with random scales and biases (no quantize on a fresh device: MLX's
 kernels compile on first use).
