@@ -141,15 +141,18 @@ def apply_launches(kernels: str) -> None:
     each arm of a set runs (an eager step looks the split up at every call, a compiled one when
     it traces)."""
     parts = kernels.split("+")
-    split = next((int(p[1:]) for p in parts if p[:1] == "s" and p[1:].isdigit()), None)
+
+    def number(letter: str) -> int | None:  # the N of a token "<letter>N"
+        return next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)
+
+    split, wide, stages = number("s"), number("w"), number("p")
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
-    wide = next((int(p[1:]) for p in parts if p[:1] == "w" and p[1:].isdigit()), None)
     quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
-    stages = next((int(p[1:]) for p in parts if p[:1] == "p" and p[1:].isdigit()), None)
     quant_mma.STAGES_BY_TILES.clear()
-    quant_mma.STAGES_BY_TILES.update(_STAGES if stages is None else {mt: stages for mt in range(1, 9)})
+    quant_mma.STAGES_BY_TILES.update(
+        _STAGES if stages is None else {mt: stages for mt in range(1, quant_mma.MAX_TILES + 1)})
     quant_mma.forget_launches()
-    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in kernels.split("+") else _MMA
+    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in parts else _MMA
 
 
 def set_arm(lm, kernels: str, compiled: bool) -> str:

@@ -35,7 +35,6 @@ from typing import Callable
 
 from ..logs import get_logger
 from ..paths import cache_dir
-from ..engine import source_hash
 from .profile import current_device, current_versions, model_hash
 
 log = get_logger("councild.engine")
@@ -49,13 +48,11 @@ def verdict_key(lm, *, decode_path: bool = True) -> dict:
     from mlx.utils import tree_flatten
 
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(lm.model.parameters())})
-    return {"format": VERDICTS_FORMAT, "versions": current_versions(), "engine_source": source_hash(),
+    return {"format": VERDICTS_FORMAT, "versions": current_versions(), **lm.arithmetic_key(),
             "device": current_device(), "dtypes": dtypes,
             "decode_path": lm.decode_path if decode_path else "(being decided)",
             "batch_decode_path": lm.batch_decode_path if decode_path else "(being decided)",
-            "chunked_prefill": bool(lm.chunked_prefill), "kernels": lm.kernels,
-            "recurrence": lm.recurrence.split(":")[0], "linears": lm.linears.split(":")[0],
-            "model_hash": model_hash(lm.path)}
+            "chunked_prefill": bool(lm.chunked_prefill), "model_hash": model_hash(lm.path)}
 
 
 class ProbeVerdicts:

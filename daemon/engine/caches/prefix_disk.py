@@ -38,7 +38,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import source_hash
 
 MAGIC = b"councild-snapshot\x01"
 DIGEST = 32
@@ -100,13 +99,11 @@ def numerics_key(lm, chunk: int) -> dict:
     except AttributeError:
         dtype = "?"
     # The kernels a forward runs on and the engine's own code change the states' last bits too
-    # (a fixed-order kernel's split, the fused recurrence, merged projections): a snapshot from
-    # another set would make a hit differ from computing the prefix afresh.
+    # (``arithmetic_key``): a snapshot from another set would make a hit differ from computing
+    # the prefix afresh.
     return {"backend": backend, "dtype": dtype, "mlx": mx.__version__, "mlx_lm": mlx_lm_version,
             "prefill_chunk": chunk, "chunked_prefill": bool(getattr(lm, "chunked_prefill", False)),
-            "decode_path": getattr(lm, "decode_path", ""), "kernels": getattr(lm, "kernels", ""),
-            "recurrence": str(getattr(lm, "recurrence", "")).split(":")[0],
-            "linears": str(getattr(lm, "linears", "")).split(":")[0], "engine_source": source_hash()}
+            "decode_path": getattr(lm, "decode_path", ""), **lm.arithmetic_key()}
 
 
 # ---------------------------------------------------------------------- encoding

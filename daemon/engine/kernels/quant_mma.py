@@ -47,6 +47,7 @@ This module imports nothing of the engine.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import mlx.core as mx
@@ -495,9 +496,7 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
     key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages)
     got = _launches.get(key)
     if got is None:
-        M = 1
-        for d in lead:
-            M *= d
+        M = math.prod(lead)
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
         NA = column_tiles_for(N, MT, S, columns)

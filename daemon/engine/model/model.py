@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .. import source_hash
 from ..kernels import chunked_prefill
 
 # mlx-lm model types whose layers are GatedDeltaNet + gated attention and that carry an
@@ -56,6 +57,14 @@ class LoadedModel:
     # and which of the model's cache entries those layers use.
     backbone_view: nn.Module | None = None
     view_layers: tuple[int, ...] | None = None
+
+    def arithmetic_key(self) -> dict:
+        """What, besides the weights and the library versions, decides a forward's last bits: the
+        kernel set, the GatedDeltaNet recurrence, merged projections, and the engine's own code
+        (a split or summation order changes without a version). Probe verdicts and prefix
+        snapshots on disk are keyed by it."""
+        return {"kernels": self.kernels, "recurrence": self.recurrence.split(":")[0],
+                "linears": self.linears.split(":")[0], "engine_source": source_hash()}
 
     @property
     def batch_decode_path(self) -> str:
