@@ -38,7 +38,13 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
 import qmm_ncu  # noqa: E402  (its marker kernel and its reading of ncu's CSV)
+from daemon.engine.kernels import invariant  # noqa: E402
+from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
+from step_split import set_arm  # noqa: E402
 
 CONTEXT = 256
 FULL_LAYERS = 64  # the 27B model's
@@ -49,20 +55,12 @@ BLOCK = 4  # layers in one repeat of the layer pattern (full_attention_interval)
 
 def make_marker():
     """qmm_ncu.py's marker kernel; a no-op where there is no CUDA (the CPU smoke test)."""
-    from daemon.engine.kernels import invariant
-
     return qmm_ncu.make_marker() if invariant.backend() == "cuda" else (lambda: None)
 
 
 def build(shape: str, layers: int):
     """The random 4-bit model (27B-shaped or tiny) with ``layers`` layers, the default kernels
     installed."""
-    import mlx.core as mx
-
-    from daemon.engine.kernels import invariant
-    from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit
-    from step_split import set_arm
-
     cfg = QWEN35_27B if shape == "27b" else TINY
     lm, head, _inv = build_model(dict(cfg, num_hidden_layers=layers))
     quantize_4bit(lm, head)
@@ -77,9 +75,6 @@ def build(shape: str, layers: int):
 
 def one_step(lm, B: int, T: int, mark) -> None:
     """Prefill, 3 unmeasured steps, then one step between two markers."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     V = lm.text_args.vocab_size
     cache = make_prompt_cache(lm.text_module)
     mx.eval(lm.hidden(mx.random.randint(0, V, (B, CONTEXT)), cache))
@@ -101,10 +96,6 @@ def one_step(lm, B: int, T: int, mark) -> None:
 
 
 def run(plan_path: Path, shape: str, layers: int, shapes: list[tuple[int, int]]) -> None:
-    import mlx.core as mx
-
-    from gpu_bench import log
-
     if layers % BLOCK:
         raise SystemExit(f"--layers must be a multiple of {BLOCK} (the layer pattern's period)")
     mx.random.seed(0)

@@ -29,7 +29,10 @@ Prints a markdown table and writes DIR/step_split.json after each section.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -94,8 +97,6 @@ def chain_floor(n: int = 2000) -> dict:
 
 def qmm_chain(n: int = 400) -> dict:
     """Per-call cost of a small quantized matmul (5120 -> 1024, M = 1), MLX's and the kernel's."""
-    from daemon.engine.kernels import quant_mma
-
     w = mx.random.normal((1024, 5120)).astype(mx.bfloat16)
     q, s, b = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((1, 5120)).astype(mx.bfloat16)
@@ -212,10 +213,6 @@ def step_times(lm, B: int, T: int, context: int, steps: int, seed: int, last: li
 def profile_build(lm, B: int, T: int, context: int, steps: int, top: int = 30) -> dict:
     """cProfile of ``steps`` step builds of the arm last set (``step_times``'s measured steps):
     which Python functions the host's build time goes to."""
-    import cProfile
-    import io
-    import pstats
-
     prof = cProfile.Profile()
     rows = step_times(lm, B, T, context, steps, seed=0, profiler=prof)
     buf = io.StringIO()
