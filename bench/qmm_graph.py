@@ -54,6 +54,11 @@ SHAPES = {  # name: (N, K), the 27B's linears that carry most of its bytes, and 
     "attn.q_proj 5120->12288": (12288, 5120),
     "gdn.out_proj 6144->5120": (5120, 6144),
     "lm_head 5120->248320": (248320, 5120),
+    # as the daemon's step runs them: each group of projections of one input merged into one
+    # matmul (engine/kernels/merged_linears.py): 64 of the first a step, 48 of the second, 16 of the third
+    "mlp.gate+up merged 5120->34816": (34816, 5120),
+    "gdn.in_proj merged 5120->16480": (16480, 5120),
+    "attn.qkv merged 5120->14336": (14336, 5120),
 }
 MS = (1, 2, 4, 8, 16, 32)
 GS = 64

@@ -32,6 +32,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -131,6 +132,15 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
+_SPLITS = dict(quant_mma.SPLITS)
+
+
+def split_table(path: str | None) -> dict[tuple[int, int, int], int]:
+    """bench/qmm_split_pick.py's JSON as ``quant_mma.SPLITS`` entries (the "tbl" token's table)."""
+    if not path:
+        raise SystemExit('kernel token "tbl": set COUNCILD_QMM_SPLITS to bench/qmm_split_pick.py\'s --json')
+    got = json.loads(Path(path).read_text())
+    return {(int(N), int(K), int(got["bits"])): int(S) for N, K, S in got["splits"]}
 
 
 def apply_launches(kernels: str) -> None:
@@ -138,7 +148,9 @@ def apply_launches(kernels: str) -> None:
     every layer's split N warps (a different summation order: a speed arm only); "pN" streams
     every launch's weights N chunks ahead through shared memory (P = N; "p0": the register feed;
     the same bits); "wN" gives layers whose tiles fill the chip N warps ("w1": one, as before
-    2026-12-06; a different order); "rs" calls the kernel through ``_mma_reshaped``. Call it before
+    2026-12-06; a different order); "tbl" adds the per-shape splits of the JSON file named by
+COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
+default); "rs" calls the kernel through ``_mma_reshaped``. Call it before
     each arm of a set runs (an eager step looks the split up at every call, a compiled one when
     it traces)."""
     parts = kernels.split("+")
@@ -149,6 +161,10 @@ def apply_launches(kernels: str) -> None:
     split, wide, stages = number("s"), number("w"), number("p")
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
     quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
+    quant_mma.SPLITS.clear()
+    quant_mma.SPLITS.update(_SPLITS)
+    if "tbl" in parts:
+        quant_mma.SPLITS.update(split_table(os.environ.get("COUNCILD_QMM_SPLITS")))
     quant_mma.STAGES_BY_TILES.clear()
     quant_mma.STAGES_BY_TILES.update(
         _STAGES if stages is None else {mt: stages for mt in range(1, quant_mma.MAX_TILES + 1)})

@@ -5,14 +5,19 @@
 #   2. device time per call from ncu (gpu__time_duration, caches flushed) at M = 1, 4, 8, 16, 32;
 #   3. ncu's sections (memory, scheduler, warp state, occupancy) of the M = 1 gate/up launches
 #      (the default and DETAIL_LAUNCHES).
+#   4. (PICK=1) bench/qmm_split_pick.py: the split per shape from the sweep's split arms, to
+#      $OUT/splits.json and /root/qmm_splits.json (bench/step_split.py's "tbl" token reads it
+#      through COUNCILD_QMM_SPLITS in a later call on the same machine).
 #   bash bench/device/qmm_sweep_call.sh            (results under $OUT)
+#   CHECK_BITS=8 DETAIL_LIMIT=0 PICK=1 SHAPES=gate+up,down,in_proj,out_proj,qkv,lm_head MS=1,4,16 \
+#     LAUNCHES=2:0:0:2,3:0:0:2,4:0:0:2,6:0:0:2,8:0:0:2,12:0:0:2 bash bench/device/qmm_sweep_call.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}
 mkdir -p "$o"
 t0=$(date +%s)
 q="python3 bench/qmm_graph.py"
 NC=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-timeout ${CHECK_LIMIT:-200} $q --mode check --json "$o/check.json" > "$o/check.log" 2>&1
+timeout ${CHECK_LIMIT:-200} $q --mode check --bits ${CHECK_BITS:-4} --json "$o/check.json" > "$o/check.log" 2>&1
 echo "check rc $? after $(( $(date +%s) - t0 )) s"; grep -E "check|ok" "$o/check.log" | tail -4
 SHAPES=${SHAPES:-gate/up,down,q_proj,out_proj,lm_head}
 MS=${MS:-1,4,8,16,32}
@@ -24,6 +29,11 @@ echo "sweep rc $? after $(( $(date +%s) - t0 )) s"
 python3 bench/qmm_probe_read.py "$o/sweep_ncu.csv" --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" \
     --json "$o/sweep_device_us.json" > "$o/sweep.md" 2>&1
 cat "$o/sweep.md"
+if [ "${PICK:-0}" = 1 ]; then
+    python3 bench/qmm_split_pick.py "$o/sweep_device_us.json" --json "$o/splits.json" > "$o/splits.md" 2>&1
+    echo "pick rc $?"; cat "$o/splits.md"; cp "$o/splits.json" /root/qmm_splits.json 2>/dev/null
+fi
+[ "${DETAIL_LIMIT:-90}" = 0 ] && exit 0
 MLX_USE_CUDA_GRAPHS=0 timeout ${DETAIL_LIMIT:-90} "$NC" --clock-control none --kernel-name regex:councild_qmm \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats \
