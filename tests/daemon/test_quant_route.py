@@ -59,9 +59,12 @@ def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
                 assert S * P * NA * 1536 + S * 32 * 4 * 4 <= 48 * 1024
     assert quant_mma.stages_for(1, 2, 1, 4) == 4 and quant_mma.stages_for(1, 8, 1, 4) == 3
     assert quant_mma.stages_for(1, 16, 1, 4) == 0  # one stage is no pipeline: the register feed
-    # the table's stages are for 4-bit layers (8-bit's bits with the feed are not checked on a GPU yet)
     assert quant_mma.stages_for(1, 2, 1) == quant_mma.STAGES_BY_TILES[1] > 0
-    assert quant_mma.stages_for(1, 2, 1, bits=8) == 0 and quant_mma.stages_for(1, 2, 1, 2, bits=8) == 2
+    # 4- and 8-bit layers both launch with the table's stages (each checked on a GPU, same bits)
+    quant_mma.forget_launches()
+    for bits, K in ((4, 5120), (8, 17408)):
+        launch = quant_mma._launch((1,), 5120, K, mx.bfloat16, bits, 64, None, None, None, None, None)
+        assert dict(launch["template"])["P"] == quant_mma.STAGES_BY_TILES[1]
 
 
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
@@ -79,6 +82,14 @@ def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
 @pytest.mark.parametrize("rows,want", [(1, True), (3, True), (6, True), (8, True), (12, False), (40, False)])
 def test_the_speed_route_reads_the_measured_table(rows, want):
     assert quant_route.use_mma(17408, 5120, 4, rows) is want
+
+
+def test_the_speed_route_keeps_mlx_for_one_row_of_8_bit_weights():
+    """The 2026-12-06 H200 sweep: MLX's one-row 8-bit kernel beat the tensor-core kernel on every
+    27B shape, which won from 2 rows; 4-bit: the kernel at every count up to 16."""
+    for N, K in ((34816, 5120), (5120, 17408), (16480, 5120), (5120, 6144), (14336, 5120)):
+        assert not quant_route.use_mma(N, K, 8, 1) and quant_route.use_mma(N, K, 8, 4)
+        assert all(quant_route.use_mma(N, K, 4, r) for r in (1, 3, 12))
 
 
 def test_a_shape_the_table_lacks_takes_the_nearest_measured_one_of_its_bits():

@@ -385,10 +385,12 @@ COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
 # registers U chunks at a time, the first way): speed only (the same products in the same order,
 # ``qmm_chunk`` computes both). On an H100 the register feed left a warp stalled on its loads
 # ~40% of the time at one row (bench/results/h100_2026-12-06): P chunks in flight per warp keep
-# loads outstanding while it computes. P = 2 at every row-tile count for 4-bit layers (8-bit
-# keeps the register feed until a device check of its bits with the feed), measured on an H100
+# loads outstanding while it computes. P = 2 at every row-tile count, measured on an H100
 # (bench/results/h100_2026-12-06c): the 27B-shaped 4-bit step 0.94x (one row) and 0.95x (four
 # rows) the register feed's time, the same logits bit for bit; P = 4 was slower than P = 2.
+# 8-bit layers too since the H200's check (bench/results/h200_2026-12-06d: every launch the same
+# bits at M = 1..40, the 8-bit bundled model's batched exact gate PASS): 17408 -> 5120 at one row
+# 53.3 us against 62.4, four rows 57.3 against 61.7; 6144 -> 5120 the one loss, 26.0 against 24.0.
 STAGES_BY_TILES: dict[int, int] = {mt: 2 for mt in range(1, MAX_TILES + 1)}
 # A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
 RING_SLOTS_MAX = 30
@@ -455,12 +457,11 @@ def tiles_for(M: int) -> int:
     return max(1, min(MAX_TILES, -(-M // 8)))
 
 
-def stages_for(MT: int, S: int, NA: int, wanted: int | None = None, bits: int = 4) -> int:
+def stages_for(MT: int, S: int, NA: int, wanted: int | None = None) -> int:
     """Chunks in flight through shared memory per warp: the table's (or ``wanted``) cut to what
     the 48 KB of a block's static shared memory holds beside the other warps' rings; 0 when even
-    one stage does not fit (the register feed). The table applies to 4-bit layers, the ones
-    whose bits the device checked with the shared-memory feed; 8-bit takes it when asked."""
-    p = (STAGES_BY_TILES.get(MT, 0) if bits == 4 else 0) if wanted is None else wanted
+    one stage does not fit (the register feed)."""
+    p = STAGES_BY_TILES.get(MT, 0) if wanted is None else wanted
     while p > 0 and S * p * NA > RING_SLOTS_MAX:
         p -= 1
     # One stage is no pipeline (a warp waits for each copy as it lands): slower than registers
@@ -500,7 +501,7 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
         S = split or split_for(N, K, bits)
         MT = tiles or tiles_for(M)
         NA = column_tiles_for(N, MT, S, columns)
-        P = stages_for(MT, S, NA, stages, bits)
+        P = stages_for(MT, S, NA, stages)
         # With P > 0 the register feed runs only for unaligned pointers: U = 1 keeps its
         # registers (a kernel holds the most either way needs) at the shared-memory feed's.
         U = unroll or (1 if P else UNROLL_BY_TILES.get(MT, 1))

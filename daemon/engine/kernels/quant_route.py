@@ -6,7 +6,8 @@ front of it. On the H200 MLX's ``quantized_matmul`` is linear in rows up to 7 (a
 4-bit layer: 76 us at 1 row, 218 us at 4), while engine/kernels/quant_mma.py's tensor-core kernel is
 flat from 1 to 8 rows (60 and 58 us) and loses from 16 rows on, where MLX switches to its own
 tensor-core kernel. ``MEASURED_FASTER`` is that measurement (bench/results/qmm_h200_2026-12-03:
-the rows counts at which the kernel beat MLX's, per layer shape and bits); ``use_mma`` reads it,
+the row counts at which the kernel beat MLX's, per layer shape and bits; re-measured for
+the daemon's merged shapes on 2026-12-06); ``use_mma`` reads it,
 and ``install`` swaps a model's quantized layers to classes that ask it on every call.
 
 The choice depends on the row count, so a row's bits may differ with the rows beside it: this
@@ -23,15 +24,24 @@ import mlx.nn as nn
 
 from . import invariant, invariant_quant, quant_mma
 
-# (N, K, bits) -> the measured row counts (of 1, 2, 4, 8, 16, 32) at which the tensor-core
-# kernel was faster than mx.quantized_matmul on the H200 (MLX 0.32.4, group 64, bf16).
+# (N, K, bits) -> the row counts (of 1, 2, 4, 8, 16, 32) at which the tensor-core kernel was
+# faster than mx.quantized_matmul on the H200 (MLX 0.32.4, group 64, bf16). Shapes re-measured
+# on 2026-12-06 with today's kernel (ncu device time at 1, 4 and 16 rows; 2 and 8 read from
+# their neighbours: MLX's small-row kernel is linear in rows up to 7 and serves 8 as it serves
+# 16, the kernel's time grows with rows; bench/results/h200_2026-12-06d calls 4 and 7): 4-bit at
+# every measured count, 8-bit from 2 rows (MLX's one-row 8-bit kernel is the faster, and its
+# tensor-core kernel the faster on the merged gate/up at 16). The rest as measured on
+# 2026-12-03 (bench/results/qmm_h200_2026-12-03), before the kernel's shared-memory feed.
 MEASURED_FASTER: dict[tuple[int, int, int], tuple[int, ...]] = {
-    (17408, 5120, 4): (1, 2, 4, 8), (5120, 17408, 4): (1, 2, 4, 8), (12288, 5120, 4): (1, 2, 4),
-    (1024, 5120, 4): (4,), (5120, 6144, 4): (2, 4), (10240, 5120, 4): (1, 2, 4), (6144, 5120, 4): (2, 4),
-    (48, 5120, 4): (8,), (248320, 5120, 4): (1, 2, 4, 8),
-    (17408, 5120, 8): (2, 4), (5120, 17408, 8): (2, 4), (12288, 5120, 8): (2, 4), (1024, 5120, 8): (),
-    (5120, 6144, 8): (4,), (10240, 5120, 8): (4,), (6144, 5120, 8): (2, 4), (48, 5120, 8): (),
-    (248320, 5120, 8): (2, 4),
+    (34816, 5120, 4): (1, 2, 4, 8, 16), (5120, 17408, 4): (1, 2, 4, 8, 16), (16480, 5120, 4): (1, 2, 4, 8, 16),
+    (5120, 6144, 4): (1, 2, 4, 8, 16), (14336, 5120, 4): (1, 2, 4, 8, 16), (248320, 5120, 4): (1, 2, 4, 8, 16),
+    (34816, 5120, 8): (2, 4), (5120, 17408, 8): (2, 4, 8, 16), (16480, 5120, 8): (2, 4, 8, 16),
+    (5120, 6144, 8): (2, 4, 8, 16), (14336, 5120, 8): (2, 4, 8, 16),
+    # 2026-12-03
+    (17408, 5120, 4): (1, 2, 4, 8), (12288, 5120, 4): (1, 2, 4), (1024, 5120, 4): (4,), (10240, 5120, 4): (1, 2, 4),
+    (6144, 5120, 4): (2, 4), (48, 5120, 4): (8,),
+    (17408, 5120, 8): (2, 4), (12288, 5120, 8): (2, 4), (1024, 5120, 8): (), (10240, 5120, 8): (4,),
+    (6144, 5120, 8): (2, 4), (48, 5120, 8): (), (248320, 5120, 8): (2, 4),
 }
 MEASURED_ROWS = (1, 2, 4, 8, 16, 32)
 
