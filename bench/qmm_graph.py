@@ -31,6 +31,7 @@ settings in separate processes to see what the host's graph encoding costs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -123,27 +124,44 @@ def rel_err(y, ref) -> float:
     return (mx.sqrt((d * d).sum()) / mx.sqrt((ref.astype(mx.float32) ** 2).sum())).item()
 
 
-def check_launches(bits: int) -> dict:
-    """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M.
-    Compiling every variant on a fresh machine takes over 90 s: give it 200."""
+def load_kernel_module(path: str):
+    """Another version of engine/kernels/quant_mma.py (``git show REV:daemon/engine/kernels/quant_mma.py
+    > FILE``) as a module of its own: its kernel's name carries its source's hash, so both
+    versions live in one process, for a check that an edit kept the bits and a speed A/B."""
+    spec = importlib.util.spec_from_file_location("councild_quant_mma_other", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if mod._NAME == quant_mma._NAME:
+        raise SystemExit(f"{path}: the same kernel source as the tree's")
+    return mod
+
+
+def check_launches(bits: int, old=None, ms: tuple[int, ...] = (1, 16, 17, 32, 40)) -> dict:
+    """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M,
+    the register feed (P = 0) included; with ``old`` (``load_kernel_module``), that version's
+    default launch too. Compiling every variant on a fresh machine takes over 90 s: give it 200."""
     out = {}
     for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
         N, K = SHAPES[name]
         q, s, b = random_quantized(N, K, bits, key=N)
-        x = mx.random.normal((40, K), key=mx.random.key(3)).astype(mx.bfloat16)
+        x = mx.random.normal((max(ms), K), key=mx.random.key(3)).astype(mx.bfloat16)
         S = quant_mma.default_split(N, K, bits)
         rows = {}
-        for M in (1, 16, 17, 32, 40):  # row tiles 1-5, whole and partial
+        for M in ms:  # by default row tiles 1-5, whole and partial
             base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
             launches = [{"columns": na, "unroll": u} for na in (1, 2, 4) for u in (1, 2)]
-            launches += [{"stages": p} for p in (2, 4)] + [{"stages": 2, "columns": 1}]
+            launches += [{"stages": p} for p in (0, 2, 4)] + [{"stages": 2, "columns": 1}]
             same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, **kw),
                                       base).item() for kw in launches)
             rows[M] = r = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
+            if old is not None:
+                r["same_as_old"] = mx.array_equal(old.quantized_matmul_mma(x[:M], q, s, b, GS, bits), base).item()
             # one line a row count: a check cut by its time limit still shows what it saw
-            log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, {r['rel_err_vs_mlx']:.1e} from MLX's")
+            log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, {r['rel_err_vs_mlx']:.1e} from MLX's"
+                + ("" if old is None else f"; {'the same bits as' if r['same_as_old'] else 'DIFFERS from'} the old kernel"))
         out[f"b{bits} {name}"] = rows
-    out["ok"] = all(r["launches_equal"] and r["rel_err_vs_mlx"] < 2e-2 for v in out.values() for r in v.values())
+    out["ok"] = all(r["launches_equal"] and r["rel_err_vs_mlx"] < 2e-2 and r.get("same_as_old", True)
+                    for v in out.values() for r in v.values())
     return out
 
 
@@ -246,7 +264,9 @@ def marker() -> None:
 
 def probe_mode(args) -> dict:
     """For a profiler (ncu, nsys): per shape, M and arm, a marker kernel then ``--reps`` calls,
-    each evaluated and synced; the plan (the groups in launch order) goes to the JSON."""
+    each evaluated and synced; the plan (the groups in launch order) goes to the JSON. With
+    ``--old-source``, arm "old" (that version's default launch) after "kernel"."""
+    old = load_kernel_module(args.old_source) if args.old_source else None
     plan = []
     for name, (N, K) in SHAPES.items():
         if args.shapes and not any(s in name for s in args.shapes.split(",")):
@@ -258,6 +278,8 @@ def probe_mode(args) -> dict:
             mx.eval(x)
             arms = {"mlx": lambda x: mlx_arm(x, q, s, b, args.bits),
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
+            if old is not None:
+                arms["old"] = lambda x: old.quantized_matmul_mma(x, q, s, b, GS, args.bits)
             for launch in filter(None, args.launches.split(",")):
                 S, U, NA, P = launch_of(launch)
                 arms[launch_name(S, U, NA, P)] = (lambda S, U, NA, P: lambda x: quant_mma.quantized_matmul_mma(
@@ -353,13 +375,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
-    ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32)")
+    ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32); check: its M (default 1,16,17,32,40)")
     ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P], comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
     ap.add_argument("--gbytes", type=float, default=0.7, help="weight copies per shape up to this many GB (2..16)")
     ap.add_argument("--bandwidth", type=float, default=3.4e12, help="bytes/s for the bound (the H200's measured copy)")
+    ap.add_argument("--old-source", help="another quant_mma.py: check its bits against the tree's, or an arm \"old\" of the probe")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
@@ -367,7 +390,9 @@ def main(argv=None) -> int:
         print("qmm_graph.py needs MLX on CUDA (the tensor-core kernel is CUDA-only)", file=sys.stderr)
         return 2
     modes = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode,
-             "check": lambda args: {"mode": "check", "kernel": quant_mma._NAME, "check": check_launches(args.bits)}}
+             "check": lambda args: {"mode": "check", "kernel": quant_mma._NAME, "check": check_launches(
+                 args.bits, load_kernel_module(args.old_source) if args.old_source else None,
+                 *([tuple(int(m) for m in args.ms.split(","))] if args.ms else []))}}
     res = modes[args.mode](args)
     save(args, res)
     if args.mode == "matmul":

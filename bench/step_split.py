@@ -52,6 +52,7 @@ from daemon.engine.kernels import gdn_fused, gdn_layer, invariant, merged_linear
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
+from qmm_graph import load_kernel_module  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"argv": sys.argv[1:], "errors": []}
@@ -135,6 +136,19 @@ _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
 
 
+_OLD: list = []
+
+
+def old_kernel():
+    """The "old" token's kernel: the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE, loaded once."""
+    if not _OLD:
+        path = os.environ.get("COUNCILD_QMM_OLD_SOURCE")
+        if not path:
+            raise SystemExit('kernel token "old": set COUNCILD_QMM_OLD_SOURCE to another quant_mma.py')
+        _OLD.append(load_kernel_module(path))
+    return _OLD[0]
+
+
 def split_table(path: str | None) -> dict[tuple[int, int, int], int]:
     """bench/qmm_split_pick.py's JSON as ``quant_mma.SPLITS`` entries (the "tbl" token's table)."""
     if not path:
@@ -150,7 +164,8 @@ def apply_launches(kernels: str) -> None:
     the same bits); "wN" gives layers whose tiles fill the chip N warps ("w1": one, as before
     2026-12-06; a different order); "tbl" adds the per-shape splits of the JSON file named by
 COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
-default); "rs" calls the kernel through ``_mma_reshaped``. Call it before
+default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
+A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``. Call it before
     each arm of a set runs (an eager step looks the split up at every call, a compiled one when
     it traces)."""
     parts = kernels.split("+")
@@ -169,7 +184,8 @@ default); "rs" calls the kernel through ``_mma_reshaped``. Call it before
     quant_mma.STAGES_BY_TILES.update(
         _STAGES if stages is None else {mt: stages for mt in range(1, quant_mma.MAX_TILES + 1)})
     quant_mma.forget_launches()
-    quant_mma.quantized_matmul_mma = _mma_reshaped if "rs" in parts else _MMA
+    quant_mma.quantized_matmul_mma = (_mma_reshaped if "rs" in parts else old_kernel().quantized_matmul_mma
+                                      if "old" in parts else _MMA)
 
 
 def set_arm(lm, kernels: str, compiled: bool) -> str:

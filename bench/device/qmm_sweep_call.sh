@@ -17,16 +17,19 @@ mkdir -p "$o"
 t0=$(date +%s)
 q="python3 bench/qmm_graph.py"
 NC=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-timeout ${CHECK_LIMIT:-200} $q --mode check --bits ${CHECK_BITS:-4} --json "$o/check.json" > "$o/check.log" 2>&1
+# OLD=FILE (another quant_mma.py, e.g. `git show REV:daemon/engine/kernels/quant_mma.py > old_quant_mma.py`
+# in the tree, untracked): the check compares its bits too, and the sweep adds its arm "old".
+oldq=${OLD:+--old-source $OLD}
+timeout ${CHECK_LIMIT:-200} $q --mode check --bits ${CHECK_BITS:-4} ${CHECK_MS:+--ms $CHECK_MS} $oldq --json "$o/check.json" > "$o/check.log" 2>&1
 echo "check rc $? after $(( $(date +%s) - t0 )) s"; grep -E "check|ok" "$o/check.log" | tail -4
 SHAPES=${SHAPES:-gate/up,down,q_proj,out_proj,lm_head}
 MS=${MS:-1,4,8,16,32}
 LAUNCHES=${LAUNCHES:-4:0:0,8:0:0}
 MLX_USE_CUDA_GRAPHS=0 timeout ${SWEEP_LIMIT:-220} "$NC" --clock-control none --csv --metrics gpu__time_duration.sum \
     --kernel-name regex:'councild|qmv|qmm' --log-file "$o/sweep_ncu.csv" \
-    $q --mode probe --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" --json "$o/sweep_plan.json" > "$o/sweep.log" 2>&1
+    $q --mode probe --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" $oldq --json "$o/sweep_plan.json" > "$o/sweep.log" 2>&1
 echo "sweep rc $? after $(( $(date +%s) - t0 )) s"
-python3 bench/qmm_probe_read.py "$o/sweep_ncu.csv" --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" \
+python3 bench/qmm_probe_read.py "$o/sweep_ncu.csv" --reps 2 --shapes "$SHAPES" --ms "$MS" --launches "$LAUNCHES" ${OLD:+--old} \
     --json "$o/sweep_device_us.json" > "$o/sweep.md" 2>&1
 cat "$o/sweep.md"
 if [ "${PICK:-0}" = 1 ]; then

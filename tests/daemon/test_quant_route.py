@@ -40,7 +40,8 @@ def test_the_split_of_k_depends_on_the_shape_never_on_rows():
         s = quant_mma.split_for(N, K, bits)
         assert 1 <= s <= 16 and s & (s - 1) == 0
     # a layer whose column tiles alone fill the chip: WIDE_SPLIT warps, where each keeps 4 chunks
-    assert quant_mma.split_for(248320, 5120, 4) == quant_mma.split_for(34816, 5120, 4) == quant_mma.WIDE_SPLIT
+    assert quant_mma.split_for(248320, 5120, 4) == quant_mma.default_split(34816, 5120, 4) == quant_mma.WIDE_SPLIT
+    assert quant_mma.split_for(34816, 5120, 4) == quant_mma.SPLITS[(34816, 5120, 4)]  # the table over the default
     assert quant_mma.split_for(248320, 1536, 4) == 3  # 12 chunks: 4 a warp
     assert quant_mma.split_for(248320, 1024, 4) == 1  # 8 chunks: fewer than 4 a warp at 3 warps
     assert quant_mma.tiles_for(1) == 1 and quant_mma.tiles_for(8) == 1 and quant_mma.tiles_for(9) == 2

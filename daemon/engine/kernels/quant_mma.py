@@ -105,17 +105,24 @@ template <bool BF> __device__ __forceinline__ void qmm_mma(float* c, unsigned a0
 // 4-bit: nibble pair (j, j + 4) of a word as two operands, q * s + b rounded once.
 // OR'd into the exponent of 128.0 (bf16 0x4300) or 1024.0 (f16 0x6400), a nibble is
 // 128 + q (1024 + q) exactly; one fma takes the offset off exactly, one applies s and b.
-template <bool BF> __device__ __forceinline__ unsigned qmm_nibbles(unsigned q, int j, unsigned s2, unsigned b2) {
-    const unsigned magic = BF ? 0x43004300u : 0x64006400u;
+// The mask and the OR are one lop3 with both constants in registers (ptxas takes one immediate
+// a lop3, so written in C it splits them into two): the same bits, a third fewer integer
+// instructions in a chunk, whose integer pipe bounds the kernel at one row (a 4-bit chunk was
+// ~315 instructions a lane on sm_90, ~150 of them integer, half-rate).
+template <bool BF> __device__ __forceinline__ unsigned qmm_nibbles(unsigned q, int j, unsigned s2, unsigned b2,
+                                                                  unsigned mask, unsigned magic) {
     const unsigned one = BF ? 0x3F803F80u : 0x3C003C00u;
     const unsigned neg = BF ? 0xC300C300u : 0xE400E400u;  // -128 / -1024
-    const unsigned v = ((q >> (4 * j)) & 0x000F000Fu) | magic;
+    unsigned v;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(q >> (4 * j)), "r"(mask), "r"(magic));  // (a & b) | c
     return qmm_fma2<BF>(qmm_fma2<BF>(v, one, neg), s2, b2);
 }
 
-// 8-bit: byte j of a word in float32 (OR'd into 2^23's bits, minus 2^23: exact), q * s + b.
-__device__ __forceinline__ float qmm_byte(unsigned q, int j, float s, float b) {
-    const float v = __uint_as_float(((q >> (8 * j)) & 0xFFu) | 0x4B000000u) - 8388608.0f;
+// 8-bit: byte j of a word in float32 (put under 2^23's top byte, minus 2^23: exact), q * s + b.
+// One byte permute builds 2^23 + q's bits from q and ``magic`` (0x4B000000 in a register):
+// a shift and two logic instructions before, the same bits.
+__device__ __forceinline__ float qmm_byte(unsigned q, int j, float s, float b, unsigned magic) {
+    const float v = __uint_as_float(__byte_perm(q, magic, 0x7650u | j)) - 8388608.0f;
     return fmaf(v, s, b);
 }
 
@@ -134,6 +141,12 @@ __device__ __forceinline__ void qmm_cp16(void* dst, const void* src) {
 __device__ __forceinline__ void qmm_cp4(void* dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(qmm_smem(dst)), "l"(src) : "memory");
 }
+__device__ __forceinline__ void qmm_cp16s(unsigned dst, const void* src) {  // dst: a shared-memory address
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void qmm_cp4s(unsigned dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void qmm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void qmm_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
@@ -142,6 +155,52 @@ template <int N> __device__ __forceinline__ void qmm_wait() { asm volatile("cp.a
 // same KT inputs of every x row of the MT row tiles, into acc. The one place the arithmetic is
 // written: both ways of feeding the weights (registers, shared memory) call it, so they sum the
 // same products in the same order.
+// 4-bit: the scales and biases come as pairs of the same 16-bit value (s, s), which the
+// shared-memory feed builds from its copied bits with one byte permute and the register feed
+// by a round trip through float32 (exact: the same bits).
+template <bool BF, int NA, int MT, typename XT>
+__device__ __forceinline__ void qmm_chunk4(float (&acc)[NA][MT][4], const qmm_u4 (&wa)[NA], const qmm_u4 (&wb)[NA],
+                                           const unsigned (&sa2)[NA], const unsigned (&ba2)[NA],
+                                           const unsigned (&sb2)[NA], const unsigned (&bb2)[NA], const XT* x, int M,
+                                           int K, int m0, int kl, int g, bool aligned) {
+    unsigned mask = 0x000F000Fu, magic = BF ? 0x43004300u : 0x64006400u;
+    // opaque to the compiler, so both stay in registers for the lop3 (not folded into immediates)
+    asm("mov.b32 %0, %0;" : "+r"(mask));
+    asm("mov.b32 %0, %0;" : "+r"(magic));
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
+        // the activations, loaded once for the NA column tiles: x rows of tile j
+        unsigned B[MT][4];
+        #pragma unroll
+        for (int j = 0; j < MT; ++j) {
+            const int m = m0 + 8 * j + g;
+            qmm_u4 xv = {0u, 0u, 0u, 0u};
+            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+            // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
+            B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
+            B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
+        }
+        #pragma unroll
+        for (int a = 0; a < NA; ++a) {
+            const unsigned qa = i == 0 ? wa[a].x : i == 1 ? wa[a].y : i == 2 ? wa[a].z : wa[a].w;
+            const unsigned qb = i == 0 ? wb[a].x : i == 1 ? wb[a].y : i == 2 ? wb[a].z : wb[a].w;
+            unsigned A[2][4];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a], mask, magic);      // (k 2h, 2h+4), row g
+                A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a], mask, magic);      // row g + 8
+                A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a], mask, magic);  // (k 2h+1, 2h+5)
+                A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a], mask, magic);
+            }
+            #pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
+                qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
+            }
+        }
+    }
+}
+
 template <bool BF, int BITS, int NA, int MT, typename XT>
 __device__ __forceinline__ void qmm_chunk(float (&acc)[NA][MT][4], const qmm_u4 (&wa)[NA], const qmm_u4 (&wb)[NA],
                                           const float (&sa)[NA], const float (&ba)[NA], const float (&sb)[NA],
@@ -154,39 +213,10 @@ __device__ __forceinline__ void qmm_chunk(float (&acc)[NA][MT][4], const qmm_u4 
             sa2[a] = qmm_pack<BF>(sa[a], sa[a]); ba2[a] = qmm_pack<BF>(ba[a], ba[a]);
             sb2[a] = qmm_pack<BF>(sb[a], sb[a]); bb2[a] = qmm_pack<BF>(bb[a], bb[a]);
         }
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 8i .. kl + 8i + 7
-            // the activations, loaded once for the NA column tiles: x rows of tile j
-            unsigned B[MT][4];
-            #pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                const int m = m0 + 8 * j + g;
-                qmm_u4 xv = {0u, 0u, 0u, 0u};
-                if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
-                // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
-                B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
-                B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
-            }
-            #pragma unroll
-            for (int a = 0; a < NA; ++a) {
-                const unsigned qa = i == 0 ? wa[a].x : i == 1 ? wa[a].y : i == 2 ? wa[a].z : wa[a].w;
-                const unsigned qb = i == 0 ? wb[a].x : i == 1 ? wb[a].y : i == 2 ? wb[a].z : wb[a].w;
-                unsigned A[2][4];
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a]);      // (k 2h, 2h+4), row g
-                    A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a]);      // row g + 8
-                    A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a]);  // (k 2h+1, 2h+5)
-                    A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a]);
-                }
-                #pragma unroll
-                for (int j = 0; j < MT; ++j) {
-                    qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
-                    qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
-                }
-            }
-        }
+        qmm_chunk4<BF, NA, MT>(acc, wa, wb, sa2, ba2, sb2, bb2, x, M, K, m0, kl, g, aligned);
     } else {
+        unsigned magic = 0x4B000000u;
+        asm("mov.b32 %0, %0;" : "+r"(magic));  // in a register: the byte permute's second source
         #pragma unroll
         for (int i = 0; i < 4; ++i) {     // word i: inputs kl + 4i .. kl + 4i + 3, in order
             unsigned B[MT][2];
@@ -209,10 +239,10 @@ __device__ __forceinline__ void qmm_chunk(float (&acc)[NA][MT][4], const qmm_u4 
                 const unsigned qa = i == 0 ? wa[a].x : i == 1 ? wa[a].y : i == 2 ? wa[a].z : wa[a].w;
                 const unsigned qb = i == 0 ? wb[a].x : i == 1 ? wb[a].y : i == 2 ? wb[a].z : wb[a].w;
                 const float s0 = sa[a], b0 = ba[a], s1 = sb[a], b1 = bb[a];
-                const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0), qmm_byte(qa, 1, s0, b0));
-                const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0), qmm_byte(qa, 3, s0, b0));
-                const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1), qmm_byte(qb, 1, s1, b1));
-                const unsigned a3 = qmm_pack<BF>(qmm_byte(qb, 2, s1, b1), qmm_byte(qb, 3, s1, b1));
+                const unsigned a0 = qmm_pack<BF>(qmm_byte(qa, 0, s0, b0, magic), qmm_byte(qa, 1, s0, b0, magic));
+                const unsigned a2 = qmm_pack<BF>(qmm_byte(qa, 2, s0, b0, magic), qmm_byte(qa, 3, s0, b0, magic));
+                const unsigned a1 = qmm_pack<BF>(qmm_byte(qb, 0, s1, b1, magic), qmm_byte(qb, 1, s1, b1, magic));
+                const unsigned a3 = qmm_pack<BF>(qmm_byte(qb, 2, s1, b1, magic), qmm_byte(qb, 3, s1, b1, magic));
                 #pragma unroll
                 for (int j = 0; j < MT; ++j) qmm_mma<BF>(acc[a][j], a0, a1, a2, a3, B[j][0], B[j][1]);
             }
@@ -257,21 +287,34 @@ _SOURCE = """
         if (P > 0 && aligned && paired) {
             constexpr int PS = P > 0 ? P : 1;
             uint4* mine = ring + (size_t)warp * PS * NA * 96;
+            // What a copy's addresses do not owe to its chunk, worked out once: in the loop a
+            // chunk's copies cost their own instructions, not 64-bit address arithmetic (~70
+            // instructions a chunk when written per copy, on sm_90).
+            const unsigned smem0 = qmm_smem(mine) + lane * 16;
+            const unsigned char* wrow[NA];
+            const T* srow[NA];
+            const T* brow[NA];
+            #pragma unroll
+            for (int a = 0; a < NA; ++a) {
+                const int na = n0 + 16 * a + g;
+                wrow[a] = wbytes + (size_t)na * row_bytes + t * 16;
+                srow[a] = scales + (size_t)na * G;
+                brow[a] = biases + (size_t)na * G;
+            }
+            const size_t wrow8 = 8 * row_bytes, grow8 = (size_t)8 * G;
             // stage p's copies of chunk c (none past the last chunk: the group is then empty)
             auto issue = [&](int p, int c) {
                 if (c < NC) {
-                    const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
-                    const int grp = (c * CK + t * KT) / GS;
+                    const size_t off = (size_t)c * (CK * BITS / 8);
+                    const int pair = ((c * CK + t * KT) / GS) & ~1;
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
-                        const int na = n0 + 16 * a + g;
-                        uint4* slot = mine + (p * NA + a) * 96;
-                        qmm_cp16(slot + lane, wbytes + (size_t)na * row_bytes + off);
-                        qmm_cp16(slot + 32 + lane, wbytes + (size_t)(na + 8) * row_bytes + off);
-                        unsigned* sc = reinterpret_cast<unsigned*>(slot + 64 + lane);
-                        const size_t pa = (size_t)na * G + (grp & ~1), pb = (size_t)(na + 8) * G + (grp & ~1);
-                        qmm_cp4(sc + 0, scales + pa); qmm_cp4(sc + 1, biases + pa);
-                        qmm_cp4(sc + 2, scales + pb); qmm_cp4(sc + 3, biases + pb);
+                        const unsigned slot = smem0 + (p * NA + a) * 96 * 16;
+                        qmm_cp16s(slot, wrow[a] + off);
+                        qmm_cp16s(slot + 32 * 16, wrow[a] + wrow8 + off);
+                        const unsigned sc = slot + 64 * 16;
+                        qmm_cp4s(sc + 0, srow[a] + pair); qmm_cp4s(sc + 4, brow[a] + pair);
+                        qmm_cp4s(sc + 8, srow[a] + grow8 + pair); qmm_cp4s(sc + 12, brow[a] + grow8 + pair);
                     }
                 }
                 qmm_commit();
@@ -286,18 +329,34 @@ _SOURCE = """
                 qmm_wait<PS - 1>();           // this chunk's group (the oldest in flight) has landed
                 const int hi = ((c * CK + t * KT) / GS) & 1;
                 qmm_u4 wa[NA], wb[NA];
-                float sa[NA], ba[NA], sb[NA], bb[NA];
                 #pragma unroll
                 for (int a = 0; a < NA; ++a) {
                     const uint4* slot = mine + (p * NA + a) * 96;
                     const uint4 va = slot[lane], vb = slot[32 + lane];
                     wa[a] = {va.x, va.y, va.z, va.w};
                     wb[a] = {vb.x, vb.y, vb.z, vb.w};
-                    const T* sc = reinterpret_cast<const T*>(slot + 64 + lane);
-                    sa[a] = static_cast<float>(sc[0 + hi]); ba[a] = static_cast<float>(sc[2 + hi]);
-                    sb[a] = static_cast<float>(sc[4 + hi]); bb[a] = static_cast<float>(sc[6 + hi]);
                 }
-                qmm_chunk<BF, BITS, NA, MT>(acc, wa, wb, sa, ba, sb, bb, x, M, K, m0, c * CK + t * KT, g, aligned);
+                if constexpr (BITS == 4) {
+                    // each pair's 16-bit half ``hi`` in both halves: (s, s), as qmm_pack makes it
+                    const unsigned sel = hi ? 0x3232u : 0x1010u;
+                    unsigned sa2[NA], ba2[NA], sb2[NA], bb2[NA];
+                    #pragma unroll
+                    for (int a = 0; a < NA; ++a) {
+                        const uint4 sc = mine[(p * NA + a) * 96 + 64 + lane];
+                        sa2[a] = __byte_perm(sc.x, 0, sel); ba2[a] = __byte_perm(sc.y, 0, sel);
+                        sb2[a] = __byte_perm(sc.z, 0, sel); bb2[a] = __byte_perm(sc.w, 0, sel);
+                    }
+                    qmm_chunk4<BF, NA, MT>(acc, wa, wb, sa2, ba2, sb2, bb2, x, M, K, m0, c * CK + t * KT, g, aligned);
+                } else {
+                    float sa[NA], ba[NA], sb[NA], bb[NA];
+                    #pragma unroll
+                    for (int a = 0; a < NA; ++a) {
+                        const T* sc = reinterpret_cast<const T*>(mine + (p * NA + a) * 96 + 64 + lane);
+                        sa[a] = static_cast<float>(sc[0 + hi]); ba[a] = static_cast<float>(sc[2 + hi]);
+                        sb[a] = static_cast<float>(sc[4 + hi]); bb[a] = static_cast<float>(sc[6 + hi]);
+                    }
+                    qmm_chunk<BF, BITS, NA, MT>(acc, wa, wb, sa, ba, sb, bb, x, M, K, m0, c * CK + t * KT, g, aligned);
+                }
                 issue(p, c + PS * S);         // the slot just read takes the chunk P ahead
                 p = p + 1 == PS ? 0 : p + 1;
             }
@@ -372,8 +431,11 @@ _SOURCE = """
 _NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdigest()[:10]
 
 # Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
-# measured on the H200 (bench/qmm_device.py); shapes not listed take ``default_split``.
-SPLITS: dict[tuple[int, int, int], int] = {}
+# by measurement (bench/qmm_split_pick.py over a device sweep); shapes not listed take
+# ``default_split``. The 27B's merged gate/up: at 3 warps (``WIDE_SPLIT``) the kernel with the
+# hoisted copies and one-lop3 nibbles ran 57.7 / 64.7 / 72.3 us at M = 1 / 4 / 16, at 4 warps
+# 46.4 / 53.0 / 79.4 (64% of the bound at one row; H100, bench/results/h100_2026-12-06e).
+SPLITS: dict[tuple[int, int, int], int] = {(34816, 5120, 4): 4}
 # Chunks in flight per warp (U) by row-tile count: speed only.
 UNROLL_BY_TILES = {1: 2, 2: 2, 3: 1, 4: 1}
 # Column tiles of 16 per warp (NA) by row-tile count: speed only (a column's sum is the same
