@@ -4,6 +4,7 @@ show here, and ptxas reports each variant's registers and spills (a spilling var
 the device).
 
     .venv/bin/python tools/cuda_compile_check.py [--gdn] [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
+    .venv/bin/python tools/cuda_compile_check.py --sass 2:1:1:2:4 --cuobjdump PATH   (one variant's chunk loop, counted)
 
 MLX wraps a ``cuda_kernel`` source in a function whose parameters are ``const T* name`` plus a
 ``name_shape`` per input and whose template arguments are constants; this script writes the
@@ -13,6 +14,7 @@ when every variant compiles without spills."""
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import re
 import shutil
@@ -117,14 +119,43 @@ def gdn_main(args) -> int:
     return 1 if bad else 0
 
 
+def sass_loop(args) -> int:
+    """``--sass S:MT:NA:P:BITS``: the shared-memory feed's chunk loop of one bf16 variant, counted
+    by opcode in the compiled SASS (``--cuobjdump``: CUDA's, or PyPI's nvidia-cuda-cuobjdump):
+    the loop runs once a chunk, so its instructions, and those on the half-rate integer pipe,
+    are what a chunk costs the schedulers."""
+    S, MT, NA, P, bits = (int(v) for v in args.sass.split(":"))
+    header, body = kernel_texts()
+    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
+        src.write_text(wrapper(header, body, "__nv_bfloat16", params))
+        subprocess.run([args.nvcc, f"-arch={args.arch}", "-cubin", "-o", str(cubin), str(src)], check=True)
+        sass = subprocess.run([args.cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    code = [(int(m.group(1), 16), m.group(2).strip()) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    wait = next(a for a, op in code if op.startswith("DEPBAR.LE"))  # the loop's first wait for a chunk
+    back = next((a, int(m.group(1), 16)) for a, op in code if a > wait
+                and (m := re.search(r"BRA (0x[0-9a-f]+)", op)) and int(m.group(1), 16) <= wait)
+    loop = [re.sub(r"^@!?U?P\w+ ", "", op).split()[0].split(".")[0] for a, op in code if back[1] <= a <= back[0]]
+    counts = collections.Counter(loop)
+    integer = sum(counts[k] for k in ("LOP3", "SHF", "IADD3", "LEA", "PRMT", "SEL", "ISETP", "MOV", "VIADD"))
+    print(f"{params}: {len(loop)} instructions in the chunk loop, {integer} on the integer pipe")
+    print(", ".join(f"{k} {v}" for k, v in counts.most_common()))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
+    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS", help="count one variant's chunk loop in its SASS instead")
+    ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     args = ap.parse_args(argv)
     if args.gdn:
         return gdn_main(args)
+    if args.sass:
+        return sass_loop(args)
     header, body = kernel_texts()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
