@@ -135,16 +135,11 @@ __device__ __forceinline__ unsigned qmm_smem(const void* p) {  // a shared-memor
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
-__device__ __forceinline__ void qmm_cp16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(qmm_smem(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void qmm_cp4(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(qmm_smem(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void qmm_cp16s(unsigned dst, const void* src) {  // dst: a shared-memory address
+// dst: a shared-memory address (qmm_smem's), worked out once a warp rather than once a copy
+__device__ __forceinline__ void qmm_cp16(unsigned dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
 }
-__device__ __forceinline__ void qmm_cp4s(unsigned dst, const void* src) {
+__device__ __forceinline__ void qmm_cp4(unsigned dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void qmm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -310,11 +305,11 @@ _SOURCE = """
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
                         const unsigned slot = smem0 + (p * NA + a) * 96 * 16;
-                        qmm_cp16s(slot, wrow[a] + off);
-                        qmm_cp16s(slot + 32 * 16, wrow[a] + wrow8 + off);
+                        qmm_cp16(slot, wrow[a] + off);
+                        qmm_cp16(slot + 32 * 16, wrow[a] + wrow8 + off);
                         const unsigned sc = slot + 64 * 16;
-                        qmm_cp4s(sc + 0, srow[a] + pair); qmm_cp4s(sc + 4, brow[a] + pair);
-                        qmm_cp4s(sc + 8, srow[a] + grow8 + pair); qmm_cp4s(sc + 12, brow[a] + grow8 + pair);
+                        qmm_cp4(sc + 0, srow[a] + pair); qmm_cp4(sc + 4, brow[a] + pair);
+                        qmm_cp4(sc + 8, srow[a] + grow8 + pair); qmm_cp4(sc + 12, brow[a] + grow8 + pair);
                     }
                 }
                 qmm_commit();
