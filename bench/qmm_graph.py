@@ -136,7 +136,15 @@ def load_kernel_module(path: str):
     return mod
 
 
-def check_launches(bits: int, old=None, ms: tuple[int, ...] = (1, 16, 17, 32, 40)) -> dict:
+def old_module(args):
+    """``--old-source``'s module, or None."""
+    return load_kernel_module(args.old_source) if args.old_source else None
+
+
+CHECK_MS = (1, 16, 17, 32, 40)  # row tiles 1-5, whole and partial
+
+
+def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
     """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M,
     the register feed (P = 0) included; with ``old`` (``load_kernel_module``), that version's
     default launch too. Compiling every variant on a fresh machine takes over 90 s: give it 200."""
@@ -147,7 +155,7 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = (1, 16, 17, 32, 40
         x = mx.random.normal((max(ms), K), key=mx.random.key(3)).astype(mx.bfloat16)
         S = quant_mma.default_split(N, K, bits)
         rows = {}
-        for M in ms:  # by default row tiles 1-5, whole and partial
+        for M in ms:
             base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
             launches = [{"columns": na, "unroll": u} for na in (1, 2, 4) for u in (1, 2)]
             launches += [{"stages": p} for p in (0, 2, 4)] + [{"stages": 2, "columns": 1}]
@@ -266,7 +274,7 @@ def probe_mode(args) -> dict:
     """For a profiler (ncu, nsys): per shape, M and arm, a marker kernel then ``--reps`` calls,
     each evaluated and synced; the plan (the groups in launch order) goes to the JSON. With
     ``--old-source``, arm "old" (that version's default launch) after "kernel"."""
-    old = load_kernel_module(args.old_source) if args.old_source else None
+    old = old_module(args)
     plan = []
     for name, (N, K) in SHAPES.items():
         if args.shapes and not any(s in name for s in args.shapes.split(",")):
@@ -391,8 +399,7 @@ def main(argv=None) -> int:
         return 2
     modes = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode,
              "check": lambda args: {"mode": "check", "kernel": quant_mma._NAME, "check": check_launches(
-                 args.bits, load_kernel_module(args.old_source) if args.old_source else None,
-                 *([tuple(int(m) for m in args.ms.split(","))] if args.ms else []))}}
+                 args.bits, old_module(args), tuple(int(m) for m in args.ms.split(",")) if args.ms else CHECK_MS)}}
     res = modes[args.mode](args)
     save(args, res)
     if args.mode == "matmul":

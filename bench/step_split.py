@@ -134,8 +134,6 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
-
-
 _OLD: list = []
 
 
@@ -163,11 +161,11 @@ def apply_launches(kernels: str) -> None:
     every launch's weights N chunks ahead through shared memory (P = N; "p0": the register feed;
     the same bits); "wN" gives layers whose tiles fill the chip N warps ("w1": one, as before
     2026-12-06; a different order); "tbl" adds the per-shape splits of the JSON file named by
-COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
-default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
-A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``. Call it before
-    each arm of a set runs (an eager step looks the split up at every call, a compiled one when
-    it traces)."""
+    COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
+    default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
+    A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``. Call it
+    before each arm of a set runs (an eager step looks the split up at every call, a compiled one
+    when it traces)."""
     parts = kernels.split("+")
 
     def number(letter: str) -> int | None:  # the N of a token "<letter>N"

@@ -26,7 +26,8 @@ from . import invariant, invariant_quant, quant_mma
 
 # (N, K, bits) -> the row counts (of 1, 2, 4, 8, 16, 32) at which the tensor-core kernel was
 # faster than mx.quantized_matmul on the H200 (MLX 0.32.4, group 64, bf16). Shapes re-measured
-# on 2026-12-06 with today's kernel (ncu device time at 1, 4 and 16 rows; 2 and 8 read from
+# on 2026-12-06 with the kernel of 36102d0 (the later instruction cut kept it ahead of MLX's at
+# every count listed: bench/results/h100_2026-12-06e) (ncu device time at 1, 4 and 16 rows; 2 and 8 read from
 # their neighbours: MLX's small-row kernel is linear in rows up to 7 and serves 8 as it serves
 # 16, the kernel's time grows with rows; bench/results/h200_2026-12-06d calls 4 and 7): 4-bit at
 # every measured count, 8-bit from 2 rows (MLX's one-row 8-bit kernel is the faster, and its
