@@ -4,10 +4,14 @@ them (the same folder), then the first requests' latency (the first use of the s
 warm-up did not run). The goal "start to ready <= 30 s on a fresh GPU" is read from it.
 
     PYTHONPATH=$PWD python3 bench/start_timeline.py --json $OUT/start_timeline.json [--config 'warmup = "light"']
+    PYTHONPATH=$PWD python3 bench/start_timeline.py --prebuild-ab --json $OUT/start_prebuild.json
 
 Each start is `councild serve` on the bundled model with its own cache folder (no cached
 probe verdicts) and MLX_PTX_CACHE_DIR set to one folder shared by the starts of this run
-(``--ptx``, emptied first)."""
+(``--ptx``, emptied first). ``--prebuild-ab``: first a start into an empty folder of its own
+with ``kernel_prebuild = "off"`` (MLX compiles each module at first use, one at a time), then
+the default's (the workers compile them side by side, engine/kernels/prebuild.py) and a start
+finding them. A module the workers gave is listed with "prebuild" (their manifest says which)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
 
+from daemon.engine.kernels.prebuild import read_manifest  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 from e2e_harness import start_daemon, wait_ready  # noqa: E402
 from protocol.client import Client  # noqa: E402
@@ -35,6 +40,7 @@ def _ts(e: dict) -> float:
 
 
 def one_start(label: str, ptx: Path, config: str) -> dict:
+    ptx.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="start-timeline-"))
     t0 = time.time()
     d = start_daemon(tmp, BUNDLED_MODEL, config=config, env={"MLX_PTX_CACHE_DIR": str(ptx)}, wait=False)
@@ -52,22 +58,32 @@ def one_start(label: str, ptx: Path, config: str) -> dict:
                         s.result()
                 firsts.append(round(time.time() - t, 3))
         events = [(round(_ts(e) - t0, 3), e["event"], {k: v for k, v in e.items()
-                                                        if k in ("seconds", "probe_ms", "verdict", "stages", "mode", "kernels")})
+                                                        if k in ("seconds", "probe_ms", "verdict", "stages", "mode", "kernels", "state",
+                                                                  "waited_s", "ran", "modules", "workers")})
                   for e in d.events() if "timestamp" in e and not e["event"].startswith(("library", "model.load_progress"))]
+        prebuilt = [e for e in d.events() if e.get("event") == "kernels.prebuilt"]
     finally:
         d.stop()
     # The modules MLX compiled during this start (it writes each beside its source in the PTX
     # folder): when each was written, from the process start, and what it is.
-    modules = sorted((round(f.stat().st_mtime - t0, 3), f.stem, f.stat().st_size) for f in ptx.glob("*.ptx")
+    by_workers = {Path(m).stem for ms in read_manifest(ptx).values() for m in ms}
+    modules = sorted((round(f.stat().st_mtime - t0, 3), f.stem, f.stat().st_size,
+                      "prebuild" if f.stem in by_workers else "daemon") for f in ptx.rglob("*.ptx")
                      if f.stat().st_mtime >= t0)  # fmt: skip
+    own = [m for m in modules if m[3] == "daemon"]
     print(f"\n{label}: ready in {ready_s:.1f} s; first requests (serial, fast, 4 at once) {firsts} s; "
-          f"{len(modules)} modules compiled ({sum(1 for m in modules if m[0] <= ready_s)} before ready)")
+          f"{len(modules)} modules compiled ({sum(1 for m in modules if m[0] <= ready_s)} before ready), "
+          f"{len(own)} by the daemon itself ({sum(1 for m in own if m[0] <= ready_s)} before ready)")
+    for off, name, _size, who in own:
+        print(f"  daemon compiled {name[:90]} at {off:.1f} s")
+    if prebuilt:
+        print(f"  prebuild: {json.dumps({k: v for k, v in prebuilt[0].items() if k not in ('timestamp', 'level', 'logger')})}")
     for off, name, extra in events:
         if off <= ready_s + 1:
             print(f"  {off:8.3f}  {name}  {json.dumps(extra) if extra else ''}")
     shutil.rmtree(tmp, ignore_errors=True)
     return {"label": label, "ready_s": round(ready_s, 2), "first_requests_s": firsts, "events": events,
-            "compiled_modules": modules}
+            "compiled_modules": modules, "prebuild": prebuilt[0] if prebuilt else None}
 
 
 def main() -> None:
@@ -75,10 +91,17 @@ def main() -> None:
     ap.add_argument("--ptx", type=Path, default=Path(tempfile.gettempdir()) / "start-timeline-ptx")
     ap.add_argument("--config", default="", help="TOML for the daemon's config")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prebuild-ab", action="store_true", help="a start without the kernel prebuild first, into a folder of its own")
     args = ap.parse_args()
     shutil.rmtree(args.ptx, ignore_errors=True)
-    runs = [one_start("compiling (empty PTX folder)", args.ptx, args.config),
-            one_start("PTX found", args.ptx, args.config)]
+    runs = []
+    if args.prebuild_ab:
+        alone = args.ptx.with_name(args.ptx.name + "-no-prebuild")
+        shutil.rmtree(alone, ignore_errors=True)
+        runs.append(one_start("compiling, kernel_prebuild off (empty PTX folder)", alone,
+                              'kernel_prebuild = "off"\n' + args.config))
+    runs += [one_start("compiling (empty PTX folder)", args.ptx, args.config),
+             one_start("PTX found", args.ptx, args.config)]
     if args.json:
         import mlx.core as mx
 

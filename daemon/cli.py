@@ -171,7 +171,6 @@ def cmd_serve(args) -> int:
     from .paths import cache_dir, ensure_runtime_dir, resolve_model
     from .exits import EXIT_CONFIG
     from .socket_side.endpoint import StartupError, startup_fs_error
-    from .socket_side.server import Server
     from protocol.paths import default_endpoint
 
     overrides = {k: v for k, v in {
@@ -233,8 +232,15 @@ def cmd_serve(args) -> int:
             code = run_follower(cfg, model, group)
         else:
             t0 = time.monotonic()
+            # Before the serving imports (~1-4 s: mlx-lm, transformers): the CUDA modules'
+            # workers compile while they run (engine/kernels/prebuild.py).
+            from .engine_thread.startup import start_kernel_prebuild
+
+            prebuild = start_kernel_prebuild(cfg, model)
+            from .socket_side.server import Server
+
             code = Server(cfg, model, endpoint, cli_overrides=overrides, group=group,
-                          exit_when_ready=prepare).run(args.config)
+                          exit_when_ready=prepare, prebuild=prebuild).run(args.config)
             if prepare and code == EXIT_OK:
                 print(f"councild: prepared {model} in {time.monotonic() - t0:.1f} s; the verdicts are in "
                       f"{cache_dir() / 'probe-verdicts'}", flush=True)

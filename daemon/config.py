@@ -302,6 +302,14 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # larger plan cache. Either way MLX's "cache thrashing" error is turned off
     # (engine/kernels/backend_env.py). Read by nothing on CPU and Metal.
     cudnn_attention: bool = False
+    # MLX-on-CUDA compiles each kernel module at its first use, one at a time (2.5-8 s each on
+    # the H200: 30-52 s of a fresh start, and a slow first round). "auto": on CUDA, with 4
+    # cores or more, worker processes compile the modules the first steps meet side by side
+    # while the daemon imports and reads its weights (engine/kernels/prebuild.py); the model's
+    # first forward waits for them (at most 120 s). "on": on any backend and core count (for
+    # tests and measurements; elsewhere the recipes compile nothing that lasts). "off": MLX
+    # compiles each at first use.
+    kernel_prebuild: Literal["auto", "on", "off"] = "auto"
     # Once, the last start-up part (after ready, between requests, unless warm_in_background is
     # false: then before ready), run the shapes the daemon serves: a prefill chunk
     # and a short remainder, decode steps, every speculative depth, every batch height.

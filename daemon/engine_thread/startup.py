@@ -17,17 +17,50 @@ constructor, and the engine it builds.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+import mlx.core as mx
+
 from .loaded_engine import LoadedEngine
+from ..engine.kernels import backend_env
+from ..engine.kernels.prebuild import RECIPES, KernelPrebuild, model_float_dtype, worker_count
 from ..logs import get_logger
+from ..paths import cache_dir
 
 if TYPE_CHECKING:
     from .status_snapshot import EngineStatus
 
 log = get_logger("councild.engine")
+# The longest the first forward waits for the prebuild's workers (each compiles one module in
+# 2.5-8 s on the H200); after it, this process compiles what is still missing itself.
+PREBUILD_WAIT_S = 120.0
+
+
+def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
+    """Start the workers that compile MLX's CUDA modules for the first steps while this
+    process imports and reads its weights (engine/kernels/prebuild.py); None where they do
+    not apply: ``kernel_prebuild = "off"``, a group; unless "on": a backend other than CUDA, too
+    few cores; no usable cache folder or model config. Called by the CLI before its heavy imports."""
+    forced = cfg.kernel_prebuild == "on"
+    if cfg.kernel_prebuild == "off" or cfg.distributed.enabled or not (forced or mx.cuda.is_available()):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(len(RECIPES), cores - 1)) if forced else worker_count(len(RECIPES), cores)
+    if not workers:
+        log.info("kernels.prebuild", state="off", reason=f"{cores} cores: the workers would take the start's own")
+        return None
+    try:
+        ptx = backend_env.ptx_cache_folder(cache_dir())
+        dtype = model_float_dtype(json.loads((Path(model_path) / "config.json").read_text()))
+    except (OSError, ValueError) as exc:
+        log.info("kernels.prebuild", state="off", reason=f"{type(exc).__name__}: {exc}")
+        return None
+    log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype)
+    return KernelPrebuild(ptx, dtype, workers).start()
 
 
 class EngineStartup:
@@ -35,8 +68,9 @@ class EngineStartup:
     also a group's (lockstep.py), which warms up after its ranks agree."""
 
     def __init__(self, cfg, model_path: str, group, status: EngineStatus, hooks: Any = None,
-                 requests_holding_head: Callable[[], int] | None = None):
+                 requests_holding_head: Callable[[], int] | None = None, prebuild: KernelPrebuild | None = None):
         self.cfg = cfg
+        self.prebuild = prebuild  # the CUDA modules' workers (start_kernel_prebuild), or None
         self.model_path = model_path
         self.group = group
         self.status = status
@@ -69,7 +103,8 @@ class EngineStartup:
                                     group=self.group, compile_check=self.compile_check,
                                     fused_recurrence=None if self.cfg.gdn_kernel == "auto" else False,
                                     fold_conv=self.cfg.gdn_conv_fold == "auto",
-                                    merge_linears=None if self.cfg.merge_linears == "auto" else False)
+                                    merge_linears=None if self.cfg.merge_linears == "auto" else False,
+                                    before_forward=self._await_prebuild)
         lm = self.engine.lm
         self.compile_later = self.cfg.compile_decode and not compile_now and lm.supports_mtp
         if self.compile_later:
@@ -417,13 +452,19 @@ class EngineStartup:
                        + (", exact rows too" if exact_ok else ", not for exact greedy rows (not bit-identical here)"),
                        apply, {"cost_ratio": out["cost_ratio"], "verdict": verdict})
 
+    def _await_prebuild(self) -> None:
+        """Before the first forward: the modules the workers compile (start_kernel_prebuild)
+        are then read from the folder instead of compiled one at a time by this process."""
+        if self.prebuild is None:
+            return
+        t0 = time.perf_counter()
+        report = self.prebuild.wait(PREBUILD_WAIT_S)
+        log.info("kernels.prebuilt", waited_s=round(time.perf_counter() - t0, 3), **report)
+
     def _configure_backend(self) -> None:
         # Before the first forward: MLX reads these once per process (engine/kernels/backend_env.py).
-        from ..engine.kernels import backend_env
-        from ..paths import cache_dir
-
         try:
-            ptx: Path | None = cache_dir() / "mlx-ptx"
+            ptx: Path | None = backend_env.ptx_cache_folder(cache_dir())
         except OSError:  # an unusable cache folder: MLX keeps its own default
             ptx = None
         env = backend_env.configure(self.cfg.cudnn_attention, ptx)

@@ -69,9 +69,10 @@ class EngineWorker(threading.Thread):
     finish). Its parts (the module's docstring) are made at start-up, once the engine is
     loaded, but the status, which status readers read from the first moment."""
 
-    def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None):
+    def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None, prebuild: Any = None):
         super().__init__(name="councild-engine", daemon=True)
         self.cfg = cfg
+        self.prebuild = prebuild  # startup.start_kernel_prebuild's workers, or None
         self.ctx = ctx
         self.model_path = model_path
         # The socket loop puts commands here; the intake thread (request_text/intake.py) tokenizes each
@@ -123,7 +124,7 @@ class EngineWorker(threading.Thread):
         """Start-up (startup.py) builds the engine; then the parts that use it are made,
         and the snapshot says ready."""
         self.startup = EngineStartup(self.cfg, self.model_path, self.group, self.status, self.hooks,
-                                     requests_holding_head=self.requests_holding_head)
+                                     requests_holding_head=self.requests_holding_head, prebuild=self.prebuild)
         engine = self.engine = self.startup.load()
         self.warming = self.startup.warming
         self.max_prompt_tokens = engine.max_prompt_tokens

@@ -64,7 +64,7 @@ class Server(ClientDelivery, StatusReplies):
     client_delivery.py's, building the status reply status_reply.py's."""
 
     def __init__(self, cfg: Config, model_path: str, endpoint: str, cli_overrides: dict | None = None,
-                 group=None, exit_when_ready: bool = False):
+                 group=None, exit_when_ready: bool = False, prebuild=None):
         self.cfg = cfg
         # Flags given at start-up win over the file on every SIGHUP reload too.
         self.cli_overrides = cli_overrides or {}
@@ -95,7 +95,7 @@ class Server(ClientDelivery, StatusReplies):
         self.notifier = None
         self._watchdog = None
         if group is None:
-            self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self))
+            self.worker = EngineWorker(cfg, self.ctx, model_path, hooks=_Hooks(self), prebuild=prebuild)
         else:  # rank 0 of a tensor-parallel group (daemon/distributed/)
             from ..distributed.lockstep import LeaderWorker
 

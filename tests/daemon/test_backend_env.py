@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from daemon.engine.kernels import backend_env as be
@@ -35,10 +36,16 @@ def test_an_operators_environment_wins_and_is_reported_as_theirs():
     assert out[be.THRASHING_CHECK] == ("0", "set")
 
 
+def test_the_ptx_folder_is_per_mlx_version_unless_the_operator_names_one(tmp_path):
+    # A module's name stays when a new MLX changes its code: a shared folder would serve it stale.
+    assert be.ptx_cache_folder(tmp_path, {}) == tmp_path / "mlx-ptx" / mx.__version__
+    assert be.ptx_cache_folder(tmp_path, {be.PTX_CACHE_DIR: "/fast/ptx"}) == Path("/fast/ptx")
+
+
 def test_the_daemon_logs_what_it_set_before_the_model_loads(bundled_daemon):
     events = [e["event"] for e in bundled_daemon.events()]
     assert "engine.backend_env" in events and events.index("engine.backend_env") < events.index("model.loaded")
     (ev,) = [e for e in bundled_daemon.events() if e["event"] == "engine.backend_env"]
     assert ev[be.CUDNN_SDPA] in ("0 (set)", "0 (operator)", "1 (operator)")
     assert ev[be.THRASHING_CHECK].startswith("0") or ev[be.THRASHING_CHECK].endswith("(operator)")
-    assert ev[be.PTX_CACHE_DIR].endswith("mlx-ptx (set)") or ev[be.PTX_CACHE_DIR].endswith("(operator)")
+    assert ev[be.PTX_CACHE_DIR].endswith(f"mlx-ptx/{mx.__version__} (set)") or ev[be.PTX_CACHE_DIR].endswith("(operator)")

@@ -16,7 +16,8 @@ Why (measured on the H200, MLX 0.32.4; bench/probes/attention_first_use.py):
   A daemon turns that check off; a slower miss is better than a failed request.
 - MLX compiles its CUDA kernels at first use and keeps the PTX under ``$TMPDIR/mlx``; a
   reboot (or a tmp cleaner) throws them away and the next start compiles again (99-145 s on
-  a fresh H200 against 15-24 s warm). The daemon keeps them in its own cache folder.
+  a fresh H200 against 15-24 s warm). The daemon keeps them in its own cache folder, one per
+  MLX version as MLX's own default is: a module's name stays when a new MLX changes its code.
 
 MLX reads the first two once per process (a static, at the first attention of any thread),
 so ``configure`` runs before the model loads; an operator's own environment value wins and
@@ -26,6 +27,7 @@ is reported as such. On CPU and Metal these variables are read by nothing.
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from pathlib import Path
 
 CUDNN_SDPA = "MLX_CUDA_USE_CUDNN_SDPA"
@@ -35,6 +37,18 @@ PTX_CACHE_DIR = "MLX_PTX_CACHE_DIR"
 # With cuDNN attention on (an operator's choice), the plan cache holds this many shapes: a
 # prompt's full chunks take ~(context / chunk) key lengths, its remainder one more.
 SDPA_PLANS_WITH_CUDNN = 1024
+
+
+def ptx_cache_folder(cache_root: Path, environ=os.environ) -> Path:
+    """Where MLX keeps its compiled CUDA modules for this daemon: the operator's
+    MLX_PTX_CACHE_DIR where set (``configure`` keeps it), else ``<cache_root>/mlx-ptx/<mlx version>``."""
+    if environ.get(PTX_CACHE_DIR):
+        return Path(environ[PTX_CACHE_DIR])
+    try:
+        version = metadata.version("mlx")
+    except metadata.PackageNotFoundError:  # a source build of MLX: no distribution to ask
+        version = "unknown"
+    return cache_root / "mlx-ptx" / version
 
 
 def configure(cudnn_attention: bool, ptx_cache: Path | None, environ=os.environ) -> dict:

@@ -86,7 +86,8 @@ def _put_merged_linears(lm: LoadedModel, merge: bool | None) -> str:
 def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill: bool | None = None,
                progress: Callable[[int, int, float], None] | None = None, group=None,
                compile_check: Callable | None = None, fused_recurrence: bool | None = None,
-               merge_linears: bool | None = None, fold_conv: bool = True) -> LoadedModel:
+               merge_linears: bool | None = None, fold_conv: bool = True,
+               before_forward: Callable[[], None] | None = None) -> LoadedModel:
     """Load weights and tokenizer with mlx-lm. Raises FileNotFoundError / ValueError with
     the path in the message on a missing or unsupported model. ``compile_decode``: use the
     compiled one-token forward (``compiled.py``) where it is bit-identical to eager.
@@ -102,7 +103,8 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
     (CUDA), False: mlx-lm's own path; ``fold_conv`` False keeps the conv out of the kernel;
     ``lm.recurrence`` says which, and why. ``merge_linears``: projections that read one input
     as one matmul (engine/kernels/merged_linears.py); None: with the fused recurrence, False:
-    never; ``lm.linears`` says which."""
+    never; ``lm.linears`` says which. ``before_forward`` is called once the weights are read,
+    before the first forward (the kernel prebuild's wait: startup.py)."""
     import mlx_lm
 
     path = Path(path).expanduser().resolve()
@@ -115,6 +117,8 @@ def load_model(path: str | Path, *, compile_decode: bool = True, chunked_prefill
 
         shard_model(model, config, group)
     _read_weights(model, progress)
+    if before_forward is not None:
+        before_forward()
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)

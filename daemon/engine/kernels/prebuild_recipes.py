@@ -1,0 +1,100 @@
+"""The ops that meet MLX's JIT-compiled CUDA modules, one recipe per module, on tiny arrays.
+
+MLX-on-CUDA compiles (NVRTC) a module the first time an op needs it; the module's name and
+code depend on dtypes and the op graph, never on sizes: a gather is ``gather_{T}_{I}_{n}``
+(T the values' dtype, I the indices', n how many index arrays; every rank and index width is
+in the one module), ``take_along_axis`` ``gather_axis_{T}_{I}``, an indexed assignment
+``scatter_{T}_{I}_Assign_{n}``, and a fused ``mx.compile`` graph is named by its tape (each
+op, its inputs' dtypes, whether the graph was traced shapeless) and a hash of its constants.
+So running the same ops on arrays of two elements compiles the very module the model's first
+step would. The list is what the bundled model's start and first requests compiled on the
+H200 (bench/results/h200_2026-12-05/call2: 17 modules, 2.5-8 s each); ``F`` stands for the
+model's float dtype. A recipe missing from here costs only what it cost before: MLX compiles
+that module itself at first use.
+
+Run one recipe: ``python -m daemon.engine.kernels.prebuild_recipes "gather float32 int32 2" bfloat16``
+(prebuild.py runs each in its own process, with its own MLX_PTX_CACHE_DIR)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+RECIPES = (
+    "gather uint32 uint32 1", "gather F uint32 1",  # a quantized embedding's rows, by token id
+    "gather float32 uint32 1", "gather float32 int32 1", "gather float32 int32 2", "gather F int32 1",
+    "gather int32 int32 1", "gather bool int32 1",
+    "gather_axis float32 int32", "gather_axis F int32",
+    "scatter float32 int32 2",
+    # mlx-lm's compiled activations, alone (shapeless: broadcasts in the tape) and inside a
+    # traced step (mx.compile of a caller: no broadcasts), and mlx.nn's softplus and silu.
+    "fused swiglu", "fused swiglu traced", "fused precise_swiglu", "fused precise_swiglu traced",
+    "fused softplus", "fused silu",
+)
+
+
+def recipes_for(float_dtype: str) -> tuple[str, ...]:
+    """The recipes with F spelled out (a float32 model's repeat its float32 ones: kept once)."""
+    return tuple(dict.fromkeys(r.replace(" F ", f" {float_dtype} ") for r in RECIPES))
+
+
+def _mlx_lm_activations():
+    """mlx-lm's activations module, read from its file: ``import mlx_lm.models.activations`` runs
+    mlx_lm's package init, which imports transformers (1-14 s a process), for three functions
+    that import only mlx. The tape, so the module's name, is the function's, whatever module
+    holds it."""
+    spec = importlib.util.find_spec("mlx_lm")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("mlx_lm is not installed")
+    path = Path(list(spec.submodule_search_locations)[0]) / "models" / "activations.py"
+    module_spec = importlib.util.spec_from_file_location("_councild_prebuild_activations", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _fused(which: str, traced: bool, dtype) -> mx.array:
+    a = mx.ones((2, 4), dtype=dtype)
+    b = mx.ones((2, 4), dtype=dtype)
+    if which in ("softplus", "silu"):
+        fn = lambda g, x: getattr(nn, which)(g)  # noqa: E731
+    else:
+        act = _mlx_lm_activations()
+        fn = {"swiglu": lambda g, x: act.swiglu(g, x), "precise_swiglu": lambda g, x: act.precise_swiglu(x, g, x)}[which]
+    return (mx.compile(fn) if traced else fn)(a, b)
+
+
+def _dtype(name: str):
+    return mx.bool_ if name == "bool" else getattr(mx, name)  # MLX spells it bool_; its modules, "bool"
+
+
+def run(recipe: str, float_dtype: str) -> None:
+    """Run ``recipe`` (one of ``recipes_for(float_dtype)``) and evaluate it on the default device."""
+    kind, *args = recipe.split()
+    dtypes = [_dtype(float_dtype if a == "F" else a) for a in args if not a.isdigit() and kind != "fused"]
+    if kind == "gather":
+        n = int(args[2])
+        src = mx.zeros((2,) * n + (3,), dtype=dtypes[0])
+        out = [src[tuple(mx.array([0, 1], dtype=dtypes[1]) for _ in range(n))]]
+    elif kind == "gather_axis":
+        out = [mx.take_along_axis(mx.zeros((2, 3), dtype=dtypes[0]), mx.array([[1], [0]], dtype=dtypes[1]), axis=-1)]
+    elif kind == "scatter":
+        n = int(args[2])
+        dst = mx.zeros((2,) * n + (3,), dtype=dtypes[0])
+        dst[tuple(mx.array([0, 1], dtype=dtypes[1]) for _ in range(n))] = mx.ones((2, 3), dtype=dtypes[0])
+        out = [dst]
+    elif kind == "fused":
+        out = [_fused(args[0], args[-1] == "traced", getattr(mx, float_dtype))]
+    else:
+        raise ValueError(f"unknown recipe {recipe!r}")
+    mx.eval(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(f"usage: python -m {__spec__.name} RECIPE FLOAT_DTYPE   (RECIPE one of: {', '.join(RECIPES)})")
+    run(sys.argv[1], sys.argv[2])

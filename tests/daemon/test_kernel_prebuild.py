@@ -1,0 +1,143 @@
+"""engine/kernels/prebuild.py and prebuild_recipes.py: the CUDA modules compiled side by side
+before the first forward. The PTX files themselves are CUDA's (measured on the device:
+bench/results, issue 46); here, on the CPU: that each recipe names the module the model's
+start met (MLX's CPU backend names a fused graph's kernel exactly as its CUDA backend names
+the module), that the workers run, record and skip, and that files move in whole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from daemon.engine.kernels import prebuild
+from daemon.engine.kernels.prebuild_recipes import RECIPES, recipes_for
+
+pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The fused modules the bundled model's start and first requests compiled on the H200
+# (bench/results/h200_2026-12-05/call2/start_timeline_default.json), bfloat16 weights.
+H200_FUSED_MODULES = {
+    "Cf4IAsTypeADf4ISigmoidCEf4IBroadcastCDFf4IBroadcastDCGf4IMultiplyEFHf4IAsTypeBIf4IBroadcastGHJf4IBroadcastHGK"
+    "f4IMultiplyIJLV2OAsTypeK_VV_V2V2_6142509188972423790",
+    "CV2ISigmoidADV2IBroadcastACEV2IBroadcastCAFV2IMultiplyDEGV2IBroadcastFBHV2IBroadcastBFIV2OMultiplyGH_VV_V2V2_"
+    "6142509188972423790",
+    "Cf4IAsTypeADf4ISigmoidCEf4IMultiplyCDFf4IAsTypeBGf4IMultiplyEFHV2OAsTypeG_VV_V2V2_6142509188972423790",
+    "CV2ISigmoidADV2IMultiplyACEV2OMultiplyDB_VV_V2V2_6142509188972423790",
+    "CV2IBroadcastABDV2IBroadcastBAEV2OLogAddExpCD_VC_V2_2297668033614959926",
+    "BV2ISigmoidACV2IBroadcastABDV2IBroadcastBAEV2OMultiplyCD_V_V2_6142509188972423790",
+}
+H200_OTHER_MODULES = {
+    "gather_uint32_uint32_1", "gather_bfloat16_uint32_1", "gather_axis_float32_int32", "gather_axis_bfloat16_int32",
+    "gather_float32_uint32_1", "scatter_float32_int32_Assign_2", "gather_float32_int32_2", "gather_int32_int32_1",
+    "gather_bool_int32_1", "gather_bfloat16_int32_1", "gather_float32_int32_1",
+}
+
+
+def _run_recipe(recipe: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "daemon.engine.kernels.prebuild_recipes", recipe, "bfloat16"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_fused_recipes_name_the_modules_the_h200_start_compiled(tmp_path):
+    # MLX's CPU backend writes each fused kernel's source under $TMPDIR/mlx/<version>/cpu,
+    # named by the graph's tape: the name MLX-on-CUDA gives the module.
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    fused = [r for r in recipes_for("bfloat16") if r.startswith("fused")]
+    for recipe in fused:
+        done = _run_recipe(recipe, env)
+        assert done.returncode == 0, done.stderr
+    written = {p.name.rsplit("_", 1)[0] if p.name.endswith("_contiguous.cpp") else p.name
+               for p in (tmp_path / "mlx" / mx.__version__ / "cpu").glob("*_contiguous.cpp")}
+    assert written == H200_FUSED_MODULES
+    assert len(fused) == len(H200_FUSED_MODULES)  # one module a recipe: each compiles in its own worker
+
+
+def test_every_other_recipe_is_named_like_its_module():
+    # Gathers and scatters: MLX names them by dtypes and index count (mlx/backend/cuda/indexing.cpp).
+    names = set()
+    for recipe in recipes_for("bfloat16"):
+        kind, *args = recipe.split()
+        if kind == "scatter":
+            names.add(f"scatter_{args[0]}_{args[1]}_Assign_{args[2]}")
+        elif kind != "fused":
+            names.add("_".join([kind, *args]))
+    assert names == H200_OTHER_MODULES
+
+
+def test_the_float_dtype_is_read_from_the_model_config():
+    assert prebuild.model_float_dtype({"dtype": "bfloat16"}) == "bfloat16"
+    assert prebuild.model_float_dtype({"text_config": {"torch_dtype": "float16"}}) == "float16"
+    assert prebuild.model_float_dtype({"torch_dtype": "int8"}) == "bfloat16"  # not a float: the default
+    assert len(recipes_for("float32")) < len(RECIPES)  # F = float32 repeats float32 recipes: kept once
+
+
+def test_workers_leave_a_core_to_the_daemon_and_none_run_on_a_small_machine():
+    assert prebuild.worker_count(17, 16) == 15
+    assert prebuild.worker_count(17, 64) == 17
+    assert prebuild.worker_count(17, 2) == 0
+
+
+def test_modules_move_in_whole_the_binary_last_and_never_over_one_there(tmp_path):
+    private, ptx = tmp_path / "private", tmp_path / "ptx"
+    (private / "long").mkdir(parents=True)
+    ptx.mkdir()
+    for stem in ("a", "long/b", "c"):
+        for suffix, text in ((".ptx", "bin-" + stem), (".txt", "names"), (".cu", "src")):
+            (private / (stem + suffix)).write_text(text)
+    (ptx / "c.ptx").write_text("the daemon's own")
+    moved = prebuild.move_modules(private, ptx)
+    assert moved == ["a.ptx", "c.ptx", "long/b.ptx"]
+    assert (ptx / "a.ptx").read_text() == "bin-a" and (ptx / "a.txt").exists() and (ptx / "a.cu").exists()
+    assert (ptx / "long" / "b.ptx").read_text() == "bin-long/b" and (ptx / "long" / "b.txt").exists()
+    assert (ptx / "c.ptx").read_text() == "the daemon's own"
+    assert prebuild.modules_present(ptx, moved) and not prebuild.modules_present(ptx, moved + ["d.ptx"])
+    assert not prebuild.modules_present(ptx, None)
+
+
+def test_the_workers_run_every_recipe_record_it_and_a_second_start_runs_none(tmp_path):
+    ptx = tmp_path / "ptx"
+    first = prebuild.KernelPrebuild(ptx, "bfloat16", 2).start().wait(240)
+    assert first["state"] == "done" and first["failed"] == {}, first
+    assert first["ran"] == first["recipes"] == len(recipes_for("bfloat16"))
+    assert set(prebuild.read_manifest(ptx)) == set(recipes_for("bfloat16"))
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the private folders are gone
+    second = prebuild.KernelPrebuild(ptx, "bfloat16", 2).start().wait(60)
+    assert second["ran"] == 0 and second["state"] == "done"
+
+
+def test_a_failing_recipe_is_reported_and_not_recorded(tmp_path):
+    ptx = tmp_path / "ptx"
+    report = prebuild.KernelPrebuild(ptx, "bfloat16", 2, recipes=("gather int32 int32 1", "gather nosuchtype int32 1")
+                                     ).start().wait(120)
+    assert list(report["failed"]) == ["gather nosuchtype int32 1"]
+    assert "nosuchtype" in report["failed"]["gather nosuchtype int32 1"]
+    assert set(prebuild.read_manifest(ptx)) == {"gather int32 int32 1"}
+
+
+def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_first_forward(tmp_path):
+    # "on" runs them on this CPU too: the plumbing from the CLI to the first forward is the
+    # same as on CUDA, where the modules are what it is for.
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from e2e_harness import start_daemon  # noqa: E402 - the e2e tests' daemon launcher
+
+    from daemon.paths import BUNDLED_MODEL
+
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config='kernel_prebuild = "on"\n', warmed=False)
+    try:
+        events = d.events()
+    finally:
+        d.stop()
+    names = [e["event"] for e in events]
+    (started,) = [e for e in events if e["event"] == "kernels.prebuild"]
+    (done,) = [e for e in events if e["event"] == "kernels.prebuilt"]
+    assert started["state"] == "started" and started["folder"].startswith(str(tmp_path))
+    assert done["state"] == "done" and done["failed"] == {} and done["ran"] == len(recipes_for("bfloat16"))
+    assert names.index("kernels.prebuild") < names.index("daemon.loading") < names.index("kernels.prebuilt")
+    assert names.index("kernels.prebuilt") < names.index("model.loaded")
