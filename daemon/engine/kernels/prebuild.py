@@ -99,6 +99,7 @@ class KernelPrebuild:
         recipes = self.recipes
         todo = [r for r in recipes if not modules_present(self.ptx_dir, manifest.get(r))]
         failed: dict[str, str] = {}
+        took: dict[str, float] = {}
         modules = 0
         pending = list(enumerate(todo))
         running: dict[str, tuple[subprocess.Popen, Path, float]] = {}
@@ -111,6 +112,7 @@ class KernelPrebuild:
                 code = proc.poll()
                 if code is None and time.monotonic() - t0 < WORKER_TIMEOUT_S:
                     continue
+                took[recipe] = round(time.monotonic() - t0, 2)
                 if code is None:
                     proc.kill()
                     proc.wait()
@@ -126,6 +128,7 @@ class KernelPrebuild:
             write_manifest(self.ptx_dir, manifest)
         return {"state": "done", "recipes": len(recipes), "ran": len(todo), "modules": modules,
                 "failed": failed, "workers": min(self.workers, len(todo)),
+                "slowest": sorted(took.items(), key=lambda kv: -kv[1])[:3],
                 "seconds": round(time.monotonic() - self._t0, 2)}
 
     def _spawn(self, recipe: str, index: int) -> tuple[subprocess.Popen, Path, float]:

@@ -24,16 +24,19 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+# Slowest first (an H100's 15 workers side by side, bench/results/h100_2026-12-06g: take_along_axis
+# and the fused graphs 9-13 s from the daemon's start, the plain gathers 6-7 s): with fewer
+# workers than recipes, the ones left to start last are the quick ones.
 RECIPES = (
-    "gather uint32 uint32 1", "gather F uint32 1",  # a quantized embedding's rows, by token id
-    "gather float32 uint32 1", "gather float32 int32 1", "gather float32 int32 2", "gather F int32 1",
-    "gather int32 int32 1", "gather bool int32 1",
-    "gather_axis float32 int32", "gather_axis F int32",
-    "scatter float32 int32 2",
-    # mlx-lm's compiled activations, alone (shapeless: broadcasts in the tape) and inside a
-    # traced step (mx.compile of a caller: no broadcasts), and mlx.nn's softplus and silu.
-    "fused swiglu", "fused swiglu traced", "fused precise_swiglu", "fused precise_swiglu traced",
+    # mlx.nn's softplus and silu, mlx-lm's compiled activations alone (shapeless: broadcasts in
+    # the tape) and inside a traced step (mx.compile of a caller: no broadcasts).
     "fused softplus", "fused silu",
+    "gather_axis float32 int32", "gather_axis F int32",
+    "fused swiglu", "fused swiglu traced", "fused precise_swiglu", "fused precise_swiglu traced",
+    "scatter float32 int32 2", "gather float32 int32 2",
+    "gather uint32 uint32 1", "gather F uint32 1",  # a quantized embedding's rows, by token id
+    "gather float32 uint32 1", "gather F int32 1", "gather int32 int32 1", "gather float32 int32 1",
+    "gather bool int32 1",
 )
 
 
