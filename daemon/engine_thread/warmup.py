@@ -16,7 +16,11 @@ Stages (``full``; ``light`` runs the first shape of each):
 - ``speculate``: speculative cycles at every depth 1..``governor.max_depth`` (the verify's
   widths and the head's drafts), when the head is resident;
 - ``batch``: a continuous-batch step at every height 2..``scheduler.batch_rows`` (max_active,
-  or its ceiling with "auto").
+  or its ceiling with "auto"), with the head resident at every depth 0..``governor.max_depth``
+  (the governor picks a depth per height from measurement, and a depth's first cycle at a
+  height traces and compiles its verify's shapes: 3.7 s, with every request waiting, in a
+  fresh H100's first council round, heights 3-4 at depth 1, bench/results/h100_2026-12-06g),
+  a depth a piece.
 
 Every stage runs the same forwards in the same order on every rank of a tensor-parallel
 group (its collectives must line up), so nothing here depends on timing or on rank-0-only
@@ -139,9 +143,17 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
     # the batch may be full). Requests already batching have paid those heights' first use.
     if batch is not None and max_rows >= 2 and len(batch) == 0:
         heights = list(range(2, max_rows + 1)) if level == "full" else [2]
+        # None: the depth the batch would take (depth 0 without a head). Fixed by the config,
+        # never by the governor's live depths: every rank of a group runs the same.
+        batch_depths: list[int | None] = [None]
+        if level == "full" and head is not None and depths and hasattr(batch, "depth_for"):
+            batch_depths = [0, *depths]
 
-        def batched() -> None:
+        def batched(depth: int | None) -> None:
             rows = []
+            live_depth_for = getattr(batch, "depth_for", None)
+            if depth is not None:
+                batch.depth_for = lambda _height: depth
             try:
                 for h in range(1, heights[-1] + 1):
                     key = ("__warmup__", h)
@@ -151,10 +163,23 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
                         for _ in range(CYCLES):
                             batch.step()
             finally:
+                if depth is not None:
+                    batch.depth_for = live_depth_for
                 for key in rows:
                     if key in batch:
                         batch.remove(key)
 
-        # No pause between the emptiness check and the stage: a request could fill the batch.
-        emit("warmup.batch", mode=level, seconds=timed("batch", batched, pause_first=False), heights=heights)
+        seconds, warmed = 0.0, []
+        for i, depth in enumerate(batch_depths):
+            if i:
+                pause()  # a depth a piece: its rows have left the batch
+            # No pause between the emptiness check and the piece: a request could fill the batch.
+            # Rows that came meanwhile pay their own shapes' first use, as before the stage.
+            if len(batch) != 0:
+                break
+            seconds += timed("batch", lambda d=depth: batched(d), pause_first=False)
+            warmed.append(depth)
+        out["batch"] = round(seconds, 3)
+        emit("warmup.batch", mode=level, seconds=out["batch"], heights=heights,
+             depths=[d for d in warmed if d is not None])
     return out
