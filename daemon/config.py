@@ -327,6 +327,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # Seconds between `stats` log events (counters, rates, memory: what /metrics shows, for
     # log-only shops); 0 turns them off.
     stats_interval_s: Annotated[float, Meta(ge=0)] = 60.0
+    # An engine-loop iteration at least this long (every request waits through it) logs
+    # `engine.slow_iteration` with where its time went (engine_thread/slow_iterations.py);
+    # 0: never.
+    log_slow_iteration_s: Annotated[float, Meta(ge=0, le=86400)] = 1.0
     scheduler: SchedulerConfig = SchedulerConfig()
     speculation: SpeculationConfig = SpeculationConfig()
     prefix_cache: PrefixCacheConfig = PrefixCacheConfig()

@@ -38,6 +38,7 @@ from .prefill_phase import PrefillPhase, Riding
 from .prefix_cache_use import PrefixCacheUse
 from ..request_text.requests import Job
 from .scheduler import Scheduler
+from .slow_iterations import SlowIterationLog
 from .startup import EngineStartup
 from .stats import StepUse, Tallies
 from .status_snapshot import EngineSnapshot, EngineStatus
@@ -88,6 +89,8 @@ class EngineWorker(threading.Thread):
         self._out: zmq.Socket | None = None
         self.tallies = Tallies()
         self.step_use = StepUse()
+        self.slow = SlowIterationLog(cfg.log_slow_iteration_s)
+        self._last_shape: dict = {}  # the last iteration's step, for engine.slow_iteration
         self.pacer = PrefillPacer(cfg.scheduler.decode_gap_bound)
         self.status = EngineStatus(self.scheduler, self.jobs, self.tallies, self.step_use, self._step_budget, self.pacer)
         # Made by ``_load``: the engine start-up built, and the parts that use it.
@@ -255,6 +258,7 @@ class EngineWorker(threading.Thread):
             warming = idle and self._warming_left()
             if not self._drain_commands(block=idle and not warming):
                 return
+            self.slow.begin()
             self._expire_deadlines()
             admitted = self.scheduler.admit()
             self._log_displaced()
@@ -265,11 +269,15 @@ class EngineWorker(threading.Thread):
                     self.paths.start(job)
                 except Exception as exc:  # e.g. a batch row's prefill failing: that request only
                     self._failed(job, exc)
+            self.slow.phase("start")
             stepped = self._step()
+            self.slow.phase("step")
             if not stepped and self.handling.stopping:
                 return
             if self._warming_left():
+                part = self.warming.pending[0]
                 self._warm_piece(idle=not stepped and not self.scheduler.has_work() and self._ready.empty())
+                self.slow.phase(f"warm {part}")
             if self.engine.governance is not None:
                 self.engine.governance.update_load(len(self.scheduler.active),
                                             {s: self.scheduler.queued_count(s) for s in self.scheduler.queues})
@@ -277,6 +285,7 @@ class EngineWorker(threading.Thread):
                                                    self.scheduler.max_active)
                 self.engine.governance.safe_point()
             self._publish()
+            self.slow.end(**self._last_shape, started=len(admitted), active=len(self.scheduler.active))
             if self.hooks is not None:
                 # Liveness is this loop going round (it wakes every 0.1 s when idle), not a
                 # timer: a decode that hangs stops the watchdog pings.
@@ -292,8 +301,14 @@ class EngineWorker(threading.Thread):
         t0 = time.perf_counter()
         # A batched decode forward may carry the first prompt's paced piece (mixed steps).
         riding = self.prefill_phase.riding(decoding) if decoding and job.batched else None
+        batch = self.engine.batch
+        batched = job is not None and job.batched and batch is not None
+        rows = len(batch) if batched else int(decoding)  # before the step: a finished row leaves in it
         spent = self._advance(job, riding) if job is not None else 0
         prefilled, planned = self.prefill_phase.run(spent, decoding, riding)
+        self._last_shape = {"decode": None if not decoding else "batch" if batched else "solo", "rows": rows,
+                            "positions": spent, "prefilled": prefilled,
+                            "depth": getattr(batch, "last_depth", 0) if batched else None}
         # The whole iteration is what a decoding stream waits (its forward runs while the
         # prefill's is evaluated): the pacer learns from that, not from each phase's clock.
         self.pacer.iteration_done(time.perf_counter() - t0, prefilled, decoding)
