@@ -271,7 +271,6 @@ class EngineWorker(threading.Thread):
                     self._failed(job, exc)
             self.slow.phase("start")
             stepped = self._step()
-            self.slow.phase("step")
             if not stepped and self.handling.stopping:
                 return
             if self._warming_left():
@@ -305,7 +304,9 @@ class EngineWorker(threading.Thread):
         batched = job is not None and job.batched and batch is not None
         rows = len(batch) if batched else int(decoding)  # before the step: a finished row leaves in it
         spent = self._advance(job, riding) if job is not None else 0
+        self.slow.phase("decode")
         prefilled, planned = self.prefill_phase.run(spent, decoding, riding)
+        self.slow.phase("prefill")
         self._last_shape = {"decode": None if not decoding else "batch" if batched else "solo", "rows": rows,
                             "positions": spent, "prefilled": prefilled,
                             "depth": getattr(batch, "last_depth", 0) if batched else None}
