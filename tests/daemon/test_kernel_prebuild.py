@@ -38,6 +38,9 @@ H200_OTHER_MODULES = {
     "gather_float32_uint32_1", "scatter_float32_int32_Assign_2", "gather_float32_int32_2", "gather_int32_int32_1",
     "gather_bool_int32_1", "gather_bfloat16_int32_1", "gather_float32_int32_1",
 }
+# Met later: a council's first round on an H100 (bench/results/h100_2026-12-06g/call35), and the
+# top-logprobs path's, read from engine/decoders/sampling.py.
+LATER_MODULES = {"gather_bfloat16_int64_3", "gather_axis_float32_uint32", "gather_axis_uint32_uint32"}
 
 
 def _run_recipe(recipe: str, env: dict) -> subprocess.CompletedProcess:
@@ -68,7 +71,7 @@ def test_every_other_recipe_is_named_like_its_module():
             names.add(f"scatter_{args[0]}_{args[1]}_Assign_{args[2]}")
         elif kind != "fused":
             names.add("_".join([kind, *args]))
-    assert names == H200_OTHER_MODULES
+    assert names == H200_OTHER_MODULES | LATER_MODULES
 
 
 def test_the_float_dtype_is_read_from_the_model_config():

@@ -8,8 +8,8 @@ in the one module), ``take_along_axis`` ``gather_axis_{T}_{I}``, an indexed assi
 op, its inputs' dtypes, whether the graph was traced shapeless) and a hash of its constants.
 So running the same ops on arrays of two elements compiles the very module the model's first
 step would. The list is what the bundled model's start and first requests compiled on the
-H200 (bench/results/h200_2026-12-05/call2: 17 modules, 2.5-8 s each); ``F`` stands for the
-model's float dtype. A recipe missing from here costs only what it cost before: MLX compiles
+H200 (bench/results/h200_2026-12-05/call2: 17 modules, 2.5-8 s each), one a council met on an
+H100 and two read from the code (below); ``F`` stands for the model's float dtype. A recipe missing from here costs only what it cost before: MLX compiles
 that module itself at first use.
 
 Run one recipe: ``python -m daemon.engine.kernels.prebuild_recipes "gather float32 int32 2" bfloat16``
@@ -37,6 +37,13 @@ RECIPES = (
     "gather uint32 uint32 1", "gather F uint32 1",  # a quantized embedding's rows, by token id
     "gather float32 uint32 1", "gather F int32 1", "gather int32 int32 1", "gather float32 int32 1",
     "gather bool int32 1",
+    # A ragged cache's row leaving a batch of two (ragged_cache.extract: keys[i:i+1, :, slots], the
+    # slices' uint32 aranges and the int32 slots promote to int64): a council's first round
+    # on an H100 stalled 3.6 s on it, every request waiting (bench/results/h100_2026-12-06g).
+    "gather F int64 3",
+    # Top logprobs (sampling.logprob_arrays: argpartition's and argsort's uint32 ids), by
+    # reading the code: what the first request asking for logprobs would compile.
+    "gather_axis float32 uint32", "gather_axis uint32 uint32",
 )
 
 
