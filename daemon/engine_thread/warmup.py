@@ -18,9 +18,10 @@ Stages (``full``; ``light`` runs the first shape of each):
 - ``batch``: a continuous-batch step at every height 2..``scheduler.batch_rows`` (max_active,
   or its ceiling with "auto"), with the head resident at every depth 0..``governor.max_depth``
   (the governor picks a depth per height from measurement, and a depth's first cycle at a
-  height traces and compiles its verify's shapes: 3.7 s, with every request waiting, in a
-  fresh H100's first council round, heights 3-4 at depth 1, bench/results/h100_2026-12-06g),
-  a depth a piece.
+  height traces the compiled step for its verify's shape), a depth a piece. What that first
+  cycle costs on a GPU was not measured apart: the first-round stall first blamed on it (a
+  fresh H100, bench/results/h100_2026-12-06g) was a row leaving a batch of two, whose gather
+  MLX compiled (now in the kernel prebuild).
 
 Every stage runs the same forwards in the same order on every rank of a tensor-parallel
 group (its collectives must line up), so nothing here depends on timing or on rank-0-only

@@ -1,7 +1,7 @@
 """engine_thread/warmup.py's batch stage: with the head resident, "full" runs every batch
-height at every depth the governor may give it (a depth's first cycle at a height compiles
-its shapes on a GPU: a fresh H100's first council round stalled 3.7 s on one), a depth a
-piece, and leaves the batch and its depth as it found them."""
+height at every depth the governor may give it (a depth's first cycle at a height traces the
+compiled step for that shape), a depth a piece, and leaves the batch and its depth as it
+found them."""
 
 from __future__ import annotations
 
