@@ -144,3 +144,16 @@ def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_fir
     assert done["state"] == "done" and done["failed"] == {} and done["ran"] == len(recipes_for("bfloat16"))
     assert names.index("kernels.prebuild") < names.index("daemon.loading") < names.index("kernels.prebuilt")
     assert names.index("kernels.prebuilt") < names.index("model.loaded")
+
+
+def test_a_stopped_daemons_private_folders_are_removed_and_a_live_ones_kept(tmp_path):
+    ptx = tmp_path / "ptx"
+    ptx.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f".ptx-prebuild-{dead.stdout.strip()}-3"
+    live = tmp_path / f".ptx-prebuild-{os.getpid()}-0"
+    for d in (orphan, live):
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "m.ptx").write_text("x")
+    assert prebuild.remove_orphans(ptx) == [orphan]
+    assert not orphan.exists() and live.exists()

@@ -95,6 +95,7 @@ class KernelPrebuild:
 
     def _build(self) -> dict:
         self.ptx_dir.mkdir(parents=True, exist_ok=True)
+        remove_orphans(self.ptx_dir)
         manifest = read_manifest(self.ptx_dir)
         recipes = self.recipes
         todo = [r for r in recipes if not modules_present(self.ptx_dir, manifest.get(r))]
@@ -133,7 +134,7 @@ class KernelPrebuild:
 
     def _spawn(self, recipe: str, index: int) -> tuple[subprocess.Popen, Path, float]:
         # Beside the folder (same file system, so a rename moves a file at once), never in it.
-        private = self.ptx_dir.parent / f".{self.ptx_dir.name}-prebuild-{os.getpid()}-{index}"
+        private = self.ptx_dir.parent / f"{_private_prefix(self.ptx_dir)}{os.getpid()}-{index}"
         shutil.rmtree(private, ignore_errors=True)
         private.mkdir(parents=True)
         env = {**os.environ, "MLX_PTX_CACHE_DIR": str(private)}
@@ -142,6 +143,32 @@ class KernelPrebuild:
                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     cwd=str(_IMPORT_ROOT))
         return proc, private, time.monotonic()
+
+
+def _private_prefix(ptx_dir: Path) -> str:
+    return f".{ptx_dir.name}-prebuild-"
+
+
+def remove_orphans(ptx_dir: Path) -> list[Path]:
+    """Remove the private folders of prebuilds whose daemon is gone (stopped mid-start: its
+    workers finished into folders nobody moved); returns them."""
+    gone = []
+    for private in ptx_dir.parent.glob(f"{_private_prefix(ptx_dir)}*"):
+        pid = private.name[len(_private_prefix(ptx_dir)):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(private, ignore_errors=True)
+            gone.append(private)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive, not ours to touch
+        return True
+    return True
 
 
 def move_modules(private: Path, ptx_dir: Path) -> list[str]:
