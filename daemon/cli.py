@@ -234,7 +234,7 @@ def cmd_serve(args) -> int:
             t0 = time.monotonic()
             # Before the serving imports (~1-4 s: mlx-lm, transformers): the CUDA modules'
             # workers compile while they run (engine/kernels/prebuild.py).
-            from .engine_thread.startup import start_kernel_prebuild
+            from .engine_thread.prebuild_start import start_kernel_prebuild
 
             prebuild = start_kernel_prebuild(cfg, model)
             from .socket_side.server import Server

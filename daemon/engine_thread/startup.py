@@ -17,17 +17,13 @@ constructor, and the engine it builds.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-import mlx.core as mx
-
 from .loaded_engine import LoadedEngine
 from ..engine.kernels import backend_env
-from ..engine.kernels.prebuild import RECIPES, KernelPrebuild, model_float_dtype, worker_count
+from ..engine.kernels.prebuild import KernelPrebuild
 from ..logs import get_logger
 from ..paths import cache_dir
 
@@ -40,29 +36,6 @@ log = get_logger("councild.engine")
 PREBUILD_WAIT_S = 120.0
 
 
-def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
-    """Start the workers that compile MLX's CUDA modules for the first steps while this
-    process imports and reads its weights (engine/kernels/prebuild.py); None where they do
-    not apply: ``kernel_prebuild = "off"``, a group; unless "on": a backend other than CUDA, too
-    few cores; no usable cache folder or model config. Called by the CLI before its heavy imports."""
-    forced = cfg.kernel_prebuild == "on"
-    if cfg.kernel_prebuild == "off" or cfg.distributed.enabled or not (forced or mx.cuda.is_available()):
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = max(1, min(len(RECIPES), cores - 1)) if forced else worker_count(len(RECIPES), cores)
-    if not workers:
-        log.info("kernels.prebuild", state="off", reason=f"{cores} cores: the workers would take the start's own")
-        return None
-    try:
-        ptx = backend_env.ptx_cache_folder(cache_dir())
-        dtype = model_float_dtype(json.loads((Path(model_path) / "config.json").read_text()))
-    except (OSError, ValueError) as exc:
-        log.info("kernels.prebuild", state="off", reason=f"{type(exc).__name__}: {exc}")
-        return None
-    log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype)
-    return KernelPrebuild(ptx, dtype, workers).start()
-
-
 class EngineStartup:
     """The start-up steps: ``load`` builds the engine; ``warm_up`` and ``warmup_mode`` are
     also a group's (lockstep.py), which warms up after its ranks agree."""
@@ -70,7 +43,7 @@ class EngineStartup:
     def __init__(self, cfg, model_path: str, group, status: EngineStatus, hooks: Any = None,
                  requests_holding_head: Callable[[], int] | None = None, prebuild: KernelPrebuild | None = None):
         self.cfg = cfg
-        self.prebuild = prebuild  # the CUDA modules' workers (start_kernel_prebuild), or None
+        self.prebuild = prebuild  # the CUDA modules' workers (prebuild_start.py), or None
         self.model_path = model_path
         self.group = group
         self.status = status
@@ -453,7 +426,7 @@ class EngineStartup:
                        apply, {"cost_ratio": out["cost_ratio"], "verdict": verdict})
 
     def _await_prebuild(self) -> None:
-        """Before the first forward: the modules the workers compile (start_kernel_prebuild)
+        """Before the first forward: the modules the workers compile (prebuild_start.py)
         are then read from the folder instead of compiled one at a time by this process."""
         if self.prebuild is None:
             return

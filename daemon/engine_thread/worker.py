@@ -73,7 +73,7 @@ class EngineWorker(threading.Thread):
     def __init__(self, cfg: Config, ctx: zmq.Context, model_path: str, hooks: Any = None, prebuild: Any = None):
         super().__init__(name="councild-engine", daemon=True)
         self.cfg = cfg
-        self.prebuild = prebuild  # startup.start_kernel_prebuild's workers, or None
+        self.prebuild = prebuild  # prebuild_start.start_kernel_prebuild's workers, or None
         self.ctx = ctx
         self.model_path = model_path
         # The socket loop puts commands here; the intake thread (request_text/intake.py) tokenizes each

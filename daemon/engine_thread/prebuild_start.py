@@ -1,0 +1,41 @@
+"""Starting the kernel prebuild's workers (engine/kernels/prebuild.py) from the CLI, before its
+serving imports, so they compile while the daemon imports and reads its weights; the engine's
+start-up (startup.py) waits for them before the model's first forward."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..engine.kernels import backend_env
+from ..engine.kernels.prebuild import RECIPES, KernelPrebuild, model_float_dtype, worker_count
+from ..logs import get_logger
+from ..paths import cache_dir
+
+log = get_logger("councild.engine")
+
+
+def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
+    """Start the workers that compile MLX's CUDA modules for the first steps while this
+    process imports and reads its weights (engine/kernels/prebuild.py); None where they do
+    not apply: ``kernel_prebuild = "off"``, a group; unless "on": a backend other than CUDA, too
+    few cores; no usable cache folder or model config. Called by the CLI before its heavy imports."""
+    forced = cfg.kernel_prebuild == "on"
+    if cfg.kernel_prebuild == "off" or cfg.distributed.enabled or not (forced or mx.cuda.is_available()):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    workers = max(1, min(len(RECIPES), cores - 1)) if forced else worker_count(len(RECIPES), cores)
+    if not workers:
+        log.info("kernels.prebuild", state="off", reason=f"{cores} cores: the workers would take the start's own")
+        return None
+    try:
+        ptx = backend_env.ptx_cache_folder(cache_dir())
+        dtype = model_float_dtype(json.loads((Path(model_path) / "config.json").read_text()))
+    except (OSError, ValueError) as exc:
+        log.info("kernels.prebuild", state="off", reason=f"{type(exc).__name__}: {exc}")
+        return None
+    log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype)
+    return KernelPrebuild(ptx, dtype, workers).start()
