@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..engine.kernels import backend_env
-from ..engine.kernels.prebuild import RECIPES, KernelPrebuild, model_float_dtype, worker_count
+from ..engine.kernels.prebuild import MIN_CORES, RECIPES, KernelPrebuild, model_float_dtype, worker_count
 from ..logs import get_logger
 from ..paths import cache_dir
 
@@ -27,7 +27,7 @@ def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
     if cfg.kernel_prebuild == "off" or cfg.distributed.enabled or not (forced or mx.cuda.is_available()):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = max(1, min(len(RECIPES), cores - 1)) if forced else worker_count(len(RECIPES), cores)
+    workers = worker_count(len(RECIPES), cores, min_cores=1 if forced else MIN_CORES)
     if not workers:
         log.info("kernels.prebuild", state="off", reason=f"{cores} cores: the workers would take the start's own")
         return None

@@ -33,7 +33,7 @@ class SlowIterationLog:
 
     def phase(self, name: str) -> None:
         now = time.perf_counter()
-        self._phases[name] = self._phases.get(name, 0.0) + now - self._mark
+        self._phases[name] = now - self._mark
         self._mark = now
 
     def end(self, **shape) -> None:

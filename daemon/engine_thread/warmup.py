@@ -152,8 +152,8 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
 
         def batched(depth: int | None) -> None:
             rows = []
-            live_depth_for = getattr(batch, "depth_for", None)
             if depth is not None:
+                live_depth_for = batch.depth_for
                 batch.depth_for = lambda _height: depth
             try:
                 for h in range(1, heights[-1] + 1):

@@ -85,6 +85,7 @@ def test_workers_leave_a_core_to_the_daemon_and_none_run_on_a_small_machine():
     assert prebuild.worker_count(17, 16) == 15
     assert prebuild.worker_count(17, 64) == 17
     assert prebuild.worker_count(17, 2) == 0
+    assert prebuild.worker_count(17, 2, min_cores=1) == prebuild.worker_count(17, 1, min_cores=1) == 1
 
 
 def test_modules_move_in_whole_the_binary_last_and_never_over_one_there(tmp_path):

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .prebuild_recipes import RECIPES, recipes_for
 
-__all__ = ["RECIPES", "KernelPrebuild", "model_float_dtype", "worker_count"]
+__all__ = ["MIN_CORES", "RECIPES", "KernelPrebuild", "model_float_dtype", "worker_count"]
 
 MANIFEST = "councild-prebuild.json"
 # A worker imports mlx, starts a CUDA context and compiles one module (2.5-8 s measured on the
@@ -50,16 +50,17 @@ def model_float_dtype(config: dict) -> str:
     return "bfloat16"
 
 
-def worker_count(recipes: int, cores: int | None) -> int:
-    """Workers at once: a core each, one left to the daemon; none on a machine of few cores."""
+def worker_count(recipes: int, cores: int | None, min_cores: int = MIN_CORES) -> int:
+    """Workers at once: a core each, one left to the daemon (at least one); none below
+    ``min_cores``."""
     cores = cores or 1
-    return 0 if cores < MIN_CORES else min(recipes, cores - 1)
+    return 0 if cores < min_cores else max(1, min(recipes, cores - 1))
 
 
 class KernelPrebuild:
-    """``start`` runs the workers from a thread of this process (no mlx here: each worker is a
-    ``python -m daemon.engine.kernels.prebuild_recipes`` process); ``wait`` joins it, bounded,
-    and returns what it did (``report``)."""
+    """``start`` runs the workers from a thread of this process, which runs no mlx op itself
+    (each worker is a ``python -m daemon.engine.kernels.prebuild_recipes`` process); ``wait``
+    joins it, bounded, and returns what it did (``report``)."""
 
     def __init__(self, ptx_dir: Path, float_dtype: str, workers: int, python: str = sys.executable,
                  recipes: tuple[str, ...] | None = None):
@@ -97,8 +98,7 @@ class KernelPrebuild:
         self.ptx_dir.mkdir(parents=True, exist_ok=True)
         remove_orphans(self.ptx_dir)
         manifest = read_manifest(self.ptx_dir)
-        recipes = self.recipes
-        todo = [r for r in recipes if not modules_present(self.ptx_dir, manifest.get(r))]
+        todo = [r for r in self.recipes if not modules_present(self.ptx_dir, manifest.get(r))]
         failed: dict[str, str] = {}
         took: dict[str, float] = {}
         modules = 0
@@ -127,7 +127,7 @@ class KernelPrebuild:
                 del running[recipe]
         if todo:
             write_manifest(self.ptx_dir, manifest)
-        return {"state": "done", "recipes": len(recipes), "ran": len(todo), "modules": modules,
+        return {"state": "done", "recipes": len(self.recipes), "ran": len(todo), "modules": modules,
                 "failed": failed, "workers": min(self.workers, len(todo)),
                 "slowest": sorted(took.items(), key=lambda kv: -kv[1])[:3],
                 "seconds": round(time.monotonic() - self._t0, 2)}
