@@ -33,7 +33,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
+try:
+    import httpx
+except ImportError:  # the GPU machine has the openai client's fork only (tools/stage_device.sh)
+    import httpx2 as httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]

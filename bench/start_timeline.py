@@ -11,7 +11,13 @@ probe verdicts) and MLX_PTX_CACHE_DIR set to one folder shared by the starts of 
 (``--ptx``, emptied first). ``--prebuild-ab``: first a start into an empty folder of its own
 with ``kernel_prebuild = "off"`` (MLX compiles each module at first use, one at a time), then
 the default's (the workers compile them side by side, engine/kernels/prebuild.py) and a start
-finding them. A module the workers gave is listed with "prebuild" (their manifest says which)."""
+finding them. A module the workers gave is listed with "prebuild" (their manifest says which),
+one of the daemon's custom kernels with "custom" (engine/kernels/custom_kernel_cache.py).
+``--custom-ab ROUNDS``: then ROUNDS pairs of starts finding MLX's modules, the first with
+``custom_kernel_cache = false`` (MLX compiles the custom kernels in the process, as before),
+the second reading them from the folder.
+
+    PYTHONPATH=$PWD python3 bench/start_timeline.py --custom-ab 2 --json $OUT/start_custom.json"""
 
 from __future__ import annotations
 
@@ -68,12 +74,14 @@ def one_start(label: str, ptx: Path, config: str) -> dict:
     # folder): when each was written, from the process start, and what it is.
     by_workers = {Path(m).stem for ms in read_manifest(ptx).values() for m in ms}
     modules = sorted((round(f.stat().st_mtime - t0, 3), f.stem, f.stat().st_size,
-                      "prebuild" if f.stem in by_workers else "daemon") for f in ptx.rglob("*.ptx")
+                      "prebuild" if f.stem in by_workers else "custom" if f.stem.startswith("custom_kernel_") else "daemon")
+               for f in ptx.rglob("*.ptx")
                      if f.stat().st_mtime >= t0)  # fmt: skip
     own = [m for m in modules if m[3] == "daemon"]
     print(f"\n{label}: ready in {ready_s:.1f} s; first requests (serial, fast, 4 at once) {firsts} s; "
           f"{len(modules)} modules compiled ({sum(1 for m in modules if m[0] <= ready_s)} before ready), "
-          f"{len(own)} by the daemon itself ({sum(1 for m in own if m[0] <= ready_s)} before ready)")
+          f"{len(own)} by the daemon itself ({sum(1 for m in own if m[0] <= ready_s)} before ready), "
+          f"{sum(1 for m in modules if m[3] == 'custom')} of its custom kernels written")
     for off, name, _size, who in own:
         print(f"  daemon compiled {name[:90]} at {off:.1f} s")
     if prebuilt:
@@ -92,6 +100,8 @@ def main() -> None:
     ap.add_argument("--config", default="", help="TOML for the daemon's config")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prebuild-ab", action="store_true", help="a start without the kernel prebuild first, into a folder of its own")
+    ap.add_argument("--custom-ab", type=int, default=0, metavar="ROUNDS",
+                    help="then ROUNDS pairs of starts with the PTX found: custom_kernel_cache = false, then true")
     args = ap.parse_args()
     shutil.rmtree(args.ptx, ignore_errors=True)
     runs = []
@@ -102,6 +112,9 @@ def main() -> None:
                               'kernel_prebuild = "off"\n' + args.config))
     runs += [one_start("compiling (empty PTX folder)", args.ptx, args.config),
              one_start("PTX found", args.ptx, args.config)]
+    for _ in range(args.custom_ab):  # MLX's modules and the custom kernels' files both there
+        runs += [one_start("PTX found, custom_kernel_cache off", args.ptx, "custom_kernel_cache = false\n" + args.config),
+                 one_start("PTX found, custom kernels read", args.ptx, args.config)]
     if args.json:
         import mlx.core as mx
 

@@ -310,6 +310,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # tests and measurements; elsewhere the recipes compile nothing that lasts). "off": MLX
     # compiles each at first use.
     kernel_prebuild: Literal["auto", "on", "off"] = "auto"
+    # MLX-on-CUDA compiles the daemon's own kernels (mx.fast.cuda_kernel) in every process and
+    # keeps nothing on disk: 4.8 s of a start on an H100 and as much at the first request.
+    # true: the daemon compiles each one the first time it meets it and writes it where MLX
+    # looks first (engine/kernels/custom_kernel_cache.py), so later starts read it. false: MLX
+    # compiles them in every process. Read by nothing on CPU and Metal.
+    custom_kernel_cache: bool = True
     # Once, the last start-up part (after ready, between requests, unless warm_in_background is
     # false: then before ready), run the shapes the daemon serves: a prefill chunk
     # and a short remainder, decode steps, every speculative depth, every batch height.

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .loaded_engine import LoadedEngine
-from ..engine.kernels import backend_env
+from ..engine.kernels import backend_env, custom_kernel_cache
 from ..engine.kernels.prebuild import KernelPrebuild
 from ..logs import get_logger
 from ..paths import cache_dir
@@ -88,7 +88,8 @@ class EngineStartup:
                  linears=lm.linears,
                  batch_decode_path=lm.batch_decode_path, batch_compile_check=self.compile_check.batch_verdict,
                  seconds=round(time.perf_counter() - t0, 3),
-                 context_tokens=context, max_prompt_tokens=self.engine.max_prompt_tokens)
+                 context_tokens=context, max_prompt_tokens=self.engine.max_prompt_tokens,
+                 custom_kernels=custom_kernel_cache.CACHE.summary())
         from .head_slot import HeadSlot
 
         self.engine.slot = HeadSlot(lm, self.cfg.speculation.depth, on_change=self.status.head_changed)
@@ -441,6 +442,7 @@ class EngineStartup:
         except OSError:  # an unusable cache folder: MLX keeps its own default
             ptx = None
         env = backend_env.configure(self.cfg.cudnn_attention, ptx)
+        custom_kernel_cache.CACHE.configure(self.cfg.custom_kernel_cache)
         log.info("engine.backend_env", **{name: f"{value} ({source})" for name, (value, source) in env.items()})
 
     def warmup_mode(self) -> str:

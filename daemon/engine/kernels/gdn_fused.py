@@ -35,12 +35,14 @@ The numbers differ from mlx-lm's ops path in the last bits (the gates in float32
 summation order), so a model either runs this kernel in every GatedDeltaNet forward or in
 none: ``install`` swaps every layer (gdn_layer.py), and the start-up probes test the model so
 installed. CUDA only; elsewhere ``backend_refusal`` says why not.
-This module imports nothing of the engine.
+Of the engine this module imports only the custom kernels' disk cache.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from . import custom_kernel_cache
 
 # The kernel's body is put together from parts (``kernel_source``): where each token's q, k, v
 # come from (read, or convolved here) and what else is written. The recurrence itself is one
@@ -251,7 +253,7 @@ def _kernel(masked: bool, all_states: bool, conv: bool = False):
     if key not in _kernels:
         inputs, outputs = kernel_names(masked, all_states, conv)
         name = "councild_gdn" + ("_conv" if conv else "") + ("_mask" if masked else "") + ("_all" if all_states else "")
-        _kernels[key] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
+        _kernels[key] = custom_kernel_cache.cuda_kernel(name=name, input_names=inputs, output_names=outputs,
                                             source=kernel_source(masked, all_states, conv),
                                             ensure_row_contiguous=False)
     return _kernels[key]

@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
-from . import invariant_quant
+from . import custom_kernel_cache, invariant_quant
 from .merged_linears import MergedAttention
 
 # Keys are split into chunks of CHUNK *visible* keys (by their rank among the keys the query
@@ -294,7 +294,7 @@ def _get_kernels():
         if backend() == "metal":
             _kernel = (mx.fast.metal_kernel(source=_METAL_PARTIAL, **part), mx.fast.metal_kernel(source=_METAL_MERGE, **merge))
         else:
-            _kernel = (mx.fast.cuda_kernel(source=_CUDA_PARTIAL, **part), mx.fast.cuda_kernel(source=_CUDA_MERGE, **merge))
+            _kernel = (custom_kernel_cache.cuda_kernel(source=_CUDA_PARTIAL, **part), custom_kernel_cache.cuda_kernel(source=_CUDA_MERGE, **merge))
     return _kernel
 
 
@@ -305,7 +305,7 @@ def _get_matmul_kernel():
         if backend() == "metal":
             _matmul_kernel = mx.fast.metal_kernel(name="councild_invariant_matmul", source=_METAL_MATMUL, **names)
         else:
-            _matmul_kernel = mx.fast.cuda_kernel(name="councild_invariant_matmul", source=_CUDA_MATMUL, **names)
+            _matmul_kernel = custom_kernel_cache.cuda_kernel(name="councild_invariant_matmul", source=_CUDA_MATMUL, **names)
     return _matmul_kernel
 
 

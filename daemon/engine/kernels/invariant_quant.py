@@ -43,7 +43,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import quant_mma
+from . import custom_kernel_cache, quant_mma
 
 BITS = (2, 4, 8)  # power-of-two widths: a word holds 32 / bits whole elements
 FLOAT_INPUTS = (mx.bfloat16, mx.float16, mx.float32)
@@ -176,7 +176,7 @@ def _get_kernel(backend: str):
         if backend == "metal":
             _kernels[backend] = mx.fast.metal_kernel(source=_METAL_QMM, **names)
         else:
-            _kernels[backend] = mx.fast.cuda_kernel(source=_CUDA_QMM, **names)
+            _kernels[backend] = custom_kernel_cache.cuda_kernel(source=_CUDA_QMM, **names)
     return _kernels[backend]
 
 

@@ -41,7 +41,7 @@ or 16 (8-bit) inputs a lane holds. Anything else goes to engine/kernels/invarian
 kernel, decided per layer (never per M). Pointers that are not 16-byte aligned take a slower
 load of four words (checked once per launch). CUDA only: Metal keeps the scalar kernel (MLX's
 own Metal qmv already reads a 2-position verify at ~1.14x a step).
-This module imports nothing of the engine.
+Of the engine this module imports only the custom kernels' disk cache.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ import math
 from typing import Any
 
 import mlx.core as mx
+
+from . import custom_kernel_cache
 
 MMA_BITS = (4, 8)
 MMA_INPUTS = (mx.bfloat16, mx.float16)
@@ -457,7 +459,7 @@ _kernel: list = []
 
 def _get_kernel():
     if not _kernel:
-        _kernel.append(mx.fast.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
+        _kernel.append(custom_kernel_cache.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
                                            output_names=["y"], source=_SOURCE, header=_HEADER))
     return _kernel[0]
 
