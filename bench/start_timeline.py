@@ -14,8 +14,8 @@ the default's (the workers compile them side by side, engine/kernels/prebuild.py
 finding them. A module the workers gave is listed with "prebuild" (their manifest says which),
 one of the daemon's custom kernels with "custom" (engine/kernels/custom_kernel_cache.py).
 ``--custom-ab ROUNDS``: then ROUNDS pairs of starts finding MLX's modules, the first with
-``custom_kernel_cache = false`` (MLX compiles the custom kernels in the process, as before),
-the second reading them from the folder.
+``custom_kernel_cache = false`` on a copy of the folder without the custom kernels' files
+(MLX compiles them in the process, as before), the second reading them from the folder.
 
     PYTHONPATH=$PWD python3 bench/start_timeline.py --custom-ab 2 --json $OUT/start_custom.json"""
 
@@ -112,8 +112,14 @@ def main() -> None:
                               'kernel_prebuild = "off"\n' + args.config))
     runs += [one_start("compiling (empty PTX folder)", args.ptx, args.config),
              one_start("PTX found", args.ptx, args.config)]
-    for _ in range(args.custom_ab):  # MLX's modules and the custom kernels' files both there
-        runs += [one_start("PTX found, custom_kernel_cache off", args.ptx, "custom_kernel_cache = false\n" + args.config),
+    for _ in range(args.custom_ab):
+        # MLX reads a custom kernel's file whoever wrote it: the "off" start gets a copy of the
+        # folder without them (MLX's modules only), as a daemon before the cache found it.
+        bare = args.ptx.with_name(args.ptx.name + "-no-custom")
+        shutil.rmtree(bare, ignore_errors=True)
+        shutil.copytree(args.ptx, bare, ignore=shutil.ignore_patterns("custom_kernel_*"))
+        runs += [one_start("PTX found, custom_kernel_cache off (no custom files)", bare,
+                           "custom_kernel_cache = false\n" + args.config),
                  one_start("PTX found, custom kernels read", args.ptx, args.config)]
     if args.json:
         import mlx.core as mx

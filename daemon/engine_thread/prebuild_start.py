@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from ..engine.kernels import backend_env
 from ..engine.kernels.prebuild import MIN_CORES, RECIPES, KernelPrebuild, model_float_dtype, worker_count
+from ..engine.kernels.prebuild_recipes import custom_recipes, recipes_for
 from ..logs import get_logger
 from ..paths import cache_dir
 
@@ -27,15 +28,20 @@ def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
     if cfg.kernel_prebuild == "off" or cfg.distributed.enabled or not (forced or mx.cuda.is_available()):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = worker_count(len(RECIPES), cores, min_cores=1 if forced else MIN_CORES)
-    if not workers:
+    if not worker_count(len(RECIPES), cores, min_cores=1 if forced else MIN_CORES):
         log.info("kernels.prebuild", state="off", reason=f"{cores} cores: the workers would take the start's own")
         return None
     try:
         ptx = backend_env.ptx_cache_folder(cache_dir())
-        dtype = model_float_dtype(json.loads((Path(model_path) / "config.json").read_text()))
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        dtype = model_float_dtype(config)
+        # The daemon's own kernels too, where it keeps them on disk (custom_kernel_cache.py).
+        custom = custom_recipes(Path(model_path), config, dtype) if cfg.custom_kernel_cache and mx.cuda.is_available() else ()
     except (OSError, ValueError) as exc:
         log.info("kernels.prebuild", state="off", reason=f"{type(exc).__name__}: {exc}")
         return None
-    log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype)
-    return KernelPrebuild(ptx, dtype, workers).start()
+    recipes = recipes_for(dtype) + custom
+    workers = worker_count(len(recipes), cores, min_cores=1 if forced else MIN_CORES)
+    log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype,
+             custom_kernels=len(custom))
+    return KernelPrebuild(ptx, dtype, workers, recipes=recipes).start()

@@ -15,7 +15,8 @@ import mlx.core as mx
 import pytest
 
 from daemon.engine.kernels import prebuild
-from daemon.engine.kernels.prebuild_recipes import RECIPES, recipes_for
+from daemon.engine.kernels.prebuild_recipes import RECIPES, custom_recipes, recipes_for
+from daemon.paths import BUNDLED_MODEL
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 
@@ -123,6 +124,45 @@ def test_a_failing_recipe_is_reported_and_not_recorded(tmp_path):
     assert list(report["failed"]) == ["gather nosuchtype int32 1"]
     assert "nosuchtype" in report["failed"]["gather nosuchtype int32 1"]
     assert set(prebuild.read_manifest(ptx)) == {"gather int32 int32 1"}
+
+
+def _safetensors(path: Path, tensors: dict[str, str]) -> None:
+    import json
+
+    header = json.dumps({name: {"dtype": dtype, "shape": [1], "data_offsets": [0, 0]} for name, dtype in tensors.items()})
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode())
+
+
+def test_custom_kernel_recipes_carry_the_model_s_head_shapes_and_stored_dtypes(tmp_path):
+    import json
+
+    config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())
+    assert custom_recipes(Path(BUNDLED_MODEL), config, "bfloat16") == (
+        "custom invariant_matmul bfloat16", "custom invariant_sdpa bfloat16 64",
+        *(f"custom gdn_conv {v} bfloat16 bfloat16 bfloat16 bfloat16 64 64 4 4 4" for v in ("plain", "mask", "all")))
+    # A_log kept in float32, as many checkpoints store it; the dtype is the header's, per tensor.
+    _safetensors(tmp_path / "model-00001.safetensors", {"model.layers.0.linear_attn.A_log": "F32",
+                                                        "model.layers.0.linear_attn.dt_bias": "BF16"})
+    _safetensors(tmp_path / "model-00002.safetensors", {"model.layers.0.linear_attn.conv1d.weight": "F16"})
+    wide = {"text_config": {**config["text_config"], "head_dim": 256}} if "text_config" in config else {**config, "head_dim": 256}
+    got = custom_recipes(tmp_path, wide, "float16")
+    assert "custom invariant_sdpa float16 256" in got
+    assert "custom gdn_conv mask float16 float32 bfloat16 float16 64 64 4 4 4" in got
+    # No GatedDeltaNet tensors found: the recurrence's recipes are left out, not guessed.
+    (tmp_path / "model-00002.safetensors").unlink()
+    assert not any("gdn_conv" in r for r in custom_recipes(tmp_path, wide, "float16"))
+
+
+def test_a_custom_kernel_recipe_runs_in_its_own_worker(tmp_path):
+    """On the CPU the daemon's kernels do not run (mlx ops do), so the worker compiles nothing
+    and ends cleanly; the recipe is recorded with no module."""
+    recipes = custom_recipes(Path(BUNDLED_MODEL), {"num_attention_heads": 4, "hidden_size": 256,
+                                                   "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                                                   "linear_num_key_heads": 4, "linear_num_value_heads": 4,
+                                                   "linear_conv_kernel_dim": 4}, "bfloat16")
+    report = prebuild.KernelPrebuild(tmp_path / "ptx", "bfloat16", 2, recipes=recipes).start().wait(240)
+    assert report["state"] == "done" and report["failed"] == {} and report["ran"] == len(recipes) == 5, report
+    assert prebuild.read_manifest(tmp_path / "ptx") == {r: [] for r in recipes}
 
 
 def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_first_forward(tmp_path):

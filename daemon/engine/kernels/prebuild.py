@@ -139,7 +139,8 @@ class KernelPrebuild:
         private.mkdir(parents=True)
         env = {**os.environ, "MLX_PTX_CACHE_DIR": str(private)}
         with open(private / "stderr.log", "wb") as err:  # a file, not a pipe: nothing to drain
-            proc = subprocess.Popen([self.python, "-m", "daemon.engine.kernels.prebuild_recipes", recipe, self.float_dtype],
+            worker = "prebuild_custom" if recipe.startswith("custom ") else "prebuild_recipes"
+            proc = subprocess.Popen([self.python, "-m", f"daemon.engine.kernels.{worker}", recipe, self.float_dtype],
                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     cwd=str(_IMPORT_ROOT))
         return proc, private, time.monotonic()

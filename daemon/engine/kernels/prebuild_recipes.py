@@ -18,6 +18,7 @@ Run one recipe: ``python -m daemon.engine.kernels.prebuild_recipes "gather float
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +46,52 @@ RECIPES = (
     # reading the code: what the first request asking for logprobs would compile.
     "gather_axis float32 uint32", "gather_axis uint32 uint32",
 )
+
+
+# The daemon's own CUDA kernels (custom_kernel_cache.py writes them where MLX reads them): a
+# module per kernel, template arguments (head shapes) and input dtypes, so these recipes carry
+# them, read from the model's config.json and its weights' headers (``custom_recipes``). On an
+# H100 the bundled model's start compiled six, 1.4-2.8 s each, one after another on the path
+# to ready (bench/results/h100_2026-12-06h).
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+GDN_TENSORS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight")
+
+
+def _stored_dtypes(model_path: Path, suffixes: tuple[str, ...]) -> dict[str, str]:
+    """{suffix: dtype} of the first tensor whose name ends with each suffix, from the
+    safetensors headers (a few KB each: no weight is read)."""
+    found: dict[str, str] = {}
+    for f in sorted(model_path.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size)) if 0 < size < 1 << 26 else {}
+        for name, info in header.items():
+            for s in suffixes:
+                if s not in found and name.endswith(s) and isinstance(info, dict):
+                    found[s] = SAFETENSORS_DTYPES.get(info.get("dtype"), "")
+        if len(found) == len(suffixes):
+            break
+    return found
+
+
+def custom_recipes(model_path: Path, config: dict, float_dtype: str) -> tuple[str, ...]:
+    """The daemon's own kernels a start meets for this model (run by prebuild_custom.py): the folded-conv recurrence
+    (plain, masked, every state) where the model has GatedDeltaNet layers, the fixed-order
+    matmul and attention. A shape or dtype read wrong here names a module the daemon never
+    asks for: it then compiles its own at first use, as without the recipe."""
+    text = config.get("text_config") or config
+    out = [f"custom invariant_matmul {float_dtype}"]
+    heads = text.get("num_attention_heads")
+    head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0)
+    if head_dim:
+        out.append(f"custom invariant_sdpa {float_dtype} {head_dim}")
+    dims = [text.get(k) for k in ("linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
+                                  "linear_num_value_heads", "linear_conv_kernel_dim")]
+    stored = _stored_dtypes(model_path, GDN_TENSORS) if all(isinstance(d, int) for d in dims) else {}
+    if len(stored) == len(GDN_TENSORS) and all(stored.values()):
+        spec = " ".join([float_dtype] + [stored[s] for s in GDN_TENSORS] + [str(d) for d in dims])
+        out += [f"custom gdn_conv {variant} {spec}" for variant in ("plain", "mask", "all")]
+    return tuple(out)
 
 
 def recipes_for(float_dtype: str) -> tuple[str, ...]:
