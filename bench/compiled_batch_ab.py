@@ -47,10 +47,10 @@ for p in (ROOT, ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-# The daemon's MLX switches, before MLX reads them (engine/kernels/backend_env.py): without them a
+# The daemon's MLX switches, before MLX reads them (engine/jit/backend_env.py): without them a
 # verify at every new key length would pay a cuDNN plan build on CUDA (46-57 ms), which the
 # daemon does not pay.
-from daemon.engine.kernels.backend_env import configure  # noqa: E402
+from daemon.engine.jit.backend_env import configure  # noqa: E402
 
 BACKEND_ENV = configure(cudnn_attention=False, ptx_cache=None)
 

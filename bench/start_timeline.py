@@ -10,7 +10,7 @@ Each start is `councild serve` on the bundled model with its own cache folder (n
 probe verdicts) and MLX_PTX_CACHE_DIR set to one folder shared by the starts of this run
 (``--ptx``, emptied first). ``--prebuild-ab``: first a start into an empty folder of its own
 with ``kernel_prebuild = "off"`` (MLX compiles each module at first use, one at a time), then
-the default's (the workers compile them side by side, engine/kernels/prebuild.py) and a start
+the default's (the workers compile them side by side, engine/jit/prebuild.py) and a start
 finding them. A module the workers gave is listed with "prebuild" (their manifest says which),
 one of the daemon's custom kernels with "custom" (engine/kernels/custom_kernel_cache.py).
 ``--custom-ab ROUNDS``: then ROUNDS pairs of starts finding MLX's modules, the first with
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "e2e")]
 
-from daemon.engine.kernels.prebuild import read_manifest  # noqa: E402
+from daemon.engine.jit.prebuild import read_manifest  # noqa: E402
 from daemon.paths import BUNDLED_MODEL  # noqa: E402
 from e2e_harness import start_daemon, wait_ready  # noqa: E402
 from protocol.client import Client  # noqa: E402

@@ -233,7 +233,7 @@ def cmd_serve(args) -> int:
         else:
             t0 = time.monotonic()
             # Before the serving imports (~1-4 s: mlx-lm, transformers): the CUDA modules'
-            # workers compile while they run (engine/kernels/prebuild.py).
+            # workers compile while they run (engine/jit/prebuild.py).
             from .engine_thread.prebuild_start import start_kernel_prebuild
 
             prebuild = start_kernel_prebuild(cfg, model)

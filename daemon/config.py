@@ -300,12 +300,12 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # and prompt remainder paid one. false: MLX's own attention kernels (vector kernel or
     # matmul path), whose cost does not depend on having seen a shape; true: cuDNN, with a
     # larger plan cache. Either way MLX's "cache thrashing" error is turned off
-    # (engine/kernels/backend_env.py). Read by nothing on CPU and Metal.
+    # (engine/jit/backend_env.py). Read by nothing on CPU and Metal.
     cudnn_attention: bool = False
     # MLX-on-CUDA compiles each kernel module at its first use, one at a time (2.5-8 s each on
     # the H200: 30-52 s of a fresh start, and a slow first round). "auto": on CUDA, with 4
     # cores or more, worker processes compile the modules the first steps meet side by side
-    # while the daemon imports and reads its weights (engine/kernels/prebuild.py); the model's
+    # while the daemon imports and reads its weights (engine/jit/prebuild.py); the model's
     # first forward waits for them (at most 120 s). "on": on any backend and core count (for
     # tests and measurements; elsewhere the recipes compile nothing that lasts). "off": MLX
     # compiles each at first use.

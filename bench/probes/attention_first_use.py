@@ -1,5 +1,5 @@
 """What a new attention shape costs, by MLX process setting, and whether a long run trips
-MLX's plan-cache "thrashing" error (engine/kernels/backend_env.py sets the switches it chose).
+MLX's plan-cache "thrashing" error (engine/jit/backend_env.py sets the switches it chose).
 
 Each arm is a fresh process, since MLX reads its switches once per process:
   mlx-default  MLX's own defaults: cuDNN for query lengths > 1, thrashing check on
@@ -116,7 +116,7 @@ ARMS = ("mlx-default", "daemon", "daemon-cudnn")
 
 
 def _env(arm: str) -> dict:
-    from daemon.engine.kernels import backend_env
+    from daemon.engine.jit import backend_env
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k == backend_env.PTX_CACHE_DIR}
     if arm != "mlx-default":

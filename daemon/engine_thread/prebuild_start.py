@@ -1,4 +1,4 @@
-"""Starting the kernel prebuild's workers (engine/kernels/prebuild.py) from the CLI, before its
+"""Starting the kernel prebuild's workers (engine/jit/prebuild.py) from the CLI, before its
 serving imports, so they compile while the daemon imports and reads its weights; the engine's
 start-up (startup.py) waits for them before the model's first forward."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..engine.kernels import backend_env
-from ..engine.kernels.prebuild import MIN_CORES, RECIPES, KernelPrebuild, model_float_dtype, worker_count
-from ..engine.kernels.prebuild_recipes import custom_recipes, recipes_for
+from ..engine.jit import backend_env
+from ..engine.jit.prebuild import MIN_CORES, RECIPES, KernelPrebuild, model_float_dtype, worker_count
+from ..engine.jit.prebuild_recipes import custom_recipes, recipes_for
 from ..logs import get_logger
 from ..paths import cache_dir
 
@@ -21,7 +21,7 @@ log = get_logger("councild.engine")
 
 def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
     """Start the workers that compile MLX's CUDA modules for the first steps while this
-    process imports and reads its weights (engine/kernels/prebuild.py); None where they do
+    process imports and reads its weights (engine/jit/prebuild.py); None where they do
     not apply: ``kernel_prebuild = "off"``, a group; unless "on": a backend other than CUDA, too
     few cores; no usable cache folder or model config. Called by the CLI before its heavy imports."""
     forced = cfg.kernel_prebuild == "on"

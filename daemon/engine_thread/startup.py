@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from .loaded_engine import LoadedEngine
-from ..engine.kernels import backend_env, custom_kernel_cache
-from ..engine.kernels.prebuild import KernelPrebuild
+from ..engine.jit import backend_env
+from ..engine.kernels import custom_kernel_cache
+from ..engine.jit.prebuild import KernelPrebuild
 from ..logs import get_logger
 from ..paths import cache_dir
 
@@ -436,7 +437,7 @@ class EngineStartup:
         log.info("kernels.prebuilt", waited_s=round(time.perf_counter() - t0, 3), **report)
 
     def _configure_backend(self) -> None:
-        # Before the first forward: MLX reads these once per process (engine/kernels/backend_env.py).
+        # Before the first forward: MLX reads these once per process (engine/jit/backend_env.py).
         try:
             ptx: Path | None = backend_env.ptx_cache_folder(cache_dir())
         except OSError:  # an unusable cache folder: MLX keeps its own default

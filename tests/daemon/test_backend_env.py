@@ -1,4 +1,4 @@
-"""engine/kernels/backend_env.py: the MLX process switches a daemon sets before its first
+"""engine/jit/backend_env.py: the MLX process switches a daemon sets before its first
 forward, so a new shape costs what was measured. What they do is measured on the H200
 (bench/probes/attention_first_use.py); here: which variables are set, that an operator's own value
 wins, and that the daemon logs them."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from daemon.engine.kernels import backend_env as be
+from daemon.engine.jit import backend_env as be
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
 

@@ -1,4 +1,4 @@
-"""engine/kernels/prebuild.py and prebuild_recipes.py: the CUDA modules compiled side by side
+"""engine/jit/prebuild.py and prebuild_recipes.py: the CUDA modules compiled side by side
 before the first forward. The PTX files themselves are CUDA's (measured on the device:
 bench/results, issue 46); here, on the CPU: that each recipe names the module the model's
 start met (MLX's CPU backend names a fused graph's kernel exactly as its CUDA backend names
@@ -14,8 +14,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from daemon.engine.kernels import prebuild
-from daemon.engine.kernels.prebuild_recipes import RECIPES, custom_recipes, recipes_for
+from daemon.engine.jit import prebuild
+from daemon.engine.jit.prebuild_recipes import RECIPES, custom_recipes, recipes_for
 from daemon.paths import BUNDLED_MODEL
 
 pytestmark = pytest.mark.quick  # the quick tier: `make check` (tests/README.md)
@@ -45,7 +45,7 @@ LATER_MODULES = {"gather_bfloat16_int64_3", "gather_axis_float32_uint32", "gathe
 
 
 def _run_recipe(recipe: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "daemon.engine.kernels.prebuild_recipes", recipe, "bfloat16"],
+    return subprocess.run([sys.executable, "-m", "daemon.engine.jit.prebuild_recipes", recipe, "bfloat16"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 

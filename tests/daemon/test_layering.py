@@ -41,7 +41,7 @@ WINGS = ("daemon.engine", "daemon.request_text", "daemon.engine_thread", "daemon
 FLOOR = ("daemon", "daemon.config", "daemon.exits", "daemon.logs", "daemon.paths")
 TOP_LEVEL_MAX = 14
 # The engine's wings, bottom to top, and its floor (modules every engine wing may use).
-ENGINE_WINGS = ("daemon.engine.kernels", "daemon.engine.caches", "daemon.engine.model", "daemon.engine.prefill",
+ENGINE_WINGS = ("daemon.engine.kernels", "daemon.engine.jit", "daemon.engine.caches", "daemon.engine.model", "daemon.engine.prefill",
                 "daemon.engine.decoders")
 ENGINE_FLOOR = ("daemon.engine", "daemon.engine.pieces", "daemon.engine.types")
 ENGINE_WING_MAX = 12

@@ -1,1 +1,1 @@
-"""Kernels: backbone walks, chunked GatedDeltaNet, batch-invariant and quantized matmuls, the backend's switches."""
+"""Kernels: backbone walks, chunked GatedDeltaNet, batch-invariant and quantized matmuls, the custom kernels kept on disk."""

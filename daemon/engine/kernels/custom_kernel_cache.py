@@ -36,9 +36,11 @@ import mlx.core as mx
 import structlog
 
 from . import mlx_custom_source as src
-from .backend_env import PTX_CACHE_DIR
 
 log = structlog.get_logger()
+
+# MLX's folder variable (engine/jit/backend_env.py sets it for the daemon before the first forward).
+PTX_CACHE_DIR = "MLX_PTX_CACHE_DIR"
 
 # Under MLX's include name: what a custom kernel's generated signature needs (see the docstring).
 SIGNATURE_HEADER = """#pragma once

@@ -12,7 +12,7 @@ H200 (bench/results/h200_2026-12-05/call2: 17 modules, 2.5-8 s each), one a coun
 H100 and two read from the code (below); ``F`` stands for the model's float dtype. A recipe missing from here costs only what it cost before: MLX compiles
 that module itself at first use.
 
-Run one recipe: ``python -m daemon.engine.kernels.prebuild_recipes "gather float32 int32 2" bfloat16``
+Run one recipe: ``python -m daemon.engine.jit.prebuild_recipes "gather float32 int32 2" bfloat16``
 (prebuild.py runs each in its own process, with its own MLX_PTX_CACHE_DIR)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ RECIPES = (
 )
 
 
-# The daemon's own CUDA kernels (custom_kernel_cache.py writes them where MLX reads them): a
+# The daemon's own CUDA kernels (engine/kernels/custom_kernel_cache.py writes them where MLX reads them): a
 # module per kernel, template arguments (head shapes) and input dtypes, so these recipes carry
 # them, read from the model's config.json and its weights' headers (``custom_recipes``). On an
 # H100 the bundled model's start compiled six, 1.4-2.8 s each, one after another on the path

@@ -59,7 +59,7 @@ def worker_count(recipes: int, cores: int | None, min_cores: int = MIN_CORES) ->
 
 class KernelPrebuild:
     """``start`` runs the workers from a thread of this process, which runs no mlx op itself
-    (each worker is a ``python -m daemon.engine.kernels.prebuild_recipes`` process); ``wait``
+    (each worker is a ``python -m daemon.engine.jit.prebuild_recipes`` process); ``wait``
     joins it, bounded, and returns what it did (``report``)."""
 
     def __init__(self, ptx_dir: Path, float_dtype: str, workers: int, python: str = sys.executable,
@@ -140,7 +140,7 @@ class KernelPrebuild:
         env = {**os.environ, "MLX_PTX_CACHE_DIR": str(private)}
         with open(private / "stderr.log", "wb") as err:  # a file, not a pipe: nothing to drain
             worker = "prebuild_custom" if recipe.startswith("custom ") else "prebuild_recipes"
-            proc = subprocess.Popen([self.python, "-m", f"daemon.engine.kernels.{worker}", recipe, self.float_dtype],
+            proc = subprocess.Popen([self.python, "-m", f"daemon.engine.jit.{worker}", recipe, self.float_dtype],
                                     env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                     cwd=str(_IMPORT_ROOT))
         return proc, private, time.monotonic()
