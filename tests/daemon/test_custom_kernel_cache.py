@@ -137,3 +137,25 @@ def test_a_loaded_library_is_found_by_name():
 
 def test_config_key():
     assert Config().custom_kernel_cache is True
+
+
+class _BrokenCompiler:
+    """An NVRTC whose compile raises what ctypes or the library might: any error at all."""
+
+    def compile(self, *args, **kwargs):
+        raise RuntimeError("nvrtc went away")
+
+
+def test_a_failing_compile_is_logged_and_never_raised(tmp_path, monkeypatch):
+    """What fails in the cache (here the compile) must leave the kernel call to MLX's own
+    compile: ensure returns, counts the failure, and writes nothing."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    cache = ckc.CustomKernelCache()
+    cache._ready, cache._nvrtc = True, _BrokenCompiler()
+    cache.ensure("custom_kernel_x", "text")
+    assert cache.counts == {"found": 0, "compiled": 0, "failed": 1}
+    assert list(tmp_path.iterdir()) == []
+    # A module already in the folder is counted as found and not compiled again.
+    src.module_path(tmp_path, src.module_name("custom_kernel_x", "text")).write_bytes(b"code")
+    cache.ensure("custom_kernel_x", "text")
+    assert cache.counts == {"found": 1, "compiled": 0, "failed": 1}

@@ -15,8 +15,8 @@ the wheel's ``config.h`` (``MAX_NDIM``), ``Shape`` and ``Strides`` as MLX define
 daemon's kernels use nothing else from it; a kernel that did would fail to compile here, and
 MLX would compile it as before. Flags are MLX's (``--device-as-default-execution-space``,
 the device's ``sm_XYa`` SASS). Any failure (no NVRTC, no headers, a compile error, a folder
-that cannot be written) is logged once (``kernels.custom_cache_failed``) and changes nothing
-else: MLX compiles the kernel itself, as it always did.
+that cannot be written) is logged (``kernels.custom_cache_failed``, once per module) and
+changes nothing else: MLX compiles the kernel itself, as it always did.
 
 MLX on Metal and the CPU: the stand-in returns MLX's kernel and does nothing more.
 """
@@ -182,7 +182,7 @@ class CustomKernelCache:
             return False
         lib = loaded_library("libnvrtc.so")
         if lib is None:
-            return self._fail("MLX has no NVRTC library loaded")
+            return self.fail("MLX has no NVRTC library loaded")
         self._nvrtc = Nvrtc(lib)
         info = mx.device_info()
         major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
@@ -194,7 +194,7 @@ class CustomKernelCache:
         self._options += [f"--include-path={p}" for p in include_folders(mlx_root, self._nvrtc.version[0])]
         return True
 
-    def _fail(self, reason: str) -> bool:
+    def fail(self, reason: str) -> bool:
         self.counts["failed"] += 1
         log.warning("kernels.custom_cache_failed", reason=reason)
         return False
@@ -206,7 +206,7 @@ class CustomKernelCache:
                 try:
                     self._ready = self._setup()
                 except Exception as e:  # a broken NVRTC or device query: MLX compiles as before
-                    self._ready = self._fail(f"setup: {e}")
+                    self._ready = self.fail(f"setup: {e}")
             if not self._ready:
                 return
             module = src.module_name(func_name, text)
@@ -219,8 +219,8 @@ class CustomKernelCache:
                 code, mangled = self._nvrtc.compile(text, module + ".cu", src.KERNEL_NAMESPACE + func_name,
                                                     {SIGNATURE_HEADER_NAME: SIGNATURE_HEADER}, self._options, self._sass)
                 write_module(path, code, [(src.KERNEL_NAMESPACE + func_name, mangled)], text)
-            except (CompileError, OSError) as e:
-                self._fail(f"{module}: {e}")
+            except Exception as e:  # noqa: BLE001 - NVRTC, ctypes or the folder: MLX compiles it itself
+                self.fail(f"{module}: {type(e).__name__}: {e}")
                 return
             took = time.perf_counter() - started
             self.compile_s += took
@@ -269,7 +269,10 @@ class CachedCudaKernel:
                    tuple((n, str(v)) for n, v in (template or [])), tuple(str(d) for d in output_dtypes))
             if key not in self._seen:
                 self._seen.add(key)
-                CACHE.ensure(*self.instantiation(inputs, template, output_dtypes))
+                try:
+                    CACHE.ensure(*self.instantiation(inputs, template, output_dtypes))
+                except Exception as e:  # noqa: BLE001 - never a request's failure: MLX compiles as before
+                    CACHE.fail(f"{self._spec['name']}: {type(e).__name__}: {e}")
         return self._kernel(inputs=inputs, output_dtypes=output_dtypes, template=template, **launch)
 
 
