@@ -48,9 +48,10 @@ RECIPES = (
 )
 
 
-# The daemon's own CUDA kernels (engine/kernels/custom_kernel_cache.py writes them where MLX reads them): a
-# module per kernel, template arguments (head shapes) and input dtypes, so these recipes carry
-# them, read from the model's config.json and its weights' headers (``custom_recipes``). On an
+# The daemon's own CUDA kernels (engine/kernels/custom_kernel_cache.py writes them where MLX
+# reads them): a module per kernel, template arguments (head shapes) and input dtypes, so
+# these recipes carry them, read from the model's config.json and its weights' headers
+# (``custom_recipes``). On an
 # H100 the bundled model's start compiled six, 1.4-2.8 s each, one after another on the path
 # to ready (bench/results/h100_2026-12-06h).
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -62,9 +63,12 @@ def _stored_dtypes(model_path: Path, suffixes: tuple[str, ...]) -> dict[str, str
     safetensors headers (a few KB each: no weight is read)."""
     found: dict[str, str] = {}
     for f in sorted(model_path.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size)) if 0 < size < 1 << 26 else {}
+        try:
+            with open(f, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size)) if 0 < size < 1 << 26 else {}
+        except (OSError, ValueError):  # unreadable here: the loader will say so; no recipe from it
+            continue
         for name, info in header.items():
             for s in suffixes:
                 if s not in found and name.endswith(s) and isinstance(info, dict):
@@ -75,9 +79,11 @@ def _stored_dtypes(model_path: Path, suffixes: tuple[str, ...]) -> dict[str, str
 
 
 def custom_recipes(model_path: Path, config: dict, float_dtype: str) -> tuple[str, ...]:
-    """The daemon's own kernels a start meets for this model (run by prebuild_custom.py): the folded-conv recurrence
-    (plain, masked, every state) where the model has GatedDeltaNet layers, the fixed-order
-    matmul and attention. A shape or dtype read wrong here names a module the daemon never
+    """The daemon's own kernels a start meets for this model (run by prebuild_custom.py): the
+    folded-conv recurrence (plain, masked, every state) where the model has GatedDeltaNet
+    layers, the fixed-order matmul and attention. A quantized model's fixed-order matmuls are
+    not among them (a launch per layer shape and row count): each compiles at its first use
+    and is then kept on disk. A shape or dtype read wrong here names a module the daemon never
     asks for: it then compiles its own at first use, as without the recipe."""
     text = config.get("text_config") or config
     out = [f"custom invariant_matmul {float_dtype}"]
