@@ -51,9 +51,8 @@ RECIPES = (
 # The daemon's own CUDA kernels (engine/kernels/custom_kernel_cache.py writes them where MLX
 # reads them): a module per kernel, template arguments (head shapes) and input dtypes, so
 # these recipes carry them, read from the model's config.json and its weights' headers
-# (``custom_recipes``). On an
-# H100 the bundled model's start compiled six, 1.4-2.8 s each, one after another on the path
-# to ready (bench/results/h100_2026-12-06h).
+# (``custom_recipes``). On an H100 the bundled model's start compiled six, 1.4-2.8 s each,
+# one after another on the path to ready (bench/results/h100_2026-12-06h).
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 GDN_TENSORS = ("linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.conv1d.weight")
 
