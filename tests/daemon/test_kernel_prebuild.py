@@ -185,6 +185,11 @@ def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_fir
     assert done["state"] == "done" and done["failed"] == {} and done["ran"] == len(recipes_for("bfloat16"))
     assert names.index("kernels.prebuild") < names.index("daemon.loading") < names.index("kernels.prebuilt")
     assert names.index("kernels.prebuilt") < names.index("model.loaded")
+    # Off CUDA the daemon's kernels are not prebuilt (its layers run mlx ops) and the custom
+    # kernels' cache stays idle: the start-up log says so.
+    assert started["custom_kernels"] == 0
+    (loaded,) = [e for e in events if e["event"] == "model.loaded"]
+    assert loaded["custom_kernels"] == {"found": 0, "compiled": 0, "failed": 0, "compile_s": 0.0, "active": False}
 
 
 def test_a_stopped_daemons_private_folders_are_removed_and_a_live_ones_kept(tmp_path):
