@@ -16,7 +16,8 @@ batch's aggregate tokens per second. The rule, one row at a time:
   measured to score the margin better, else a probe: one row more until the probed bucket has ``trust_samples``
   cycles of its own (first-use cycles of a new height do not count: the engine marks them
   ``transition``), kept if it scores the margin better than the bucket it came from, else
-  back. A bucket never measured is probed at once; a measured one again only when its
+  back; a probe that scores the fixed ``depth_margin`` better but not the noise-aware margin
+  runs on to ``PROBE_EXTEND`` x ``trust_samples`` cycles first (noisy, not worse). A bucket never measured is probed at once; a measured one again only when its
   estimate is stale, at most every ``probe_interval_s`` of decoding;
 - down one row when the bucket the limit runs in scores the margin worse than the bucket
   below it (both measured, neither stale);
@@ -45,6 +46,9 @@ from .depth_rules import fmt_margin
 from .heights import bucket_label, bucket_of
 from .types import CRITICAL, WARN, DepthEstimate, Observation, SetMaxActive, State
 
+# An inconclusive probe (``_inconclusive``) runs on to this many times trust_samples new cycles
+# before its verdict; the cost window (32 cycles) keeps them, so its noise falls ~1/sqrt(n).
+PROBE_EXTEND = 3
 _NO_PROBE = dict(row_probe_from=None, row_probe_started_s=None, row_probe_samples_at=None, row_probe_bucket_s=None)
 
 
@@ -93,6 +97,18 @@ def row_margin(hi: DepthEstimate, lo: DepthEstimate, cfg: GovernorConfig) -> tup
         return cfg.depth_margin, None
     noise = math.sqrt(hi.cost_rse ** 2 + lo.cost_rse ** 2)
     return max(cfg.depth_margin_min, math.expm1(cfg.depth_noise_z * noise)), noise
+
+
+def _inconclusive(there: DepthEstimate | None, here: DepthEstimate | None, cfg: GovernorConfig) -> bool:
+    """A probe's bucket scores at least the fixed ``depth_margin`` better than the one it came
+    from, yet not the noise-aware margin: what its first ``trust_samples`` cycles say is
+    "better, but noisy", not "not better". Seen on an H100 council's first round: 5 rows
+    scored 1.81x 4 rows with 32% noise (a 90% margin) and went back to 4 for the whole round
+    (bench/results/h100_2026-12-06h, call21)."""
+    if not (_trusted(there, cfg) and _trusted(here, cfg)):
+        return False
+    margin, _ = row_margin(there, here, cfg)
+    return here.score * (1 + cfg.depth_margin) <= there.score < here.score * (1 + margin)
 
 
 def _trusted(e: DepthEstimate | None, cfg: GovernorConfig) -> bool:
@@ -269,6 +285,9 @@ def _probe_verdict(s: State, r: _Rows, lim: int) -> State:
         return r.emit(replace(s, **_NO_PROBE), frm, "rows_probe_end",
                       f"the probe of {lim} rows got {max(got, 0)} cycles (< {cfg.trust_samples}) in {ran:.1f}s of "
                       f"decoding at other heights: not measured, back to {frm}")  # fmt: skip
+    if (_inconclusive(there, here, cfg) and got < cfg.trust_samples * PROBE_EXTEND
+            and ran < cfg.probe_s * cfg.probe_max_factor):
+        return s  # better by the fixed edge, inside the noise: more cycles narrow it (the window holds them)
     s = replace(s, **_NO_PROBE, row_changed_at=r.now)  # a verdict: the next move waits row_dwell_s after it
     if not _trusted(here, cfg):  # (its measurements forgotten during the probe) a look, never a move
         return r.emit(s, frm, "rows_probe_end", f"probed {lim} rows: {_fmt(there)}, nothing measured at {frm} to "

@@ -227,3 +227,27 @@ def test_first_use_cycles_of_a_new_height_do_not_decide_the_probe():
                                       "why": gov.state.row_why, "probing_from": None}
     keep = [e[2] for e in logger.events if e[1] == "governor.decision" and e[2]["decision"] == "rows_keep"]
     assert len(keep) == 1 and keep[0]["rows_to"] == 5
+
+
+def test_a_probe_better_but_inside_the_noise_runs_on_before_its_verdict():
+    """5 rows scoring 1.5x 4 rows with 30% noise each side (a ~134% margin): better by the
+    fixed edge, inside the noise. The probe runs on (no move) until PROBE_EXTEND x
+    trust_samples new cycles; kept once the noise has fallen, back if it has not."""
+    from governor.row_limit import PROBE_EXTEND
+
+    n = CFG.trust_samples
+    s0, _, _ = decide(at(4), observe(MEASURED_TO_4, samples={"1": 50, "2": 50, "3-4": 50}), 100.0, CFG)
+    assert s0.row_probe_from == 4
+    noisy = {**MEASURED_TO_4, "5-8": 150.0}
+    s, acts, why = decide(s0, observe(noisy, samples={"5-8": n}, rse=0.3, limit=5), 101.0, CFG)
+    assert not row_actions(acts) and s.row_limit == 5 and s.row_probe_from == 4 and not row_reasons(why)
+    # More cycles, the noise down to 5%: the margin is ~15%, and 1.5x clears it.
+    s, acts, why = decide(s, observe(noisy, samples={"5-8": 2 * n}, rse=0.05, limit=5), 102.0, CFG)
+    assert s.row_limit == 5 and s.row_probe_from is None and row_reasons(why, "rows_keep")
+    # Still as noisy after PROBE_EXTEND x trust_samples cycles: the verdict is the margin's, back.
+    s, _, _ = decide(s0, observe(noisy, samples={"5-8": n}, rse=0.3, limit=5), 101.0, CFG)
+    s, acts, why = decide(s, observe(noisy, samples={"5-8": PROBE_EXTEND * n}, rse=0.3, limit=5), 102.0, CFG)
+    assert row_actions(acts) == [4] and row_reasons(why, "rows_probe_end")
+    # Better by less than the fixed edge (5% < depth_margin): no extension, back at once.
+    s, _, _ = decide(s0, observe({**MEASURED_TO_4, "5-8": 105.0}, samples={"5-8": n}, rse=0.3, limit=5), 101.0, CFG)
+    assert s.row_limit == 4 and s.row_probe_from is None
