@@ -103,8 +103,8 @@ def _inconclusive(there: DepthEstimate | None, here: DepthEstimate | None, cfg: 
     """A probe's bucket scores at least the fixed ``depth_margin`` better than the one it came
     from, yet not the noise-aware margin: what its first ``trust_samples`` cycles say is
     "better, but noisy", not "not better". Seen on an H100 council's first round: 5 rows
-    scored 1.81x 4 rows with 32% noise (a 90% margin) and went back to 4 for the whole round
-    (bench/results/h100_2026-12-06h, call21)."""
+    scored 1.81x 4 rows with 32% noise (a 90% margin) and went back to 4 for the rest of the
+    round; the next round kept 5 at 9.6% noise (bench/results/h100_2026-12-06h, call5)."""
     if not (_trusted(there, cfg) and _trusted(here, cfg)):
         return False
     margin, _ = row_margin(there, here, cfg)
