@@ -17,8 +17,9 @@ batch's aggregate tokens per second. The rule, one row at a time:
   cycles of its own (first-use cycles of a new height do not count: the engine marks them
   ``transition``), kept if it scores the margin better than the bucket it came from, else
   back; a probe that scores the fixed ``depth_margin`` better but not the noise-aware margin
-  runs on to ``PROBE_EXTEND`` x ``trust_samples`` cycles first (noisy, not worse). A bucket never measured is probed at once; a measured one again only when its
-  estimate is stale, at most every ``probe_interval_s`` of decoding;
+  runs on to ``PROBE_EXTEND`` x ``trust_samples`` cycles first (noisy, not worse). A bucket
+  never measured is probed at once; a measured one again only when its estimate is stale, at
+  most every ``probe_interval_s`` of decoding;
 - down one row when the bucket the limit runs in scores the margin worse than the bucket
   below it (both measured, neither stale);
 - memory: warn stops raising and steps down one row per ``row_dwell_s``; critical goes

@@ -107,8 +107,10 @@ def test_module_files_are_written_whole(tmp_path):
 def test_off_cuda_nothing_is_compiled_or_written(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     cache = ckc.CustomKernelCache()
+    assert cache.may_write  # undecided until the first kernel call
     cache.ensure("custom_kernel_x", "text")
     assert cache.summary() == {"found": 0, "compiled": 0, "failed": 0, "compile_s": 0.0, "active": False}
+    assert not cache.may_write  # decided: the kernel calls no longer key their instantiations
     assert list(tmp_path.iterdir()) == []
     assert invariant.backend() is None  # this test runs where the daemon's kernels do not
 
