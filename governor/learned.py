@@ -9,7 +9,8 @@ it (daemon/engine_thread/learned_profile.py) and hands it back as a profile:
 
     {"cost_s": {...}, "acceptance": [...], "batch_cost_s": {...},   # CostModel.measured()
      "depths": {"1": 0, "2": 0, "4": 0},                               # chosen, by bucket top
-     "lost": {"4": {"2": {"to": 0, "cost_s": 0.0012, "samples": 3, "age_s": 41.5}}}}
+     "lost": {"4": {"2": {"to": 0, "cost_s": 0.0012, "samples": 3, "age_s": 41.5}}},
+     "rows": 7}                                                         # the row limit settled at
 
 The costs become priors (never measurements: the first live cycles replace them); the
 depths are where each bucket starts, as paired probes left it. ``lost`` keeps the probes'
@@ -21,7 +22,12 @@ decision's loser has fewer, and the cost model starts a stale depth's window afr
 depth is "profiled": no never-measured neighbour to probe at once, nor priced from priors
 as the best depth: on the H200 both ran in a restart's first round) and keeps the verdicts,
 ageing, until a probe in its turn (probe_interval_s) judges the depth again. A file without
-``lost`` (written before it existed) loads as one with no verdicts. Pure: no clock, no I/O.
+``lost`` (written before it existed) loads as one with no verdicts. ``rows`` is the limit on
+requests decoded at once (row_limit.py, ``max_active = "auto"``) where the last run settled:
+a fresh governor starts at 4 and climbs one row per dwell, each new bucket of heights behind a
+probe, so a restart's first round ran below the later ones (an H100 council of 8: 4-5 rows in
+round 0, up to 7 after). The first tick starts there as far as the headroom holds those rows'
+caches (row_limit.start_rows); the usual rules move it from there. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ def learned_table(cost: CostModel, state: State, pressure: str) -> dict[str, Any
     out, as are buckets not chosen yet."""
     out = cost.measured()
     out["lost"] = lost_table(state.heights, cost.batch_decode_s())
+    rows = state.row_probe_from if state.row_probe_from is not None else state.row_limit
+    if rows is not None and pressure == NORMAL:  # under pressure the limit was forced, not chosen
+        out["rows"] = rows
     if state.override != "auto" or pressure != NORMAL:
         out["depths"] = {}
         return out
@@ -119,3 +128,11 @@ def learned_solo_depth(depths: dict[str, Any], cfg: GovernorConfig, head_residen
     if "1" not in depths:
         return None
     return min(max(int(depths["1"]), 0), cfg.max_depth) if head_resident else 0
+
+
+def learned_rows(profile: dict[str, Any] | None) -> int | None:
+    """The row limit a learned profile kept (``rows``), or None: absent (a file from before it
+    was kept, or a run whose limit was pinned or forced), or not a positive int (a hint: a bad
+    value costs the climb, never the start)."""
+    rows = (profile or {}).get("rows")
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows >= 1 else None

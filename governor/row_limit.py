@@ -45,7 +45,7 @@ from msgspec.structs import replace
 from .config import GovernorConfig
 from .depth_rules import fmt_margin
 from .heights import bucket_label, bucket_of
-from .types import CRITICAL, WARN, DepthEstimate, Observation, SetMaxActive, State
+from .types import CRITICAL, NORMAL, WARN, DepthEstimate, Observation, SetMaxActive, State
 
 # An inconclusive probe (``_inconclusive``) runs on to this many times trust_samples new cycles
 # before its verdict; the cost window (32 cycles) keeps them, so its noise falls ~1/sqrt(n).
@@ -159,6 +159,8 @@ def decide_rows(s: State, obs: Observation, now: float, cfg: GovernorConfig, out
         start = min(max(obs.row_limit, 1), ceiling) if obs.row_limit > 0 else min(cfg.row_floor, ceiling)
         s = replace(s, row_limit=start, row_decision="rows_start",
                     row_why=f"{start} to start, the scheduler's start height, until measurements say otherwise")
+        if s.row_learned is not None and obs.pressure == NORMAL:
+            return start_rows(s, _Rows(s, obs, now, cfg, out), start)
     r = _Rows(s, obs, now, cfg, out)
     lim = s.row_limit or 1
     floor = min(cfg.row_floor, ceiling)
@@ -190,6 +192,30 @@ def decide_rows(s: State, obs: Observation, now: float, cfg: GovernorConfig, out
     if obs.rows_waiting > 0 and obs.rows_active >= lim:
         return _raise(s, r, lim)
     return s
+
+
+def start_rows(s: State, r: _Rows, start: int) -> State:
+    """The first tick with a learned limit (``s.row_learned``): start where this machine's last
+    run settled, at most the ceiling, and above the engine's start only as many rows as the
+    headroom holds the caches of (each at its context, plus row_margin_bytes once); below the
+    engine's start where the last run backed off. One ``rows_start`` decision says which."""
+    obs, learned = r.obs, s.row_learned or start
+    want = min(learned, r.ceiling)
+    to, held = want, ""
+    if want > start:
+        if obs.available_bytes is None:
+            to, held = start, "the headroom is unknown"
+        else:
+            fits = (obs.available_bytes - r.cfg.row_margin_bytes) // max(obs.row_cache_bytes, 1)
+            to = max(start, min(want, start + max(fits, 0)))
+            if to < want:
+                held = (f"the headroom {obs.available_bytes >> 20}MiB holds {to - start} more row(s)' caches at "
+                        f"{obs.row_cache_bytes >> 20}MiB each + row_margin_bytes {r.cfg.row_margin_bytes >> 20}MiB")
+    s = replace(s, row_learned=None)
+    sentence = f"{to} to start, where this machine's last run settled (learned profile: {learned}"
+    sentence += f", the ceiling {r.ceiling})" if learned > r.ceiling else ")"
+    sentence += f"; {held}" if held else ""
+    return r.emit(replace(s, row_limit=start), to, "rows_start", sentence, rows_learned=learned)
 
 
 def _back_off(s: State, r: _Rows, lim: int) -> State | None:

@@ -25,7 +25,7 @@ import structlog
 from .config import GovernorConfig
 from .cost_model import CostModel
 from .heights import N_BUCKETS, bucket_label, bucket_top, depth_at
-from .learned import learned_solo_depth, learned_table, start_heights
+from .learned import learned_rows, learned_solo_depth, learned_table, start_heights
 from .policy import Reason, apply_override, decide, start_depth
 from .probes.base import LoadProbe, MemoryProbe, MemoryReading, MlxProbe
 from .types import NORMAL, Action, CycleTelemetry, Observation, State, action_name, worst
@@ -91,7 +91,7 @@ class Governor:
         for reason in starts:
             self.log.info("governor.decision", **{"depth": depth, "actions": [], **reason})
             self.recent.append({"t": self.clock(), "depth": depth, "actions": [], **reason})
-        self.state = State(depth=depth, heights=heights)
+        self.state = State(depth=depth, heights=heights, row_learned=learned_rows(profile))
         self.last_observation: Observation | None = None
         self.last_actions: list[Action] = []
         self.last_reasons: list[Reason] = []

@@ -304,6 +304,9 @@ class State(Struct, frozen=True, kw_only=True):
     # (injected clock), the last probe (decode clock), and the last decision and its
     # sentence (the status says why the limit is what it is).
     row_limit: int | None = None
+    # The limit a learned profile says this machine's last run settled at (learned.py): the
+    # first tick starts there instead of at the engine's, as far as the headroom holds.
+    row_learned: int | None = None
     row_probe_from: int | None = None
     row_probe_started_s: float | None = None
     row_probe_samples_at: int | None = None

@@ -66,19 +66,22 @@ def load_learned(model_path: str | Path, path: Path | None = None) -> dict | Non
         return None
     log.info("learned.loaded", path=str(p), age_s=round(time.time() - float(doc.get("written_at") or 0), 1),
              depths=doc.get("depths"), cost_s=doc.get("cost_s"), batch_cost_s=doc.get("batch_cost_s"),
-             lost=doc.get("lost") or {})
+             lost=doc.get("lost") or {}, rows=doc.get("rows"))
     return doc
 
 
 def merged(tuned: dict | None, learned: dict | None) -> dict | None:
     """The governor's profile from both: the tuned costs and acceptance where tuning measured
-    them, the learned ones elsewhere; costs by height, the chosen depths and the probes'
-    verdicts (``lost``; absent from a file written before they were kept) from the learned."""
+    them, the learned ones elsewhere; costs by height, the chosen depths, the probes'
+    verdicts (``lost``) and the row limit (``rows``) from the learned (either absent from a
+    file written before it was kept)."""
     if not learned:
         return tuned
     out = {"cost_s": learned.get("cost_s") or {}, "acceptance": learned.get("acceptance") or [],
            "batch_cost_s": learned.get("batch_cost_s") or {}, "depths": learned.get("depths") or {},
            "lost": learned.get("lost") or {}}  # fmt: skip
+    if "rows" in learned:
+        out["rows"] = learned["rows"]
     for key in ("cost_s", "acceptance", "batch_cost_s"):
         if (tuned or {}).get(key):
             out[key] = tuned[key]

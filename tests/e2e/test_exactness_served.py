@@ -75,6 +75,7 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert saved["path"] == str(learned_file)
     learned = json.loads(learned_file.read_text())
     assert learned["kind"] == "learned" and learned["cost_s"] and "1" in learned["depths"]
+    assert learned["rows"] >= 1  # max_active = "auto" (the default): the row limit it ran at
 
     again = start_daemon(tmp_path / "again", BUNDLED_MODEL, env=cache,
                          config='debug_inexact_verify = true\n[speculation]\nexact_on_inexact_backend = "guarded"\n')
@@ -91,6 +92,10 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
     assert loaded["depths"] == learned["depths"]
     (start,) = [e for e in again.events() if e["event"] == "governor.decision" and e["decision"] == "start_depth"]
     assert start["depth_to"] == learned["depths"]["1"] and "learned profile" in start["sentence"]
+    # ... and the row limit where the first run left it (the bundled model's rows fit this box).
+    (rows,) = [e for e in again.events() if e["event"] == "governor.decision" and e["decision"] == "rows_start"]
+    assert rows["rows_learned"] == learned["rows"] and rows["rows_to"] == learned["rows"]
+    assert loaded["rows"] == learned["rows"]
     (probe,) = [e for e in again.events() if e["event"] == "speculation.exactness"]
     (batch,) = [e for e in again.events() if e["event"] == "batch.ready"]
     assert probe["verdict"] == "cached" and batch["verdict"] == "cached"

@@ -251,3 +251,65 @@ def test_a_probe_better_but_inside_the_noise_runs_on_before_its_verdict():
     # Better by less than the fixed edge (5% < depth_margin): no extension, back at once.
     s, _, _ = decide(s0, observe({**MEASURED_TO_4, "5-8": 105.0}, samples={"5-8": n}, rse=0.3, limit=5), 101.0, CFG)
     assert s.row_limit == 4 and s.row_probe_from is None
+
+
+# ---------------------------------------------------------------- a learned start
+
+
+def test_a_learned_limit_starts_there_as_far_as_the_headroom_holds_its_rows():
+    """A restart's first tick starts where the last run settled (``rows`` of the learned
+    profile), one ``rows_start`` decision: never above the ceiling, above the engine's start
+    only as many rows as the headroom holds (each row's caches + row_margin_bytes once), and
+    not above the engine's start where the headroom is unknown."""
+    idle = dict(active=0, waiting=0, limit=4, ceiling=8, row_bytes=64 * MiB)
+    s, acts, why = decide(State(row_learned=7), observe({}, available=8 * GiB, **idle), 100.0, CFG)
+    assert row_actions(acts) == [7] and s.row_limit == 7 and s.row_learned is None
+    (r,) = row_reasons(why, "rows_start")
+    assert "learned profile: 7" in r["sentence"] and r["rows_from"] == 4 and r["rows_learned"] == 7
+    # The next tick is an ordinary one: no second start, and the dwell holds the next move.
+    s, acts, why = decide(s, observe(MEASURED_TO_4, active=7, waiting=2, limit=7), 100.5, CFG)
+    assert not row_actions(acts) and not row_reasons(why)
+
+    # Two rows' caches fit beside the margin (256 MiB): 4 + 2.
+    s, acts, why = decide(State(row_learned=7), observe({}, available=256 * MiB + 130 * MiB, **idle), 100.0, CFG)
+    assert row_actions(acts) == [6]
+    assert "holds 2 more row(s)" in row_reasons(why, "rows_start")[0]["sentence"]
+    # None fits, or the headroom is unknown: the engine's start, said so (no move).
+    for available in (100 * MiB, None):
+        s, acts, why = decide(State(row_learned=7), observe({}, available=available, **idle), 100.0, CFG)
+        assert not row_actions(acts) and s.row_limit == 4 and row_reasons(why, "rows_start")
+    # Above the ceiling: the ceiling. Below the engine's start (the last run backed off): there.
+    s, acts, why = decide(State(row_learned=12), observe({}, **idle), 100.0, CFG)
+    assert row_actions(acts) == [8] and "the ceiling 8" in row_reasons(why)[0]["sentence"]
+    s, acts, _ = decide(State(row_learned=2), observe({}, **idle), 100.0, CFG)
+    assert row_actions(acts) == [2]
+    # Under memory pressure the first tick does not start above the engine's limit.
+    s, acts, _ = decide(State(row_learned=7), observe({}, pressure=WARN, **idle), 100.0, CFG)
+    assert 7 not in row_actions(acts) and s.row_limit <= 4
+
+
+def test_the_settled_limit_is_learned_and_a_restart_starts_from_it():
+    """Governor.learned() keeps the row limit (the limit a probe returns to, while one runs;
+    nothing under memory pressure), and a Governor built with that profile starts there."""
+    from governor.learned import learned_rows
+
+    clock, logger = FakeClock(100.0), RecordingLogger()
+    gov = Governor(GovernorConfig(), clock=clock, memory_probes=[FakeMemoryProbe()], load=FakeLoad(active=1),
+                   head_resident=False, logger=logger)  # fmt: skip
+    assert "rows" not in gov.learned()  # no limit adopted yet (no ceiling: pinned, or before the first tick)
+    gov.note_rows(rows_active=4, rows_waiting=3, row_limit=4, row_ceiling=8, row_cache_bytes=32 * MiB)
+    for _ in range(20):
+        gov.record_cycle(CycleTelemetry(depth=0, cycle_s=0.040, batch=4))
+    assert row_actions(gov.tick()) == [5] and gov.state.row_probe_from == 4
+    assert gov.learned()["rows"] == 4  # probing 5: what it returns to
+    gov.state = msgspec.structs.replace(gov.state, row_limit=6, row_probe_from=None)
+    profile = gov.learned()
+    assert profile["rows"] == 6
+
+    again = Governor(GovernorConfig(), clock=FakeClock(200.0), memory_probes=[FakeMemoryProbe()],
+                     load=FakeLoad(active=1), head_resident=False, logger=RecordingLogger(), profile=profile)  # fmt: skip
+    again.note_rows(rows_active=0, rows_waiting=0, row_limit=4, row_ceiling=8, row_cache_bytes=32 * MiB)
+    assert row_actions(again.tick()) == [6] and again.state.row_limit == 6
+    assert again.rows()["decision"] == "rows_start" and "learned profile" in again.rows()["why"]
+    # Malformed or absent values are no start (a file written before rows were kept).
+    assert [learned_rows(p) for p in ({"rows": "7"}, {"rows": 0}, {"rows": True}, {}, None)] == [None] * 5
