@@ -44,4 +44,7 @@ def start_kernel_prebuild(cfg, model_path: str) -> KernelPrebuild | None:
     workers = worker_count(len(recipes), cores, min_cores=1 if forced else MIN_CORES)
     log.info("kernels.prebuild", state="started", folder=str(ptx), workers=workers, float_dtype=dtype,
              custom_kernels=len(custom))
-    return KernelPrebuild(ptx, dtype, workers, recipes=recipes).start()
+    prebuild = KernelPrebuild(ptx, dtype, workers, recipes=recipes)
+    # The recipes "ready" does not wait for (prebuild_recipes.AFTER_READY) end behind it: said once.
+    prebuild.on_finished = lambda final: log.info("kernels.prebuilt_after_ready", **final)
+    return prebuild.start()

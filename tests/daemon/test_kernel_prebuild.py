@@ -108,13 +108,37 @@ def test_modules_move_in_whole_the_binary_last_and_never_over_one_there(tmp_path
 
 def test_the_workers_run_every_recipe_record_it_and_a_second_start_runs_none(tmp_path):
     ptx = tmp_path / "ptx"
-    first = prebuild.KernelPrebuild(ptx, "bfloat16", 2).start().wait(240)
+    first = prebuild.KernelPrebuild(ptx, "bfloat16", 2).start().join(240)
     assert first["state"] == "done" and first["failed"] == {}, first
+    assert first["after_ready"] == list(prebuild.AFTER_READY)
     assert first["ran"] == first["recipes"] == len(recipes_for("bfloat16"))
     assert set(prebuild.read_manifest(ptx)) == set(recipes_for("bfloat16"))
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir())  # the private folders are gone
     second = prebuild.KernelPrebuild(ptx, "bfloat16", 2).start().wait(60)
     assert second["ran"] == 0 and second["state"] == "done"
+
+
+def test_ready_waits_for_every_recipe_but_the_after_ready_ones_which_start_last_and_end_behind_it(tmp_path):
+    """One worker: the after-ready recipe is spawned last; ``wait`` returns once the others are
+    done, naming it as still running; ``join`` and ``on_finished`` see it finished."""
+    import threading
+
+    ptx, late = tmp_path / "ptx", "gather_axis uint32 uint32"
+    pb = prebuild.KernelPrebuild(ptx, "bfloat16", 1, recipes=(late, "gather int32 int32 1"), after_ready=(late,))
+    finished = threading.Event()
+    seen: list[dict] = []
+    pb.on_finished = lambda final: (seen.append(final), finished.set())
+    report = pb.start().wait(120)
+    assert report["state"] == "done" and report["after_ready"] == [late], report
+    assert set(prebuild.read_manifest(ptx)) <= {"gather int32 int32 1"}  # written at the end
+    assert [r for r, _ in report["slowest"]] == ["gather int32 int32 1"]
+    final = pb.join(120)
+    assert finished.wait(5) and seen == [final] and final["after_ready"] == [late]
+    assert set(prebuild.read_manifest(ptx)) == {late, "gather int32 int32 1"}
+    # A second start finds both: nothing runs, nothing is said after ready.
+    again = prebuild.KernelPrebuild(ptx, "bfloat16", 1, recipes=(late, "gather int32 int32 1"), after_ready=(late,))
+    again.on_finished = lambda final: seen.append(final)
+    assert again.start().wait(60)["ran"] == 0 and again.join(10)["after_ready"] == [] and len(seen) == 1
 
 
 def test_a_failing_recipe_is_reported_and_not_recorded(tmp_path):

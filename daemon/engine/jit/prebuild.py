@@ -27,9 +27,9 @@ import threading
 import time
 from pathlib import Path
 
-from .prebuild_recipes import RECIPES, recipes_for
+from .prebuild_recipes import AFTER_READY, RECIPES, recipes_for
 
-__all__ = ["MIN_CORES", "RECIPES", "KernelPrebuild", "model_float_dtype", "worker_count"]
+__all__ = ["AFTER_READY", "MIN_CORES", "RECIPES", "KernelPrebuild", "model_float_dtype", "worker_count"]
 
 MANIFEST = "councild-prebuild.json"
 # A worker imports mlx, starts a CUDA context and compiles one module (2.5-8 s measured on the
@@ -60,17 +60,24 @@ def worker_count(recipes: int, cores: int | None, min_cores: int = MIN_CORES) ->
 class KernelPrebuild:
     """``start`` runs the workers from a thread of this process, which runs no mlx op itself
     (each worker is a ``python -m daemon.engine.jit.prebuild_recipes`` process); ``wait``
-    joins it, bounded, and returns what it did (``report``)."""
+    waits, bounded, for every recipe but the ``after_ready`` ones (started last) and returns
+    what it did (``report``); ``join`` waits for all of them (``final``), and ``on_finished``,
+    where set, is called with ``final`` from the thread once a run that had after-ready
+    recipes ends."""
 
     def __init__(self, ptx_dir: Path, float_dtype: str, workers: int, python: str = sys.executable,
-                 recipes: tuple[str, ...] | None = None):
+                 recipes: tuple[str, ...] | None = None, after_ready: tuple[str, ...] = AFTER_READY):
         self.ptx_dir = Path(ptx_dir)
         self.float_dtype = float_dtype
         self.recipes = recipes if recipes is not None else recipes_for(float_dtype)
+        self.after_ready = frozenset(after_ready)
         self.workers = max(1, workers)
         self.python = python
         self.report: dict | None = None
+        self.final: dict | None = None
+        self.on_finished = None
         self._t0 = 0.0
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kernel-prebuild", daemon=True)
 
     def start(self) -> KernelPrebuild:
@@ -79,32 +86,56 @@ class KernelPrebuild:
         return self
 
     def wait(self, timeout_s: float) -> dict:
-        """Wait up to ``timeout_s`` for the workers; the report, or one saying they still run
-        (they go on, and what they finish is in the folder for whoever looks next)."""
-        self._thread.join(timeout_s)
+        """Wait up to ``timeout_s`` for the workers of every recipe but the after-ready ones;
+        the report, or one saying they still run (they go on, and what they finish is in the
+        folder for whoever looks next)."""
+        self._ready.wait(timeout_s)
         if self.report is None:
             return {"state": "still running", "waited_s": round(timeout_s, 1)}
         return self.report
 
+    def join(self, timeout_s: float) -> dict | None:
+        """Wait up to ``timeout_s`` for every recipe, the after-ready ones too; ``final``."""
+        self._thread.join(timeout_s)
+        return self.final
+
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
         try:
-            self.report = self._build()
+            self.final = self._build()
         except Exception as exc:  # noqa: BLE001 - an unusable folder: the daemon compiles as before
-            self.report = {"state": "failed", "error": f"{type(exc).__name__}: {exc}",
-                           "seconds": round(time.monotonic() - self._t0, 2)}
+            self.final = {"state": "failed", "error": f"{type(exc).__name__}: {exc}",
+                          "seconds": round(time.monotonic() - self._t0, 2)}
+        if self.report is None:
+            self.report = self.final
+        self._ready.set()
+        if self.on_finished is not None and self.final.get("after_ready"):
+            self.on_finished(self.final)
 
     def _build(self) -> dict:
         self.ptx_dir.mkdir(parents=True, exist_ok=True)
         remove_orphans(self.ptx_dir)
         manifest = read_manifest(self.ptx_dir)
         todo = [r for r in self.recipes if not modules_present(self.ptx_dir, manifest.get(r))]
+        later = [r for r in todo if r in self.after_ready]
+        todo = [r for r in todo if r not in self.after_ready] + later  # the after-ready ones start last
         failed: dict[str, str] = {}
         took: dict[str, float] = {}
         modules = 0
         pending = list(enumerate(todo))
         running: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+
+        def summary() -> dict:
+            return {"state": "done", "recipes": len(self.recipes), "ran": len(todo), "modules": modules,
+                    "failed": dict(failed), "workers": min(self.workers, len(todo)),
+                    "after_ready": [r for r in later if r not in took],
+                    "slowest": sorted(took.items(), key=lambda kv: -kv[1])[:3],
+                    "seconds": round(time.monotonic() - self._t0, 2)}  # fmt: skip
+
         while pending or running:
+            if self.report is None and all(r in took for r in todo if r not in self.after_ready):
+                self.report = summary()  # what "ready" waits for is done: the rest goes on behind it
+                self._ready.set()
             while pending and len(running) < self.workers:
                 index, recipe = pending.pop(0)
                 running[recipe] = self._spawn(recipe, index)
@@ -127,10 +158,9 @@ class KernelPrebuild:
                 del running[recipe]
         if todo:
             write_manifest(self.ptx_dir, manifest)
-        return {"state": "done", "recipes": len(self.recipes), "ran": len(todo), "modules": modules,
-                "failed": failed, "workers": min(self.workers, len(todo)),
-                "slowest": sorted(took.items(), key=lambda kv: -kv[1])[:3],
-                "seconds": round(time.monotonic() - self._t0, 2)}
+        out = summary()
+        out["after_ready"] = later  # (all done now) the ones that ran behind "ready"
+        return out
 
     def _spawn(self, recipe: str, index: int) -> tuple[subprocess.Popen, Path, float]:
         # Beside the folder (same file system, so a rename moves a file at once), never in it.

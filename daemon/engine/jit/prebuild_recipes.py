@@ -48,6 +48,15 @@ RECIPES = (
 )
 
 
+# Modules neither the way to "ready" nor a council's first round meets: the top-logprobs gathers
+# (a request asking for logprobs). The prebuild starts them last and the first forward does not
+# wait for them: on a fresh H100 they were the last two workers of the second wave (11.7 s and
+# ~12 s each, 1 MB of PTX), ready at 21-23.5 s of which they held the last ~4.5
+# (bench/results/h100_2026-12-06i). Until they land, such a request compiles its module itself,
+# as it did before the prebuild.
+AFTER_READY = ("gather_axis float32 uint32", "gather_axis uint32 uint32")
+
+
 # The daemon's own CUDA kernels (engine/kernels/custom_kernel_cache.py writes them where MLX
 # reads them): a module per kernel, template arguments (head shapes) and input dtypes, so
 # these recipes carry them, read from the model's config.json and its weights' headers
