@@ -17,7 +17,10 @@ one of the daemon's custom kernels with "custom" (engine/kernels/custom_kernel_c
 ``custom_kernel_cache = false`` on a copy of the folder without the custom kernels' files
 (MLX compiles them in the process, as before), the second reading them from the folder.
 
-    PYTHONPATH=$PWD python3 bench/start_timeline.py --custom-ab 2 --json $OUT/start_custom.json"""
+    PYTHONPATH=$PWD python3 bench/start_timeline.py --custom-ab 2 --json $OUT/start_custom.json
+
+``--fresh-only``: only the start into the empty folder (bench/device/prebuild_ab_call.sh runs it
+per tree, alternated)."""
 
 from __future__ import annotations
 
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--config", default="", help="TOML for the daemon's config")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--prebuild-ab", action="store_true", help="a start without the kernel prebuild first, into a folder of its own")
+    ap.add_argument("--fresh-only", action="store_true", help="only the start into the empty PTX folder")
     ap.add_argument("--custom-ab", type=int, default=0, metavar="ROUNDS",
                     help="then ROUNDS pairs of starts with the PTX found: custom_kernel_cache = false, then true")
     args = ap.parse_args()
@@ -110,8 +114,9 @@ def main() -> None:
         shutil.rmtree(alone, ignore_errors=True)
         runs.append(one_start("compiling, kernel_prebuild off (empty PTX folder)", alone,
                               'kernel_prebuild = "off"\n' + args.config))
-    runs += [one_start("compiling (empty PTX folder)", args.ptx, args.config),
-             one_start("PTX found", args.ptx, args.config)]
+    runs.append(one_start("compiling (empty PTX folder)", args.ptx, args.config))
+    if not args.fresh_only:
+        runs.append(one_start("PTX found", args.ptx, args.config))
     for _ in range(args.custom_ab):
         # MLX reads a custom kernel's file whoever wrote it: the "off" start gets a copy of the
         # folder without them (MLX's modules only), as a daemon before the cache found it.
