@@ -11,11 +11,14 @@ mkdir -p "$o"; rm -rf "$old"; cp -r "$PWD" "$old"
 cp "${OLD:-old_prebuild}"/prebuild.py "${OLD:-old_prebuild}"/prebuild_recipes.py "$old/daemon/engine/jit/"
 cp "${OLD:-old_prebuild}"/prebuild_start.py "$old/daemon/engine_thread/"
 start() {  # name tree
-  rm -rf ~/.cache/councild ~/.nv/ComputeCache  # as a fresh machine: no probe verdicts, no driver JIT cache
+  # As a fresh machine: no probe verdicts (the user's cache folder, shared by every daemon of an
+  # install: the harness links each start's verdicts there), no driver JIT cache.
+  local uc=$(cd "$2" && env -u COUNCILD_CACHE_DIR PYTHONPATH=/tmp/site:$2 python3 -c 'from daemon.paths import cache_dir; print(cache_dir())')
+  rm -rf "$uc" ~/.nv/ComputeCache
   local s=$(date +%s)
   (cd "$2" && PYTHONPATH=/tmp/site:$2 timeout 150 python3 bench/start_timeline.py --fresh-only --ptx "/tmp/ptx-$1" \
     --json "$o/$1.json" > "$o/$1.log" 2>&1)
-  echo "$1 rc $? ($(( $(date +%s) - s )) s): $(grep -E '^compiling' "$o/$1.log")"
+  echo "$1 rc $? ($(( $(date +%s) - s )) s, user cache $uc): $(grep -E '^compiling' "$o/$1.log")"
 }
 for pair in $(seq 1 ${PAIRS:-3}); do
   if [ $((pair % 2)) = 1 ]; then start "old_$pair" "$old"; start "new_$pair" "$PWD"

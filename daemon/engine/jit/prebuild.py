@@ -134,7 +134,11 @@ class KernelPrebuild:
 
         while pending or running:
             if self.report is None and all(r in took for r in todo if r not in self.after_ready):
-                self.report = summary()  # what "ready" waits for is done: the rest goes on behind it
+                # What "ready" waits for is done: the rest goes on behind it. The manifest now
+                # too, so that a daemon stopped before the rest end still skips these next time.
+                if len(took) > 0:
+                    write_manifest(self.ptx_dir, manifest)
+                self.report = summary()
                 self._ready.set()
             while pending and len(running) < self.workers:
                 index, recipe = pending.pop(0)
