@@ -25,9 +25,12 @@ ageing, until a probe in its turn (probe_interval_s) judges the depth again. A f
 ``lost`` (written before it existed) loads as one with no verdicts. ``rows`` is the limit on
 requests decoded at once (row_limit.py, ``max_active = "auto"``) where the last run settled:
 a fresh governor starts at 4 and climbs one row per dwell, each new bucket of heights behind a
-probe, so a restart's first round ran below the later ones (an H100 council of 8: 4-5 rows in
-round 0, up to 7 after). The first tick starts there as far as the headroom holds those rows'
-caches (row_limit.start_rows); the usual rules move it from there. Pure: no clock, no I/O.
+probe (an H100 council of 8: 4-5 rows in round 0, up to 7 after), so a restart would climb
+again. The first tick starts there as far as the headroom holds those rows' caches
+(row_limit.start_rows); the usual rules move it from there. Measured on H100s, a restart's
+first round gained nothing beyond the spread from it (1.04x, 0.75-1.22x over 7 pairs,
+bench/results/h100_2026-12-06i): the climb was not what that round pays; it is kept so that a
+restart resumes the limit it had rather than probing its way back. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
