@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -199,6 +200,11 @@ def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_fir
 
     d = start_daemon(tmp_path, BUNDLED_MODEL, config='kernel_prebuild = "on"\n', warmed=False)
     try:
+        # The after-ready recipes end behind "ready" and say so once (their own event).
+        deadline = time.monotonic() + 120
+        while not [e for e in d.events() if e["event"] == "kernels.prebuilt_after_ready"]:
+            assert time.monotonic() < deadline, "no kernels.prebuilt_after_ready in 120 s"
+            time.sleep(0.2)
         events = d.events()
     finally:
         d.stop()
@@ -209,6 +215,11 @@ def test_a_daemon_starts_the_workers_before_its_imports_and_waits_before_its_fir
     assert done["state"] == "done" and done["failed"] == {} and done["ran"] == len(recipes_for("bfloat16"))
     assert names.index("kernels.prebuild") < names.index("daemon.loading") < names.index("kernels.prebuilt")
     assert names.index("kernels.prebuilt") < names.index("model.loaded")
+    # Still compiling when the first forward went on (all of them with this box's one worker).
+    assert set(done["after_ready"]) <= set(prebuild.AFTER_READY)
+    (late,) = [e for e in events if e["event"] == "kernels.prebuilt_after_ready"]
+    assert late["after_ready"] == list(prebuild.AFTER_READY) and late["failed"] == {}
+    assert set(prebuild.read_manifest(Path(started["folder"]))) == set(recipes_for("bfloat16"))
     # Off CUDA the daemon's kernels are not prebuilt (its layers run mlx ops) and the custom
     # kernels' cache stays idle: the start-up log says so.
     assert started["custom_kernels"] == 0
