@@ -31,7 +31,7 @@ rows = {}
 for f in sorted(Path(sys.argv[1]).glob("*_*.json")):
     arm = f.stem.split("_")[0]
     run = json.loads(f.read_text())["runs"][0]
-    rows.setdefault(arm, []).append((run["ready_s"], run["prebuild"].get("waited_s"), run["first_requests_s"]))
+    rows.setdefault(arm, []).append((run["ready_s"], (run.get("prebuild") or {}).get("waited_s"), run["first_requests_s"]))
 for arm, rs in rows.items():
     print(f"{arm}: ready {statistics.median(r[0] for r in rs):.1f} s ({', '.join(f'{r[0]:.1f}' for r in rs)}); "
           f"prebuild waited {', '.join(str(r[1]) for r in rs)} s; first requests {[r[2] for r in rs]}")
