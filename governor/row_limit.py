@@ -203,11 +203,11 @@ def start_rows(s: State, r: _Rows, start: int) -> State:
     want = min(learned, r.ceiling)
     to, held = want, ""
     if want > start:
-        if obs.available_bytes is None:
+        fits = _rows_fit(r)
+        if fits is None:
             to, held = start, "the headroom is unknown"
         else:
-            fits = (obs.available_bytes - r.cfg.row_margin_bytes) // max(obs.row_cache_bytes, 1)
-            to = max(start, min(want, start + max(fits, 0)))
+            to = max(start, min(want, start + fits))
             if to < want:
                 held = (f"the headroom {obs.available_bytes >> 20}MiB holds {to - start} more row(s)' caches at "
                         f"{obs.row_cache_bytes >> 20}MiB each + row_margin_bytes {r.cfg.row_margin_bytes >> 20}MiB")
@@ -243,12 +243,24 @@ def _top_of_bucket_below(h: int) -> int:
     return max(h - 1, 1)
 
 
+def _rows_fit(r: _Rows) -> int | None:
+    """How many more rows' caches at their context the headroom holds beside row_margin_bytes
+    (None: the headroom is unknown; rows of no bytes: as many as asked while the margin holds)."""
+    obs = r.obs
+    if obs.available_bytes is None:
+        return None
+    spare = obs.available_bytes - r.cfg.row_margin_bytes
+    if spare < 0:
+        return 0
+    return spare // obs.row_cache_bytes if obs.row_cache_bytes > 0 else r.ceiling
+
+
 def _room(r: _Rows) -> str | None:
     """Why the headroom does not hold one more row's caches at its context, or None."""
-    obs, need = r.obs, r.obs.row_cache_bytes + r.cfg.row_margin_bytes
-    if obs.available_bytes is None:
+    obs, fits = r.obs, _rows_fit(r)
+    if fits is None:
         return "headroom unknown"
-    if obs.available_bytes < need:
+    if fits < 1:
         return (f"headroom {obs.available_bytes >> 20}MiB < one more row's caches at its context "
                 f"{obs.row_cache_bytes >> 20}MiB + row_margin_bytes {r.cfg.row_margin_bytes >> 20}MiB")
     return None

@@ -136,7 +136,7 @@ class KernelPrebuild:
             if self.report is None and all(r in took for r in todo if r not in self.after_ready):
                 # What "ready" waits for is done: the rest goes on behind it. The manifest now
                 # too, so that a daemon stopped before the rest end still skips these next time.
-                if len(took) > 0:
+                if took:
                     write_manifest(self.ptx_dir, manifest)
                 self.report = summary()
                 self._ready.set()
