@@ -34,6 +34,12 @@ rows beside it change nothing (a tensor-core MMA computes each output element fr
 row and column), and neither do MT, the unroll U or how many passes M needs: they only change
 the speed. So a row gets the same bits at M = 1 as in a batch of 32 or a 9-position verify:
 exact rows batch and speculate. S is looked up per (N, K, bits) (``split_for``), never per M.
+On sm_90 and newer a column tile's K may also be shared over a cluster of KB blocks (``KBLOCKS``,
+``kblocks_for``, per (N, K, bits) too): block r of the cluster takes the r-th of KB consecutive
+ranges of chunks, and block 0 adds the KB blocks' sums in rank order, reading their shared
+memory. It is for layers whose column tiles fall unevenly on the SMs (a 5120-output layer's 320
+tiles are 2.42 blocks an SM: the SMs holding 3 set the time). MLX's custom-kernel launch sets no
+cluster, so the size is declared with the kernel (``cluster_header``).
 
 What it takes (``mma_refusal``): bf16 or fp16 activations, 4- or 8-bit affine weights with
 biases, N a multiple of 16, K a multiple of CK, a group size that is a multiple of the 32 (4-bit)
