@@ -148,7 +148,7 @@ def old_module(args):
 CHECK_MS = (1, 16, 17, 32, 40)  # row tiles 1-5, whole and partial
 
 
-def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS, kblocks: tuple[int, ...] = ()) -> dict:
+def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
     """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M,
     the register feed (P = 0) included; with ``old`` (``load_kernel_module``), that version's
     default launch too. Compiling every variant on a fresh machine takes over 90 s: give it 200."""
@@ -168,23 +168,11 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS, kblocks:
             rows[M] = r = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
             if old is not None:
                 r["same_as_old"] = mx.array_equal(old.quantized_matmul_mma(x[:M], q, s, b, GS, bits), base).item()
-            # K shared over a cluster's KB blocks: another order (so other bits than KB = 1), the
-            # same for every launch and row count: row i of M rows = row i alone
-            for kb in kblocks:
-                alone = mx.concatenate([quant_mma.quantized_matmul_mma(x[i:i + 1], q, s, b, GS, bits, split=S,
-                                                                       kblocks=kb) for i in range(M)])
-                got = [quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, kblocks=kb, **kw)
-                       for kw in ({}, {"stages": 0}, {"columns": 2})]
-                r[f"kb{kb}_rows_alone_equal"] = all(mx.array_equal(g, alone).item() for g in got)
-                r[f"kb{kb}_rel_err_vs_mlx"] = rel_err(got[0], mlx_arm(x[:M], q, s, b, bits))
             # one line a row count: a check cut by its time limit still shows what it saw
             log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, {r['rel_err_vs_mlx']:.1e} from MLX's"
-                + ("" if old is None else f"; {'the same bits as' if r['same_as_old'] else 'DIFFERS from'} the old kernel")
-                + "".join(f"; KB{kb} rows {'as alone' if r[f'kb{kb}_rows_alone_equal'] else 'DIFFER from alone'}"
-                          f" ({r[f'kb{kb}_rel_err_vs_mlx']:.1e} from MLX's)" for kb in kblocks))
+                + ("" if old is None else f"; {'the same bits as' if r['same_as_old'] else 'DIFFERS from'} the old kernel"))
         out[f"b{bits} {name}"] = rows
     out["ok"] = all(r["launches_equal"] and r["rel_err_vs_mlx"] < 2e-2 and r.get("same_as_old", True)
-                    and all(r[f"kb{kb}_rows_alone_equal"] and r[f"kb{kb}_rel_err_vs_mlx"] < 2e-2 for kb in kblocks)
                     for v in out.values() for r in v.values())
     return out
 
@@ -257,18 +245,17 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def launch_of(text: str) -> tuple[int, int, int, int | None, int | None]:
-    """"S:U:NA", "S:U:NA:P" or "S:U:NA:P:KB" (0 for any of S, U, NA: the kernel's table; P absent:
-    the table's, P = 0: the register feed; KB absent: the table's, else blocks a tile's K is
-    shared over, a cluster: sm_90 and newer)."""
+def launch_of(text: str) -> tuple[int, int, int, int | None]:
+    """"S:U:NA" or "S:U:NA:P" (0 for any of S, U, NA: the kernel's table; P absent: the table's,
+    P = 0: the register feed)."""
     v = [int(x) for x in text.split(":")]
-    if len(v) not in (3, 4, 5):
-        raise SystemExit(f"--launches: {text!r} is not S:U:NA, S:U:NA:P or S:U:NA:P:KB")
-    return v[0], v[1], v[2], (v[3] if len(v) >= 4 else None), (v[4] if len(v) == 5 else None)
+    if len(v) not in (3, 4):
+        raise SystemExit(f"--launches: {text!r} is not S:U:NA or S:U:NA:P")
+    return v[0], v[1], v[2], (v[3] if len(v) == 4 else None)
 
 
-def launch_name(S: int, U: int, NA: int, P: int | None = None, KB: int | None = None) -> str:
-    return f"S{S} U{U} NA{NA}" + ("" if P is None else f" P{P}") + ("" if KB is None else f" KB{KB}")
+def launch_name(S: int, U: int, NA: int, P: int | None = None) -> str:
+    return f"S{S} U{U} NA{NA}" + ("" if P is None else f" P{P}")
 
 
 _MARKER: list = []
@@ -306,10 +293,10 @@ def probe_mode(args) -> dict:
             if old is not None:
                 arms["old"] = lambda x: old.quantized_matmul_mma(x, q, s, b, GS, args.bits)
             for launch in filter(None, args.launches.split(",")):
-                S, U, NA, P, KB = launch_of(launch)
-                arms[launch_name(S, U, NA, P, KB)] = (lambda S, U, NA, P, KB: lambda x: quant_mma.quantized_matmul_mma(
+                S, U, NA, P = launch_of(launch)
+                arms[launch_name(S, U, NA, P)] = (lambda S, U, NA, P: lambda x: quant_mma.quantized_matmul_mma(
                     x, q, s, b, GS, args.bits, split=S or None, unroll=U or None, columns=NA or None,
-                    stages=P, kblocks=KB))(S, U, NA, P, KB)
+                    stages=P))(S, U, NA, P)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -401,8 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32); check: its M (default 1,16,17,32,40)")
-    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P[:KB]], comma-separated")
-    ap.add_argument("--kblocks", default="", help="check: also these KB (blocks a tile's K is shared over), comma-separated")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P], comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")
@@ -417,8 +403,7 @@ def main(argv=None) -> int:
         return 2
     modes = {"matmul": matmul_mode, "forward": forward_mode, "probe": probe_mode, "host": host_mode,
              "check": lambda args: {"mode": "check", "kernel": quant_mma._NAME, "check": check_launches(
-                 args.bits, old_module(args), tuple(int(m) for m in args.ms.split(",")) if args.ms else CHECK_MS,
-                 tuple(int(k) for k in args.kblocks.split(",") if k))}}
+                 args.bits, old_module(args), tuple(int(m) for m in args.ms.split(",")) if args.ms else CHECK_MS)}}
     res = modes[args.mode](args)
     save(args, res)
     if args.mode == "matmul":

@@ -134,7 +134,6 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
-_KBLOCKS_FOR = quant_mma.kblocks_for
 _OLD: list = []
 
 
@@ -164,10 +163,7 @@ def apply_launches(kernels: str) -> None:
     2026-12-06; a different order); "tbl" adds the per-shape splits of the JSON file named by
     COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
     default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
-    A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``; "kN" shares
-    each column tile's K over a cluster of N blocks on layers of fewer than 4 tiles an SM (the
-    27B's 5120-output down and out projections), at 1/N of their split (a different order); "kN"
-    with "sM" gives those layers M warps. Call it
+    A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``. Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -175,17 +171,8 @@ def apply_launches(kernels: str) -> None:
     def number(letter: str) -> int | None:  # the N of a token "<letter>N"
         return next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)
 
-    split, wide, stages, kb = number("s"), number("w"), number("p"), number("k")
+    split, wide, stages = number("s"), number("w"), number("p")
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
-    quant_mma.kblocks_for = _KBLOCKS_FOR
-    if kb:
-        def narrow(N: int) -> bool:
-            return N // 16 < 4 * 132
-
-        quant_mma.split_for = lambda N, K, bits: (
-            (split or max(1, _SPLIT_FOR(N, K, bits) // kb)) if narrow(N) else _SPLIT_FOR(N, K, bits))
-        quant_mma.kblocks_for = lambda N, K, bits, wanted=None: _KBLOCKS_FOR(
-            N, K, bits, kb if narrow(N) and wanted is None else wanted)
     quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
     quant_mma.SPLITS.clear()
     quant_mma.SPLITS.update(_SPLITS)

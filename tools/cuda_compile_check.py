@@ -34,13 +34,6 @@ def kernel_texts() -> tuple[str, str]:
     return quant_mma._HEADER, quant_mma._SOURCE
 
 
-def cluster_header(kb: int) -> str:
-    sys.path.insert(0, str(ROOT))
-    from daemon.engine.kernels import quant_mma
-
-    return quant_mma.cluster_header(kb)
-
-
 def quant_mma_ring_slots() -> int:
     sys.path.insert(0, str(ROOT))
     from daemon.engine.kernels import quant_mma
@@ -133,7 +126,7 @@ def sass_loop(args) -> int:
     are what a chunk costs the schedulers."""
     S, MT, NA, P, bits = (int(v) for v in args.sass.split(":"))
     header, body = kernel_texts()
-    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "KB": 1}
+    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P}
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         src.write_text(wrapper(header, body, "__nv_bfloat16", params))
@@ -172,11 +165,9 @@ def main(argv=None) -> int:
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
             if P and (U != 1 or S * P * NA > quant_mma_ring_slots()):
                 continue  # the shared-memory feed ignores U; launches cap its ring
-            # KB > 1 (a cluster's blocks share a tile's K): a cluster's launches of the bf16 4-bit kernel
-            for KB in ((1, 2, 4) if xbf and bits == 4 and U == 1 and NA == 1 and args.arch >= "sm_90" else (1,)):
-                params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "KB": KB}
-                bad += compile_one(args, tmp, wrapper(cluster_header(KB) + header, body, xtype, params),
-                                   " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
+            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P}
+            bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
+                               " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
     return 1 if bad else 0
 
 

@@ -20,7 +20,7 @@ NC=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 # OLD=FILE (another quant_mma.py, e.g. `git show REV:daemon/engine/kernels/quant_mma.py > old_quant_mma.py`
 # in the tree, untracked): the check compares its bits too, and the sweep adds its arm "old".
 oldq=${OLD:+--old-source $OLD}
-timeout ${CHECK_LIMIT:-200} $q --mode check --bits ${CHECK_BITS:-4} ${CHECK_MS:+--ms $CHECK_MS} ${KBLOCKS:+--kblocks $KBLOCKS} $oldq --json "$o/check.json" > "$o/check.log" 2>&1
+timeout ${CHECK_LIMIT:-200} $q --mode check --bits ${CHECK_BITS:-4} ${CHECK_MS:+--ms $CHECK_MS} $oldq --json "$o/check.json" > "$o/check.log" 2>&1
 echo "check rc $? after $(( $(date +%s) - t0 )) s"; grep -E "check|ok" "$o/check.log" | tail -4
 SHAPES=${SHAPES:-gate/up,down,q_proj,out_proj,lm_head}
 MS=${MS:-1,4,8,16,32}

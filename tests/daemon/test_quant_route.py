@@ -64,50 +64,8 @@ def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
     # 4- and 8-bit layers both launch with the table's stages (each checked on a GPU, same bits)
     quant_mma.forget_launches()
     for bits, K in ((4, 5120), (8, 17408)):
-        launch = quant_mma._launch((1,), 5120, K, mx.bfloat16, bits, 64, None, None, None, None, None, None)
+        launch = quant_mma._launch((1,), 5120, K, mx.bfloat16, bits, 64, None, None, None, None, None)
         assert dict(launch["template"])["P"] == quant_mma.STAGES_BY_TILES[1]
-
-
-@pytest.fixture
-def clusters(monkeypatch):
-    """The device answers as one with (True) or without clusters; the launch cache starts empty."""
-    def set_to(supported: bool) -> None:
-        monkeypatch.setattr(quant_mma, "_clusters", [supported])
-        quant_mma.forget_launches()
-
-    yield set_to
-    quant_mma.forget_launches()
-
-
-def test_a_tiles_k_shares_over_a_cluster_only_where_the_table_says_and_the_device_has_clusters(clusters, monkeypatch):
-    """KB (blocks a column tile's K is shared over) is part of the summation order: one value per
-    (N, K, bits) from the table, whatever the rows; 1 on a device without clusters (sm_80, Metal,
-    this CPU), capped at the portable cluster size and the layer's chunks."""
-    monkeypatch.setattr(quant_mma, "KBLOCKS", {(5120, 17408, 4): 2, (5120, 256, 4): 8})
-    clusters(False)
-    assert quant_mma.kblocks_for(5120, 17408, 4) == 1 and quant_mma.kblocks_for(5120, 17408, 4, 4) == 1
-    launch = quant_mma._launch((1,), 5120, 17408, mx.bfloat16, 4, 64, None, None, None, None, None, None)
-    assert dict(launch["template"])["KB"] == 1 and launch["grid"][1] == 1
-    clusters(True)
-    assert quant_mma.kblocks_for(5120, 17408, 4) == 2
-    assert quant_mma.kblocks_for(5120, 6144, 4) == 1  # not in the table
-    assert quant_mma.kblocks_for(5120, 256, 4) == 2  # two chunks of 128 inputs: two blocks at most
-    assert quant_mma.kblocks_for(5120, 17408, 4, 64) == quant_mma.CLUSTER_MAX
-    for rows in ((1,), (4,), (3, 5), (40,)):
-        launch = quant_mma._launch(rows, 5120, 17408, mx.bfloat16, 4, 64, None, None, None, None, None, None)
-        S = dict(launch["template"])["S"]
-        assert dict(launch["template"])["KB"] == 2 and S == quant_mma.split_for(5120, 17408, 4)
-        assert launch["grid"] == (32 * S * 5120 // (16 * dict(launch["template"])["NA"]), 2, 1)
-        assert launch["threadgroup"] == (32 * S, 1, 1)
-
-
-def test_a_clusters_kernel_declares_its_size_at_compile_time():
-    """MLX's custom-kernel launch sets no cluster: the size rides on the kernel's declaration
-    (``__global__`` redefined before MLX's text declares it), one kernel per KB."""
-    assert quant_mma.cluster_header(1) == ""
-    head = quant_mma.cluster_header(4)
-    assert "#undef __global__" in head and "__cluster_dims__(1, 4, 1)" in head
-    assert head.index("#undef") < head.index("#define __global__")
 
 
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():

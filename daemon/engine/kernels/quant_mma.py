@@ -34,12 +34,6 @@ rows beside it change nothing (a tensor-core MMA computes each output element fr
 row and column), and neither do MT, the unroll U or how many passes M needs: they only change
 the speed. So a row gets the same bits at M = 1 as in a batch of 32 or a 9-position verify:
 exact rows batch and speculate. S is looked up per (N, K, bits) (``split_for``), never per M.
-On sm_90 and newer a column tile's K may also be shared over a cluster of KB blocks (``KBLOCKS``,
-``kblocks_for``, per (N, K, bits) too): block r of the cluster takes the r-th of KB consecutive
-ranges of chunks, and block 0 adds the KB blocks' sums in rank order, reading their shared
-memory. It is for layers whose column tiles fall unevenly on the SMs (a 5120-output layer's 320
-tiles are 2.42 blocks an SM: the SMs holding 3 set the time). MLX's custom-kernel launch sets no
-cluster, so the size is declared with the kernel (``cluster_header``).
 
 What it takes (``mma_refusal``): bf16 or fp16 activations, 4- or 8-bit affine weights with
 biases, N a multiple of 16, K a multiple of CK, a group size that is a multiple of the 32 (4-bit)
@@ -65,7 +59,6 @@ MMA_INPUTS = (mx.bfloat16, mx.float16)
 MAX_TILES = 8  # row tiles of 8 per pass over the weights: M <= 64 in one pass
 
 _HEADER = """
-#include <cooperative_groups.h>
 struct qmm_u4 { unsigned x, y, z, w; };
 
 __device__ __forceinline__ qmm_u4 qmm_load16(const void* p, bool aligned) {
@@ -133,22 +126,6 @@ template <bool BF> __device__ __forceinline__ unsigned qmm_nibbles(unsigned q, i
 __device__ __forceinline__ float qmm_byte(unsigned q, int j, float s, float b, unsigned magic) {
     const float v = __uint_as_float(__byte_perm(q, magic, 0x7650u | j)) - 8388608.0f;
     return fmaf(v, s, b);
-}
-
-// A cluster's barrier and another block's shared memory (KB > 1: launched only on sm_90 and
-// newer, where the kernel's header gives it a cluster of KB blocks; empty on older targets so
-// the one text compiles for every device).
-__device__ __forceinline__ void qmm_cluster_sync() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    cooperative_groups::this_cluster().sync();
-#endif
-}
-__device__ __forceinline__ const float* qmm_cluster_peer(float* mine, int rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    return cooperative_groups::this_cluster().map_shared_rank(mine, rank);
-#else
-    return mine;
-#endif
 }
 
 // Copies of 16 bytes (weights: L1 bypassed, each byte is read once) and 4 bytes (a pair of
@@ -285,17 +262,12 @@ _SOURCE = """
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * NA;          // NA column tiles of 16 per warp
     const int NC = K / CK;
-    // KB > 1: the KB blocks of a cluster (blockIdx.y, its rank) share the column tiles and take
-    // consecutive ranges of the chunks; rank 0 adds their sums in rank order (see the end).
-    const int kb = KB > 1 ? (int)blockIdx.y : 0;
-    const int c_begin = (int)(((long long)NC * kb) / KB), c_end = (int)(((long long)NC * (kb + 1)) / KB);
     const size_t row_bytes = (size_t)K * BITS / 8;
     const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(w);
     const bool aligned = ((reinterpret_cast<size_t>(w) | reinterpret_cast<size_t>(x)) & 15) == 0 && (K % 8) == 0;
     // The shared-memory feed copies a lane's scale and bias as the 4-byte pair that holds them.
     const bool paired = ((reinterpret_cast<size_t>(scales) | reinterpret_cast<size_t>(biases)) & 3) == 0 && (G % 2) == 0;
     __shared__ float red[S > 1 ? S * 32 * 4 : 1];
-    __shared__ float xch[KB > 1 ? 32 * 4 : 1];    // warp 0's sums, for the cluster's rank 0
     // P > 0: a warp's weights stream through shared memory P chunks ahead of its products. Each
     // lane copies exactly the pieces it later reads (its 16 bytes of rows g and g + 8 and their
     // scale and bias pairs, per column tile), so no barrier is needed, only its own waits.
@@ -329,7 +301,7 @@ _SOURCE = """
             const size_t wrow8 = 8 * row_bytes, grow8 = (size_t)8 * G;
             // stage p's copies of chunk c (none past the last chunk: the group is then empty)
             auto issue = [&](int p, int c) {
-                if (c < c_end) {
+                if (c < NC) {
                     const size_t off = (size_t)c * (CK * BITS / 8);
                     const int pair = ((c * CK + t * KT) / GS) & ~1;
                     #pragma unroll
@@ -345,12 +317,12 @@ _SOURCE = """
                 qmm_commit();
             };
             #pragma unroll 1
-            for (int p = 0; p < PS; ++p) issue(p, c_begin + warp + p * S);
+            for (int p = 0; p < PS; ++p) issue(p, warp + p * S);
             // One chunk's code, not P copies (unrolled, the copies cost ~30 registers at P = 4:
             // a block per SM): the slot is an offset into shared memory, free to vary.
             int p = 0;
             #pragma unroll 1
-            for (int c = c_begin + warp; c < c_end; c += S) {
+            for (int c = warp; c < NC; c += S) {
                 qmm_wait<PS - 1>();           // this chunk's group (the oldest in flight) has landed
                 const int hi = ((c * CK + t * KT) / GS) & 1;
                 qmm_u4 wa[NA], wb[NA];
@@ -387,13 +359,13 @@ _SOURCE = """
             }
             qmm_wait<0>();                    // nothing in flight into the ring before its next pass
         } else {
-            for (int cu = c_begin + warp; cu < c_end; cu += S * U) {
+            for (int cu = warp; cu < NC; cu += S * U) {
                 qmm_u4 wa[U][NA], wb[U][NA];
                 float sa[U][NA], ba[U][NA], sb[U][NA], bb[U][NA];
                 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int c = cu + u * S;
-                    if (c < c_end) {
+                    if (c < NC) {
                         const size_t off = (size_t)c * (CK * BITS / 8) + t * 16;
                         const int grp = (c * CK + t * KT) / GS;
                         #pragma unroll
@@ -411,7 +383,7 @@ _SOURCE = """
                 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     const int c = cu + u * S;
-                    if (c >= c_end) break;
+                    if (c >= NC) break;
                     qmm_chunk<BF, BITS, NA, MT>(acc, wa[u], wb[u], sa[u], ba[u], sb[u], bb[u], x, M, K, m0,
                                                 c * CK + t * KT, g, aligned);
                 }
@@ -428,31 +400,12 @@ _SOURCE = """
                     for (int e = 0; e < 4; ++e) red[(warp * 32 + lane) * 4 + e] = acc[a][j][e];
                     __syncthreads();
                 }
-                float s[4] = {acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]};
                 if (warp == 0) {
+                    float s[4] = {acc[a][j][0], acc[a][j][1], acc[a][j][2], acc[a][j][3]};
                     for (int v = 1; v < S; ++v) {
                         #pragma unroll
                         for (int e = 0; e < 4; ++e) s[e] += red[(v * 32 + lane) * 4 + e];
                     }
-                }
-                if constexpr (KB > 1) {
-                    // The cluster's KB blocks' sums, added by rank 0 in rank order (reading the
-                    // others' shared memory): an order fixed by K, bits, S and KB alone.
-                    if (warp == 0) {
-                        #pragma unroll
-                        for (int e = 0; e < 4; ++e) xch[lane * 4 + e] = s[e];
-                    }
-                    qmm_cluster_sync();
-                    if (kb == 0 && warp == 0) {
-                        for (int r = 1; r < KB; ++r) {
-                            const float* o = qmm_cluster_peer(xch, r);
-                            #pragma unroll
-                            for (int e = 0; e < 4; ++e) s[e] += o[lane * 4 + e];
-                        }
-                    }
-                    qmm_cluster_sync();       // no block writes xch again before rank 0 read it
-                }
-                if (warp == 0 && kb == 0) {
                     // C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]: weight row (column of y) g / g+8, x row 2t / 2t+1
                     const int mA = m0 + 8 * j + 2 * t;
                     const int na = n0 + 16 * a + g;
@@ -501,43 +454,14 @@ STAGES_BY_TILES: dict[int, int] = {mt: 2 for mt in range(1, MAX_TILES + 1)}
 # A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
 RING_SLOTS_MAX = 30
 
-# Blocks per column tile along K (KB, a cluster of them: sm_90 and newer), per (N, K, bits):
-# part of the summation order like the split, so never per M; shapes not listed take 1. A
-# cluster evens out a layer whose column tiles fall unevenly on the SMs (5120 outputs are 320
-# tiles: 2.42 blocks an SM, the SMs with 3 setting the time).
-KBLOCKS: dict[tuple[int, int, int], int] = {}
-CLUSTER_MAX = 8  # the portable cluster size
-
-_kernels: dict[int, Any] = {}
-_clusters: list[bool] = []
+_kernel: list = []
 
 
-def clusters_supported() -> bool:
-    """A cluster of blocks (and its shared memory across blocks) needs compute capability 9."""
-    if not _clusters:
-        try:
-            _clusters.append(int(mx.device_info().get("compute_capability_major", 0)) >= 9)
-        except Exception:  # no CUDA device description: no clusters
-            _clusters.append(False)
-    return _clusters[0]
-
-
-def cluster_header(kb: int) -> str:
-    """Before the kernel's own header: MLX declares the kernel ``__global__``; a cluster's size is
-    given at compile time (MLX's custom-kernel launch sets none), so ``__global__`` here also
-    carries ``__cluster_dims__``."""
-    if kb <= 1:
-        return ""
-    return f"\n#undef __global__\n#define __global__ __location__(global) __cluster_dims__(1, {kb}, 1)\n"
-
-
-def _get_kernel(kb: int = 1):
-    if kb not in _kernels:
-        name = _NAME if kb <= 1 else f"{_NAME}_c{kb}"
-        _kernels[kb] = custom_kernel_cache.cuda_kernel(name=name, input_names=["x", "w", "scales", "biases"],
-                                                       output_names=["y"], source=_SOURCE,
-                                                       header=cluster_header(kb) + _HEADER)
-    return _kernels[kb]
+def _get_kernel():
+    if not _kernel:
+        _kernel.append(custom_kernel_cache.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
+                                           output_names=["y"], source=_SOURCE, header=_HEADER))
+    return _kernel[0]
 
 
 def chunk_inputs(bits: int) -> int:
@@ -588,15 +512,6 @@ def split_for(N: int, K: int, bits: int) -> int:
     return SPLITS.get((N, K, bits)) or default_split(N, K, bits)
 
 
-def kblocks_for(N: int, K: int, bits: int, wanted: int | None = None) -> int:
-    """Blocks a column tile's K is shared over: the table's (or ``wanted``), 1 where the device
-    has no clusters, at most ``CLUSTER_MAX`` and the layer's chunk count."""
-    kb = KBLOCKS.get((N, K, bits), 1) if wanted is None else wanted
-    if kb <= 1 or not clusters_supported():
-        return 1
-    return max(1, min(kb, CLUSTER_MAX, K // chunk_inputs(bits)))
-
-
 def tiles_for(M: int) -> int:
     return max(1, min(MAX_TILES, -(-M // 8)))
 
@@ -637,8 +552,8 @@ def forget_launches() -> None:
 
 
 def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
-            stages, kblocks) -> dict:
-    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages, kblocks)
+            stages) -> dict:
+    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages)
     got = _launches.get(key)
     if got is None:
         M = math.prod(lead)
@@ -649,10 +564,9 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
         # With P > 0 the register feed runs only for unaligned pointers: U = 1 keeps its
         # registers (a kernel holds the most either way needs) at the shared-memory feed's.
         U = unroll or (1 if P else UNROLL_BY_TILES.get(MT, 1))
-        KB = kblocks_for(N, K, bits, kblocks)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P), ("KB", KB)],
-               "grid": (32 * S * (N // (16 * NA)), KB, 1), "threadgroup": (32 * S, 1, 1),
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P)],
+               "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(*lead, N)], "output_dtypes": [dtype]}
         _launches[key] = got
     return got
@@ -660,16 +574,15 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None, stages: int | None = None,
-                         kblocks: int | None = None) -> mx.array:
+                         columns: int | None = None, stages: int | None = None) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
     and the split (see the module docstring). The keyword arguments override the launch (for
-    the device check's sweep); ``split`` and ``kblocks`` change the order, the others (``unroll``,
-    ``tiles``, ``columns``, ``stages``) only the speed."""
+    the device check's sweep); ``split`` changes the order, the others (``unroll``, ``tiles``,
+    ``columns``, ``stages``) only the speed."""
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
-                     stages, kblocks)
-    (y,) = _get_kernel(dict(launch["template"])["KB"])(inputs=[x, w, scales, biases], **launch)
+                     stages)
+    (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
     return y
 
 
