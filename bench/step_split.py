@@ -134,6 +134,7 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
+_MIN_BLOCKS = quant_mma.MIN_BLOCKS
 _OLD: list = []
 
 
@@ -163,7 +164,9 @@ def apply_launches(kernels: str) -> None:
     2026-12-06; a different order); "tbl" adds the per-shape splits of the JSON file named by
     COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
     default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
-    A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``. Call it
+    A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``; "bN" keeps
+    a layer at N blocks or more where the table would give its warps several column tiles
+    (``quant_mma.MIN_BLOCKS``; speed only, the same bits). Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -171,7 +174,8 @@ def apply_launches(kernels: str) -> None:
     def number(letter: str) -> int | None:  # the N of a token "<letter>N"
         return next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)
 
-    split, wide, stages = number("s"), number("w"), number("p")
+    split, wide, stages, blocks = number("s"), number("w"), number("p"), number("b")
+    quant_mma.MIN_BLOCKS = _MIN_BLOCKS if blocks is None else blocks
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
     quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
     quant_mma.SPLITS.clear()

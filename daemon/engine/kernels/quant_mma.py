@@ -528,15 +528,22 @@ def stages_for(MT: int, S: int, NA: int, wanted: int | None = None) -> int:
     return p if p >= 2 else 0
 
 
+# Blocks a layer keeps at least when the table gives its warps several column tiles (speed
+# only): a layer of few tiles (the 27B's 5120 outputs are 320) at NA = 2 has fewer blocks than
+# the chip has SMs. 0: the table's NA wherever it divides N / 16.
+MIN_BLOCKS = 0
+
+
 def column_tiles_for(N: int, MT: int, S: int, wanted: int | None = None) -> int:
-    """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16.
+    """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16
+    (and, unless ``wanted``, until the layer keeps ``MIN_BLOCKS`` blocks).
     A block of more than 256 threads takes one: a thread of NA >= 2 holds up to ~240 registers
     (nvcc for sm_90, tools/cuda_compile_check.py), and a block's threads share 65,536 (the H200
     refused S = 16 x NA = 2 with "too many resources requested for launch"); NA = 1 holds <= 96."""
     na = wanted or COLUMN_TILES_BY_TILES.get(MT, 1)
     if 32 * S > 256:
         na = 1
-    while na > 1 and (N // 16) % na:
+    while na > 1 and ((N // 16) % na or (not wanted and N // (16 * na) < MIN_BLOCKS)):
         na //= 2
     return na
 
