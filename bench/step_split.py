@@ -134,7 +134,7 @@ def _mma_reshaped(x, w, scales, biases, group_size, bits, **launch):
 _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
-_MIN_BLOCKS = quant_mma.MIN_BLOCKS
+_MIN_BLOCKS = dict(quant_mma.MIN_BLOCKS_BY_TILES)
 _OLD: list = []
 
 
@@ -165,8 +165,9 @@ def apply_launches(kernels: str) -> None:
     COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's; a different order where it differs from the
     default); "old" calls the kernel of the quant_mma.py named by COUNCILD_QMM_OLD_SOURCE (a speed
     A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``; "bN" keeps
-    a layer at N blocks or more where the table would give its warps several column tiles
-    (``quant_mma.MIN_BLOCKS``; speed only, the same bits). Call it
+    a layer at N blocks or more at 2 row tiles where the table would give its warps several
+    column tiles (``quant_mma.MIN_BLOCKS_BY_TILES``; "b0": no such floor, the table's NA as before
+    2026-12-06; speed only, the same bits). Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -175,7 +176,8 @@ def apply_launches(kernels: str) -> None:
         return next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)
 
     split, wide, stages, blocks = number("s"), number("w"), number("p"), number("b")
-    quant_mma.MIN_BLOCKS = _MIN_BLOCKS if blocks is None else blocks
+    quant_mma.MIN_BLOCKS_BY_TILES.clear()
+    quant_mma.MIN_BLOCKS_BY_TILES.update(_MIN_BLOCKS if blocks is None else {2: blocks} if blocks else {})
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)
     quant_mma.WIDE_SPLIT = _WIDE if wide is None else wide
     quant_mma.SPLITS.clear()

@@ -33,7 +33,7 @@ def main() -> int:
     ap.add_argument("--shape", default="5120,17408")
     ap.add_argument("--mlx-compile", action="store_true", help="MLX compiles the kernels (the daemon's disk cache off)")
     ap.add_argument("--kb-source", help="a quant_mma.py whose kernel takes ``kblocks`` (a cluster of KB blocks per "
-                    "column tile, declared at compile time: git show da54e78:daemon/engine/kernels/quant_mma.py)")
+                    "column tile, declared at compile time: git show ad9ea4d:daemon/engine/kernels/quant_mma.py)")
     ap.add_argument("--kb-between", type=int, default=0,
                     help="with --kb-source: a launch with a cluster of this many blocks before each measured launch")
     args = ap.parse_args()

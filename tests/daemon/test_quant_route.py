@@ -68,6 +68,23 @@ def test_the_shared_memory_feed_fits_a_blocks_static_shared_memory():
         assert dict(launch["template"])["P"] == quant_mma.STAGES_BY_TILES[1]
 
 
+def test_a_narrow_layer_keeps_its_blocks_at_two_row_tiles():
+    """Column tiles per warp are speed only; at 2 row tiles a layer keeps MIN_BLOCKS_BY_TILES
+    blocks (the 27B's 5120 outputs: 320 tiles, one a warp), at 1 and 4 row tiles the table rules
+    (measured: fewer blocks won at 32 rows), and a launch that asks for NA gets it."""
+    floor = quant_mma.MIN_BLOCKS_BY_TILES[2]
+    assert 5120 // 32 < floor <= 5120 // 16
+    assert quant_mma.column_tiles_for(5120, 2, 8) == 1
+    assert quant_mma.column_tiles_for(34816, 2, 4) == quant_mma.COLUMN_TILES_BY_TILES[2] == 2  # 1,088 blocks
+    assert quant_mma.column_tiles_for(5120, 4, 4) == quant_mma.COLUMN_TILES_BY_TILES[4] == 4
+    assert quant_mma.column_tiles_for(5120, 1, 8) == 1
+    assert quant_mma.column_tiles_for(5120, 2, 8, wanted=2) == 2
+    quant_mma.forget_launches()
+    for rows in (9, 12, 16):  # the same launch at every count of 2 row tiles
+        launch = quant_mma._launch((rows,), 5120, 17408, mx.bfloat16, 4, 64, None, None, None, None, None)
+        assert dict(launch["template"])["NA"] == 1 and launch["grid"][0] == 32 * 8 * 320
+
+
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
     lay = _layer()
     w, s, b = lay["weight"], lay["scales"], lay["biases"]

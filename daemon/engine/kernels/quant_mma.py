@@ -528,22 +528,27 @@ def stages_for(MT: int, S: int, NA: int, wanted: int | None = None) -> int:
     return p if p >= 2 else 0
 
 
-# Blocks a layer keeps at least when the table gives its warps several column tiles (speed
-# only): a layer of few tiles (the 27B's 5120 outputs are 320) at NA = 2 has fewer blocks than
-# the chip has SMs. 0: the table's NA wherever it divides N / 16.
-MIN_BLOCKS = 0
+# Blocks a layer keeps at least, by row-tile count, where the table would give its warps several
+# column tiles (speed only: a column's sum is the same whichever warp owns it). At 2 row tiles
+# (9-16 rows: a verify of 4 rows' drafts) NA = 2 left the 27B's 5120-output layers 160 blocks on
+# 132 SMs; at one tile a warp they keep 320: on an H100 the down projection 41.6 us against 56.7 at
+# 9 rows, 54.0 against 60.3 at 16, the GatedDeltaNet out projection 20.3 / 24.8 against 21.9 /
+# 23.5, and a 27B step of 4 rows x 3 positions 0.955x, x 4 0.947x (bench/results/h100_2026-12-06j).
+# At 4 row tiles fewer blocks won (the down projection at 32 rows: 81.7 us at NA = 4, 113.2 at 1).
+MIN_BLOCKS_BY_TILES: dict[int, int] = {2: 264}
 
 
 def column_tiles_for(N: int, MT: int, S: int, wanted: int | None = None) -> int:
     """Column tiles per warp: the table's choice for MT row tiles, halved until it divides N / 16
-    (and, unless ``wanted``, until the layer keeps ``MIN_BLOCKS`` blocks).
+    (and, unless ``wanted``, until the layer keeps ``MIN_BLOCKS_BY_TILES`` blocks).
     A block of more than 256 threads takes one: a thread of NA >= 2 holds up to ~240 registers
     (nvcc for sm_90, tools/cuda_compile_check.py), and a block's threads share 65,536 (the H200
     refused S = 16 x NA = 2 with "too many resources requested for launch"); NA = 1 holds <= 96."""
     na = wanted or COLUMN_TILES_BY_TILES.get(MT, 1)
     if 32 * S > 256:
         na = 1
-    while na > 1 and ((N // 16) % na or (not wanted and N // (16 * na) < MIN_BLOCKS)):
+    least = 0 if wanted else MIN_BLOCKS_BY_TILES.get(MT, 0)
+    while na > 1 and ((N // 16) % na or N // (16 * na) < least):
         na //= 2
     return na
 
