@@ -56,7 +56,9 @@ def test_this_cpu_speculates_exact_requests_and_a_restart_reads_the_verdicts_bac
             detail = c.status().detail
             assert detail["exact_decode"] == "speculate" and detail["decode_path"] == "compiled"
             assert detail["batch_decode_path"] == "compiled"  # batched steps too (their own self-check)
-            c.complete(PROMPT, max_tokens=24)  # something for the governor to learn
+            # something for the governor to learn: enough cycles (~25) that one depth reaches
+            # trust_samples (8) even when a probe of another depth takes some of them
+            c.complete(PROMPT, max_tokens=64)
     finally:
         assert d.stop() == 0
     (probe,) = [e for e in d.events() if e["event"] == "speculation.exactness"]
