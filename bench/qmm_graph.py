@@ -163,6 +163,7 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
             base = quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, columns=1, unroll=1)
             launches = [{"columns": na, "unroll": u} for na in (1, 2, 4) for u in (1, 2)]
             launches += [{"stages": p} for p in (0, 2, 4)] + [{"stages": 2, "columns": 1}]
+            launches += [{"stages": 2, "prefetch": 1, "columns": na} for na in (1, 2)] + [{"stages": 2, "prefetch": 0}]
             same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, **kw),
                                       base).item() for kw in launches)
             rows[M] = r = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
@@ -245,17 +246,17 @@ def summarize(rows: list[dict]) -> dict:
     return out
 
 
-def launch_of(text: str) -> tuple[int, int, int, int | None]:
-    """"S:U:NA" or "S:U:NA:P" (0 for any of S, U, NA: the kernel's table; P absent: the table's,
-    P = 0: the register feed)."""
+def launch_of(text: str) -> tuple[int, int, int, int | None, int | None]:
+    """"S:U:NA", "S:U:NA:P" or "S:U:NA:P:X" (0 for any of S, U, NA: the kernel's table; P or X
+    absent: the table's, P = 0: the register feed; X = 0 / 1: the activations' prefetch off / on)."""
     v = [int(x) for x in text.split(":")]
-    if len(v) not in (3, 4):
-        raise SystemExit(f"--launches: {text!r} is not S:U:NA or S:U:NA:P")
-    return v[0], v[1], v[2], (v[3] if len(v) == 4 else None)
+    if len(v) not in (3, 4, 5):
+        raise SystemExit(f"--launches: {text!r} is not S:U:NA, S:U:NA:P or S:U:NA:P:X")
+    return v[0], v[1], v[2], (v[3] if len(v) >= 4 else None), (v[4] if len(v) == 5 else None)
 
 
-def launch_name(S: int, U: int, NA: int, P: int | None = None) -> str:
-    return f"S{S} U{U} NA{NA}" + ("" if P is None else f" P{P}")
+def launch_name(S: int, U: int, NA: int, P: int | None = None, X: int | None = None) -> str:
+    return f"S{S} U{U} NA{NA}" + ("" if P is None else f" P{P}") + ("" if X is None else f" X{X}")
 
 
 _MARKER: list = []
@@ -293,10 +294,10 @@ def probe_mode(args) -> dict:
             if old is not None:
                 arms["old"] = lambda x: old.quantized_matmul_mma(x, q, s, b, GS, args.bits)
             for launch in filter(None, args.launches.split(",")):
-                S, U, NA, P = launch_of(launch)
-                arms[launch_name(S, U, NA, P)] = (lambda S, U, NA, P: lambda x: quant_mma.quantized_matmul_mma(
+                S, U, NA, P, X = launch_of(launch)
+                arms[launch_name(S, U, NA, P, X)] = (lambda S, U, NA, P, X: lambda x: quant_mma.quantized_matmul_mma(
                     x, q, s, b, GS, args.bits, split=S or None, unroll=U or None, columns=NA or None,
-                    stages=P))(S, U, NA, P)
+                    stages=P, prefetch=X))(S, U, NA, P, X)
             for arm, fn in arms.items():
                 mx.eval(fn(x))  # compiles outside the group
                 mx.synchronize()
@@ -388,7 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", choices=("matmul", "forward", "probe", "host", "check"), required=True)
     ap.add_argument("--reps", type=int, default=3, help="probe: calls per group")
     ap.add_argument("--ms", default="", help="probe: comma-separated M (default 1,2,4,8,16,32); check: its M (default 1,16,17,32,40)")
-    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P], comma-separated")
+    ap.add_argument("--launches", default="", help="probe: extra kernel launches S:U:NA[:P[:X]], comma-separated")
     ap.add_argument("--json")
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--shapes", default="", help="comma-separated parts of shape names (default: all)")

@@ -135,6 +135,7 @@ _STAGES = dict(quant_mma.STAGES_BY_TILES)
 _WIDE = quant_mma.WIDE_SPLIT
 _SPLITS = dict(quant_mma.SPLITS)
 _MIN_BLOCKS = dict(quant_mma.MIN_BLOCKS_BY_TILES)
+_PREFETCH = quant_mma.PREFETCH_TILES
 _OLD: list = []
 
 
@@ -167,7 +168,9 @@ def apply_launches(kernels: str) -> None:
     A/B of two versions of the kernel); "rs" calls the kernel through ``_mma_reshaped``; "bN" keeps
     a layer at N blocks or more at 2 row tiles where the table would give its warps several
     column tiles (``quant_mma.MIN_BLOCKS_BY_TILES``; "b0": no such floor, the table's NA as before
-    2026-12-06; speed only, the same bits). Call it
+    2026-12-06; speed only, the same bits); "xN" loads the next chunk's activations ahead in
+    launches of up to N row tiles (``quant_mma.PREFETCH_TILES``; "x0": never, as before
+    2026-12-07; speed only, the same bits). Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -175,7 +178,8 @@ def apply_launches(kernels: str) -> None:
     def number(letter: str) -> int | None:  # the N of a token "<letter>N"
         return next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)
 
-    split, wide, stages, blocks = number("s"), number("w"), number("p"), number("b")
+    split, wide, stages, blocks, prefetch = number("s"), number("w"), number("p"), number("b"), number("x")
+    quant_mma.PREFETCH_TILES = _PREFETCH if prefetch is None else prefetch
     quant_mma.MIN_BLOCKS_BY_TILES.clear()
     quant_mma.MIN_BLOCKS_BY_TILES.update(_MIN_BLOCKS if blocks is None else {2: blocks} if blocks else {})
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)

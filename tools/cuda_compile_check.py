@@ -4,7 +4,7 @@ show here, and ptxas reports each variant's registers and spills (a spilling var
 the device).
 
     .venv/bin/python tools/cuda_compile_check.py [--gdn] [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
-    .venv/bin/python tools/cuda_compile_check.py --sass 2:1:1:2:4 --cuobjdump PATH   (one variant's chunk loop, counted)
+    .venv/bin/python tools/cuda_compile_check.py --sass 2:1:1:2:4[:X] --cuobjdump PATH   (one variant's chunk loop, counted)
 
 MLX wraps a ``cuda_kernel`` source in a function whose parameters are ``const T* name`` plus a
 ``name_shape`` per input and whose template arguments are constants; this script writes the
@@ -39,6 +39,13 @@ def quant_mma_ring_slots() -> int:
     from daemon.engine.kernels import quant_mma
 
     return quant_mma.RING_SLOTS_MAX
+
+
+def quant_mma_prefetch_tiles() -> int:
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine.kernels import quant_mma
+
+    return quant_mma.PREFETCH_TILES
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:
@@ -124,9 +131,9 @@ def sass_loop(args) -> int:
     by opcode in the compiled SASS (``--cuobjdump``: CUDA's, or PyPI's nvidia-cuda-cuobjdump):
     the loop runs once a chunk, so its instructions, and those on the half-rate integer pipe,
     are what a chunk costs the schedulers."""
-    S, MT, NA, P, bits = (int(v) for v in args.sass.split(":"))
+    S, MT, NA, P, bits, X = (*(int(v) for v in args.sass.split(":")), 0)[:6]
     header, body = kernel_texts()
-    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P}
+    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X}
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         src.write_text(wrapper(header, body, "__nv_bfloat16", params))
@@ -149,7 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
-    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS", help="count one variant's chunk loop in its SASS instead")
+    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS", help="count one variant's chunk loop in its SASS instead (S:MT:NA:P:BITS:X: X the prefetch)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     args = ap.parse_args(argv)
     if args.gdn:
@@ -159,13 +166,15 @@ def main(argv=None) -> int:
     header, body = kernel_texts()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for bits, (xtype, xbf), S, MT, U, NA, P in itertools.product(
-                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4)):
+        for bits, (xtype, xbf), S, MT, U, NA, P, X in itertools.product(
+                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4), (0, 1)):
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
             if P and (U != 1 or S * P * NA > quant_mma_ring_slots()):
                 continue  # the shared-memory feed ignores U; launches cap its ring
-            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P}
+            if X and (not P or bits != 4 or MT > quant_mma_prefetch_tiles()):
+                continue  # the activations' prefetch: the 4-bit shared-memory feed's, at few row tiles
+            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "XPRE": X}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
                                " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
     return 1 if bad else 0

@@ -6,7 +6,7 @@
 #   1. bench/step_split.py: host build / encode / total of a compiled step, 1x1 and 4x1;
 #   2. bench/gpu_batch_spec.py: the decoders (batch depth 0, speculation depth 2), heights 1 and 4.
 #   P=4 bash bench/device/stages_step_call.sh        (results under $OUT/stages_split, $OUT/stages_spec)
-#   SPLIT_LIMIT=0 skips step 1; an arm with "tbl" reads COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's JSON).
+#   SHAPES=1x1,4x1,4x2 (step 1's shapes, BxT); SPLIT_LIMIT=0 skips step 1; an arm with "tbl" reads COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's JSON).
 #   ARMS=gdn+conv+merge+qmm+w1,gdn+conv+merge+qmm bash bench/device/stages_step_call.sh   (any two kernel sets;
 #   arms of a different summation order, such as the wide split "wN", differ in their last logits)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0
@@ -16,7 +16,7 @@ arms=${ARMS:-$base+p0,$base+p${P:-4}}
 mkdir -p "$o/stages_split" "$o/stages_spec"
 s=$(date +%s)
 [ "${SPLIT_LIMIT:-200}" != 0 ] && timeout ${SPLIT_LIMIT:-200} python3 bench/step_split.py --out "$o/stages_split" --arms "$arms" --paths compiled \
-    --shapes 1x1,4x1 --rounds ${ROUNDS:-4} --steps 8 --budget $(( ${SPLIT_LIMIT:-200} - 30 )) \
+    --shapes ${SHAPES:-1x1,4x1} --rounds ${ROUNDS:-4} --steps 8 --budget $(( ${SPLIT_LIMIT:-200} - 30 )) \
     > "$o/stages_split/step_split.log" 2>&1
 echo "step_split rc $? ($(( $(date +%s) - s )) s)" | tee -a "$o/stages_split/step_split.log"
 grep -v "^ \{6,\}[0-9]" "$o/stages_split/step_split.log" | tail -24

@@ -85,6 +85,25 @@ def test_a_narrow_layer_keeps_its_blocks_at_two_row_tiles():
         assert dict(launch["template"])["NA"] == 1 and launch["grid"][0] == 32 * 8 * 320
 
 
+def test_the_activations_prefetch_is_the_4_bit_shared_memory_feeds_at_few_row_tiles():
+    """Loading the next chunk's activations ahead (template XPRE) is speed only and costs 16
+    registers a lane a row tile: on for 4-bit launches of the shared-memory feed up to
+    PREFETCH_TILES row tiles, never for the register feed or 8-bit; a launch that asks gets it."""
+    limit = quant_mma.PREFETCH_TILES
+    assert 1 <= limit <= 2
+    assert quant_mma.prefetch_for(4, 1, 2) == 1 and quant_mma.prefetch_for(4, limit, 2) == 1
+    assert quant_mma.prefetch_for(4, limit + 1, 2) == 0
+    assert quant_mma.prefetch_for(4, 1, 0) == 0 and quant_mma.prefetch_for(8, 1, 2) == 0
+    assert quant_mma.prefetch_for(4, 4, 2, wanted=1) == 1 and quant_mma.prefetch_for(4, 1, 2, wanted=0) == 0
+    assert quant_mma.prefetch_for(4, 1, 0, wanted=1) == 0  # the register feed has no such path
+    quant_mma.forget_launches()
+    for rows, want in ((1, 1), (8, 1), (8 * limit + 1, 0)):
+        launch = quant_mma._launch((rows,), 5120, 17408, mx.bfloat16, 4, 64, None, None, None, None, None)
+        assert dict(launch["template"])["XPRE"] == want
+    launch = quant_mma._launch((1,), 5120, 17408, mx.bfloat16, 8, 64, None, None, None, None, None)
+    assert dict(launch["template"])["XPRE"] == 0
+
+
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
     lay = _layer()
     w, s, b = lay["weight"], lay["scales"], lay["biases"]

@@ -24,7 +24,8 @@ Layout, for MLX's affine groups as ``nn.QuantizedLinear`` stores them (``weight`
 - the weights reach a warp one of two ways (``P``, speed only: both feed the same ``qmm_chunk``):
   loaded into registers U chunks at a time, or (P > 0) copied by ``cp.async`` into a ring of P
   chunks in shared memory that stays P chunks ahead of the products, so a warp always has loads
-  in flight while it computes (its lanes copy exactly what they later read: no barrier).
+  in flight while it computes (its lanes copy exactly what they later read: no barrier); at one
+  row tile that feed also loads the next chunk's activations while a chunk computes (``XPRE``);
 
 The order in which an output element is summed is fixed by K (and bits and S) alone: each MMA
 sums a fixed set of 16 inputs (the k order inside a chunk is a fixed permutation that matches
@@ -155,11 +156,17 @@ template <int N> __device__ __forceinline__ void qmm_wait() { asm volatile("cp.a
 // 4-bit: the scales and biases come as pairs of the same 16-bit value (s, s), which the
 // shared-memory feed builds from its copied bits with one byte permute and the register feed
 // by a round trip through float32 (exact: the same bits).
-template <bool BF, int NA, int MT, typename XT>
+// PX (the shared-memory feed at 1-2 row tiles): the activations come in ``xw``, loaded while the
+// chunk before computed, and each word's slot is refilled with the next chunk's (``kn``, -1: none)
+// as soon as it is read. Without it a warp waited on its activations' loads every chunk (on an
+// H100 ~36% of its cycles between instructions were L1TEX waits with the weights already in
+// shared memory). The same values reach the same products: speed only.
+template <bool BF, int NA, int MT, bool PX = false, typename XT>
 __device__ __forceinline__ void qmm_chunk4(float (&acc)[NA][MT][4], const qmm_u4 (&wa)[NA], const qmm_u4 (&wb)[NA],
                                            const unsigned (&sa2)[NA], const unsigned (&ba2)[NA],
                                            const unsigned (&sb2)[NA], const unsigned (&bb2)[NA], const XT* x, int M,
-                                           int K, int m0, int kl, int g, bool aligned) {
+                                           int K, int m0, int kl, int g, bool aligned, qmm_u4 (*xw)[4] = nullptr,
+                                           int kn = -1) {
     unsigned mask = 0x000F000Fu, magic = BF ? 0x43004300u : 0x64006400u;
     // opaque to the compiler, so both stay in registers for the lop3 (not folded into immediates)
     asm("mov.b32 %0, %0;" : "+r"(mask));
@@ -172,7 +179,12 @@ __device__ __forceinline__ void qmm_chunk4(float (&acc)[NA][MT][4], const qmm_u4
         for (int j = 0; j < MT; ++j) {
             const int m = m0 + 8 * j + g;
             qmm_u4 xv = {0u, 0u, 0u, 0u};
-            if (m < M) xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+            if constexpr (PX) {
+                xv = xw[j][i];
+                if (m < M && kn >= 0) xw[j][i] = qmm_load16(x + (size_t)m * K + kn + 8 * i, true);
+            } else if (m < M) {
+                xv = qmm_load16(x + (size_t)m * K + kl + 8 * i, aligned);
+            }
             // paired as the weights are: (x0, x4), (x1, x5) / (x2, x6), (x3, x7)
             B[j][0] = __byte_perm(xv.x, xv.z, 0x5410); B[j][1] = __byte_perm(xv.x, xv.z, 0x7632);
             B[j][2] = __byte_perm(xv.y, xv.w, 0x5410); B[j][3] = __byte_perm(xv.y, xv.w, 0x7632);
@@ -318,6 +330,20 @@ _SOURCE = """
             };
             #pragma unroll 1
             for (int p = 0; p < PS; ++p) issue(p, warp + p * S);
+            // the first chunk's activations (PX): later chunks' load while the one before computes
+            constexpr bool PX = BITS == 4 && XPRE != 0;
+            qmm_u4 xw[PX ? MT : 1][4];
+            if constexpr (PX) {
+                #pragma unroll
+                for (int j = 0; j < MT; ++j) {
+                    const int m = m0 + 8 * j + g;
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        xw[j][i] = {0u, 0u, 0u, 0u};
+                        if (m < M && warp < NC) xw[j][i] = qmm_load16(x + (size_t)m * K + warp * CK + t * KT + 8 * i, true);
+                    }
+                }
+            }
             // One chunk's code, not P copies (unrolled, the copies cost ~30 registers at P = 4:
             // a block per SM): the slot is an offset into shared memory, free to vary.
             int p = 0;
@@ -343,7 +369,8 @@ _SOURCE = """
                         sa2[a] = __byte_perm(sc.x, 0, sel); ba2[a] = __byte_perm(sc.y, 0, sel);
                         sb2[a] = __byte_perm(sc.z, 0, sel); bb2[a] = __byte_perm(sc.w, 0, sel);
                     }
-                    qmm_chunk4<BF, NA, MT>(acc, wa, wb, sa2, ba2, sb2, bb2, x, M, K, m0, c * CK + t * KT, g, aligned);
+                    qmm_chunk4<BF, NA, MT, PX>(acc, wa, wb, sa2, ba2, sb2, bb2, x, M, K, m0, c * CK + t * KT, g, aligned,
+                                               xw, c + S < NC ? (c + S) * CK + t * KT : -1);
                 } else {
                     float sa[NA], ba[NA], sb[NA], bb[NA];
                     #pragma unroll
@@ -453,6 +480,12 @@ COLUMN_TILES_BY_TILES = {1: 1, 2: 2, 3: 2, 4: 4}
 STAGES_BY_TILES: dict[int, int] = {mt: 2 for mt in range(1, MAX_TILES + 1)}
 # A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
 RING_SLOTS_MAX = 30
+# Row tiles up to which the shared-memory feed loads a chunk's activations while the chunk before
+# computes (template XPRE; 4-bit only; speed only: the same values reach the same products). Each
+# row tile holds 16 more registers a lane; at 3-4 tiles the kernel already holds ~106.
+PREFETCH_TILES = 1
+# Layers that never prefetch, measured slower with it: (N, K, bits).
+PREFETCH_OFF: set[tuple[int, int, int]] = {(16480, 5120, 4)}
 
 _kernel: list = []
 
@@ -563,9 +596,16 @@ def forget_launches() -> None:
     _launches.clear()
 
 
+def prefetch_for(bits: int, MT: int, P: int, wanted: int | None = None, N: int = 0, K: int = 0) -> int:
+    """1 when the shared-memory feed loads the next chunk's activations ahead (``PREFETCH_TILES``;
+    ``wanted`` overrides it for the sweep), else 0; the register feed and 8-bit never do."""
+    on = MT <= PREFETCH_TILES and (N, K, bits) not in PREFETCH_OFF if wanted is None else bool(wanted)
+    return int(on and P > 0 and bits == 4)
+
+
 def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
-            stages) -> dict:
-    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages)
+            stages, prefetch=None) -> dict:
+    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages, prefetch)
     got = _launches.get(key)
     if got is None:
         M = math.prod(lead)
@@ -576,8 +616,9 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
         # With P > 0 the register feed runs only for unaligned pointers: U = 1 keeps its
         # registers (a kernel holds the most either way needs) at the shared-memory feed's.
         U = unroll or (1 if P else UNROLL_BY_TILES.get(MT, 1))
+        X = prefetch_for(bits, MT, P, prefetch, N, K)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P), ("XPRE", X)],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(*lead, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -586,14 +627,15 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
-                         columns: int | None = None, stages: int | None = None) -> mx.array:
+                         columns: int | None = None, stages: int | None = None,
+                         prefetch: int | None = None) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
     and the split (see the module docstring). The keyword arguments override the launch (for
     the device check's sweep); ``split`` changes the order, the others (``unroll``, ``tiles``,
-    ``columns``, ``stages``) only the speed."""
+    ``columns``, ``stages``, ``prefetch``) only the speed."""
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
-                     stages)
+                     stages, prefetch)
     (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
     return y
 
