@@ -158,11 +158,12 @@ template <int N> __device__ __forceinline__ void qmm_wait() { asm volatile("cp.a
 // 4-bit: the scales and biases come as pairs of the same 16-bit value (s, s), which the
 // shared-memory feed builds from its copied bits with one byte permute and the register feed
 // by a round trip through float32 (exact: the same bits).
-// PX (the shared-memory feed at 1-2 row tiles): the activations come in ``xw``, loaded while the
-// chunk before computed, and each word's slot is refilled with the next chunk's (``kn``, -1: none)
-// as soon as it is read. Without it a warp waited on its activations' loads every chunk (on an
-// H100 ~36% of its cycles between instructions were L1TEX waits with the weights already in
-// shared memory). The same values reach the same products: speed only.
+// PX (the shared-memory feed at PREFETCH_TILES row tiles): the activations come in ``xw``, loaded
+// while the chunk before computed, and each word's slot is refilled with the next chunk's (``kn``,
+// -1: none) as soon as it is read. Without it a warp waited on its activations' loads every chunk
+// (on an H100 ~36% of its cycles between instructions were L1TEX waits; the prefetch gave 2-7% at
+// one row, so most of those waits were not the activations'). The same values reach the same
+// products: speed only.
 template <bool BF, int NA, int MT, bool PX = false, typename XT>
 __device__ __forceinline__ void qmm_chunk4(float (&acc)[NA][MT][4], const qmm_u4 (&wa)[NA], const qmm_u4 (&wb)[NA],
                                            const unsigned (&sa2)[NA], const unsigned (&ba2)[NA],
@@ -510,10 +511,14 @@ STAGES_BY_TILES: dict[int, int] = {mt: 2 for mt in range(1, MAX_TILES + 1)}
 # A block's static shared memory is at most 48 KB: the ring takes S * P * NA * 1.5 KB of it.
 RING_SLOTS_MAX = 30
 # Row tiles up to which the shared-memory feed loads a chunk's activations while the chunk before
-# computes (template XPRE; 4-bit only; speed only: the same values reach the same products). Each
-# row tile holds 16 more registers a lane; at 3-4 tiles the kernel already holds ~106.
+# computes (template XPRE; 4-bit only; speed only: the same values reach the same products). It
+# holds 12-20 more registers a lane (nvcc, sm_90): at 2 row tiles the 27B's narrow layers' blocks
+# then no longer fit one wave (an H100: the down projection 55.5 us against 41.8 at 9 rows), so
+# one row tile only (bench/results/h100_2026-12-06k).
 PREFETCH_TILES = 1
-# Layers that never prefetch, measured slower with it: (N, K, bits).
+# Layers that never prefetch, measured slower with it: (N, K, bits). The 27B's merged in_proj:
+# 1,030 blocks of 4 warps need 7.8 an SM, the prefetch's registers leave room for 7 (30.1 us
+# against 24.7 at one row on an H100).
 PREFETCH_OFF: set[tuple[int, int, int]] = {(16480, 5120, 4)}
 
 _kernel: list = []
