@@ -26,26 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def quant_mma_module():
+    """engine/kernels/quant_mma.py (imported from the repository root: this is a tool, not a package)."""
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine.kernels import quant_mma
+
+    return quant_mma
+
+
 def kernel_texts() -> tuple[str, str]:
     """The header and body as MLX is handed them, from the module."""
-    sys.path.insert(0, str(ROOT))
-    from daemon.engine.kernels import quant_mma
-
-    return quant_mma._HEADER, quant_mma._SOURCE
-
-
-def quant_mma_ring_slots() -> int:
-    sys.path.insert(0, str(ROOT))
-    from daemon.engine.kernels import quant_mma
-
-    return quant_mma.RING_SLOTS_MAX
-
-
-def quant_mma_prefetch_tiles() -> int:
-    sys.path.insert(0, str(ROOT))
-    from daemon.engine.kernels import quant_mma
-
-    return quant_mma.PREFETCH_TILES
+    qm = quant_mma_module()
+    return qm._HEADER, qm._SOURCE
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:
@@ -156,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
-    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS", help="count one variant's chunk loop in its SASS instead (S:MT:NA:P:BITS:X: X the prefetch)")
+    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS[:X]", help="count one variant's chunk loop in its SASS instead (X: the activations' prefetch, 0 or 1)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     args = ap.parse_args(argv)
     if args.gdn:
@@ -164,15 +156,16 @@ def main(argv=None) -> int:
     if args.sass:
         return sass_loop(args)
     header, body = kernel_texts()
+    qm = quant_mma_module()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
         for bits, (xtype, xbf), S, MT, U, NA, P, X in itertools.product(
                 (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4), (0, 1)):
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
-            if P and (U != 1 or S * P * NA > quant_mma_ring_slots()):
+            if P and (U != 1 or S * P * NA > qm.RING_SLOTS_MAX):
                 continue  # the shared-memory feed ignores U; launches cap its ring
-            if X and (not P or bits != 4 or MT > quant_mma_prefetch_tiles()):
+            if X and (not P or bits != 4 or MT > qm.PREFETCH_TILES):
                 continue  # the activations' prefetch: the 4-bit shared-memory feed's, at few row tiles
             params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "XPRE": X}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),

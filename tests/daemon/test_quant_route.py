@@ -86,8 +86,8 @@ def test_a_narrow_layer_keeps_its_blocks_at_two_row_tiles():
 
 
 def test_the_activations_prefetch_is_the_4_bit_shared_memory_feeds_at_few_row_tiles():
-    """Loading the next chunk's activations ahead (template XPRE) is speed only and costs 16
-    registers a lane a row tile: on for 4-bit launches of the shared-memory feed up to
+    """Loading the next chunk's activations ahead (template XPRE) is speed only and costs 12-20
+    registers a lane (nvcc, sm_90): on for 4-bit launches of the shared-memory feed up to
     PREFETCH_TILES row tiles, never for the register feed or 8-bit; a launch that asks gets it."""
     limit = quant_mma.PREFETCH_TILES
     assert 1 <= limit <= 2

@@ -314,7 +314,7 @@ _SOURCE = """
             const unsigned smem0 = qmm_smem(mine) + lane * 16;
             const unsigned char* wrow[NA];
             const T* srow[NA];
-            const T* brow[NA];
+            const T* brow[NA];                        // unused with SBW: srow then points at a scale or a bias
             #pragma unroll
             for (int a = 0; a < NA; ++a) {
                 const int na = n0 + 16 * a + g;
@@ -326,7 +326,6 @@ _SOURCE = """
                     const size_t to_bias = (t & 1) ? reinterpret_cast<size_t>(biases) - reinterpret_cast<size_t>(scales) : 0;
                     srow[a] = reinterpret_cast<const T*>(
                         reinterpret_cast<const char*>(scales + (size_t)(n0 + 16 * a + g + ((t & 2) ? 8 : 0)) * G) + to_bias);
-                    brow[a] = srow[a];
                 } else {
                     srow[a] = scales + (size_t)na * G;
                     brow[a] = biases + (size_t)na * G;
