@@ -150,7 +150,8 @@ CHECK_MS = (1, 16, 17, 32, 40)  # row tiles 1-5, whole and partial
 
 def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
     """NA, U and P change only the speed: every launch gives the NA = 1 launch's bits, at every M,
-    the register feed (P = 0) included; with ``old`` (``load_kernel_module``), that version's
+    the register feed (P = 0) included, and the residual variant those bits plus a residual as
+    MLX's Add gives them; with ``old`` (``load_kernel_module``), that version's
     default launch too. Compiling every variant on a fresh machine takes over 90 s: give it 200."""
     out = {}
     for name in ("mlp.gate/up 5120->17408", "mlp.down 17408->5120"):
@@ -166,14 +167,22 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
             launches += [{"stages": 2, "prefetch": 1, "columns": na} for na in (1, 2)] + [{"stages": 2, "prefetch": 0}]
             same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, **kw),
                                       base).item() for kw in launches)
-            rows[M] = r = {"launches_equal": same, "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
+            # the residual variant: the bits of the add apart (MLX's Add), at the default launch and
+            # at the register feed
+            res = mx.random.normal((M, N), key=mx.random.key(M)).astype(mx.bfloat16)
+            plus = res + base
+            res_same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, residual=res,
+                                                                         **kw), plus).item() for kw in ({}, {"stages": 0}))
+            rows[M] = r = {"launches_equal": same, "residual_equal": res_same,
+                           "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
             if old is not None:
                 r["same_as_old"] = mx.array_equal(old.quantized_matmul_mma(x[:M], q, s, b, GS, bits), base).item()
             # one line a row count: a check cut by its time limit still shows what it saw
-            log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, {r['rel_err_vs_mlx']:.1e} from MLX's"
+            log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, residual {'same' if res_same else 'DIFFERS'}, "
+                f"{r['rel_err_vs_mlx']:.1e} from MLX's"
                 + ("" if old is None else f"; {'the same bits as' if r['same_as_old'] else 'DIFFERS from'} the old kernel"))
         out[f"b{bits} {name}"] = rows
-    out["ok"] = all(r["launches_equal"] and r["rel_err_vs_mlx"] < 2e-2 and r.get("same_as_old", True)
+    out["ok"] = all(r["launches_equal"] and r["residual_equal"] and r["rel_err_vs_mlx"] < 2e-2 and r.get("same_as_old", True)
                     for v in out.values() for r in v.values())
     return out
 

@@ -34,10 +34,11 @@ def quant_mma_module():
     return quant_mma
 
 
-def kernel_texts() -> tuple[str, str]:
-    """The header and body as MLX is handed them, from the module."""
+def kernel_texts(residual: bool = False) -> tuple[str, str]:
+    """The header and body as MLX is handed them, from the module (``residual``: the variant that
+    adds its input ``res`` as it writes)."""
     qm = quant_mma_module()
-    return qm._HEADER, qm._SOURCE
+    return qm._HEADER, (qm._OUT_RESIDUAL if residual else qm._OUT_PLAIN) + qm._SOURCE
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:
@@ -50,7 +51,7 @@ using T = {xtype};
 {header}
 extern "C" __global__ void qmm(const T* x, const int* x_shape, {"const int x_ndim, " if "x_ndim" in body else ""}const uint32_t* w, const int* w_shape,
                                const T* scales, const int* scales_shape, const T* biases, const int* biases_shape,
-                               T* y) {{
+                               {"const T* res, const int* res_shape, " if "res[" in body else ""}T* y) {{
 {body}
 }}
 """
@@ -170,6 +171,13 @@ def main(argv=None) -> int:
             params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "XPRE": X}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
                                " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
+        # The residual variant differs only in its writes: the daemon's launches of each feed.
+        header, body = kernel_texts(residual=True)
+        for bits, S, MT, NA, P, X in ((4, 4, 1, 1, 2, 1), (4, 4, 1, 1, 2, 0), (4, 4, 2, 1, 2, 0), (4, 3, 4, 4, 2, 0),
+                                      (8, 4, 1, 1, 2, 0), (4, 4, 1, 1, 0, 0)):
+            params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X}
+            bad += compile_one(args, tmp, wrapper(header, body, "__nv_bfloat16", params),
+                               "residual " + " ".join(f"{k}={v}" for k, v in params.items()))
     return 1 if bad else 0
 
 

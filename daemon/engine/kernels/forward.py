@@ -31,6 +31,42 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
 
+# The decode step's residual adds written by the matmuls before them, where those take a residual
+# (the routed quantized linears on CUDA: quant_mma's residual variant): the bits of the add apart,
+# one kernel and one node fewer each (128 a 27B step). The compiled step's self-check compares
+# this walk with mlx-lm's eager layers, which add apart. False: every add apart (an A/B arm).
+FUSE_RESIDUAL = True
+
+
+def plus_linear(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + layer(x)``: one kernel where the layer adds the residual as its matmul writes
+    (its ``plus``), else the add apart."""
+    plus = getattr(layer, "plus", None) if FUSE_RESIDUAL else None
+    return residual + layer(x) if plus is None else plus(x, residual)
+
+
+def mlp_plus(mlp: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
+    """``residual + mlp(x)``, the add in the down projection's writes where the MLP has ``plus``."""
+    plus = getattr(mlp, "plus", None) if FUSE_RESIDUAL else None
+    return residual + mlp(x) if plus is None else plus(x, residual)
+
+
+def mixer_plus(mixer: nn.Module, x: mx.array, mask: Any, cache: Any, residual: mx.array) -> mx.array:
+    """``residual + mixer(x, mask, cache)`` for a layer's attention or GatedDeltaNet block, the
+    add in its out projection's writes where the block takes a residual (``takes_residual``)."""
+    if FUSE_RESIDUAL and getattr(mixer, "takes_residual", False):
+        return mixer(x, mask, cache, residual=residual)
+    return residual + mixer(x, mask, cache)
+
+
+def decoder_layer(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    """mlx-lm's qwen3_5 / qwen3_next DecoderLayer.__call__, h = x + mixer(norm(x)), then
+    h + mlp(norm2(h)), with each add where ``mixer_plus`` and ``mlp_plus`` put it."""
+    mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+    h = mixer_plus(mixer, layer.input_layernorm(x), mask, cache, x)
+    return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
+
+
 def backbone_layers(backbone: nn.Module) -> list:
     return getattr(backbone, "pipeline_layers", backbone.layers)
 
@@ -171,11 +207,13 @@ def gdn_conv_qkv(attn: nn.Module, conv_input: mx.array, B: int, S: int) -> tuple
     return (*normalize_qk(q, k, inv_scale=attn.head_k_dim**-0.5, eps=1e-6), v)
 
 
-def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array):
+def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array, state: mx.array,
+                        residual: mx.array | None = None):
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 and qwen3_next projections), op for op,
     plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
     ops path (CPU, CUDA) bit for bit, or the folded kernel's decode step where gdn_layer.py
-    installed it. Returns (output, conv_input, per-token states)."""
+    installed it. Returns (output, conv_input, per-token states); with ``residual``, the output
+    is ``residual`` + the block's (``plus_linear``)."""
     B, S, _ = inputs.shape
     qkv, z, b, a = gdn_projections(attn, inputs)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -187,10 +225,11 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
     else:
         q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
         out, states = _recurrence_with_states(attn, q, k, v, a, b, state)
-    out = attn.norm(out, z)
-    out = attn.out_proj(out.reshape(B, S, -1))
+    out = attn.norm(out, z).reshape(B, S, -1)
     if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
-        out = mx.distributed.all_sum(out, group=attn.sharding_group)
+        out = mx.distributed.all_sum(attn.out_proj(out), group=attn.sharding_group)
+        return (out if residual is None else residual + out), conv_input, states
+    out = attn.out_proj(out) if residual is None else plus_linear(attn.out_proj, out, residual)
     return out, conv_input, states
 
 
@@ -251,8 +290,8 @@ def compiled_forward(compiled, tokens: mx.array, cache: list, rec: list | None) 
     fa_mask = create_attention_mask(h, cache[compiled.fa_idx]) if compiled.fa_idx is not None else None
     for i, (layer, c) in enumerate(zip(compiled.layers, cache)):
         if not layer.is_linear:
-            r = layer.self_attn(layer.input_layernorm(h), fa_mask, c)
-            h = compiled.steps[i](h, r)
+            h = mixer_plus(layer.self_attn, layer.input_layernorm(h), fa_mask, c, h)
+            h = compiled.steps[i](h)
         elif rec is None:
             h, c[0], c[1] = compiled.steps[i](h, c[0], c[1])
             c.advance(tokens.shape[1])

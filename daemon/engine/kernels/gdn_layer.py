@@ -24,7 +24,7 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from . import gdn_fused
-from .forward import gdn_heads, gdn_mix, gdn_projections
+from .forward import gdn_heads, gdn_mix, gdn_projections, plus_linear
 
 _BASES = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
 
@@ -32,21 +32,25 @@ _BASES = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
 class _FusedBlock:
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 / qwen3_next), op for op, but for the conv
     and recurrence: ``forward.gdn_mix``, which takes ``fused_conv_recurrence`` where the conv
-    is folded in, else ``fused_recurrence``."""
+    is folded in, else ``fused_recurrence``. With ``residual``: ``residual`` + the block's output,
+    the add in the out projection's writes where it takes one (``forward.plus_linear``)."""
 
     fused_recurrence: Callable
     fused_conv_recurrence: Callable | None
+    takes_residual = True
 
-    def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache=None) -> mx.array:
+    def __call__(self, inputs: mx.array, mask: mx.array | None = None, cache=None,
+                 residual: mx.array | None = None) -> mx.array:
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
             inputs = sum_gradients(self.sharding_group)(inputs)
         qkv, z, b, a = gdn_projections(self, inputs)
         out = gdn_mix(self, qkv, a, b, mask, cache)
-        out = self.out_proj(self.norm(out, z).reshape(B, S, -1))
+        out = self.norm(out, z).reshape(B, S, -1)
         if self.sharding_group is not None:
-            out = mx.distributed.all_sum(out, group=self.sharding_group)
-        return out
+            out = mx.distributed.all_sum(self.out_proj(out), group=self.sharding_group)
+            return out if residual is None else residual + out
+        return self.out_proj(out) if residual is None else plus_linear(self.out_proj, out, residual)
 
 
 _classes: dict[tuple, type] = {}

@@ -118,7 +118,8 @@ def _perturbed(y: mx.array) -> mx.array:
 def invariant_quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
                                bits: int, **launch) -> mx.array:
     """x [..., K] times MLX's affine-quantized w [N, K] transposed, every output summed in an
-    order fixed by K alone (engine/kernels/invariant_quant.py); on the CPU its reference ops."""
+    order fixed by K alone (engine/kernels/invariant_quant.py); on the CPU its reference ops.
+    ``residual=`` adds it (in the kernel's writes where it can: the same bits)."""
     return invariant_quant.quantized_matmul(x, w, scales, biases, group_size, bits, backend(), **launch)
 
 
@@ -137,6 +138,14 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
         y = _perturbed(invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"],
                                                   self.group_size, self.bits))
         return y + self["bias"] if "bias" in self else y
+
+    def plus(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self(x)`` (forward.plus_linear), the add in the kernel's writes where it
+        can take it: the same bits."""
+        if not _quant_routable(x) or "bias" in self or (PERTURB_BATCHED and _rows(x) > 1):
+            return residual + self(x)
+        return invariant_quantized_matmul(x, self["weight"], self["scales"], self["biases"], self.group_size,
+                                          self.bits, residual=residual)
 
 
 class InvariantQuantizedEmbedding(nn.QuantizedEmbedding):

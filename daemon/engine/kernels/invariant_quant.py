@@ -258,13 +258,24 @@ def _route(backend: str, x: mx.array, w: mx.array, scales: mx.array, biases: mx.
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                      backend: str | None, *, cols_per_warp: int | None = None, warps_per_block: int | None = None,
-                     row_tile: int | None = None, scalar: bool = False, mma: dict | None = None) -> mx.array:
+                     row_tile: int | None = None, scalar: bool = False, mma: dict | None = None,
+                     residual: mx.array | None = None) -> mx.array:
     """x [..., K] times the quantized w [N, K] transposed, each output summed in an order
     fixed by K alone (see the module docstring), on ``backend`` ("cuda" or "metal"; None, the
     CPU: ``reference_quantized_matmul``). The keyword arguments override the launch shape
     (for the device check's sweep). engine/kernels/invariant.py's ``invariant_quantized_matmul``
     calls it with the process's backend. On CUDA a layer engine/kernels/quant_mma.py takes runs on the
-    tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel."""
+    tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel.
+    With ``residual``: ``residual + y``, added as the tensor-core kernel writes y where it can
+    (``quant_mma.residual_refusal``), else apart: the same bits either way."""
+    if residual is not None:
+        if backend is not None and quant_mma.residual_refusal(x, w.shape[0], residual) is None and \
+                _route(backend, x, w, scales, biases, group_size, bits, scalar) == "mma":
+            return quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, residual=residual,
+                                                  **(mma or {}))
+        return residual + quantized_matmul(x, w, scales, biases, group_size, bits, backend,
+                                           cols_per_warp=cols_per_warp, warps_per_block=warps_per_block,
+                                           row_tile=row_tile, scalar=scalar, mma=mma)
     if backend is None:
         return reference_quantized_matmul(x, w, scales, biases, group_size, bits)
     K = x.shape[-1]

@@ -44,7 +44,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.activations import swiglu
 
-from .forward import attention_projections
+from .forward import attention_projections, plus_linear
 from .gdn_layer import layers as gdn_layers
 
 GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -104,13 +104,21 @@ class MergedMLP(qwen3_next.Qwen3NextMLP):
         gate, up = mx.split(self.gate_up_proj(x), self._gate_up_splits, axis=-1)
         return self.down_proj(swiglu(gate, up))
 
+    def plus(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self(x)``, the add in the down projection's writes where it takes one."""
+        gate, up = mx.split(self.gate_up_proj(x), self._gate_up_splits, axis=-1)
+        return plus_linear(self.down_proj, swiglu(gate, up), residual)
+
 
 class MergedAttention(qwen3_next.Qwen3NextAttention):
     """mlx-lm's gated attention (Qwen3NextAttention.__call__, op for op) with q, k and v from
     ``attention_projections`` (one matmul where merged) and the attention proper in ``attend``:
-    MLX's fused kernel here, the invariant kernel in invariant.InvariantAttention."""
+    MLX's fused kernel here, the invariant kernel in invariant.InvariantAttention. With
+    ``residual``: ``residual`` + its output, the add in o_proj's writes where it takes one."""
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    takes_residual = True
+
+    def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
         B, L, D = x.shape
         q, keys, values = attention_projections(self, x)
         queries, gate = mx.split(q.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
@@ -126,8 +134,8 @@ class MergedAttention(qwen3_next.Qwen3NextAttention):
             queries = self.rope(queries)
             keys = self.rope(keys)
         output = self.attend(queries, keys, values, cache, mask)
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output * mx.sigmoid(gate))
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)
+        return self.o_proj(output) if residual is None else plus_linear(self.o_proj, output, residual)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache, mask) -> mx.array:
         """The attention proper for queries [B, H, L, D] (after rope and the cache update)."""

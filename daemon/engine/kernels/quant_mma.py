@@ -466,12 +466,12 @@ _SOURCE = """
                     const int mA = m0 + 8 * j + 2 * t;
                     const int na = n0 + 16 * a + g;
                     if (mA < M) {
-                        y[(size_t)mA * N + na] = static_cast<T>(s[0]);
-                        y[(size_t)mA * N + na + 8] = static_cast<T>(s[2]);
+                        y[(size_t)mA * N + na] = QMM_OUT((size_t)mA * N + na, s[0]);
+                        y[(size_t)mA * N + na + 8] = QMM_OUT((size_t)mA * N + na + 8, s[2]);
                     }
                     if (mA + 1 < M) {
-                        y[(size_t)(mA + 1) * N + na] = static_cast<T>(s[1]);
-                        y[(size_t)(mA + 1) * N + na + 8] = static_cast<T>(s[3]);
+                        y[(size_t)(mA + 1) * N + na] = QMM_OUT((size_t)(mA + 1) * N + na, s[1]);
+                        y[(size_t)(mA + 1) * N + na + 8] = QMM_OUT((size_t)(mA + 1) * N + na + 8, s[3]);
                     }
                 }
             }
@@ -479,9 +479,17 @@ _SOURCE = """
     }
 """
 
+# How an output is written: rounded to T, or (the residual variant, input ``res`` [..., N] of T)
+# rounded to T and added to the residual with T's own ``+``, the operator MLX's Add kernel applies
+# to two arrays of T: the bits of ``res + y`` computed apart, without the Add's kernel (a decode
+# step of the 27B model has 128 such adds, each a launch and host time; bench/results/h100_2026-12-06m).
+_OUT_PLAIN = "\n#define QMM_OUT(i, v) static_cast<T>(v)\n"
+_OUT_RESIDUAL = "\n#define QMM_OUT(i, v) (static_cast<T>(v) + res[i])\n"
+
 # The kernel's name carries a hash of its source: MLX caches compiled kernels on disk by name
 # (MLX_PTX_CACHE_DIR), so an edited kernel must never be served a stale binary.
-_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _SOURCE).encode()).hexdigest()[:10]
+_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _OUT_PLAIN + _SOURCE).encode()).hexdigest()[:10]
+_NAME_RESIDUAL = "councild_qmm_mma_res_" + hashlib.sha1((_HEADER + _OUT_RESIDUAL + _SOURCE).encode()).hexdigest()[:10]
 
 # Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
 # by measurement (bench/qmm_split_pick.py over a device sweep); shapes not listed take
@@ -520,14 +528,17 @@ PREFETCH_TILES = 1
 # against 24.7 at one row on an H100).
 PREFETCH_OFF: set[tuple[int, int, int]] = {(16480, 5120, 4)}
 
-_kernel: list = []
+_kernels: dict[bool, Any] = {}
 
 
-def _get_kernel():
-    if not _kernel:
-        _kernel.append(custom_kernel_cache.cuda_kernel(name=_NAME, input_names=["x", "w", "scales", "biases"],
-                                           output_names=["y"], source=_SOURCE, header=_HEADER))
-    return _kernel[0]
+def _get_kernel(residual: bool = False):
+    got = _kernels.get(residual)
+    if got is None:
+        inputs = ["x", "w", "scales", "biases"] + (["res"] if residual else [])
+        got = _kernels[residual] = custom_kernel_cache.cuda_kernel(
+            name=_NAME_RESIDUAL if residual else _NAME, input_names=inputs, output_names=["y"],
+            source=(_OUT_RESIDUAL if residual else _OUT_PLAIN) + _SOURCE, header=_HEADER)
+    return got
 
 
 def chunk_inputs(bits: int) -> int:
@@ -661,20 +672,35 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
                          columns: int | None = None, stages: int | None = None,
-                         prefetch: int | None = None) -> mx.array:
+                         prefetch: int | None = None, residual: mx.array | None = None) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
-    and the split (see the module docstring). The keyword arguments override the launch (for
-    the device check's sweep); ``split`` changes the order, the others (``unroll``, ``tiles``,
-    ``columns``, ``stages``, ``prefetch``) only the speed."""
+    and the split (see the module docstring). With ``residual`` (``residual_refusal`` None),
+    ``residual + y`` with the bits of the two computed apart, in one kernel. The keyword arguments
+    override the launch (for the device check's sweep); ``split`` changes the order, the others
+    (``unroll``, ``tiles``, ``columns``, ``stages``, ``prefetch``) only the speed."""
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
                      stages, prefetch)
-    (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
+    if residual is None:
+        (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
+    else:
+        (y,) = _get_kernel(True)(inputs=[x, w, scales, biases, residual], **launch)
     return y
 
 
-def kernel_source() -> str:
+def residual_refusal(x: mx.array, N: int, residual: mx.array) -> str | None:
+    """Why the kernel cannot add ``residual`` as it writes y = x W^T (None: it can): the residual
+    must be y's own shape and dtype (no broadcasting, no promotion: the separate add's result
+    would be another dtype or shape)."""
+    if residual.dtype != x.dtype:
+        return f"a {residual.dtype} residual to {x.dtype} outputs"
+    if tuple(residual.shape) != (*x.shape[:-1], N):
+        return f"a residual of shape {tuple(residual.shape)} to outputs of {(*x.shape[:-1], N)}"
+    return None
+
+
+def kernel_source(residual: bool = False) -> str:
     """The header and body, for error reports and compile checks."""
-    return _HEADER + "\n// ---- body ----\n" + _SOURCE
+    return _HEADER + "\n// ---- body ----\n" + (_OUT_RESIDUAL if residual else _OUT_PLAIN) + _SOURCE
 
 

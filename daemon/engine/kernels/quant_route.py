@@ -86,9 +86,9 @@ def _routed(module, x: mx.array) -> bool:
             and quant_mma.mma_refusal(x.dtype, N, x.shape[-1], module.group_size, module.bits) is None)
 
 
-def _mma(module, x: mx.array) -> mx.array:
+def _mma(module, x: mx.array, residual: mx.array | None = None) -> mx.array:
     return invariant_quant.quantized_matmul(x, module["weight"], module["scales"], module["biases"],
-                                            module.group_size, module.bits, "cuda")
+                                            module.group_size, module.bits, "cuda", residual=residual)
 
 
 class RoutedQuantizedLinear(nn.QuantizedLinear):
@@ -99,6 +99,13 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
             return super().__call__(x)
         y = _mma(self, x)
         return y + self["bias"] if "bias" in self else y
+
+    def plus(self, x: mx.array, residual: mx.array) -> mx.array:
+        """``residual + self(x)`` (forward.plus_linear), the add in the kernel's writes where it
+        can take it: the same bits."""
+        if not _routed(self, x) or "bias" in self:
+            return residual + self(x)
+        return _mma(self, x, residual)
 
 
 class RoutedQuantizedEmbedding(nn.QuantizedEmbedding):

@@ -13,12 +13,16 @@ k + 1 tokens, snapshot rollback's re-forward of the accepted prefix) of B rows:
   (x', conv_state', recurrent_state'). Its state has a fixed shape per height, [B, ...], so
   one trace per (B, T) serves every step; capture rollback's variant also returns the
   per-token states;
-- every full-attention layer's second half (residual + post-norm + MLP). The attention
+- every full-attention layer's second half (post-norm + MLP + residual). The attention
   itself stays eager: its KV cache is written in place at a moving offset, which a trace
   cannot hold; and it is where a batch's rows differ (left padding, a speculating batch's
   holes, per-row RoPE offsets), all carried by the mask and offsets the eager attention
   builds from the cache (BatchKVCache, ragged_cache.RaggedKVCache) at every step;
 - the final norm.
+
+Both residual adds of a layer are written by the matmul before them where it takes a residual
+(forward.decoder_layer: the routed quantized linears on CUDA), with the bits of the add apart;
+the eager forward the self-check compares against is mlx-lm's, which adds apart.
 
 Heights: a trace per (B, T) (mx.compile keeps one per input shape), not shapeless: the
 layers reshape to B-dependent shapes and split, which a shapeless trace cannot infer
@@ -59,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ..kernels.forward import cache_arrays, compiled_forward, gdn_capture_forward
+from ..kernels.forward import cache_arrays, compiled_forward, decoder_layer, gdn_capture_forward, mlp_plus
 from ..pieces import pause
 from .capture import capture_hidden
 from .compiled_batch import batch_self_check
@@ -75,7 +79,7 @@ def _linear_layer_step(layer: nn.Module) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         c = ArraysCache(2)
         c[0], c[1] = conv_state, state
-        y = layer(x, mask=None, cache=c)
+        y = decoder_layer(layer, x, None, c)
         return y, c[0], c[1]
 
     return mx.compile(step)
@@ -83,18 +87,18 @@ def _linear_layer_step(layer: nn.Module) -> Callable:
 
 def _linear_layer_capture(layer: nn.Module) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
-        r, conv_input, states = gdn_capture_forward(layer.linear_attn, layer.input_layernorm(x), conv_state, state)
-        h = x + r
-        return (h + layer.mlp(layer.post_attention_layernorm(h)), conv_input, *states)
+        h, conv_input, states = gdn_capture_forward(layer.linear_attn, layer.input_layernorm(x), conv_state, state,
+                                                    residual=x)
+        return (mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h), conv_input, *states)
 
     return mx.compile(step)
 
 
 def _attention_tail(layer: nn.Module) -> Callable:
-    # mlx-lm's qwen3_5 / qwen3_next DecoderLayer: h = x + attn(norm(x)); h + mlp(norm2(h)).
-    def tail(x: mx.array, r: mx.array) -> mx.array:
-        h = x + r
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    # mlx-lm's qwen3_5 / qwen3_next DecoderLayer: h = x + attn(norm(x)) (eager, in
+    # forward.compiled_forward); h + mlp(norm2(h)).
+    def tail(h: mx.array) -> mx.array:
+        return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
 
     return mx.compile(tail)
 
