@@ -49,6 +49,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from daemon.engine.kernels import forward, gdn_fused, gdn_layer, invariant, merged_linears, quant_mma  # noqa: E402
+from daemon.engine.model import compiled as compiled_step  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 from gpu_bench import QWEN35_27B, TINY, build_model, log, quantize_4bit  # noqa: E402
@@ -171,7 +172,9 @@ def apply_launches(kernels: str) -> None:
     2026-12-06; speed only, the same bits); "xN" loads the next chunk's activations ahead in
     launches of up to N row tiles (``quant_mma.PREFETCH_TILES``; "x0": never, as before
     2026-12-07; speed only, the same bits); "r0" adds every residual apart instead of in the
-    matmul's writes (``forward.FUSE_RESIDUAL``; as before 2026-12-06 evening; the same bits). Call it
+    matmul's writes (``forward.FUSE_RESIDUAL``; as before 2026-12-06 evening; the same bits); "a0"
+    leaves the attention eager up to its traced tail (``compiled.TRACE_ATTENTION_PARTS``; as before
+    2026-12-06 evening; the same bits). Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -182,6 +185,7 @@ def apply_launches(kernels: str) -> None:
     split, wide, stages, blocks, prefetch = number("s"), number("w"), number("p"), number("b"), number("x")
     quant_mma.PREFETCH_TILES = _PREFETCH if prefetch is None else prefetch
     forward.FUSE_RESIDUAL = "r0" not in parts
+    compiled_step.TRACE_ATTENTION_PARTS = "a0" not in parts
     quant_mma.MIN_BLOCKS_BY_TILES.clear()
     quant_mma.MIN_BLOCKS_BY_TILES.update(_MIN_BLOCKS if blocks is None else {2: blocks} if blocks else {})
     quant_mma.split_for = _SPLIT_FOR if split is None else (lambda N, K, bits: split)

@@ -2,7 +2,9 @@
 ``plus_linear``; on CUDA quant_mma's residual variant), on this CPU: the walk computes mlx-lm's
 decoder layers bit for bit, takes both adds of every layer through the layers' ``plus`` where
 they have one and apart where they do not, and the compiled step built on it passes its
-self-check against mlx-lm's eager forward (which adds apart)."""
+self-check against mlx-lm's eager forward (which adds apart). The compiled step traces a merged
+attention around its eager middle (compiled._attention_parts), and a part that rounds
+differently is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask  # noqa: E
 
 from daemon.engine.kernels import forward, gdn_fused, gdn_layer, invariant, invariant_quant, merged_linears  # noqa: E402
 from daemon.engine.kernels import quant_mma  # noqa: E402
-from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
+from daemon.engine.model import compiled as compiled_mod  # noqa: E402
+from daemon.engine.model.compiled import CompiledDecode, enable_compiled_decode, self_check  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
 
 pytestmark = pytest.mark.quick
@@ -117,3 +120,19 @@ def test_a_residual_the_kernel_cannot_take_is_added_apart():
     for residual in (mx.full((2, 3, 32), 0.5, dtype=mx.bfloat16), mx.full((1, 32), 0.25, dtype=mx.bfloat16)):
         got = invariant_quant.quantized_matmul(x, w, scales, biases, 32, 4, None, residual=residual)
         assert got.shape == y.shape and mx.array_equal(got, residual + y).item()
+
+
+def test_a_merged_attention_is_traced_around_its_middle_and_checked(random_model_path, monkeypatch):
+    lm = _routed_model(random_model_path)
+    assert enable_compiled_decode(lm) is None, lm.decode_path
+    c = lm.compiled_decode
+    assert [p is not None for p in c.attention_parts] == [not layer.is_linear for layer in c.layers]
+    real = compiled_mod._attention_parts
+
+    def off_by_a_little(layer):
+        head, tail = real(layer)
+        return head, mx.compile(lambda x, output, gate: tail(x, output, gate) * 1.01)
+
+    monkeypatch.setattr(compiled_mod, "_attention_parts", off_by_a_little)
+    reason = self_check(lm, CompiledDecode(lm.backbone))
+    assert reason is not None and "differs from eager" in reason

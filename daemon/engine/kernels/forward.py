@@ -284,14 +284,19 @@ def gdn_capture(attn: nn.Module, inputs: mx.array, mask: Any, cache: ArraysCache
 
 def compiled_forward(compiled, tokens: mx.array, cache: list, rec: list | None) -> mx.array:
     """The same walk with ``compiled``'s traced layers (a ``compiled.CompiledDecode`` that
-    ``applies`` to this forward): linear layers whole, attention eager up to its compiled
-    tail. With ``rec``, the capturing variant, recorded as ``capture.capture_hidden`` records."""
+    ``applies`` to this forward): linear layers whole, attention traced but for its middle
+    (``attention_parts``) or eager up to its traced tail. With ``rec``, the capturing variant, recorded as ``capture.capture_hidden`` records."""
     h = compiled.backbone.embed_tokens(tokens)
     fa_mask = create_attention_mask(h, cache[compiled.fa_idx]) if compiled.fa_idx is not None else None
     for i, (layer, c) in enumerate(zip(compiled.layers, cache)):
         if not layer.is_linear:
-            h = mixer_plus(layer.self_attn, layer.input_layernorm(h), fa_mask, c, h)
-            h = compiled.steps[i](h)
+            parts = compiled.attention_parts[i]
+            if parts is None:
+                h = mixer_plus(layer.self_attn, layer.input_layernorm(h), fa_mask, c, h)
+                h = compiled.steps[i](h)
+            else:  # traced around the eager middle
+                queries, keys, values, gate = parts[0](h)
+                h = parts[1](h, layer.self_attn.attend_cached(queries, keys, values, c, fa_mask), gate)
         elif rec is None:
             h, c[0], c[1] = compiled.steps[i](h, c[0], c[1])
             c.advance(tokens.shape[1])

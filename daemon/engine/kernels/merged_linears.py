@@ -119,6 +119,14 @@ class MergedAttention(qwen3_next.Qwen3NextAttention):
     takes_residual = True
 
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
+        queries, keys, values, gate = self.project(x)
+        output = self.attend_cached(queries, keys, values, cache, mask)
+        return self.finish(output, gate, residual)
+
+    # The forward in three parts, so that a compiled step can trace the first and the last (pure
+    # functions of their inputs) around the middle, which writes the cache at a moving offset.
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """queries, keys, values [B, H, L, D] before RoPE, and the output gate [B, L, H * D]."""
         B, L, D = x.shape
         q, keys, values = attention_projections(self, x)
         queries, gate = mx.split(q.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
@@ -126,6 +134,10 @@ class MergedAttention(qwen3_next.Qwen3NextAttention):
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
         values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values, gate
+
+    def attend_cached(self, queries: mx.array, keys: mx.array, values: mx.array, cache, mask) -> mx.array:
+        """RoPE at the cache's offset, the cache's update, the attention: [B, H, L, D]."""
         if cache is not None:
             queries = self.rope(queries, offset=cache.offset)
             keys = self.rope(keys, offset=cache.offset)
@@ -133,7 +145,11 @@ class MergedAttention(qwen3_next.Qwen3NextAttention):
         else:
             queries = self.rope(queries)
             keys = self.rope(keys)
-        output = self.attend(queries, keys, values, cache, mask)
+        return self.attend(queries, keys, values, cache, mask)
+
+    def finish(self, output: mx.array, gate: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The gated output projection (plus ``residual`` where given)."""
+        B, _, L, _ = output.shape
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)
         return self.o_proj(output) if residual is None else plus_linear(self.o_proj, output, residual)
 

@@ -13,8 +13,11 @@ k + 1 tokens, snapshot rollback's re-forward of the accepted prefix) of B rows:
   (x', conv_state', recurrent_state'). Its state has a fixed shape per height, [B, ...], so
   one trace per (B, T) serves every step; capture rollback's variant also returns the
   per-token states;
-- every full-attention layer's second half (post-norm + MLP + residual). The attention
-  itself stays eager: its KV cache is written in place at a moving offset, which a trace
+- every full-attention layer but its middle: where the attention comes in parts (merged
+  q, k, v: ``MergedAttention.project`` / ``finish``), the norm and projections before it and
+  the gated output projection after it with the layer's second half (post-norm + MLP +
+  residual); else that second half alone. The middle (RoPE at the cache's offset, the cache's
+  update, the attention) stays eager: its KV cache is written in place at a moving offset, which a trace
   cannot hold; and it is where a batch's rows differ (left padding, a speculating batch's
   holes, per-row RoPE offsets), all carried by the mask and offsets the eager attention
   builds from the cache (BatchKVCache, ragged_cache.RaggedKVCache) at every step;
@@ -103,6 +106,30 @@ def _attention_tail(layer: nn.Module) -> Callable:
     return mx.compile(tail)
 
 
+# False: every attention eager up to its traced tail, as before 2026-12-06 evening (an A/B arm).
+TRACE_ATTENTION_PARTS = True
+
+
+def _attention_parts(layer: nn.Module) -> tuple[Callable, Callable] | None:
+    # An attention that comes in parts (merged_linears.MergedAttention and its invariant
+    # subclass): the norm and projections traced before the eager middle (RoPE, the cache's
+    # update, the attention), the gated output projection traced with the tail after it. The
+    # 16 attention layers of a 27B step were ~2 ms of its host time eager (~125 us each,
+    # bench/results/h100_2026-12-06b).
+    attn = layer.self_attn
+    if not TRACE_ATTENTION_PARTS or not all(hasattr(attn, f) for f in ("project", "attend_cached", "finish")):
+        return None
+
+    def head(x: mx.array):
+        return attn.project(layer.input_layernorm(x))
+
+    def tail(x: mx.array, output: mx.array, gate: mx.array) -> mx.array:
+        h = attn.finish(output, gate, x)
+        return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
+
+    return mx.compile(head), mx.compile(tail)
+
+
 class CompiledDecode:
     """``hidden(tokens, cache)`` for short forwards, with compiled layers; ``None`` from
     ``try_hidden`` means "not a step this handles, use the eager forward". Batches of
@@ -114,6 +141,7 @@ class CompiledDecode:
         self.layers = list(getattr(backbone, "pipeline_layers", backbone.layers))
         self.steps = [_linear_layer_step(l) if l.is_linear else _attention_tail(l) for l in self.layers]
         self.capture_steps = [_linear_layer_capture(l) if l.is_linear else None for l in self.layers]
+        self.attention_parts = [None if l.is_linear else _attention_parts(l) for l in self.layers]
         self.norm = mx.compile(lambda h: backbone.norm(h))
         self.fa_idx = getattr(backbone, "fa_idx", None)
         self.batched = False
