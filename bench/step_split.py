@@ -313,8 +313,8 @@ def main(argv=None) -> int:
     RESULTS["model"] = label
     log(f"{label} ready in {time.perf_counter() - t:.0f}s")
     arms = [(k, p) for k in args.arms.split(",") for p in args.paths.split(",")]
-    if invariant.backend() != "cuda":
-        arms = [(k, p) for k, p in arms if k == "mlx"]
+    if invariant.backend() != "cuda":  # the arms this backend has the kernels of
+        arms = [(k, p) for k, p in arms if not {"gdn", "conv", "qmm", "old", "rs"} & set(k.split("+"))]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows: dict[str, list] = {}
     paths: dict[str, str] = {}
