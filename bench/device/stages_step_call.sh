@@ -9,6 +9,7 @@
 #   SHAPES=1x1,4x1,4x2 (step 1's shapes, BxT); SPLIT_LIMIT=0 skips step 1; an arm with "tbl" reads COUNCILD_QMM_SPLITS (bench/qmm_split_pick.py's JSON).
 #   ARMS=gdn+conv+merge+qmm+w1,gdn+conv+merge+qmm bash bench/device/stages_step_call.sh   (any two kernel sets;
 #   arms of a different summation order, such as the wide split "wN", differ in their last logits)
+#   SPEC_ARMS=...: step 2's kernel sets, where they are not ARMS (three arms of step 1, two of step 2)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 MLX_CUDA_USE_CUDNN_SDPA=0
 o=${OUT:-/tmp/out}
 base=gdn+conv+merge+qmm
@@ -21,7 +22,7 @@ s=$(date +%s)
 echo "step_split rc $? ($(( $(date +%s) - s )) s)" | tee -a "$o/stages_split/step_split.log"
 grep -v "^ \{6,\}[0-9]" "$o/stages_split/step_split.log" | tail -24
 timeout ${SPEC_LIMIT:-300} python3 bench/gpu_batch_spec.py --shape 27b --dtype 4bit --heights 1 4 --depths 2 --tokens 24 \
-    --rounds ${ROUNDS:-4} --kernels "$arms" --compiled --budget $(( ${SPEC_LIMIT:-300} - 20 )) \
+    --rounds ${ROUNDS:-4} --kernels "${SPEC_ARMS:-$arms}" --compiled --budget $(( ${SPEC_LIMIT:-300} - 20 )) \
     --out "$o/stages_spec" > "$o/stages_spec/spec.log" 2>&1
 echo "spec rc $? ($(( $(date +%s) - s )) s)" | tee -a "$o/stages_spec/spec.log"
 tail -12 "$o/stages_spec/spec.log"
