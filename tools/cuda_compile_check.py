@@ -5,6 +5,9 @@ the device).
 
     .venv/bin/python tools/cuda_compile_check.py [--gdn] [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
     .venv/bin/python tools/cuda_compile_check.py --sass 2:1:1:2:4[:X] --cuobjdump PATH   (one variant's chunk loop, counted)
+    .venv/bin/python tools/cuda_compile_check.py --nvrtc /path/libnvrtc.so.13 --cuda-include /usr/local/cuda-13.0/include
+                                                   (MLX's own generated texts, compiled by NVRTC: the
+                                                   library is in PyPI's nvidia-cuda-nvrtc wheel)
 
 MLX wraps a ``cuda_kernel`` source in a function whose parameters are ``const T* name`` plus a
 ``name_shape`` per input and whose template arguments are constants; this script writes the
@@ -144,6 +147,42 @@ def sass_loop(args) -> int:
     return 0
 
 
+def nvrtc_texts(args) -> int:
+    """``--nvrtc LIB``: MLX's own generated text of the matmul kernel (plain and residual variants,
+    as ``mx.fast.cuda_kernel`` would hand it to NVRTC, engine/kernels/mlx_custom_source.py) at the
+    daemon's launches for bf16 / fp16, 4 / 8 bits and 1, 4, 12, 32 rows, compiled with that NVRTC
+    library and ``--cuda-include`` (its headers and cccl): MLX's signature and the kernel's text
+    together, before any device time is spent. Needs mlx (the CPU wheel does)."""
+    import mlx.core as mx
+
+    sys.path.insert(0, str(ROOT))
+    from daemon.engine.kernels import custom_kernel_cache as cache
+
+    qm = quant_mma_module()
+    nvrtc = cache.Nvrtc(args.nvrtc)
+    cuda = Path(args.cuda_include)
+    folders = [p for p in (Path(mx.__file__).parent / "include", cuda, cuda / "cccl") if p.exists()]
+    options = ["--device-as-default-execution-space", f"--gpu-architecture={args.arch}a"]
+    options += [f"--include-path={p}" for p in folders]
+    N, K, bad = 5120, 6144, 0
+    for residual, dtype, bits, rows in itertools.product((False, True), (mx.bfloat16, mx.float16), (4, 8), (1, 4, 12, 32)):
+        x = mx.zeros((rows, 1, K), dtype=dtype)
+        w = mx.zeros((N, K * bits // 32), dtype=mx.uint32)
+        sb = mx.zeros((N, K // 64), dtype=dtype)
+        launch = qm._launch((rows, 1), N, K, dtype, bits, 64, None, None, None, None, None, None)
+        inputs = [x, w, sb, sb] + ([mx.zeros((rows, 1, N), dtype=dtype)] if residual else [])
+        func, text = qm._get_kernel(residual).instantiation(inputs, launch["template"], launch["output_dtypes"])
+        tag = f"{'residual' if residual else 'plain'} {dtype} {bits}-bit {rows} rows"
+        try:
+            code, _ = nvrtc.compile(text, func + ".cu", cache.src.KERNEL_NAMESPACE + func,
+                                    {cache.SIGNATURE_HEADER_NAME: cache.SIGNATURE_HEADER}, options, True)
+            print(f"ok    {tag}: {len(code)} bytes of SASS")
+        except cache.CompileError as e:
+            print(f"FAIL  {tag}\n{e}")
+            bad += 1
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
@@ -151,7 +190,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
     ap.add_argument("--sass", metavar="S:MT:NA:P:BITS[:X]", help="count one variant's chunk loop in its SASS instead (X: the activations' prefetch, 0 or 1)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
+    ap.add_argument("--nvrtc", metavar="LIB", help="compile MLX's generated texts with this libnvrtc instead (nvrtc_texts)")
+    ap.add_argument("--cuda-include", default="/usr/local/cuda/include", help="with --nvrtc: CUDA's headers (cccl beside)")
     args = ap.parse_args(argv)
+    if args.nvrtc:
+        return nvrtc_texts(args)
     if args.gdn:
         return gdn_main(args)
     if args.sass:
