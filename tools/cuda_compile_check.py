@@ -41,7 +41,7 @@ def kernel_texts(residual: bool = False) -> tuple[str, str]:
     """The header and body as MLX is handed them, from the module (``residual``: the variant that
     adds its input ``res`` as it writes)."""
     qm = quant_mma_module()
-    return qm._HEADER, (qm._OUT_RESIDUAL if residual else qm._OUT_PLAIN) + qm._SOURCE
+    return qm._HEADER, qm.kernel_body(residual)
 
 
 def wrapper(header: str, body: str, xtype: str, params: dict[str, int]) -> str:

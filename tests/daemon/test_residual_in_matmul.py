@@ -1,5 +1,5 @@
 """The decode step's residual adds written by the matmul before them (forward.decoder_layer,
-``plus_linear``; on CUDA quant_mma's residual variant), on this CPU: the walk computes mlx-lm's
+``with_residual``; on CUDA quant_mma's residual variant), on this CPU: the walk computes mlx-lm's
 decoder layers bit for bit, takes both adds of every layer through the layers' ``plus`` where
 they have one and apart where they do not, and the compiled step built on it passes its
 self-check against mlx-lm's eager forward (which adds apart). The compiled step traces a merged

@@ -38,17 +38,14 @@ from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_de
 FUSE_RESIDUAL = True
 
 
-def plus_linear(layer: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
-    """``residual + layer(x)``: one kernel where the layer adds the residual as its matmul writes
-    (its ``plus``), else the add apart."""
-    plus = getattr(layer, "plus", None) if FUSE_RESIDUAL else None
-    return residual + layer(x) if plus is None else plus(x, residual)
-
-
-def mlp_plus(mlp: nn.Module, x: mx.array, residual: mx.array) -> mx.array:
-    """``residual + mlp(x)``, the add in the down projection's writes where the MLP has ``plus``."""
-    plus = getattr(mlp, "plus", None) if FUSE_RESIDUAL else None
-    return residual + mlp(x) if plus is None else plus(x, residual)
+def with_residual(module: nn.Module, x: mx.array, residual: mx.array | None) -> mx.array:
+    """``residual + module(x)`` for a linear layer or an MLP: one kernel where the module adds the
+    residual as its (last) matmul writes (its ``plus``), else the add apart; ``module(x)`` where
+    ``residual`` is None."""
+    if residual is None:
+        return module(x)
+    plus = getattr(module, "plus", None) if FUSE_RESIDUAL else None
+    return residual + module(x) if plus is None else plus(x, residual)
 
 
 def mixer_plus(mixer: nn.Module, x: mx.array, mask: Any, cache: Any, residual: mx.array) -> mx.array:
@@ -61,10 +58,20 @@ def mixer_plus(mixer: nn.Module, x: mx.array, mask: Any, cache: Any, residual: m
 
 def decoder_layer(layer: nn.Module, x: mx.array, mask: Any, cache: Any) -> mx.array:
     """mlx-lm's qwen3_5 / qwen3_next DecoderLayer.__call__, h = x + mixer(norm(x)), then
-    h + mlp(norm2(h)), with each add where ``mixer_plus`` and ``mlp_plus`` put it."""
+    h + mlp(norm2(h)), with each add where ``mixer_plus`` and ``with_residual`` put it."""
     mixer = layer.linear_attn if layer.is_linear else layer.self_attn
     h = mixer_plus(mixer, layer.input_layernorm(x), mask, cache, x)
-    return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
+    return with_residual(layer.mlp, layer.post_attention_layernorm(h), h)
+
+
+def gdn_output(attn: nn.Module, out: mx.array, residual: mx.array | None) -> mx.array:
+    """A GatedDeltaNet block's out projection of its gated norm's output [B, S, Hv * Dv], summed
+    over the tensor-parallel group as mlx-lm's block does, plus ``residual`` where given (in the
+    matmul's writes where ``with_residual`` can: never after a group's sum)."""
+    if getattr(attn, "sharding_group", None) is None:
+        return with_residual(attn.out_proj, out, residual)
+    out = mx.distributed.all_sum(attn.out_proj(out), group=attn.sharding_group)
+    return out if residual is None else residual + out
 
 
 def backbone_layers(backbone: nn.Module) -> list:
@@ -213,7 +220,7 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
     plus the per-token states, as a pure function (so it can be compiled). Matches mlx-lm's
     ops path (CPU, CUDA) bit for bit, or the folded kernel's decode step where gdn_layer.py
     installed it. Returns (output, conv_input, per-token states); with ``residual``, the output
-    is ``residual`` + the block's (``plus_linear``)."""
+    is ``residual`` + the block's (``gdn_output``)."""
     B, S, _ = inputs.shape
     qkv, z, b, a = gdn_projections(attn, inputs)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
@@ -225,12 +232,7 @@ def gdn_capture_forward(attn: nn.Module, inputs: mx.array, conv_state: mx.array,
     else:
         q, k, v = gdn_conv_qkv(attn, conv_input, B, S)
         out, states = _recurrence_with_states(attn, q, k, v, a, b, state)
-    out = attn.norm(out, z).reshape(B, S, -1)
-    if getattr(attn, "sharding_group", None) is not None:  # tensor parallel: as mlx-lm's block does
-        out = mx.distributed.all_sum(attn.out_proj(out), group=attn.sharding_group)
-        return (out if residual is None else residual + out), conv_input, states
-    out = attn.out_proj(out) if residual is None else plus_linear(attn.out_proj, out, residual)
-    return out, conv_input, states
+    return gdn_output(attn, attn.norm(out, z).reshape(B, S, -1), residual), conv_input, states
 
 
 def _recurrence_with_states(attn: nn.Module, q, k, v, a, b, state) -> tuple[mx.array, list]:

@@ -24,7 +24,7 @@ from mlx.nn.layers.distributed import sum_gradients
 from mlx_lm.models import qwen3_5, qwen3_next
 
 from . import gdn_fused
-from .forward import gdn_heads, gdn_mix, gdn_projections, plus_linear
+from .forward import gdn_heads, gdn_mix, gdn_output, gdn_projections
 
 _BASES = (qwen3_5.GatedDeltaNet, qwen3_next.Qwen3NextGatedDeltaNet)
 
@@ -33,7 +33,7 @@ class _FusedBlock:
     """mlx-lm's GatedDeltaNet.__call__ (qwen3_5 / qwen3_next), op for op, but for the conv
     and recurrence: ``forward.gdn_mix``, which takes ``fused_conv_recurrence`` where the conv
     is folded in, else ``fused_recurrence``. With ``residual``: ``residual`` + the block's output,
-    the add in the out projection's writes where it takes one (``forward.plus_linear``)."""
+    the add in the out projection's writes where it takes one (``forward.gdn_output``)."""
 
     fused_recurrence: Callable
     fused_conv_recurrence: Callable | None
@@ -46,11 +46,7 @@ class _FusedBlock:
             inputs = sum_gradients(self.sharding_group)(inputs)
         qkv, z, b, a = gdn_projections(self, inputs)
         out = gdn_mix(self, qkv, a, b, mask, cache)
-        out = self.norm(out, z).reshape(B, S, -1)
-        if self.sharding_group is not None:
-            out = mx.distributed.all_sum(self.out_proj(out), group=self.sharding_group)
-            return out if residual is None else residual + out
-        return self.out_proj(out) if residual is None else plus_linear(self.out_proj, out, residual)
+        return gdn_output(self, self.norm(out, z).reshape(B, S, -1), residual)
 
 
 _classes: dict[tuple, type] = {}

@@ -140,7 +140,7 @@ class InvariantQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
     def plus(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual + self(x)`` (forward.plus_linear), the add in the kernel's writes where it
+        """``residual + self(x)`` (forward.with_residual), the add in the kernel's writes where it
         can take it: the same bits."""
         if not _quant_routable(x) or "bias" in self or (PERTURB_BATCHED and _rows(x) > 1):
             return residual + self(x)

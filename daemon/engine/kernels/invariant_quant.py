@@ -268,23 +268,18 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
     tensor cores (``mma``: its launch overrides), unless ``scalar`` asks for this module's kernel.
     With ``residual``: ``residual + y``, added as the tensor-core kernel writes y where it can
     (``quant_mma.residual_refusal``), else apart: the same bits either way."""
-    if residual is not None:
-        if backend is not None and quant_mma.residual_refusal(x, w.shape[0], residual) is None and \
-                _route(backend, x, w, scales, biases, group_size, bits, scalar) == "mma":
-            return quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, residual=residual,
-                                                  **(mma or {}))
-        return residual + quantized_matmul(x, w, scales, biases, group_size, bits, backend,
-                                           cols_per_warp=cols_per_warp, warps_per_block=warps_per_block,
-                                           row_tile=row_tile, scalar=scalar, mma=mma)
     if backend is None:
-        return reference_quantized_matmul(x, w, scales, biases, group_size, bits)
+        return _plus(residual, reference_quantized_matmul(x, w, scales, biases, group_size, bits))
     K = x.shape[-1]
     N = w.shape[0]
     route = _route(backend, x, w, scales, biases, group_size, bits, scalar)
     if route != "mma" and route != "scalar":
         raise ValueError(f"invariant quantized matmul: {route}")
     if route == "mma":  # takes x [..., K] as it is: no reshape nodes around the call
-        return quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, **(mma or {}))
+        if residual is not None and quant_mma.residual_refusal(x, N, residual) is None:
+            return quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, residual=residual,
+                                                  **(mma or {}))
+        return _plus(residual, quant_mma.quantized_matmul_mma(x, w, scales, biases, group_size, bits, **(mma or {})))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     ncw = cols_per_warp or COLS_PER_WARP
@@ -299,4 +294,8 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
         output_shapes=[(x2.shape[0], N)],
         output_dtypes=[x.dtype],
     )
-    return y.reshape(*lead, N)
+    return _plus(residual, y.reshape(*lead, N))
+
+
+def _plus(residual: mx.array | None, y: mx.array) -> mx.array:
+    return y if residual is None else residual + y

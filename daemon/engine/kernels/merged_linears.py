@@ -44,7 +44,7 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.activations import swiglu
 
-from .forward import attention_projections, plus_linear
+from .forward import attention_projections, with_residual
 from .gdn_layer import layers as gdn_layers
 
 GDN_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -101,13 +101,15 @@ class MergedMLP(qwen3_next.Qwen3NextMLP):
     """mlx-lm's Qwen3NextMLP with gate_proj and up_proj as one matmul (``gate_up_proj``)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), self._gate_up_splits, axis=-1)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(self._gated(x))
 
     def plus(self, x: mx.array, residual: mx.array) -> mx.array:
         """``residual + self(x)``, the add in the down projection's writes where it takes one."""
+        return with_residual(self.down_proj, self._gated(x), residual)
+
+    def _gated(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), self._gate_up_splits, axis=-1)
-        return plus_linear(self.down_proj, swiglu(gate, up), residual)
+        return swiglu(gate, up)
 
 
 class MergedAttention(qwen3_next.Qwen3NextAttention):
@@ -151,7 +153,7 @@ class MergedAttention(qwen3_next.Qwen3NextAttention):
         """The gated output projection (plus ``residual`` where given)."""
         B, _, L, _ = output.shape
         output = output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate)
-        return self.o_proj(output) if residual is None else plus_linear(self.o_proj, output, residual)
+        return with_residual(self.o_proj, output, residual)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, cache, mask) -> mx.array:
         """The attention proper for queries [B, H, L, D] (after rope and the cache update)."""

@@ -486,10 +486,16 @@ _SOURCE = """
 _OUT_PLAIN = "\n#define QMM_OUT(i, v) static_cast<T>(v)\n"
 _OUT_RESIDUAL = "\n#define QMM_OUT(i, v) (static_cast<T>(v) + res[i])\n"
 
+
+def kernel_body(residual: bool = False) -> str:
+    """The body MLX is handed: how the kernel writes its outputs, then ``_SOURCE``."""
+    return (_OUT_RESIDUAL if residual else _OUT_PLAIN) + _SOURCE
+
+
 # The kernel's name carries a hash of its source: MLX caches compiled kernels on disk by name
 # (MLX_PTX_CACHE_DIR), so an edited kernel must never be served a stale binary.
-_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + _OUT_PLAIN + _SOURCE).encode()).hexdigest()[:10]
-_NAME_RESIDUAL = "councild_qmm_mma_res_" + hashlib.sha1((_HEADER + _OUT_RESIDUAL + _SOURCE).encode()).hexdigest()[:10]
+_NAME = "councild_qmm_mma_" + hashlib.sha1((_HEADER + kernel_body()).encode()).hexdigest()[:10]
+_NAME_RESIDUAL = "councild_qmm_mma_res_" + hashlib.sha1((_HEADER + kernel_body(True)).encode()).hexdigest()[:10]
 
 # Warps per block (the split of K: part of the summation order, so per (N, K, bits), never per M),
 # by measurement (bench/qmm_split_pick.py over a device sweep); shapes not listed take
@@ -537,7 +543,7 @@ def _get_kernel(residual: bool = False):
         inputs = ["x", "w", "scales", "biases"] + (["res"] if residual else [])
         got = _kernels[residual] = custom_kernel_cache.cuda_kernel(
             name=_NAME_RESIDUAL if residual else _NAME, input_names=inputs, output_names=["y"],
-            source=(_OUT_RESIDUAL if residual else _OUT_PLAIN) + _SOURCE, header=_HEADER)
+            source=kernel_body(residual), header=_HEADER)
     return got
 
 
@@ -701,6 +707,6 @@ def residual_refusal(x: mx.array, N: int, residual: mx.array) -> str | None:
 
 def kernel_source(residual: bool = False) -> str:
     """The header and body, for error reports and compile checks."""
-    return _HEADER + "\n// ---- body ----\n" + (_OUT_RESIDUAL if residual else _OUT_PLAIN) + _SOURCE
+    return _HEADER + "\n// ---- body ----\n" + kernel_body(residual)
 
 

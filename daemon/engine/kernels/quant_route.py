@@ -101,7 +101,7 @@ class RoutedQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
     def plus(self, x: mx.array, residual: mx.array) -> mx.array:
-        """``residual + self(x)`` (forward.plus_linear), the add in the kernel's writes where it
+        """``residual + self(x)`` (forward.with_residual), the add in the kernel's writes where it
         can take it: the same bits."""
         if not _routed(self, x) or "bias" in self:
             return residual + self(x)

@@ -66,7 +66,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
-from ..kernels.forward import cache_arrays, compiled_forward, decoder_layer, gdn_capture_forward, mlp_plus
+from ..kernels.forward import cache_arrays, compiled_forward, decoder_layer, gdn_capture_forward, with_residual
 from ..pieces import pause
 from .capture import capture_hidden
 from .compiled_batch import batch_self_check
@@ -92,7 +92,7 @@ def _linear_layer_capture(layer: nn.Module) -> Callable:
     def step(x: mx.array, conv_state: mx.array, state: mx.array):
         h, conv_input, states = gdn_capture_forward(layer.linear_attn, layer.input_layernorm(x), conv_state, state,
                                                     residual=x)
-        return (mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h), conv_input, *states)
+        return (with_residual(layer.mlp, layer.post_attention_layernorm(h), h), conv_input, *states)
 
     return mx.compile(step)
 
@@ -101,7 +101,7 @@ def _attention_tail(layer: nn.Module) -> Callable:
     # mlx-lm's qwen3_5 / qwen3_next DecoderLayer: h = x + attn(norm(x)) (eager, in
     # forward.compiled_forward); h + mlp(norm2(h)).
     def tail(h: mx.array) -> mx.array:
-        return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
+        return with_residual(layer.mlp, layer.post_attention_layernorm(h), h)
 
     return mx.compile(tail)
 
@@ -125,7 +125,7 @@ def _attention_parts(layer: nn.Module) -> tuple[Callable, Callable] | None:
 
     def tail(x: mx.array, output: mx.array, gate: mx.array) -> mx.array:
         h = attn.finish(output, gate, x)
-        return mlp_plus(layer.mlp, layer.post_attention_layernorm(h), h)
+        return with_residual(layer.mlp, layer.post_attention_layernorm(h), h)
 
     return mx.compile(head), mx.compile(tail)
 
