@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import itertools
 import re
 import shutil
@@ -29,9 +30,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SOURCE: str | None = None  # --source: another quant_mma.py (an ablation's, bench/probes/qmm_ablations.py)
+
+
 def quant_mma_module():
-    """engine/kernels/quant_mma.py (imported from the repository root: this is a tool, not a package)."""
+    """engine/kernels/quant_mma.py (imported from the repository root: this is a tool, not a
+    package), or the ``--source`` file's module."""
     sys.path.insert(0, str(ROOT))
+    if SOURCE:
+        spec = importlib.util.spec_from_file_location("councild_quant_mma_source", SOURCE)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
     from daemon.engine.kernels import quant_mma
 
     return quant_mma
@@ -192,7 +202,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     ap.add_argument("--nvrtc", metavar="LIB", help="compile MLX's generated texts with this libnvrtc instead (nvrtc_texts)")
     ap.add_argument("--cuda-include", default="/usr/local/cuda/include", help="with --nvrtc: CUDA's headers (cccl beside)")
+    ap.add_argument("--source", metavar="FILE", help="another quant_mma.py's kernel instead of the tree's (an ablation's: bench/probes/qmm_ablations.py)")
     args = ap.parse_args(argv)
+    global SOURCE
+    SOURCE = args.source
     if args.nvrtc:
         return nvrtc_texts(args)
     if args.gdn:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call (after staging MLX), issue 49: where a one-row launch of the tensor-core matmul
+# spends its time. bench/probes/qmm_ablations.py writes copies of the kernel whose chunk does
+# less work (nofma, nodeq, feed: wrong outputs by design, never installed); ncu times each against
+# the real kernel and MLX's at the 27B shapes (bench/qmm_graph.py --mode probe --old-source, read by
+# bench/qmm_probe_read.py --old: the arm "old" is the ablation).
+#   bash bench/device/qmm_ablate_call.sh        (results under $OUT/ablate)
+#   NAMES=nofma,nodeq,feed SHAPES=down,out_proj,gate+up,in_proj,qkv MS=1,16 LIMIT=100 (seconds an ablation)
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+o=${OUT:-/tmp/out}/ablate
+mkdir -p "$o/src"
+NC=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+python3 bench/probes/qmm_ablations.py --out "$o/src" --names "${NAMES:-nofma,nodeq,feed}" > /dev/null || exit 2
+SHAPES=${SHAPES:-down,out_proj,gate+up,in_proj,qkv}
+MS=${MS:-1,16}
+for n in $(echo "${NAMES:-nofma,nodeq,feed}" | tr , ' '); do
+  t0=$(date +%s)
+  MLX_USE_CUDA_GRAPHS=0 timeout "${LIMIT:-100}" "$NC" --clock-control none --csv --metrics gpu__time_duration.sum \
+      --kernel-name regex:'councild|qmv|qmm' --log-file "$o/$n.csv" \
+      python3 bench/qmm_graph.py --mode probe --reps 3 --shapes "$SHAPES" --ms "$MS" --old-source "$o/src/qmm_$n.py" \
+      --json "$o/${n}_plan.json" > "$o/$n.log" 2>&1
+  echo "ablation $n rc $? ($(( $(date +%s) - t0 )) s); arm old = $n"
+  python3 bench/qmm_probe_read.py "$o/$n.csv" --reps 3 --shapes "$SHAPES" --ms "$MS" --old --json "$o/$n.json" \
+      > "$o/$n.md" 2>&1
+  tail -n +3 "$o/$n.md"
+done
