@@ -32,20 +32,19 @@ SOURCE = ROOT / "daemon" / "engine" / "kernels" / "quant_mma.py"
 
 _NIBBLE_LOP = 'asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(v) : "r"(q >> (4 * j)), "r"(mask), "r"(magic));  // (a & b) | c\n'
 _NIBBLE_RETURN = "    return qmm_fma2<BF>(qmm_fma2<BF>(v, one, neg), s2, b2);\n"
-_PRODUCTS = """            unsigned A[2][4];
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                A[h][0] = qmm_nibbles<BF>(qa, 2 * h, sa2[a], ba2[a], mask, magic);      // (k 2h, 2h+4), row g
-                A[h][1] = qmm_nibbles<BF>(qb, 2 * h, sb2[a], bb2[a], mask, magic);      // row g + 8
-                A[h][2] = qmm_nibbles<BF>(qa, 2 * h + 1, sa2[a], ba2[a], mask, magic);  // (k 2h+1, 2h+5)
-                A[h][3] = qmm_nibbles<BF>(qb, 2 * h + 1, sb2[a], bb2[a], mask, magic);
-            }
-            #pragma unroll
-            for (int j = 0; j < MT; ++j) {
-                qmm_mma<BF>(acc[a][j], A[0][0], A[0][1], A[0][2], A[0][3], B[j][0], B[j][1]);
-                qmm_mma<BF>(acc[a][j], A[1][0], A[1][1], A[1][2], A[1][3], B[j][2], B[j][3]);
-            }
-"""
+# the chunk's products, from the A fragments' dequantization to the last MMA of a column tile
+_PRODUCTS_FROM = "            unsigned A[2][4];\n"
+_PRODUCTS_TO = "B[j][2], B[j][3]);\n            }\n"
+
+
+def products_text(source: str) -> str:
+    """The kernel text ``feed`` replaces (the A fragments and the MMAs of qmm_chunk4), or an empty
+    string where the markers are gone."""
+    start = source.find(_PRODUCTS_FROM)
+    end = source.find(_PRODUCTS_TO, start)
+    return source[start : end + len(_PRODUCTS_TO)] if start >= 0 and end >= 0 else ""
+
+
 # XOR of everything the chunk was fed, kept alive through one accumulator (masked to a small
 # positive float: never a NaN or an overflow that could slow the adds)
 _FEED_ONLY = """            unsigned f = qa ^ qb ^ sa2[a] ^ ba2[a] ^ sb2[a] ^ bb2[a] ^ mask ^ magic;
@@ -61,7 +60,7 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
     "nofma": [(_NIBBLE_RETURN, "    return v ^ s2 ^ b2;  // ablation nofma\n")],
     "nodeq": [(_NIBBLE_LOP, "v = 0u;  // ablation nodeq\n"),
               (_NIBBLE_RETURN, "    return q ^ s2 ^ b2;  // ablation nodeq\n")],
-    "feed": [(_PRODUCTS, _FEED_ONLY)],
+    "feed": [(products_text(SOURCE.read_text()) or _PRODUCTS_FROM, _FEED_ONLY)],
 }
 
 
