@@ -24,3 +24,14 @@ for n in $(echo "${NAMES:-nofma,nodeq,feed}" | tr , ' '); do
       > "$o/$n.md" 2>&1
   tail -n +3 "$o/$n.md"
 done
+# DETAIL=NAME: then ncu's warp-state, scheduler, memory and source-counter sections (where warps
+# stall, by SASS line) for the real kernel and ablation NAME at one row of DETAIL_SHAPE (down)
+[ -z "${DETAIL:-}" ] && exit 0
+MLX_USE_CUDA_GRAPHS=0 timeout "${DETAIL_LIMIT:-150}" "$NC" --clock-control none --kernel-name regex:councild_qmm \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \
+    --section SourceCounters --section SpeedOfLight \
+    python3 bench/qmm_graph.py --mode probe --reps 1 --shapes "${DETAIL_SHAPE:-down}" --ms 1 --old-source "$o/src/qmm_$DETAIL.py" \
+    > "$o/detail_$DETAIL.txt" 2>&1
+echo "detail rc $?"
+grep -E "^  councild|Duration|DRAM Throughput|Issued Warp|Eligible Warps|Achieved Occupancy|Registers Per|Stall|stall" \
+    "$o/detail_$DETAIL.txt" | cut -c1-150 | head -60
