@@ -34,6 +34,10 @@ RECIPES = (
     "fused softplus", "fused silu",
     "gather_axis float32 int32", "gather_axis F int32",
     "fused swiglu", "fused swiglu traced", "fused precise_swiglu", "fused precise_swiglu traced",
+    # The gated attention's output, ``attn * sigmoid(gate)``, traced with its output projection
+    # since the compiled step traces an attention around its middle (compiled._attention_parts):
+    # a fresh H100's start compiled it itself, on the path to ready (bench/results/h100_2026-12-07).
+    "fused gated traced",
     "scatter float32 int32 2", "gather float32 int32 2",
     "gather uint32 uint32 1", "gather F uint32 1",  # a quantized embedding's rows, by token id
     "gather float32 uint32 1", "gather F int32 1", "gather int32 int32 1", "gather float32 int32 1",
@@ -133,6 +137,8 @@ def _fused(which: str, traced: bool, dtype) -> mx.array:
     b = mx.ones((2, 4), dtype=dtype)
     if which in ("softplus", "silu"):
         fn = lambda g, x: getattr(nn, which)(g)  # noqa: E731
+    elif which == "gated":  # mlx-lm's gated attention output: ``output * mx.sigmoid(gate)``
+        fn = lambda out, gate: out * mx.sigmoid(gate)  # noqa: E731
     else:
         act = _mlx_lm_activations()
         fn = {"swiglu": lambda g, x: act.swiglu(g, x), "precise_swiglu": lambda g, x: act.precise_swiglu(x, g, x)}[which]
