@@ -5,6 +5,8 @@ the device).
 
     .venv/bin/python tools/cuda_compile_check.py [--gdn] [--nvcc /usr/local/cuda/bin/nvcc] [--arch sm_90]
     .venv/bin/python tools/cuda_compile_check.py --sass 2:1:1:2:4[:X] --cuobjdump PATH   (one variant's chunk loop, counted)
+    .venv/bin/python tools/cuda_compile_check.py --source FILE [--sass ...]   (another quant_mma.py's kernel:
+                                                   bench/probes/qmm_ablations.py's copies)
     .venv/bin/python tools/cuda_compile_check.py --nvrtc /path/libnvrtc.so.13 --cuda-include /usr/local/cuda-13.0/include
                                                    (MLX's own generated texts, compiled by NVRTC: the
                                                    library is in PyPI's nvidia-cuda-nvrtc wheel)
