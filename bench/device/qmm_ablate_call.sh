@@ -6,6 +6,7 @@
 # bench/qmm_probe_read.py --old: the arm "old" is the ablation).
 #   bash bench/device/qmm_ablate_call.sh        (results under $OUT/ablate)
 #   NAMES=nofma,nodeq,feed SHAPES=down,out_proj,gate+up,in_proj,qkv MS=1,16 LIMIT=100 (seconds an ablation)
+#   NAMES=feed,feed_noscale,feed_nox: which part of the feed a one-row launch waits on
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/ablate
 mkdir -p "$o/src"

@@ -15,7 +15,11 @@ a folder for one device call and never installed.
   into one accumulator; the weights' shared-memory ring, the scale and bias copies and the
   activations' prefetch stay: how fast the feed alone streams the weights. Near the real kernel's
   time, the feed (latency, blocks in flight) bounds it and no arithmetic saving pays; far below,
-  the arithmetic does.
+  the arithmetic does. (On an H100 it was 87-95% of the kernel's time at one row:
+  bench/results/h100_2026-12-07.)
+- ``feed_noscale``, ``feed_nox``: ``feed`` without the scale and bias pairs' 4-byte copies (where
+  one pair a row serves a chunk: every group size but 32 at 4 bits), or without the activations'
+  loads after the first chunk's: which part of the feed its warps wait on.
 
 Each copy's kernel source differs, so its name (a hash of the source) does too: MLX compiles it
 as a module of its own beside the real one (bench/qmm_graph.py ``--old-source``).
@@ -62,6 +66,11 @@ ABLATIONS: dict[str, list[tuple[str, str]]] = {
               (_NIBBLE_RETURN, "    return q ^ s2 ^ b2;  // ablation nodeq\n")],
     "feed": [(products_text(SOURCE.read_text()) or _PRODUCTS_FROM, _FEED_ONLY)],
 }
+# The feed's parts, each dropped from ``feed`` in turn: which one its warps wait on.
+_SCALE_COPY = "qmm_cp4(sbw0 + (p * NA + a) * 96 * 16, srow[a] + pair);\n"
+_X_PREFETCH = "if (m < M && kn >= 0) xw[j][i] = qmm_load16(x + (size_t)m * K + kn + 8 * i, true);\n"
+ABLATIONS["feed_noscale"] = ABLATIONS["feed"] + [(_SCALE_COPY, "// ablation feed_noscale: no scale and bias copies\n")]
+ABLATIONS["feed_nox"] = ABLATIONS["feed"] + [(_X_PREFETCH, "// ablation feed_nox: no activations after the first chunk's\n")]
 
 
 def ablated_source(name: str, source: str | None = None) -> str:
