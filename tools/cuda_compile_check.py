@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib.util
 import itertools
 import re
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE: str | None = None  # --source: another quant_mma.py (an ablation's, bench/probes/qmm_ablations.py)
 
 
+@functools.cache  # loaded once a run (``SOURCE`` is set before the first call)
 def quant_mma_module():
     """engine/kernels/quant_mma.py (imported from the repository root: this is a tool, not a
     package), or the ``--source`` file's module."""

@@ -9,12 +9,13 @@
 #   NAMES=feed,feed_noscale,feed_nox: which part of the feed a one-row launch waits on
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/ablate
+names=${NAMES:-nofma,nodeq,feed}
 mkdir -p "$o/src"
 NC=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
-python3 bench/probes/qmm_ablations.py --out "$o/src" --names "${NAMES:-nofma,nodeq,feed}" > /dev/null || exit 2
+python3 bench/probes/qmm_ablations.py --out "$o/src" --names "$names" > /dev/null || exit 2
 SHAPES=${SHAPES:-down,out_proj,gate+up,in_proj,qkv}
 MS=${MS:-1,16}
-for n in $(echo "${NAMES:-nofma,nodeq,feed}" | tr , ' '); do
+for n in $(echo "$names" | tr , ' '); do
   t0=$(date +%s)
   MLX_USE_CUDA_GRAPHS=0 timeout "${LIMIT:-100}" "$NC" --clock-control none --csv --metrics gpu__time_duration.sum \
       --kernel-name regex:'councild|qmv|qmm' --log-file "$o/$n.csv" \
@@ -25,8 +26,9 @@ for n in $(echo "${NAMES:-nofma,nodeq,feed}" | tr , ' '); do
       > "$o/$n.md" 2>&1
   tail -n +3 "$o/$n.md"
 done
-# DETAIL=NAME: then ncu's warp-state, scheduler, memory and source-counter sections (where warps
-# stall, by SASS line) for the real kernel and ablation NAME at one row of DETAIL_SHAPE (down)
+# DETAIL=NAME: then ncu's warp-state, scheduler, memory, occupancy and source-counter sections
+# (stall reasons and excess sectors / wavefronts; per-line stalls are not printed) for the real
+# kernel and ablation NAME at one row of DETAIL_SHAPE (down)
 [ -z "${DETAIL:-}" ] && exit 0
 MLX_USE_CUDA_GRAPHS=0 timeout "${DETAIL_LIMIT:-150}" "$NC" --clock-control none --kernel-name regex:councild_qmm \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section Occupancy \

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 # (bench/results/h200_2026-12-05/call2/start_timeline_default.json), bfloat16 weights, and the
 # gated attention output a fresh H100's start compiled itself once the compiled step traced the
 # attention in parts (bench/results/h100_2026-12-07/call3_start).
-H200_FUSED_MODULES = {
+START_FUSED_MODULES = {
     "CV2ISigmoidBDV2OMultiplyAC_VV_V2V2_6142509188972423790",
     "Cf4IAsTypeADf4ISigmoidCEf4IBroadcastCDFf4IBroadcastDCGf4IMultiplyEFHf4IAsTypeBIf4IBroadcastGHJf4IBroadcastHGK"
     "f4IMultiplyIJLV2OAsTypeK_VV_V2V2_6142509188972423790",
@@ -53,7 +53,7 @@ def _run_recipe(recipe: str, env: dict) -> subprocess.CompletedProcess:
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_the_fused_recipes_name_the_modules_the_h200_start_compiled(tmp_path):
+def test_the_fused_recipes_name_the_modules_a_start_compiled(tmp_path):
     # MLX's CPU backend writes each fused kernel's source under $TMPDIR/mlx/<version>/cpu,
     # named by the graph's tape: the name MLX-on-CUDA gives the module.
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -63,8 +63,8 @@ def test_the_fused_recipes_name_the_modules_the_h200_start_compiled(tmp_path):
         assert done.returncode == 0, done.stderr
     written = {p.name.rsplit("_", 1)[0] if p.name.endswith("_contiguous.cpp") else p.name
                for p in (tmp_path / "mlx" / mx.__version__ / "cpu").glob("*_contiguous.cpp")}
-    assert written == H200_FUSED_MODULES
-    assert len(fused) == len(H200_FUSED_MODULES)  # one module a recipe: each compiles in its own worker
+    assert written == START_FUSED_MODULES
+    assert len(fused) == len(START_FUSED_MODULES)  # one module a recipe: each compiles in its own worker
 
 
 def test_every_other_recipe_is_named_like_its_module():
