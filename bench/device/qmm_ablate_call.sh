@@ -7,6 +7,7 @@
 #   bash bench/device/qmm_ablate_call.sh        (results under $OUT/ablate)
 #   NAMES=nofma,nodeq,feed SHAPES=down,out_proj,gate+up,in_proj,qkv MS=1,16 LIMIT=100 (seconds an ablation)
 #   NAMES=feed,feed_noscale,feed_nox: which part of the feed a one-row launch waits on
+#   NAMES=sbpack,feed_sbpack: the scale and bias copies from a tile-major layout (what a repack saves)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/ablate
 names=${NAMES:-nofma,nodeq,feed}
