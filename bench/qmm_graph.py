@@ -158,6 +158,7 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
         N, K = SHAPES[name]
         q, s, b = random_quantized(N, K, bits, key=N)
         x = mx.random.normal((max(ms), K), key=mx.random.key(3)).astype(mx.bfloat16)
+        st, bt = quant_mma.tile_pairs(s), quant_mma.tile_pairs(b)
         S = quant_mma.default_split(N, K, bits)
         rows = {}
         for M in ms:
@@ -173,16 +174,22 @@ def check_launches(bits: int, old=None, ms: tuple[int, ...] = CHECK_MS) -> dict:
             plus = res + base
             res_same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, s, b, GS, bits, split=S, residual=res,
                                                                          **kw), plus).item() for kw in ({}, {"stages": 0}))
-            rows[M] = r = {"launches_equal": same, "residual_equal": res_same,
+            # scales and biases tiled (quant_mma.tile_pairs): the same values from other addresses
+            tiled_same = all(mx.array_equal(quant_mma.quantized_matmul_mma(x[:M], q, st, bt, GS, bits, split=S, tiled=True,
+                                                                           **kw), base).item()
+                             for kw in ({}, {"stages": 0}, {"columns": 2}, {"prefetch": 1, "stages": 2}))
+            rows[M] = r = {"launches_equal": same, "residual_equal": res_same, "tiled_equal": tiled_same,
                            "rel_err_vs_mlx": rel_err(base, mlx_arm(x[:M], q, s, b, bits))}
             if old is not None:
                 r["same_as_old"] = mx.array_equal(old.quantized_matmul_mma(x[:M], q, s, b, GS, bits), base).item()
             # one line a row count: a check cut by its time limit still shows what it saw
             log(f"check b{bits} {name} M{M}: {'same' if same else 'DIFFER'}, residual {'same' if res_same else 'DIFFERS'}, "
+                f"tiled {'same' if tiled_same else 'DIFFERS'}, "
                 f"{r['rel_err_vs_mlx']:.1e} from MLX's"
                 + ("" if old is None else f"; {'the same bits as' if r['same_as_old'] else 'DIFFERS from'} the old kernel"))
         out[f"b{bits} {name}"] = rows
-    out["ok"] = all(r["launches_equal"] and r["residual_equal"] and r["rel_err_vs_mlx"] < 2e-2 and r.get("same_as_old", True)
+    out["ok"] = all(r["launches_equal"] and r["residual_equal"] and r["tiled_equal"] and r["rel_err_vs_mlx"] < 2e-2
+                    and r.get("same_as_old", True)
                     for v in out.values() for r in v.values())
     return out
 
@@ -294,7 +301,8 @@ def probe_mode(args) -> dict:
         if args.shapes and not any(s in name for s in args.shapes.split(",")):
             continue
         q, s, b = random_quantized(N, K, args.bits, key=N)
-        mx.eval(q, s, b)
+        st, bt = quant_mma.tile_pairs(s), quant_mma.tile_pairs(b)
+        mx.eval(q, s, b, st, bt)
         for M in ([int(m) for m in args.ms.split(",")] if args.ms else MS):
             x = mx.random.normal((M, K), key=mx.random.key(M)).astype(mx.bfloat16)
             mx.eval(x)
@@ -302,6 +310,14 @@ def probe_mode(args) -> dict:
                     "kernel": lambda x: quant_mma.quantized_matmul_mma(x, q, s, b, GS, args.bits)}
             if old is not None:
                 arms["old"] = lambda x: old.quantized_matmul_mma(x, q, s, b, GS, args.bits)
+            if args.tiled:  # the scales and biases tiled (quant_mma.tile_pairs), in both versions
+                arms["tiled"] = lambda x: quant_mma.quantized_matmul_mma(x, q, st, bt, GS, args.bits, tiled=True)
+                if old is not None:
+                    arms["old tiled"] = lambda x: old.quantized_matmul_mma(x, q, st, bt, GS, args.bits, tiled=True)
+            same_tiled = None
+            if args.tiled:  # before this group's first marker: its launches fall after the last group's calls
+                same_tiled = mx.array_equal(arms["tiled"](x), arms["kernel"](x)).item()
+                log(f"probe {name} M{M}: tiled {'the same bits' if same_tiled else 'DIFFERS'}")
             for launch in filter(None, args.launches.split(",")):
                 S, U, NA, P, X = launch_of(launch)
                 arms[launch_name(S, U, NA, P, X)] = (lambda S, U, NA, P, X: lambda x: quant_mma.quantized_matmul_mma(
@@ -314,7 +330,7 @@ def probe_mode(args) -> dict:
                 for _ in range(args.reps):
                     mx.eval(fn(x))
                     mx.synchronize()
-                plan.append({"shape": name, "N": N, "K": K, "M": M, "arm": arm, "reps": args.reps,
+                plan.append({"shape": name, "N": N, "K": K, "M": M, "arm": arm, "reps": args.reps, "tiled_same": same_tiled,
                              "bound_us": bytes_read(N, K, M, args.bits) / args.bandwidth * 1e6})
         del q, s, b
     marker()
@@ -405,6 +421,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gbytes", type=float, default=0.7, help="weight copies per shape up to this many GB (2..16)")
     ap.add_argument("--bandwidth", type=float, default=3.4e12, help="bytes/s for the bound (the H200's measured copy)")
     ap.add_argument("--old-source", help="another quant_mma.py: check its bits against the tree's, or an arm \"old\" of the probe")
+    ap.add_argument("--tiled", action="store_true", help="probe: arms \"tiled\" (and \"old tiled\"): scales and biases tiled")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)

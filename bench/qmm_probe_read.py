@@ -47,9 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--bandwidth", type=float, default=3.4e12)
     ap.add_argument("--old", action="store_true", help="the probe ran with --old-source (arm \"old\")")
+    ap.add_argument("--tiled", action="store_true", help="the probe ran with --tiled (arms \"tiled\", \"old tiled\")")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    arms = ["mlx", "kernel"] + ["old"] * args.old + [launch_name(*launch_of(launch)) for launch in filter(None, args.launches.split(","))]
+    arms = ["mlx", "kernel"] + ["old"] * args.old + (["tiled"] + ["old tiled"] * args.old) * args.tiled + [launch_name(*launch_of(launch)) for launch in filter(None, args.launches.split(","))]
     ms = [int(m) for m in args.ms.split(",")] if args.ms else list(MS)
     plan = [(name, N, K, M, arm) for name, (N, K) in SHAPES.items()
             if not args.shapes or any(s in name for s in args.shapes.split(","))

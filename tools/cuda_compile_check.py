@@ -141,9 +141,9 @@ def sass_loop(args) -> int:
     by opcode in the compiled SASS (``--cuobjdump``: CUDA's, or PyPI's nvidia-cuda-cuobjdump):
     the loop runs once a chunk, so its instructions, and those on the half-rate integer pipe,
     are what a chunk costs the schedulers."""
-    S, MT, NA, P, bits, X = (*(int(v) for v in args.sass.split(":")), 0)[:6]
+    S, MT, NA, P, bits, X, SBT = (*(int(v) for v in args.sass.split(":")), 0, 0)[:7]
     header, body = kernel_texts()
-    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X}
+    params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X, "SBT": SBT}
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = Path(tmp) / "k.cu", Path(tmp) / "k.cubin"
         src.write_text(wrapper(header, body, "__nv_bfloat16", params))
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--gdn", action="store_true", help="gdn_fused.py's recurrence kernel instead")
-    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS[:X]", help="count one variant's chunk loop in its SASS instead (X: the activations' prefetch, 0 or 1)")
+    ap.add_argument("--sass", metavar="S:MT:NA:P:BITS[:X[:SBT]]", help="count one variant's chunk loop in its SASS instead "
+                    "(X: the activations' prefetch, SBT: tiled scales and biases; 0 or 1)")
     ap.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     ap.add_argument("--nvrtc", metavar="LIB", help="compile MLX's generated texts with this libnvrtc instead (nvrtc_texts)")
     ap.add_argument("--cuda-include", default="/usr/local/cuda/include", help="with --nvrtc: CUDA's headers (cccl beside)")
@@ -220,24 +221,32 @@ def main(argv=None) -> int:
     qm = quant_mma_module()
     bad = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for bits, (xtype, xbf), S, MT, U, NA, P, X in itertools.product(
-                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4), (0, 1)):
+        for bits, (xtype, xbf), S, MT, U, NA, P, X, SBT in itertools.product(
+                (4, 8), (("__nv_bfloat16", 1), ("__half", 0)), (1, 4), (1, 2, 4), (1, 2), (1, 2, 4), (0, 2, 4), (0, 1), (0, 1)):
             if xbf == 0 and (S != 4 or U != 1):
                 continue  # fp16: one launch per shape of the rest is enough to catch its errors
+            if SBT and (xbf == 0 or S != 4 or U != 1 or NA == 2):
+                continue  # tiled scales change only their addresses: the bf16 launches of one split
             if P and (U != 1 or S * P * NA > qm.RING_SLOTS_MAX):
                 continue  # the shared-memory feed ignores U; launches cap its ring
             if X and (not P or bits != 4 or MT > qm.PREFETCH_TILES):
                 continue  # the activations' prefetch: the 4-bit shared-memory feed's, at few row tiles
-            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "XPRE": X}
+            params = {"XBF": xbf, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": U, "NA": NA, "P": P, "XPRE": X, "SBT": SBT}
             bad += compile_one(args, tmp, wrapper(header, body, xtype, params),
                                " ".join(f"{k}={v}" for k, v in params.items()) + f" {xtype}")
         # The residual variant differs only in its writes: the daemon's launches of each feed.
         header, body = kernel_texts(residual=True)
         for bits, S, MT, NA, P, X in ((4, 4, 1, 1, 2, 1), (4, 4, 1, 1, 2, 0), (4, 4, 2, 1, 2, 0), (4, 3, 4, 4, 2, 0),
                                       (8, 4, 1, 1, 2, 0), (4, 4, 1, 1, 0, 0)):
-            params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X}
+            params = {"XBF": 1, "BITS": bits, "GS": 64, "S": S, "MT": MT, "U": 1, "NA": NA, "P": P, "XPRE": X, "SBT": 0}
             bad += compile_one(args, tmp, wrapper(header, body, "__nv_bfloat16", params),
                                "residual " + " ".join(f"{k}={v}" for k, v in params.items()))
+        # Group size 32 at 4 bits: each lane copies its own four pairs (no SBW), in either layout.
+        header, body = kernel_texts()
+        for SBT in (0, 1):
+            params = {"XBF": 1, "BITS": 4, "GS": 32, "S": 4, "MT": 1, "U": 1, "NA": 1, "P": 2, "XPRE": 1, "SBT": SBT}
+            bad += compile_one(args, tmp, wrapper(header, body, "__nv_bfloat16", params),
+                               "group 32 " + " ".join(f"{k}={v}" for k, v in params.items()))
     return 1 if bad else 0
 
 

@@ -7,7 +7,7 @@
 #   bash bench/device/qmm_ablate_call.sh        (results under $OUT/ablate)
 #   NAMES=nofma,nodeq,feed SHAPES=down,out_proj,gate+up,in_proj,qkv MS=1,16 LIMIT=100 (seconds an ablation)
 #   NAMES=feed,feed_noscale,feed_nox: which part of the feed a one-row launch waits on
-#   NAMES=sbpack,feed_sbpack: the scale and bias copies from a tile-major layout (what a repack saves)
+#   TILED=1: arms "tiled" and "old tiled" too, the scales and biases tiled (quant_mma.tile_pairs)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/ablate
 names=${NAMES:-nofma,nodeq,feed}
@@ -20,10 +20,10 @@ for n in $(echo "$names" | tr , ' '); do
   t0=$(date +%s)
   MLX_USE_CUDA_GRAPHS=0 timeout "${LIMIT:-100}" "$NC" --clock-control none --csv --metrics gpu__time_duration.sum \
       --kernel-name regex:'councild|qmv|qmm' --log-file "$o/$n.csv" \
-      python3 bench/qmm_graph.py --mode probe --reps 3 --shapes "$SHAPES" --ms "$MS" --old-source "$o/src/qmm_$n.py" \
+      python3 bench/qmm_graph.py --mode probe --reps 3 --shapes "$SHAPES" --ms "$MS" --old-source "$o/src/qmm_$n.py" ${TILED:+--tiled} \
       --json "$o/${n}_plan.json" > "$o/$n.log" 2>&1
   echo "ablation $n rc $? ($(( $(date +%s) - t0 )) s); arm old = $n"
-  python3 bench/qmm_probe_read.py "$o/$n.csv" --reps 3 --shapes "$SHAPES" --ms "$MS" --old --json "$o/$n.json" \
+  python3 bench/qmm_probe_read.py "$o/$n.csv" --reps 3 --shapes "$SHAPES" --ms "$MS" --old ${TILED:+--tiled} --json "$o/$n.json" \
       > "$o/$n.md" 2>&1
   tail -n +3 "$o/$n.md"
 done

@@ -20,9 +20,9 @@ a folder for one device call and never installed.
 - ``feed_noscale``, ``feed_nox``: ``feed`` without the scale and bias pairs' 4-byte copies (where
   one pair a row serves a chunk: every group size but 32 at 4 bits), or without the activations'
   loads after the first chunk's: which part of the feed its warps wait on.
-- ``sbpack``, ``feed_sbpack``: the kernel and ``feed`` with the scale and bias copies reading a
-  tile-major layout's addresses (a column tile's 16 rows' pairs of a chunk contiguous): what
-  repacking the pairs at load would save (wrong values, the traffic such a layout has).
+
+With ``TILED=1`` the call times each copy also with the scales and biases tiled
+(``quant_mma.tile_pairs``, arm "old tiled"): the feed from that layout.
 
 Each copy's kernel source differs, so its name (a hash of the source) does too: MLX compiles it
 as a module of its own beside the real one (bench/qmm_graph.py ``--old-source``).
@@ -74,17 +74,6 @@ _SCALE_COPY = "qmm_cp4(sbw0 + (p * NA + a) * 96 * 16, srow[a] + pair);\n"
 _X_PREFETCH = "if (m < M && kn >= 0) xw[j][i] = qmm_load16(x + (size_t)m * K + kn + 8 * i, true);\n"
 ABLATIONS["feed_noscale"] = ABLATIONS["feed"] + [(_SCALE_COPY, "// ablation feed_noscale: no scale and bias copies\n")]
 ABLATIONS["feed_nox"] = ABLATIONS["feed"] + [(_X_PREFETCH, "// ablation feed_nox: no activations after the first chunk's\n")]
-# A layout the scale and bias pairs could be repacked into at load (tile-major: one column tile's
-# 16 rows' pairs of a chunk contiguous, 64 bytes of scales and 64 of biases), read from the real
-# arrays at those addresses: the copies' traffic such a layout would have (4 sectors a warp's copy
-# instead of 32), wrong values. Against the kernel and ``feed``: what a repack could save.
-_SCALE_ROW = "scales + (size_t)(n0 + 16 * a + g + ((t & 2) ? 8 : 0)) * G) + to_bias);\n"
-_SCALE_ROW_PACKED = ("scales + (size_t)(blockIdx.x * NA + a) * 16 * G + (g + ((t & 2) ? 8 : 0)) * 2) + to_bias);"
-                     "  // ablation sbpack\n")
-_SCALE_COPY_PACKED = "qmm_cp4(sbw0 + (p * NA + a) * 96 * 16, srow[a] + (size_t)pair * 16);  // ablation sbpack\n"
-_SBPACK = [(_SCALE_ROW, _SCALE_ROW_PACKED), (_SCALE_COPY, _SCALE_COPY_PACKED)]
-ABLATIONS["sbpack"] = list(_SBPACK)
-ABLATIONS["feed_sbpack"] = ABLATIONS["feed"] + _SBPACK
 
 
 def ablated_source(name: str, source: str | None = None) -> str:

@@ -104,6 +104,28 @@ def test_the_activations_prefetch_is_the_4_bit_shared_memory_feeds_at_few_row_ti
     assert dict(launch["template"])["XPRE"] == 0
 
 
+def test_tiled_scales_hold_a_column_tiles_pairs_contiguous_and_only_move_values():
+    """quant_mma.tile_pairs: element (tile, pair, 2r + h) is row 16 tile + r's group 2 pair + h, so a
+    warp's copy of one chunk's pairs for its 16 rows is contiguous; every value kept, none added
+    (the kernel reads the same values from other addresses: the same bits, checked on the GPU by
+    bench/qmm_graph.py --mode check). A launch of the tiled layout is its own template (SBT)."""
+    N, G = 48, 10
+    a = mx.arange(N * G).reshape(N, G)
+    t = quant_mma.tile_pairs(a)
+    assert t.shape == (N // 16, G // 2, 32)
+    for tile, pair, r, h in ((0, 0, 0, 0), (1, 2, 5, 1), (2, 4, 15, 1), (2, 0, 7, 0)):
+        assert t[tile, pair, 2 * r + h].item() == a[16 * tile + r, 2 * pair + h].item()
+    assert sorted(t.reshape(-1).tolist()) == list(range(N * G))
+    for bad in ((40, 10), (48, 9)):
+        with pytest.raises(ValueError, match="multiple of 16 and G even"):
+            quant_mma.tile_pairs(mx.zeros(bad))
+    quant_mma.forget_launches()
+    plain, tiled = (quant_mma._launch((1,), 5120, 17408, mx.bfloat16, 4, 64, None, None, None, None, None, None, t)
+                    for t in (False, True))
+    assert dict(plain["template"])["SBT"] == 0 and dict(tiled["template"])["SBT"] == 1
+    assert {k: v for k, v in plain.items() if k != "template"} == {k: v for k, v in tiled.items() if k != "template"}
+
+
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
     lay = _layer()
     w, s, b = lay["weight"], lay["scales"], lay["biases"]

@@ -272,7 +272,15 @@ _SOURCE = """
     const int K = x_shape[x_ndim - 1], N = w_shape[0];
     int M = 1;
     for (int d = 0; d < x_ndim - 1; ++d) M *= x_shape[d];
-    const int G = scales_shape[1];
+    // SBT: the scales and biases come tiled (``tile_pairs``), [N / 16, G / 2, 32]: a column tile's
+    // 16 rows' pairs of two groups contiguous, so a warp's copy of a chunk's pairs reads 128
+    // contiguous bytes (4 sectors) instead of one 4-byte piece from each of 32 sectors.
+    const int G = SBT ? 2 * scales_shape[1] : scales_shape[1];
+    // where row r's scale (or bias) of group grp is, in either layout
+    auto sb_at = [&](int r, int grp) -> size_t {
+        return SBT ? ((size_t)(r >> 4) * (G >> 1) + (grp >> 1)) * 32 + (r & 15) * 2 + (grp & 1) : (size_t)r * G + grp;
+    };
+    constexpr int PAIR_STRIDE = SBT ? 16 : 1;     // elements from one pair of groups of a row to the next
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int n0 = blockIdx.x * 16 * NA;          // NA column tiles of 16 per warp
@@ -325,19 +333,19 @@ _SOURCE = """
                     // fewer than choosing between the two pointers, nvcc for sm_90)
                     const size_t to_bias = (t & 1) ? reinterpret_cast<size_t>(biases) - reinterpret_cast<size_t>(scales) : 0;
                     srow[a] = reinterpret_cast<const T*>(
-                        reinterpret_cast<const char*>(scales + (size_t)(n0 + 16 * a + g + ((t & 2) ? 8 : 0)) * G) + to_bias);
+                        reinterpret_cast<const char*>(scales + sb_at(n0 + 16 * a + g + ((t & 2) ? 8 : 0), 0)) + to_bias);
                 } else {
-                    srow[a] = scales + (size_t)na * G;
-                    brow[a] = biases + (size_t)na * G;
+                    srow[a] = scales + sb_at(na, 0);
+                    brow[a] = biases + sb_at(na, 0);
                 }
             }
             const unsigned sbw0 = qmm_smem(mine) + 64 * 16 + lane * 4;  // SBW: entry g's word t (lane = 4g + t)
-            const size_t wrow8 = 8 * row_bytes, grow8 = (size_t)8 * G;
+            const size_t wrow8 = 8 * row_bytes, grow8 = SBT ? 16 : (size_t)8 * G;  // row g to row g + 8
             // stage p's copies of chunk c (none past the last chunk: the group is then empty)
             auto issue = [&](int p, int c) {
                 if (c < NC) {
                     const size_t off = (size_t)c * (CK * BITS / 8);
-                    const int pair = ((c * CK + t * KT) / GS) & ~1;
+                    const size_t pair = (size_t)(((c * CK + t * KT) / GS) & ~1) * PAIR_STRIDE;
                     #pragma unroll
                     for (int a = 0; a < NA; ++a) {
                         const unsigned slot = smem0 + (p * NA + a) * 96 * 16;
@@ -429,10 +437,10 @@ _SOURCE = """
                             const int na = n0 + 16 * a + g;
                             wa[u][a] = qmm_load16(wbytes + (size_t)na * row_bytes + off, aligned);
                             wb[u][a] = qmm_load16(wbytes + (size_t)(na + 8) * row_bytes + off, aligned);
-                            sa[u][a] = static_cast<float>(scales[(size_t)na * G + grp]);
-                            ba[u][a] = static_cast<float>(biases[(size_t)na * G + grp]);
-                            sb[u][a] = static_cast<float>(scales[(size_t)(na + 8) * G + grp]);
-                            bb[u][a] = static_cast<float>(biases[(size_t)(na + 8) * G + grp]);
+                            sa[u][a] = static_cast<float>(scales[sb_at(na, grp)]);
+                            ba[u][a] = static_cast<float>(biases[sb_at(na, grp)]);
+                            sb[u][a] = static_cast<float>(scales[sb_at(na + 8, grp)]);
+                            bb[u][a] = static_cast<float>(biases[sb_at(na + 8, grp)]);
                         }
                     }
                 }
@@ -654,8 +662,8 @@ def prefetch_for(bits: int, MT: int, P: int, wanted: int | None = None, N: int =
 
 
 def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, split, unroll, tiles, columns,
-            stages, prefetch=None) -> dict:
-    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages, prefetch)
+            stages, prefetch=None, tiled: bool = False) -> dict:
+    key = (lead, N, K, dtype, bits, group_size, split, unroll, tiles, columns, stages, prefetch, tiled)
     got = _launches.get(key)
     if got is None:
         M = math.prod(lead)
@@ -668,7 +676,7 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
         U = unroll or (1 if P else UNROLL_BY_TILES.get(MT, 1))
         X = prefetch_for(bits, MT, P, prefetch, N, K)
         got = {"template": [("T", dtype), ("XBF", int(dtype == mx.bfloat16)), ("BITS", bits), ("GS", group_size),
-                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P), ("XPRE", X)],
+                            ("S", S), ("MT", MT), ("U", U), ("NA", NA), ("P", P), ("XPRE", X), ("SBT", int(tiled))],
                "grid": (32 * S * (N // (16 * NA)), 1, 1), "threadgroup": (32 * S, 1, 1),
                "output_shapes": [(*lead, N)], "output_dtypes": [dtype]}
         _launches[key] = got
@@ -678,20 +686,34 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
                          columns: int | None = None, stages: int | None = None,
-                         prefetch: int | None = None, residual: mx.array | None = None) -> mx.array:
+                         prefetch: int | None = None, residual: mx.array | None = None, tiled: bool = False) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
     and the split (see the module docstring). With ``residual`` (``residual_refusal`` None),
     ``residual + y`` with the bits of the two computed apart, in one kernel. The keyword arguments
     override the launch (for the device check's sweep); ``split`` changes the order, the others
-    (``unroll``, ``tiles``, ``columns``, ``stages``, ``prefetch``) only the speed."""
+    (``unroll``, ``tiles``, ``columns``, ``stages``, ``prefetch``) only the speed. ``tiled``: scales
+    and biases are ``tile_pairs``'s layout (the same values: the same bits, read from other places)."""
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
-                     stages, prefetch)
+                     stages, prefetch, tiled)
     if residual is None:
         (y,) = _get_kernel()(inputs=[x, w, scales, biases], **launch)
     else:
         (y,) = _get_kernel(True)(inputs=[x, w, scales, biases, residual], **launch)
     return y
+
+
+def tile_pairs(a: mx.array) -> mx.array:
+    """A layer's scales (or biases) [N, G] as the kernel reads them with ``tiled``: [N / 16, G / 2, 32],
+    element (tile, pair, 2 * r + h) = a[16 * tile + r, 2 * pair + h]. A warp copies a chunk's
+    scale and bias pairs for its 16 rows; from MLX's layout that is one 4-byte piece from each of
+    32 rows' sectors (an H100's ncu: 45% of the one-row feed's global sectors in excess,
+    bench/results/h100_2026-12-07), from this one 64 contiguous bytes of each array. The same
+    values: the kernel gives the same bits from either layout. Needs N % 16 == 0 and G even."""
+    N, G = a.shape
+    if N % 16 or G % 2:
+        raise ValueError(f"tile_pairs takes [N, G] with N a multiple of 16 and G even, not {tuple(a.shape)}")
+    return mx.contiguous(a.reshape(N // 16, 16, G // 2, 2).transpose(0, 2, 1, 3).reshape(N // 16, G // 2, 32))
 
 
 def residual_refusal(x: mx.array, N: int, residual: mx.array) -> str | None:
