@@ -174,7 +174,8 @@ def apply_launches(kernels: str) -> None:
     2026-12-07; speed only, the same bits); "r0" adds every residual apart instead of in the
     matmul's writes (``forward.FUSE_RESIDUAL``; as before 2026-12-06 evening; the same bits); "a0"
     leaves the attention eager up to its traced tail (``compiled.TRACE_ATTENTION_PARTS``; as before
-    2026-12-06 evening; the same bits). Call it
+    2026-12-06 evening; the same bits); "t1" (``set_arm``) has the kernel read every layer's scales
+    and biases tiled (``quant_mma.tile_layers``; the same bits). Call it
     before each arm of a set runs (an eager step looks the split up at every call, a compiled one
     when it traces)."""
     parts = kernels.split("+")
@@ -215,6 +216,9 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
         merged_linears.install(lm.text_module, attention="noattn" not in parts)
     if "qmm" in parts:
         invariant.install(lm.text_module, max_rows=72, quantized_only=True)
+    quant_mma.forget_tiled()
+    if "t1" in parts:  # after the merge: the merged layers' arrays are the ones the kernel reads
+        quant_mma.tile_layers(lm.text_module)
     if not compiled:
         return "eager"
     reason = enable_compiled_decode(lm)

@@ -126,6 +126,39 @@ def test_tiled_scales_hold_a_column_tiles_pairs_contiguous_and_only_move_values(
     assert {k: v for k, v in plain.items() if k != "template"} == {k: v for k, v in tiled.items() if k != "template"}
 
 
+def test_registered_layers_hand_the_kernel_their_tiled_pairs_and_others_mlxs(monkeypatch):
+    """quant_mma.tile_layers: a registered layer's call passes the tiled copies with SBT = 1, by the
+    identity of the arrays the module passes (a compiled trace captures the same objects); a
+    layer the kernel cannot read tiled, or any other array, keeps MLX's layout; forget_tiled
+    frees them."""
+    seen = []
+
+    def kernel(inputs, template, output_shapes, output_dtypes, **launch):
+        seen.append((inputs[2], inputs[3], dict(template)["SBT"]))
+        return [mx.zeros(output_shapes[0], dtype=output_dtypes[0])]
+
+    monkeypatch.setattr(quant_mma, "_get_kernel", lambda residual=False: kernel)
+    quant_mma.forget_launches()
+    tiled_layer, odd_layer = _layer(), nn.QuantizedLinear(64, 40, group_size=32, bits=4)  # 40 rows: no tiles of 16
+    model = nn.Sequential(tiled_layer, odd_layer)
+    try:
+        assert quant_mma.tile_layers(model) == 1
+        assert quant_mma.tile_layers(model) == 0  # registered once
+        x = mx.zeros((1, 256), dtype=mx.bfloat16)
+        s, b = tiled_layer["scales"], tiled_layer["biases"]
+        quant_mma.quantized_matmul_mma(x, tiled_layer["weight"], s, b, 64, 4)
+        got_s, got_b, sbt = seen[-1]
+        assert sbt == 1 and got_s.shape == (s.shape[0] // 16, s.shape[1] // 2, 32)
+        assert mx.array_equal(got_s, quant_mma.tile_pairs(s)).item() and mx.array_equal(got_b, quant_mma.tile_pairs(b)).item()
+        copy = mx.array(s)  # the same values in another array: not the layer's
+        quant_mma.quantized_matmul_mma(x, tiled_layer["weight"], copy, b, 64, 4)
+        assert seen[-1][0] is copy and seen[-1][2] == 0
+    finally:
+        quant_mma.forget_tiled()
+    quant_mma.quantized_matmul_mma(x, tiled_layer["weight"], s, b, 64, 4)
+    assert seen[-1][0] is s and seen[-1][2] == 0
+
+
 def test_invariant_quant_routes_a_layer_once_by_its_layout_and_dtype():
     lay = _layer()
     w, s, b = lay["weight"], lay["scales"], lay["biases"]

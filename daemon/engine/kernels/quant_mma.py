@@ -686,14 +686,21 @@ def _launch(lead: tuple, N: int, K: int, dtype, bits: int, group_size: int, spli
 def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
                          *, split: int | None = None, unroll: int | None = None, tiles: int | None = None,
                          columns: int | None = None, stages: int | None = None,
-                         prefetch: int | None = None, residual: mx.array | None = None, tiled: bool = False) -> mx.array:
+                         prefetch: int | None = None, residual: mx.array | None = None,
+                         tiled: bool | None = None) -> mx.array:
     """x [..., K] (bf16/fp16; its M rows are every leading index) times the quantized w [N, K]
     transposed on the tensor cores, y [..., N]; each output summed in an order fixed by K, bits
     and the split (see the module docstring). With ``residual`` (``residual_refusal`` None),
     ``residual + y`` with the bits of the two computed apart, in one kernel. The keyword arguments
     override the launch (for the device check's sweep); ``split`` changes the order, the others
     (``unroll``, ``tiles``, ``columns``, ``stages``, ``prefetch``) only the speed. ``tiled``: scales
-    and biases are ``tile_pairs``'s layout (the same values: the same bits, read from other places)."""
+    and biases are ``tile_pairs``'s layout (the same values: the same bits, read from other places);
+    None: a layer ``tile_layers`` registered reads its tiled copies, any other MLX's layout."""
+    if tiled is None:
+        got = _tiled_pairs.get(id(scales))
+        tiled = got is not None and got[0] is scales and got[1] is biases
+        if tiled:
+            scales, biases = got[2], got[3]
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
                      stages, prefetch, tiled)
     if residual is None:
@@ -714,6 +721,35 @@ def tile_pairs(a: mx.array) -> mx.array:
     if N % 16 or G % 2:
         raise ValueError(f"tile_pairs takes [N, G] with N a multiple of 16 and G even, not {tuple(a.shape)}")
     return mx.contiguous(a.reshape(N // 16, 16, G // 2, 2).transpose(0, 2, 1, 3).reshape(N // 16, G // 2, 32))
+
+
+# Layers whose scales and biases the kernel reads tiled (``tile_layers``): id(scales) -> (scales,
+# biases, their tiled copies). Looked up by identity on every call (a dict lookup of host time):
+# the modules keep passing MLX's arrays, which the other kernels (MLX's, for prefill) read. A
+# compiled step captures the same array objects, so its trace finds them too.
+_tiled_pairs: dict[int, tuple[mx.array, mx.array, mx.array, mx.array]] = {}
+
+
+def tile_layers(module) -> int:
+    """Register a tiled copy of the scales and biases of every quantized layer under ``module`` that
+    the kernel can read tiled (N % 16 == 0, an even group count); returns how many. The copies
+    cost another copy of the scales and biases (1/8 of a 4-bit group-64 model's weight bytes)."""
+    n = 0
+    for _, m in module.named_modules():
+        s, b = m.get("scales"), m.get("biases")
+        if not isinstance(s, mx.array) or not isinstance(b, mx.array) or s.ndim != 2 or s.shape != b.shape:
+            continue
+        if s.shape[0] % 16 or s.shape[1] % 2 or id(s) in _tiled_pairs:
+            continue
+        _tiled_pairs[id(s)] = (s, b, tile_pairs(s), tile_pairs(b))
+        n += 1
+    mx.eval([v[2:] for v in _tiled_pairs.values()])
+    return n
+
+
+def forget_tiled() -> None:
+    """Every layer back to MLX's layout (the tiled copies freed)."""
+    _tiled_pairs.clear()
 
 
 def residual_refusal(x: mx.array, N: int, residual: mx.array) -> str | None:
