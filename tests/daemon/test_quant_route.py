@@ -150,6 +150,8 @@ def test_registered_layers_hand_the_kernel_their_tiled_pairs_and_others_mlxs(mon
         got_s, got_b, sbt = seen[-1]
         assert sbt == 1 and got_s.shape == (s.shape[0] // 16, s.shape[1] // 2, 32)
         assert mx.array_equal(got_s, quant_mma.tile_pairs(s)).item() and mx.array_equal(got_b, quant_mma.tile_pairs(b)).item()
+        with pytest.raises(ValueError, match="tiled=True takes tile_pairs"):  # MLX's layout said to be tiled
+            quant_mma.quantized_matmul_mma(x, tiled_layer["weight"], s, b, 64, 4, tiled=True)
         copy = mx.array(s)  # the same values in another array: not the layer's
         quant_mma.quantized_matmul_mma(x, tiled_layer["weight"], copy, b, 64, 4)
         assert seen[-1][0] is copy and seen[-1][2] == 0

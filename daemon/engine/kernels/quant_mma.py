@@ -701,6 +701,10 @@ def quantized_matmul_mma(x: mx.array, w: mx.array, scales: mx.array, biases: mx.
         tiled = got is not None and got[0] is scales and got[1] is biases
         if tiled:
             scales, biases = got[2], got[3]
+    elif tiled and (scales.ndim != 3 or scales.shape[-1] != 32 or biases.shape != scales.shape):
+        # MLX's [N, G] read as tiled would read past the arrays' ends: refused on the host
+        raise ValueError(f"tiled=True takes tile_pairs's [N / 16, G / 2, 32] scales and biases, "
+                         f"not {tuple(scales.shape)} / {tuple(biases.shape)}")
     launch = _launch(x.shape[:-1], w.shape[0], x.shape[-1], x.dtype, bits, group_size, split, unroll, tiles, columns,
                      stages, prefetch, tiled)
     if residual is None:
