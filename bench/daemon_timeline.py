@@ -48,6 +48,11 @@ def lines(path: Path, until: float | None = None) -> list[str]:
             out.append(f"{at:7.2f}  done {e.get('seat')}: {e.get('prompt_tokens')} tokens, resumed at "
                        f"{e.get('cached_tokens')}, {e.get('prefill_forwards')} forwards, TTFT {e.get('ttft_s')} s, "
                        f"{e.get('tokens_per_s')} tok/s, {cycles}")
+        elif ev == "engine.slow_iteration":  # at log_slow_iteration_s: where a long iteration's time went
+            phases = " ".join(f"{k} {v * 1000:.0f}" for k, v in (e.get("phases") or {}).items())
+            out.append(f"{at:7.2f}  slow iteration {e.get('seconds', 0) * 1000:.0f} ms ({phases} ms): "
+                       f"{e.get('decode')} rows {e.get('rows')} depth {e.get('depth')} positions {e.get('positions')}, "
+                       f"prefilled {e.get('prefilled')}, started {e.get('started')}")
         elif ev == "prefix_cache.continuation":
             out.append(f"{at:7.2f}  continuation {e.get('seat')}: {e.get('tokens')} tokens, head {e.get('head')}, "
                        f"exact {e.get('exact')}")
