@@ -162,9 +162,14 @@ def split_plans(chunk: int) -> tuple[int, list[list[int]]]:
                 pos += out[-1]
         return out + [1] * (n - pos)
 
+    # One off-grid plan, not two (until 2026-12-07 a second split [131, 256, 129, 1 x 5]
+    # beside [1, 1, 253, 6, 256, 2, 1, 1]): each plan is a prefill of n tokens, which on a
+    # CPU costs its FLOPs, and the probe runs inside a fresh start's first round. This one
+    # keeps what both covered: forwards of 1 token, odd lengths (129, 124, 6), a forward
+    # ending just before the grid (at chunk - 1), a whole chunk landing off the grid, a short
+    # forward across the next grid point, and a token-by-token tail.
     return n, [plan([], n),  # the cold run: chunks of ``chunk`` on the grid
-               plan([chunk // 2 + 3], n - 5),  # off the grid, then a token-by-token tail
-               plan([1, 2, chunk - 1, chunk + 5], n - 2)]  # short forwards, one ending just before the grid
+               plan([1, 2, chunk // 2 + 3, chunk - 1, 2 * chunk - 1], n - 4)]
 
 
 def splits_agree(lm, chunk: int, seed: int = 0) -> bool:
