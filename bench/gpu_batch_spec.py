@@ -82,9 +82,11 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
     """(aggregate tokens/s, tokens per row per step: 1 at depth 0, E(k) when drafts land, and
     the decode-only tokens/s: the tokens after the first step over the time after it).
 
-    The first step carries the prompts' prefill (``--context`` tokens a row), so the aggregate
-    rate depends on ``--tokens``: on an H100's 27B one row ran 77 tok/s over 24 tokens and 98
-    over 48 (2026-12-07). The decode-only rate is what a long answer streams at."""
+    The first step carries the prompts' prefill (``--context`` tokens a row): the decode-only
+    rate leaves it out, what a long answer streams at. On an H100's 27B (64 tokens a row) the
+    two differed by 1-4%: one row's 77 tok/s over 24 tokens against 98 over 48 (2026-12-07)
+    was the host's speed from call to call (the step is bound by graph building), not the
+    prefill (bench/results/h100_2026-12-07b)."""
     if arm == "batch d0":
         bd = BatchDecoder(lm, max_rows=len(prompts), exact_ok=False)
     else:
