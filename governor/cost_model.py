@@ -507,6 +507,10 @@ class CostModel:
         return tuple(tuple(self.batch_estimate(b, k, now, load) for k in range(self.cfg.max_depth + 1))
                      for b in range(1, N_BUCKETS))  # fmt: skip
 
+    def batch_measured(self, b: int) -> bool:
+        """Has bucket b (>= 1) a booked cycle at any depth (a transition's is not booked)?"""
+        return any(c.n > 0 for c in self._buckets[b - 1].cost)
+
     def batch_decode_s(self) -> tuple[float, ...]:
         """Each batched bucket's decode clock (seconds of its cycles)."""
         return tuple(bk.decode_s for bk in self._buckets)

@@ -228,6 +228,17 @@ class Governor:
             self._write("obs", obs=raw)
             return self._decide(raw, now)
 
+    def first_measurements(self) -> frozenset[int]:
+        """The buckets of batch heights whose depth is not chosen yet but which have a booked
+        cycle: their first decision (height_policy's ``height_adopt``) can be taken now. Until
+        it is, their batches run at a borrowed depth (``depth_at``: a neighbour's or the solo
+        one), which on a GPU's fresh council was depth 1 at heights 3-4 for a whole tick
+        (0.25 s of a sub-second first round) before the first decision moved them to 0."""
+        with self._lock:
+            hs = self.state.heights  # shorter than the buckets until a tick fills it: the rest unchosen
+            return frozenset(b for b in range(1, N_BUCKETS)
+                             if (b - 1 >= len(hs) or hs[b - 1].depth is None) and self.cost.batch_measured(b))
+
     def override(self, action: str, depth: int | None = None) -> list[Action]:
         """Operator command (pin_depth / evict_head / load_head / auto); decides at once."""
         with self._lock:

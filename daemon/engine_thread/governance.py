@@ -79,6 +79,8 @@ class Governance:
             trace=trace,
         )
         self.next_tick = 0.0
+        # Buckets of batch heights given a tick at their first measurement (safe_point): each once.
+        self._early_ticked: set[int] = set()
         self.saver = LearnedSaver(self.gov.learned, model_path) if learn else None
         # The cycle shapes (rows, depth, drafter) this process has decoded: a shape's first
         # cycle pays first-use costs (a trace, a kernel's first launch, first allocations)
@@ -150,7 +152,12 @@ class Governance:
         now = time.monotonic()
         if self.prefix_cache is not None:
             self.gov.note_prompt_cache(self.prefix_cache.nbytes)
-        if now >= self.next_tick:
+        # A bucket's first measurement ticks at once, not at the next tick_s: its batches run
+        # at a borrowed depth until that decision. Once per bucket: a bucket the policy leaves
+        # unchosen (no usable head, say) must not tick every cycle.
+        first = self.gov.first_measurements() - self._early_ticked
+        if now >= self.next_tick or first:
+            self._early_ticked |= first
             self.next_tick = now + self.cfg.tick_s
             self.apply(self.gov.tick())
             if self.saver is not None:

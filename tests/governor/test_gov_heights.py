@@ -282,3 +282,22 @@ def test_a_probe_that_never_ran_its_depth_does_not_move_the_bucket():
     ends = decisions(logger, "height_probe_end")
     assert ends and all(e["depth_to"] == 0 for e in ends) and "not measured" in ends[0]["sentence"]
     assert gov.depth_for(4) == 0
+
+
+def test_a_bucket_first_measured_is_named_until_its_first_decision_takes_it():
+    """``first_measurements``: the daemon ticks at once for a bucket whose depth is not chosen
+    but which has a booked cycle (governance.safe_point), so its batches stop running at the
+    borrowed depth a whole tick sooner. A transition cycle (a shape's first use) books nothing;
+    the tick's first decision chooses the bucket's depth, and it is not named again."""
+    gov, clock, eng, logger, st = make(table=CPU, streams=4)
+    b = bucket_of(4)
+    assert gov.first_measurements() == frozenset()
+    gov.record_cycle(CycleTelemetry(depth=1, cycle_s=0.1, drafted=4, accepted=2, emitted=6, batch=4, transition=True))
+    assert gov.first_measurements() == frozenset()  # the first use of a shape is not a measurement
+    gov.record_cycle(CycleTelemetry(depth=1, cycle_s=0.1, drafted=4, accepted=2, emitted=6, batch=4))
+    assert gov.first_measurements() == {b}
+    clock.advance(0.01)  # sooner than tick_s: the daemon's early tick
+    gov.tick()
+    assert [d["heights"] for d in decisions(logger, "height_adopt")] == [bucket_label(b)]
+    assert gov.height_table()[b]["chosen"] is not None
+    assert gov.first_measurements() == frozenset()
