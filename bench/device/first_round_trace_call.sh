@@ -6,11 +6,11 @@
 # `engine.slow_iteration` with its phases and shape, so round 0's iterations can be set beside
 # the later rounds'; each run's PTX files are listed with their times (a module compiled
 # during round 0 shows there). Results under $OUT/first_round_trace.
-#   bash bench/device/first_round_trace_call.sh
+#   bash bench/device/first_round_trace_call.sh          (ARMS="default fast": other runs)
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/first_round_trace
 mkdir -p "$o"
-for arm in default fast default; do
+for arm in ${ARMS:-default fast default}; do
   d=/tmp/first-round-$arm-$RANDOM; rm -rf "$d"; n=$(basename "$d")
   timeout 150 python3 bench/council_http.py --seats 4 --turns 3 --system-tokens 1000 --max-tokens 64 --rounds 2 --arms $arm \
     --cache-dir "$d" --config-extra 'log_slow_iteration_s = 0.015' --json "$o/$n.json" --markdown "$o/$n.md" \
