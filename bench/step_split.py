@@ -324,7 +324,9 @@ def main(argv=None) -> int:
     paths: dict[str, str] = {}
     firsts: dict[tuple, tuple] = {}
     for rnd in range(args.rounds):
-        for kernels, path in arms:
+        # The order alternates round by round: on an H100 (2026-12-07) the arm run second in a
+        # round ran 5-10% faster whichever it was (bench/results/h100_2026-12-07b).
+        for kernels, path in (arms if rnd % 2 == 0 else arms[::-1]):
             if time.perf_counter() - T0 > args.budget:
                 RESULTS["errors"].append(f"budget: stopped before round {rnd} {kernels} {path}")
                 break
