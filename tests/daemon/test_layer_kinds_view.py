@@ -111,3 +111,43 @@ def test_a_layer_with_other_shapes_or_dtypes_is_its_own_kind(lm):
     finally:
         layer.mlp.down_proj.weight = w
     assert layer_kind(layer) == before
+
+
+def test_the_compiled_steps_check_runs_the_view_and_sees_a_layer_of_another_kind(lm, monkeypatch):
+    """``checked_compiled_decode`` checks one layer of each kind (the view's layers, each
+    compiled by the same builders as the model's). A later layer whose MLP rounds differently
+    under ``mx.compile`` (a fused kernel unlike the eager one) is a kind of its own, so it is in
+    the view and the check refuses the compiled step; the model's own step covers every layer."""
+    from daemon.engine.model import compiled as compiled_mod
+
+    checked: list = []
+    real = compiled_mod.self_check
+    monkeypatch.setattr(compiled_mod, "self_check", lambda m, c, *a: checked.append((m, c)) or real(m, c, *a))
+    step, reason = compiled_mod.checked_compiled_decode(lm)
+    assert reason is None and step.batched and len(step.layers) == len(lm.backbone.layers)
+    (m, c), = checked
+    assert m.view_layers == lm.layer_kinds_view().view_layers and len(c.layers) == len(m.view_layers)
+
+    deep = lm.layer_kinds_view().view_layers[-1] + 1
+    layer = lm.backbone.layers[deep]
+    assert layer.is_linear  # the bundled pattern: a GatedDeltaNet layer after the first attention
+    mlp = layer.mlp
+    cls = type(mlp)
+    other = type("OtherMLP", (cls,), {})  # a class of its own (the same math): a kind of its own
+    real_step = compiled_mod._linear_layer_step
+
+    def rounds_otherwise(lay):  # its compiled step, and only its, off eager's bits by an ulp or so
+        step = real_step(lay)
+        if type(lay.mlp) is not other:
+            return step
+        return lambda x, conv, state: (lambda y, c, s: (y * (1 + 2.0**-6), c, s))(*step(x, conv, state))
+
+    monkeypatch.setattr(compiled_mod, "_linear_layer_step", rounds_otherwise)
+    assert compiled_mod.checked_compiled_decode(lm)[1] is None  # no layer of that class yet
+    mlp.__class__ = other
+    try:
+        assert deep in lm.layer_kinds_view().view_layers
+        step, reason = compiled_mod.checked_compiled_decode(lm)
+    finally:
+        mlp.__class__ = cls
+    assert step is None and "differs from eager" in reason

@@ -101,8 +101,10 @@ class LoadedModel:
         and dtypes, never by the values, so a layer that gives the same bits both ways on
         an input does so for every layer of its kind: the view answers for the whole model
         at a fraction of its cost (a 64-layer Qwen3.5 has two kinds; the probes run 2 layers).
-        The compiled step is left out: its own self-check proved it bit for bit the eager
-        step. A pipeline-split backbone (a group) is returned whole, its ranks' layers differ."""
+        The view forwards eagerly (no compiled step): the compiled step's own self-check,
+        which runs on a view too (``compiled.checked_compiled_decode``), proved it bit for bit
+        the eager step. A pipeline-split backbone (a group) is returned whole, its ranks'
+        layers differ."""
         bb = self.backbone
         if getattr(bb, "pipeline_size", 1) != 1 or self.backbone_view is not None:
             return self
