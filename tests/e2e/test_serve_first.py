@@ -171,4 +171,11 @@ def test_a_prompt_served_before_the_verify_verdict_leaves_snapshots_that_specula
     # seat resumes from carries it (a speculating request takes no snapshot without it).
     (kept,) = [e for e in events if e["event"] == "prefix_cache.continuation"
                and e["request_id"] == done[0]["request_id"]]
-    assert kept["head"] is True and kept["tokens"] == done[0]["prompt_tokens"] + 4
+    # Serial decode's cache holds every token it decoded; a speculative cycle's holds what its
+    # forwards took in, so the last token (the verify's own, not yet forwarded) may be left out:
+    # a continuation is the prefix the cache holds (prefix_cache_use.keep_continuation). Which
+    # branch runs depends on how soon the verify verdict comes (since 2026-12-07 the compiled
+    # step's checks run on the layer-kinds view, so here it often comes during the prefill).
+    full = done[0]["prompt_tokens"] + done[0]["completion_tokens"]
+    assert done[0]["completion_tokens"] == 4 and kept["head"] is True
+    assert kept["tokens"] == full if done[0]["speculation"] is None else full - 1 <= kept["tokens"] <= full
