@@ -11,7 +11,15 @@ oracle's token inv[previous token], replaced by a random token with probability 
 draft position i (the acceptance profile). Arms interleaved per round, B greedy rows (fast
 rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch there):
 - batch d0: BatchDecoder, one batched forward per token;
-- spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle).
+- spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle),
+  each cycle built after the last one is read (``spec_ahead=False``);
+- spec dK ahead (``--ahead``): the same with drafting cycles built ahead, decided on the
+  device (batch_spec.py, "Cycles built ahead"; the daemon's default on CUDA).
+The oracle's first draft of a cycle follows each row's last committed token (``OracleSpecBatch``);
+before 2026-12-07 it read the head feed's last column, which for a row that kept fewer
+pairs than the longest is padding: at 4 rows most first drafts missed (1.65 tokens a row a
+cycle at depth 2 against one row's 2.47 with the same profile), so those runs understate
+speculation at heights above one.
 ``--kernels``: one or more kernel sets, each on its own copy of the model, alternated within each round (bench/step_split.py's
 ``set_arm``: "mlx", or a "+" of "gdn", the fused GatedDeltaNet recurrence, "conv", its conv folded in, "merge", the
 projections that read one input as one matmul, and "qmm", the quantized linears on the
@@ -44,6 +52,22 @@ from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from step_split import apply_launches, set_arm  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
+
+
+class OracleSpecBatch(SpecBatchDecoder):
+    """SpecBatchDecoder that tells the oracle head each row's last committed token (its
+    primary) once the head has taken the rows' pairs: the feed pads rows to the longest, so
+    the feed's last column is not every row's last token."""
+
+    def _feed(self, head):
+        g = super()._feed(head)
+        head._last = self._primaries()
+        return g
+
+    def _feed_lazy(self, head, prev):
+        g = super()._feed_lazy(head, prev)
+        head._last = prev.bonus
+        return g
 
 
 class BatchOracleHead(OracleHead):
@@ -90,8 +114,9 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
     if arm == "batch d0":
         bd = BatchDecoder(lm, max_rows=len(prompts), exact_ok=False)
     else:
-        k = int(arm.split("d")[-1])
-        bd = SpecBatchDecoder(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts), exact_ok=False)
+        k = int(arm.split(" ")[1][1:])
+        bd = OracleSpecBatch(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts), exact_ok=False,
+                             spec_ahead=arm.endswith(" ahead"))
     for i, p in enumerate(prompts):
         bd.add(i, Sampler(SamplingParams()), p, exact=False)
     got = {i: 0 for i in range(len(prompts))}
@@ -106,6 +131,11 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
             t_first, first_tokens = time.perf_counter(), sum(got.values())
     t_end = time.perf_counter()
     total = sum(got.values())
+    if hasattr(bd.stats, "read_wait_s"):
+        st = bd.stats
+        log(f"  {arm}: {st.cycles} cycles, {1e3 * (t_end - t0) / max(st.cycles, 1):.2f} ms a cycle, of which the "
+            f"host waited {1e3 * st.read_wait_s / max(st.cycles, 1):.2f} ms reading the device; built ahead "
+            f"{st.spec_ahead_used}, undone {st.spec_ahead_undone}")
     decode_rate = (total - first_tokens) / (t_end - t_first) if t_end > t_first else float("nan")
     return total / (t_end - t0), total / (steps * len(prompts)), decode_rate
 
@@ -124,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="mlx", help="kernel sets, comma-separated (alternated per round)")
     ap.add_argument("--compiled", action="store_true", help="the compiled step (model/compiled.py), as the daemon runs")
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting rounds after this many seconds")
+    ap.add_argument("--ahead", choices=("off", "on", "ab"), default="off",
+                    help="speculation arms with drafting cycles built ahead: off, on (only), ab (both, alternated)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = QWEN35_27B if args.shape == "27b" else TINY
@@ -139,7 +171,8 @@ def main(argv=None) -> int:
             quantize_4bit(lm, head)
         models[ks] = (lm, BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"]))
         log(f"built {lm.path.name} {args.dtype} for {ks}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
-    arms = [f"{ks} {a}" for ks in kernel_sets for a in ["batch d0"] + [f"spec d{k}" for k in args.depths]]
+    ahead = {"off": [""], "on": [" ahead"], "ab": ["", " ahead"]}[args.ahead]
+    arms = [f"{ks} {a}" for ks in kernel_sets for a in ["batch d0"] + [f"spec d{k}{x}" for k in args.depths for x in ahead]]
     rng = random.Random(7)
     results = []
     paths = {}

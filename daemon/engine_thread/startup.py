@@ -196,7 +196,7 @@ class EngineStartup:
 
             slot = self.engine.slot
             self.engine.batch = SpecBatchDecoder(self.engine.lm, head=lambda: slot.head, depth_for=slot.depth_for,
-                                                 max_rows=rows, exact_ok=False)
+                                                 max_rows=rows, exact_ok=False, spec_ahead=self.build_ahead())
             self.engine.batch_speculates = True
         else:
             self.engine.batch = BatchDecoder(self.engine.lm, max_rows=rows, exact_ok=False)

@@ -79,6 +79,20 @@ class RaggedKVCache(BatchKVCache):
         if self.n_holes > COMPACT_SHARE * B * self._idx:
             self.compact()
 
+    def punch_lazy(self, keep: mx.array, written: int) -> None:
+        """``punch`` with each row's count still on the device ([B] ints): the host reads
+        nothing, so the next cycle can be built on this one before its acceptance is known
+        (batch_spec.py, "Cycles built ahead"). The holes are not counted here: the host adds
+        them to ``n_holes`` once it reads the counts, and compacts only then (``holes_due``)."""
+        B = keep.shape[0]
+        kept = mx.arange(written)[None, :] < keep.reshape(B, 1)
+        valid = self.valid if self.valid is not None else mx.ones((B, self._idx - written), dtype=mx.bool_)
+        self.valid = mx.concatenate([valid[:, : self._idx - written], kept], axis=1)
+        self.offset = self.offset - (written - keep).astype(self.offset.dtype)
+
+    def holes_due(self) -> bool:
+        return self.valid is not None and self.n_holes > COMPACT_SHARE * self.valid.shape[0] * self._idx
+
     # ------------------------------------------------------------------ reading
     def make_mask(self, N: int, return_array: bool = False, **kwargs):
         mask = create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
@@ -147,30 +161,58 @@ class RaggedKVCache(BatchKVCache):
         return [x for x in (self.keys, self.values, self.offset, self.left_padding, self.valid) if x is not None]
 
 
-def keep_kv(c, keep: list[int], written: int) -> None:
+def keep_kv(c, keep: list[int] | mx.array, written: int) -> None:
     """Row i keeps its first keep[i] of the ``written`` slots of the last forward (one row
-    in its own KVCache: a trim)."""
-    if isinstance(c, RaggedKVCache):
+    in its own KVCache: a trim). ``keep`` on the device ([B] ints): a RaggedKVCache only."""
+    if isinstance(keep, mx.array):
+        c.punch_lazy(keep, written)
+    elif isinstance(c, RaggedKVCache):
         c.punch(keep, written)
     else:
         c.trim(written - keep[0])
 
 
-def keep_ragged(cache: list, rec: list, keep: list[int], T: int) -> None:
+def keep_ragged(cache: list, rec: list, keep: list[int] | mx.array, T: int) -> None:
     """Ragged rollback after a verify of T positions through the capturing walk
     (forward.capture_hidden): row i keeps its first keep[i] positions. Attention layers
     punch holes; each GatedDeltaNet layer takes, per row, the recurrent state after its
-    last kept token and the conv window ending there (capture rollback's commit, per row)."""
+    last kept token and the conv window ending there (capture rollback's commit, per row).
+    ``keep`` on the device ([B] ints): nothing is read by the host (``punch_lazy``)."""
+    lazy = isinstance(keep, mx.array)
     for c in cache:
         if not isinstance(c, ArraysCache):
             keep_kv(c, keep, T)
-    if min(keep) == T:
+    if not lazy and min(keep) == T:
         return  # every row kept the whole verify: the capture already left that state
-    B = len(keep)
-    last = mx.array([k - 1 for k in keep], dtype=mx.int32)
+    B = keep.shape[0] if lazy else len(keep)
+    last = (keep - 1).astype(mx.int32) if lazy else mx.array([k - 1 for k in keep], dtype=mx.int32)
     for cap in rec:
         states = mx.stack(cap.states, axis=1)  # [B, T, ...]
         idx = last.reshape((B, 1) + (1,) * (states.ndim - 2))
         cap.cache[1] = mx.take_along_axis(states, idx, axis=1)[:, 0]
         window = (last[:, None] + 1 + mx.arange(cap.n_keep)[None, :])[:, :, None]  # [B, n_keep, 1]
         cap.cache[0] = mx.take_along_axis(cap.conv_input, window, axis=1)
+
+
+class BatchMark:
+    """A batch's caches (attention and GatedDeltaNet layers alike) as they are now, to undo a
+    cycle issued ahead: ``restore`` puts back each attention layer's offsets, validity, slot
+    count and buffers and each recurrent layer's arrays. The cycle was queued to the device
+    when it was built, so the slots it wrote past the restored count are stale and written
+    over later (rollback.CacheMark's aliases are for forwards built and never run). The host's
+    hole count is left as it is: it is counted when a cycle is read, which may come after
+    the mark, and it only decides when to compact."""
+
+    FIELDS = ("keys", "values", "offset", "left_padding", "_idx", "valid")
+
+    def __init__(self, caches: list):
+        self.saved = [(c, list(c.cache) if isinstance(c, ArraysCache) else {f: getattr(c, f) for f in self.FIELDS})
+                      for c in caches]
+
+    def restore(self) -> None:
+        for c, saved in self.saved:
+            if isinstance(c, ArraysCache):
+                c.cache = list(saved)
+            else:
+                for f, v in saved.items():
+                    setattr(c, f, v)

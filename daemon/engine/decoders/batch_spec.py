@@ -34,9 +34,25 @@ ragged prefixes, then verified through the holes) together, probed once; elsewhe
 decode alone). Constrained rows (constraint.py) draw each draft under their grammar's mask
 (the matcher takes every draft, a host read per draft), verify under the same masks and
 settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
-has them): prompt lookup, the draft stopper, the loop guard, building a drafting cycle ahead
-(a depth-0 cycle is queued ahead, as BatchDecoder's step is, unless a row has a grammar:
-``_step_ahead``).
+has them): prompt lookup, the draft stopper, the loop guard. A depth-0 cycle is queued
+ahead, as BatchDecoder's step is, unless a row has a grammar (``_step_ahead``).
+
+Cycles built ahead (``spec_ahead``; on CUDA by default, as speculative.py's pipeline): a
+drafting cycle of plain greedy rows needs nothing from the host. Acceptance is decided on
+the device (a row accepts while its draft equals the verify's argmax: a cumulative product
+of the matches), and so is everything the next cycle starts from: the bonus token
+(the argmax at the first mismatch), the head's pairs (the verify's hiddens and argmaxes,
+of which the row keeps a_i + 1), the holes (``RaggedKVCache.punch_lazy``) and the
+recurrent states at each row's last kept position (``keep_ragged`` with the counts on the
+device). So the next cycle is built and queued while the device runs this one, and the
+host reads this one after: the device never waits for Python to build a graph, which on a
+64-layer model is most of a step (bench/step_split.py). Unlike speculative.py's pipeline
+nothing is guessed: every cycle built ahead is the cycle the host would have built, so
+its tokens stand (the same tokens as cycles built one at a time; a test). A row joining,
+leaving or being taken out, or the head being replaced, undoes the cycle queued ahead
+(``ragged_cache.BatchMark``; its device work is lost). Rows with processors, logprobs,
+a grammar or a sampler, a row capped below the batch's depth, and a lone row (whose caches
+trim on the host) take the cycles built one at a time.
 """
 
 from __future__ import annotations
@@ -50,7 +66,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ..caches.batch_rows import DEFAULT_MAX_ROWS, RowBatch
 from ..caches.head_history import HeadHistory
-from ..caches.ragged_cache import RaggedKVCache, keep_kv, keep_ragged
+from ..caches.ragged_cache import BatchMark, RaggedKVCache, keep_kv, keep_ragged
 from ..model.capture import capture_hidden
 from ..model.model import LoadedModel
 from ..prefill.mixed_forward import Ride, hidden_with
@@ -61,7 +77,7 @@ from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .speculative import (FLUSH_PENDING, draft_token, greedy_accepted, prefill_with_hidden,
-                          rejection_sample, sampled_accepted)
+                          rejection_sample, resolve_pipeline, sampled_accepted)
 
 
 @dataclass
@@ -97,6 +113,9 @@ class SpecBatchStats:
     accepted: int = 0
     ahead_used: int = 0  # depth-0 cycles that ran issued ahead of the previous one's read
     ahead_undone: int = 0  # cycles issued ahead and undone (a row joined or left, the depth rose)
+    spec_ahead_used: int = 0  # drafting cycles built ahead of the previous one's read, and run
+    spec_ahead_undone: int = 0  # drafting cycles built ahead and undone (a row joined or left)
+    read_wait_s: float = 0.0  # the host's time in drafting cycles' one read: waiting for the device
 
 
 class SpecBatchDecoder(RowBatch):
@@ -119,12 +138,15 @@ class SpecBatchDecoder(RowBatch):
 
     def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
                  exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK,
-                 pipeline: bool = True):
+                 pipeline: bool = True, spec_ahead: bool | None = None):
         """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
-        cycle to its end first (the benchmark's "before" arm)."""
+        cycle to its end first (the benchmark's "before" arm). ``spec_ahead``: build drafting
+        cycles ahead (the module's "Cycles built ahead"); None: on CUDA only
+        (``speculative.resolve_pipeline``), never where ``pipeline`` is False."""
         super().__init__(max_rows)
         self.lm = lm
         self.pipeline = pipeline
+        self.spec_ahead = pipeline and resolve_pipeline(spec_ahead)
         self.head_fn = head
         self.depth_for = depth_for
         if exact_ok is None:
@@ -137,6 +159,7 @@ class SpecBatchDecoder(RowBatch):
         self._hcache: list | None = None  # the head's, likewise
         self._head = None  # the head whose history _hcache holds
         self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
+        self._spec_ahead: _Drafting | None = None  # a drafting cycle queued before the last one was read
         self.last_depth = 0
         self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
         # Whether the last cycle was a transition (DecodeStep.transition): the first at its
@@ -150,6 +173,7 @@ class SpecBatchDecoder(RowBatch):
         if head is None or getattr(head, "unloaded", False):
             head = None
         if head is not self._head:  # evicted or replaced: its history means nothing now
+            self._discard_ahead()
             self._head = head
             self._hcache = None if head is None or not self._rows else self._fresh_head_cache(len(self._rows))
             for r in self._rows:
@@ -253,10 +277,11 @@ class SpecBatchDecoder(RowBatch):
         last = mx.array([max(ni - 1, 0) for ni in n], dtype=mx.int32)
         return mx.take_along_axis(out, last[:, None, None], axis=1)  # [B, 1, H]
 
-    def _drafts(self, head, K: int, ks: list[int]) -> tuple[list[mx.array], list[list]]:
-        """K rounds of drafts: per round one [B] token array; per row its log q's (sampled)."""
+    def _drafts(self, head, K: int, ks: list[int], g: mx.array | None = None) -> tuple[list[mx.array], list[list]]:
+        """K rounds of drafts: per round one [B] token array; per row its log q's (sampled).
+        ``g``: the head's output to draft the first from (default: ``_feed``'s)."""
         rows = self._rows
-        g = self._feed(head)
+        g = self._feed(head) if g is None else g
         drafts, logq = [], [[] for _ in rows]
         for j in range(K):
             if j:
@@ -320,7 +345,9 @@ class SpecBatchDecoder(RowBatch):
             return {}
         t0 = time.perf_counter()
         rows, B = self._rows, len(self._rows)
-        head = self._live_head()
+        head = self._live_head()  # a replaced head undoes a cycle queued ahead
+        if self._spec_ahead is not None:
+            return self._adopt_drafting(head, t0)
         k = max(0, int(self.depth_for(B))) if head is not None else 0
         ks = [self._row_depth(r, k) for r in rows]
         K = max(ks)
@@ -333,6 +360,8 @@ class SpecBatchDecoder(RowBatch):
         if K == 0 and self._pipelines():
             return self._step_ahead(head, k, t0, ride)
         self._discard_ahead()
+        if K and min(ks) == K and self._builds_ahead(head, K):
+            return self._run_drafting(head, self._issue_drafting(head, K, None), t0)
         if K:
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1
@@ -369,7 +398,9 @@ class SpecBatchDecoder(RowBatch):
             else:
                 picks, coins = rejection_sample(r.sampler, lp, d_i, logq[i][:ki])
             host += [picks.reshape(-1), coins.reshape(-1)]
+        t_read = time.perf_counter()
         vals = mx.concatenate([x.astype(mx.int32) for x in host]).tolist()
+        self.stats.read_wait_s += time.perf_counter() - t_read
 
         steps, keep = {}, []
         inputs = [vals[i * T : (i + 1) * T] for i in range(B)]
@@ -477,6 +508,10 @@ class SpecBatchDecoder(RowBatch):
 
     def _discard_ahead(self) -> None:
         """Undo the cycle issued ahead, if any: the caches as they were before it."""
+        drafting, self._spec_ahead = self._spec_ahead, None
+        if drafting is not None:
+            self.stats.spec_ahead_undone += 1
+            drafting.mark.restore()  # the rows' pending pairs are the read cycle's (_settle_drafting)
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return
@@ -527,6 +562,121 @@ class SpecBatchDecoder(RowBatch):
                                          logprobs=lp_entries)
         self.stats.tokens += B
         return self._end_cycle(steps, t0)
+
+    # ------------------------------------------------------------------ drafting cycles, built ahead
+    def _builds_ahead(self, head, k: int) -> bool:
+        """Whether a drafting cycle at depth k can be decided on the device (the module's
+        "Cycles built ahead"): plain greedy rows without logprobs, none capped below k, two
+        or more (ragged caches: a lone row's trim is the host's), no compaction due."""
+        rows = self._rows
+        if not (self.spec_ahead and head is not None and k > 0 and len(rows) >= 2):
+            return False
+        if not all(r.plain and not r.sampler.wants_logprobs and (r.depth is None or int(r.depth()) >= k) for r in rows):
+            return False
+        attention = [c for c in self._cache + (self._hcache or []) if not isinstance(c, ArraysCache)]
+        return all(isinstance(c, RaggedKVCache) and not c.holes_due() for c in attention)
+
+    def _issue_drafting(self, head, K: int, prev: _Drafting | None) -> _Drafting:
+        """Build and queue one drafting cycle at depth K, acceptance and rollback included,
+        without reading anything: from the rows' pending pairs and primaries (``prev`` None),
+        or from ``prev``, the cycle queued before it and not yet read."""
+        rows, B, T = self._rows, len(self._rows), K + 1
+        mark = BatchMark(self._cache + self._hcache)
+        if prev is None:
+            g, primaries = self._feed(head), self._primaries()
+        else:
+            g, primaries = self._feed_lazy(head, prev), prev.bonus
+        drafts, _ = self._drafts(head, K, [K] * B, g)
+        tokens = mx.stack([primaries] + drafts, axis=1)  # [B, T]
+        rec: list = []
+        hid = capture_hidden(self.lm, tokens, self._cache, rec)
+        picks = mx.argmax(_logprobs(self.lm.logits(hid)), axis=-1).astype(mx.uint32)  # [B, T], as step's plain rows
+        # greedy_accepted on the device: a row accepts while its draft equals the argmax before it.
+        accepted = mx.cumprod((tokens[:, 1:] == picks[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)  # [B]
+        keep_ragged(self._cache, rec, accepted + 1, T)
+        if K > 1:
+            for c in self._hcache:
+                c.trim(K - 1)  # the head's speculative slots
+        bonus = mx.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]  # the next primary
+        host = mx.concatenate([picks.reshape(-1).astype(mx.int32), accepted.astype(mx.int32)])
+        mx.async_eval([host, hid, bonus] + [c.state for c in self._cache + self._hcache])
+        return _Drafting([r.row_id for r in rows], K, hid, picks, accepted, bonus, host, mark)
+
+    def _feed_lazy(self, head, prev: _Drafting) -> mx.array:
+        """``_feed`` of ``prev``'s pairs before the host has read it: every row's K + 1 verify
+        hiddens with the argmaxes after them, of which it keeps accepted + 1 (the rest become
+        holes in the head's cache); returns each row's head output at its last kept pair."""
+        T = prev.picks.shape[1]
+        out = head(prev.hid, prev.picks, self._hcache)
+        for c in self._hcache:
+            keep_kv(c, prev.accepted + 1, T)
+        return mx.take_along_axis(out, prev.accepted[:, None, None], axis=1)  # [B, 1, H]
+
+    def _adopt_drafting(self, head, t0: float) -> dict[Hashable, DecodeStep]:
+        """This step's cycle was queued by the last one: its feed took the rows' pending pairs."""
+        cur, self._spec_ahead = self._spec_ahead, None
+        self.stats.spec_ahead_used += 1
+        for r in self._rows:
+            r.pending_h, r.pending_t, r.n_pending = [], [], 0
+        self.last_transition = cur.K != self.last_depth
+        self.last_depth, self.last_positions = cur.K, len(self._rows) * (cur.K + 1)
+        return self._run_drafting(head, cur, t0)
+
+    def _run_drafting(self, head, cur: _Drafting, t0: float) -> dict[Hashable, DecodeStep]:
+        """Queue the next drafting cycle behind ``cur`` where it can be decided on the device,
+        then read ``cur`` (the read waits for ``cur`` only) and commit it."""
+        k = max(0, int(self.depth_for(len(self._rows))))
+        nxt = self._issue_drafting(head, k, cur) if self._builds_ahead(head, k) else None
+        steps = self._settle_drafting(cur)
+        self._spec_ahead = nxt
+        if nxt is None:  # nothing queued on these caches: compact where holes are due
+            for c in self._cache + self._hcache:
+                if isinstance(c, RaggedKVCache) and c.holes_due():
+                    c.compact()
+        return self._end_cycle(steps, t0)
+
+    def _settle_drafting(self, cur: _Drafting) -> dict[Hashable, DecodeStep]:
+        """The host's one read of a drafting cycle: each row commits accepted + 1 tokens and
+        queues its pairs (fed by the next cycle, or kept should it be undone)."""
+        t_read = time.perf_counter()
+        vals = cur.host.tolist()
+        self.stats.read_wait_s += time.perf_counter() - t_read
+        rows, B, K = self._rows, len(self._rows), cur.K
+        T = K + 1
+        steps, holes = {}, 0
+        for i, r in enumerate(rows):
+            a = vals[B * T + i]
+            committed = vals[i * T : i * T + a + 1]  # greedy: the accepted drafts are the argmaxes
+            ids = mx.array(committed, dtype=mx.uint32)
+            r.sampler.commit(ids)
+            r.primary = committed[-1]
+            r.pending_h, r.pending_t, r.n_pending = [cur.hid[i : i + 1, : a + 1]], [ids], a + 1
+            steps[r.row_id] = DecodeStep(tokens=committed, depth=K, drafted=K, accepted=a,
+                                         accepted_mask=[True] * a + [False] * (K - a))
+            holes += K - a
+            self.stats.drafted += K
+            self.stats.accepted += a
+            self.stats.tokens += a + 1
+        # The verify's holes, and the same in the head's cache (the next feed punches them).
+        for c in self._cache + self._hcache:
+            if isinstance(c, RaggedKVCache):
+                c.n_holes += holes
+        return steps
+
+
+@dataclass
+class _Drafting:
+    """A drafting cycle built and queued, decided on the device: its rows (in order), depth,
+    verify hiddens [B, K+1, H], argmaxes [B, K+1], accepted counts [B], the next primaries
+    [B], what the host reads (argmaxes then counts, int32), and the caches before it."""
+    row_ids: list
+    K: int
+    hid: mx.array
+    picks: mx.array
+    accepted: mx.array
+    bonus: mx.array
+    host: mx.array
+    mark: BatchMark
 
 
 @dataclass

@@ -1,0 +1,149 @@
+"""SpecBatchDecoder's drafting cycles built ahead (batch_spec.py, "Cycles built ahead"): the
+next cycle is built and queued from the last one's device-side acceptance before the host
+reads it. Every test forces it on (``spec_ahead=True``; on the CPU it is off by default) and
+holds it to what cycles built one at a time give: serial's tokens, cycle for cycle."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
+from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
+from daemon.engine.types import SamplingParams  # noqa: E402
+
+TEXTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
+         "for i in range(10):\n    print(", "# utilities\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    return load_mtp_head(tiny)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    return [tiny.tokenizer.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny, prompts):
+    """serial_decode's first 2N tokens for each prompt alone."""
+    return [[s.tokens[0] for s in itertools.islice(serial_decode(tiny, p, Sampler(SamplingParams())), 2 * N)]
+            for p in prompts]
+
+
+def cycles(bd, n: int) -> dict:
+    """Step until every row has n tokens: {row: [(tokens, accepted), ...]} (rows stay)."""
+    got = {r: [] for r in bd.row_ids}
+    while min(sum(len(t) for t, _ in v) for v in got.values()) < n:
+        for r, s in bd.step().items():
+            got[r].append((s.tokens, s.accepted))
+    return got
+
+
+def flat(cycle_list) -> list:
+    return [t for toks, _ in cycle_list for t in toks]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_built_ahead_is_cycle_for_cycle_what_one_at_a_time_gives(tiny, head, prompts, refs, depth):
+    """Three greedy rows: the same tokens and accepted counts per cycle with cycles built
+    ahead as without, serial's tokens, and the cycles really were built ahead."""
+    runs = {}
+    for ahead in (False, True):
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth, spec_ahead=ahead)
+        for i in range(3):
+            bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+        runs[ahead] = (cycles(bd, N), bd.stats)
+    (one, st_one), (built, st_built) = runs[False], runs[True]
+    n = min(len(v) for v in one.values())  # the run built ahead may have read one more cycle
+    assert {r: v[:n] for r, v in built.items()} == {r: v[:n] for r, v in one.items()}
+    assert all(flat(built[i])[:N] == refs[i][:N] for i in range(3))
+    assert st_one.spec_ahead_used == 0
+    # All but the first, and those after which compaction was due (it pauses building ahead).
+    assert st_built.spec_ahead_used >= st_built.cycles // 2
+    assert st_built.accepted > 0 and st_built.accepted < st_built.drafted  # some drafts rejected: holes
+
+
+def test_rows_join_leave_and_are_taken_out_while_cycles_are_built_ahead(tiny, head, prompts, refs):
+    """A row joining, a row leaving and a row taken out and re-added each undo the cycle
+    queued ahead; every row still decodes serial's tokens."""
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, spec_ahead=True)
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    got = {i: [] for i in range(5)}
+
+    def run_until(n, rows):
+        while min(len(got[r]) for r in rows) < n:
+            for r, s in bd.step().items():
+                got[r] += s.tokens
+
+    run_until(N // 3, [0, 1, 2])
+    undone = bd.stats.spec_ahead_undone
+    bd.add(3, Sampler(SamplingParams()), prompts[3], exact=True)  # joins
+    assert bd.stats.spec_ahead_undone == undone + 1
+    run_until(N // 2, [0, 1, 2, 3])
+    cache, primary, hist = bd.extract(1)  # taken out (parked) ...
+    bd.remove(2)  # ... and one leaves
+    run_until(N, [0, 3])
+    bd.add(1, Sampler(SamplingParams()), [primary], cache=cache, history=hist, exact=True)  # rejoins
+    bd.add(4, Sampler(SamplingParams()), prompts[4], exact=True)
+    run_until(2 * N, [0, 1, 3, 4])
+    for r in (0, 1, 3, 4):
+        assert got[r][: 2 * N] == refs[r][: 2 * N], r
+    assert got[2] == refs[2][: len(got[2])]
+    assert bd.stats.spec_ahead_used > 10 and bd.stats.spec_ahead_undone >= undone + 3
+
+
+def test_evicted_head_undoes_the_cycle_ahead_and_rows_go_on(tiny, head, prompts, refs):
+    live = {"head": head}
+    bd = SpecBatchDecoder(tiny, lambda: live["head"], lambda B: 2, spec_ahead=True)
+    for i in range(2):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    got = {0: [], 1: []}
+    while min(len(v) for v in got.values()) < 2 * N:
+        if min(len(v) for v in got.values()) >= N // 2:
+            live["head"] = None
+        for r, s in bd.step().items():
+            got[r] += s.tokens
+    assert [got[i][: 2 * N] for i in range(2)] == [refs[0][: 2 * N], refs[1][: 2 * N]]
+    assert bd.stats.spec_ahead_used > 0 and bd.stats.spec_ahead_undone == 1
+
+
+def test_rows_it_cannot_decide_on_the_device_take_cycles_one_at_a_time(tiny, head, prompts, refs):
+    """A row with logprobs (or processors, a grammar, a sampler), a row capped below the
+    batch's depth, or a lone row: no cycle is built ahead, and the tokens are serial's."""
+    for case in ("logprobs", "capped", "alone"):
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, spec_ahead=True)
+        n_rows = 1 if case == "alone" else 2
+        for i in range(n_rows):
+            params = SamplingParams(logprobs=True) if case == "logprobs" and i == 1 else SamplingParams()
+            depth = (lambda: 1) if case == "capped" and i == 1 else None
+            bd.add(i, Sampler(params, prompt=prompts[i]), prompts[i], exact=True, depth=depth)
+        got = cycles(bd, N)
+        assert all(flat(got[i])[:N] == refs[i][:N] for i in range(n_rows)), case
+        assert bd.stats.spec_ahead_used == 0 and bd.stats.drafted > 0, case
+
+
+def test_holes_are_compacted_between_cycles_built_ahead(tiny, head, prompts, refs, monkeypatch):
+    """With compaction due at every few holes, cycles built ahead pause for it (nothing is
+    queued on caches being compacted) and resume; the tokens stay serial's."""
+    from daemon.engine.caches import ragged_cache
+
+    monkeypatch.setattr(ragged_cache, "COMPACT_SHARE", 0.02)
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 3, spec_ahead=True)
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    compactions = []
+    real = ragged_cache.RaggedKVCache.compact
+    monkeypatch.setattr(ragged_cache.RaggedKVCache, "compact", lambda c: (compactions.append(c), real(c)))
+    got = cycles(bd, 2 * N)
+    assert all(flat(got[i])[: 2 * N] == refs[i][: 2 * N] for i in range(3))
+    assert compactions and bd.stats.spec_ahead_used > 0
