@@ -148,6 +148,9 @@ class EngineStatus:
             "mixed": self.prefill_phase.mixed_dict() if self.prefill_phase is not None else None,
             "prefill_queue": [{"request_id": j.request_id, "seat": j.seat, "left": j.prefill_left,
                                "cached_tokens": j.cached_tokens} for j in self.scheduler.prefill_order(every_class=True)]}
+        cycles = self.batch_cycles()
+        if cycles is not None:
+            step["batch_cycles"] = cycles
         for seat, n in stats.totals.items():
             s = seats.setdefault(seat, {"active": 0, "queued": 0, "tokens": 0})
             s["tokens"] = n
@@ -170,6 +173,17 @@ class EngineStatus:
                 self.snapshot.governor = self.engine.governance.snapshot()
                 self.snapshot.shedding = self.engine.governance.shed
             self.snapshot.rows = self.rows_status()
+
+    def batch_cycles(self) -> dict | None:
+        """The speculating batch's cycles since start: all, those queued ahead of the host's
+        read of the one before (depth 0; drafting, engine/decoders/batch_spec.py) and those
+        undone (a row joined or left before they were read). None: no speculating batch."""
+        batch = self.engine.batch if self.engine is not None else None
+        st = getattr(batch, "stats", None)
+        if st is None or not hasattr(st, "spec_ahead_used"):
+            return None
+        return {"cycles": st.cycles, "depth0_ahead": st.ahead_used, "depth0_undone": st.ahead_undone,
+                "drafting_ahead": st.spec_ahead_used, "drafting_undone": st.spec_ahead_undone}
 
     def rows_status(self) -> dict:
         """How many requests decode at once: ``limit`` (the scheduler's, now), ``mode``

@@ -5,7 +5,9 @@ each producing the tokens of the same prompt decoded alone."""
 from __future__ import annotations
 
 import pytest
+from e2e_harness import start_daemon
 
+from daemon.paths import BUNDLED_MODEL
 from protocol.client import Client
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n",
@@ -87,3 +89,24 @@ def test_concurrent_requests_at_depth_zero_batch_and_stay_serial(council_daemon)
     ids = {s.request_id for s in streams}
     ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
     assert len(ended) == 4 and sum(e["batched"] for e in ended) >= 3, ended
+
+
+def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
+    """``speculation.build_ahead = true`` (what CUDA gets by default): the speculating batch
+    builds each drafting cycle before the host reads the one before, and a council's
+    concurrent exact requests still get the text each gets alone; the status view counts the
+    cycles built ahead, and the ones undone as rows left."""
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbuild_ahead = true\n")
+    try:
+        with Client(d.endpoint, seat="council", timeout_s=120) as c:
+            alone = {p: c.complete(p, max_tokens=TOKENS, speculation="off").text for p in PROMPTS}
+            assert c.governor("pin_depth", 2).ok
+            streams = [c.generate(p, max_tokens=TOKENS + 6 * i, speculation="exact") for i, p in enumerate(PROMPTS)]
+            dones = [s.result() for s in streams]
+            cycles = c.status().detail["step"]["batch_cycles"]
+        for p, done in zip(PROMPTS, dones):
+            assert done.text.startswith(alone[p]), p  # rows leave at different times: max_tokens differ
+            assert done.speculation.drafted > 0
+        assert cycles["drafting_ahead"] > 0 and cycles["drafting_undone"] > 0, cycles
+    finally:
+        assert d.stop() == 0
