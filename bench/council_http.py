@@ -107,8 +107,8 @@ def councild_status(endpoint: str) -> dict:
     with Client(endpoint, seat="bench-status", timeout_s=30) as c:
         detail = c.status().detail
     return {"rows": detail.get("rows", {}), "governor": detail.get("governor", {}), "speculation": detail.get("speculation", {}),
-            "batch": detail.get("batch", {}), "stats": {k: v for k, v in detail.get("stats", {}).items()
-                                                        if k in ("drafted", "accepted")}}
+            "batch": detail.get("batch", {}), "batch_cycles": (detail.get("step") or {}).get("batch_cycles"),
+            "stats": {k: v for k, v in detail.get("stats", {}).items() if k in ("drafted", "accepted")}}
 
 
 async def bench(args, arms: dict, endpoint: dict[str, str], tok) -> dict:
