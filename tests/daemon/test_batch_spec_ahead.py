@@ -1,7 +1,9 @@
 """SpecBatchDecoder's drafting cycles built ahead (batch_spec.py, "Cycles built ahead"): the
 next cycle is built and queued from the last one's device-side acceptance before the host
-reads it. Every test forces it on (``spec_ahead=True``; on the CPU it is off by default) and
-holds it to what cycles built one at a time give: serial's tokens, cycle for cycle."""
+reads it. Every test forces it on (``spec_ahead=True``; on the CPU it is off by default) at
+any cycle time (``AHEAD``: the daemon's floor of 10 ms would make the tests depend on this
+machine's speed) and holds it to what cycles built one at a time give: serial's tokens,
+cycle for cycle."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from daemon.engine.types import SamplingParams  # noqa: E402
 TEXTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
          "for i in range(10):\n    print(", "# utilities\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
 N = 24
+AHEAD = {"spec_ahead": True, "ahead_min_cycle_s": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_built_ahead_is_cycle_for_cycle_what_one_at_a_time_gives(tiny, head, pro
     ahead as without, serial's tokens, and the cycles really were built ahead."""
     runs = {}
     for ahead in (False, True):
-        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth, spec_ahead=ahead)
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: depth, spec_ahead=ahead, ahead_min_cycle_s=0.0)
         for i in range(3):
             bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
         runs[ahead] = (cycles(bd, N), bd.stats)
@@ -75,7 +78,7 @@ def test_built_ahead_is_cycle_for_cycle_what_one_at_a_time_gives(tiny, head, pro
 def test_rows_join_leave_and_are_taken_out_while_cycles_are_built_ahead(tiny, head, prompts, refs):
     """A row joining, a row leaving and a row taken out and re-added each undo the cycle
     queued ahead; every row still decodes serial's tokens."""
-    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, spec_ahead=True)
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, **AHEAD)
     for i in range(3):
         bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
     got = {i: [] for i in range(5)}
@@ -104,7 +107,7 @@ def test_rows_join_leave_and_are_taken_out_while_cycles_are_built_ahead(tiny, he
 
 def test_evicted_head_undoes_the_cycle_ahead_and_rows_go_on(tiny, head, prompts, refs):
     live = {"head": head}
-    bd = SpecBatchDecoder(tiny, lambda: live["head"], lambda B: 2, spec_ahead=True)
+    bd = SpecBatchDecoder(tiny, lambda: live["head"], lambda B: 2, **AHEAD)
     for i in range(2):
         bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
     got = {0: [], 1: []}
@@ -121,7 +124,7 @@ def test_rows_it_cannot_decide_on_the_device_take_cycles_one_at_a_time(tiny, hea
     """A row with logprobs (or processors, a grammar, a sampler), a row capped below the
     batch's depth, or a lone row: no cycle is built ahead, and the tokens are serial's."""
     for case in ("logprobs", "capped", "alone"):
-        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, spec_ahead=True)
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, **AHEAD)
         n_rows = 1 if case == "alone" else 2
         for i in range(n_rows):
             params = SamplingParams(logprobs=True) if case == "logprobs" and i == 1 else SamplingParams()
@@ -138,7 +141,7 @@ def test_holes_are_compacted_between_cycles_built_ahead(tiny, head, prompts, ref
     from daemon.engine.caches import ragged_cache
 
     monkeypatch.setattr(ragged_cache, "COMPACT_SHARE", 0.02)
-    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 3, spec_ahead=True)
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 3, **AHEAD)
     for i in range(3):
         bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
     compactions = []
@@ -147,3 +150,14 @@ def test_holes_are_compacted_between_cycles_built_ahead(tiny, head, prompts, ref
     got = cycles(bd, 2 * N)
     assert all(flat(got[i])[: 2 * N] == refs[i][: 2 * N] for i in range(3))
     assert compactions and bd.stats.spec_ahead_used > 0
+
+
+def test_short_cycles_are_not_built_ahead(tiny, head, prompts, refs):
+    """Where drafting cycles are shorter than the floor (on a GPU: a small model, whose host is
+    the bottleneck anyway) every cycle is built after the last one is read."""
+    bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, spec_ahead=True, ahead_min_cycle_s=3600.0)
+    for i in range(3):
+        bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True)
+    got = cycles(bd, N)
+    assert all(flat(got[i])[:N] == refs[i][:N] for i in range(3))
+    assert bd.stats.spec_ahead_used == 0 and bd.drafting_s is not None and bd.stats.drafted > 0

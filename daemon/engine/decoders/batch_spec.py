@@ -76,8 +76,8 @@ from .batch import batch_matches_serial
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
-from .speculative import (FLUSH_PENDING, draft_token, greedy_accepted, prefill_with_hidden,
-                          rejection_sample, resolve_pipeline, sampled_accepted)
+from .speculative import (FLUSH_PENDING, FULL_RATE_ALPHA, PIPELINE_MIN_CYCLE_S, draft_token, greedy_accepted,
+                          prefill_with_hidden, rejection_sample, resolve_pipeline, sampled_accepted)
 
 
 @dataclass
@@ -138,15 +138,18 @@ class SpecBatchDecoder(RowBatch):
 
     def __init__(self, lm: LoadedModel, head: Callable[[], object | None], depth_for: Callable[[int], int],
                  exact_ok: bool | None = None, max_rows: int = DEFAULT_MAX_ROWS, prefill_chunk: int = PREFILL_CHUNK,
-                 pipeline: bool = True, spec_ahead: bool | None = None):
+                 pipeline: bool = True, spec_ahead: bool | None = None,
+                 ahead_min_cycle_s: float = PIPELINE_MIN_CYCLE_S):
         """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
         cycle to its end first (the benchmark's "before" arm). ``spec_ahead``: build drafting
         cycles ahead (the module's "Cycles built ahead"); None: on CUDA only
-        (``speculative.resolve_pipeline``), never where ``pipeline`` is False."""
+        (``speculative.resolve_pipeline``), never where ``pipeline`` is False, and only once
+        drafting cycles take ``ahead_min_cycle_s`` or more (``_builds_ahead``)."""
         super().__init__(max_rows)
         self.lm = lm
         self.pipeline = pipeline
         self.spec_ahead = pipeline and resolve_pipeline(spec_ahead)
+        self.ahead_min_cycle_s = ahead_min_cycle_s
         self.head_fn = head
         self.depth_for = depth_for
         if exact_ok is None:
@@ -160,6 +163,7 @@ class SpecBatchDecoder(RowBatch):
         self._head = None  # the head whose history _hcache holds
         self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
         self._spec_ahead: _Drafting | None = None  # a drafting cycle queued before the last one was read
+        self.drafting_s: float | None = None  # running mean of a steady drafting cycle's wall time
         self.last_depth = 0
         self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
         # Whether the last cycle was a transition (DecodeStep.transition): the first at its
@@ -454,6 +458,8 @@ class SpecBatchDecoder(RowBatch):
         dt = time.perf_counter() - t0
         for s in steps.values():
             s.cycle_s = dt
+        if self.last_depth > 0 and not self.last_transition:  # a steady drafting cycle (_builds_ahead)
+            self.drafting_s = dt if self.drafting_s is None else self.drafting_s + FULL_RATE_ALPHA * (dt - self.drafting_s)
         return steps
 
     # ------------------------------------------------------------------ depth 0, issued ahead
@@ -566,10 +572,17 @@ class SpecBatchDecoder(RowBatch):
     # ------------------------------------------------------------------ drafting cycles, built ahead
     def _builds_ahead(self, head, k: int) -> bool:
         """Whether a drafting cycle at depth k can be decided on the device (the module's
-        "Cycles built ahead"): plain greedy rows without logprobs, none capped below k, two
-        or more (ragged caches: a lone row's trim is the host's), no compaction due."""
+        "Cycles built ahead"), and whether that pays: plain greedy rows without logprobs, none
+        capped below k, two or more (ragged caches: a lone row's trim is the host's), no
+        compaction due, and drafting cycles that take PIPELINE_MIN_CYCLE_S or more. Where they
+        are shorter the host is the bottleneck anyway and rows joining and leaving undo cycles
+        built ahead: a council of the bundled model on an H100 (3-6 ms cycles) decoded at
+        0.85x with them, its first round far slower (bench/results/h100_2026-12-07c, call 6);
+        the 27B shape's 20-35 ms cycles gained 1.19-1.24x (call 5)."""
         rows = self._rows
         if not (self.spec_ahead and head is not None and k > 0 and len(rows) >= 2):
+            return False
+        if self.drafting_s is None or self.drafting_s < self.ahead_min_cycle_s:
             return False
         if not all(r.plain and not r.sampler.wants_logprobs and (r.depth is None or int(r.depth()) >= k) for r in rows):
             return False
