@@ -57,7 +57,9 @@ trim on the host) take the cycles built one at a time.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -76,8 +78,18 @@ from .batch import batch_matches_serial
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
-from .speculative import (FLUSH_PENDING, FULL_RATE_ALPHA, PIPELINE_MIN_CYCLE_S, draft_token, greedy_accepted,
-                          prefill_with_hidden, rejection_sample, resolve_pipeline, sampled_accepted)
+from .speculative import (FLUSH_PENDING, PIPELINE_MIN_CYCLE_S, draft_token, greedy_accepted, prefill_with_hidden,
+                          rejection_sample, resolve_pipeline, sampled_accepted)
+
+# Whether drafting cycles are long enough to build ahead is the median of the last
+# AHEAD_WINDOW steady ones, decided once AHEAD_MIN_CYCLES are in: a fresh machine's first
+# cycles compile kernels and cost several times a steady one, and a running mean seeded with
+# them let a council of the bundled model on an H100 (3-6 ms cycles) build ahead in its
+# first round (bench/results/h100_2026-12-07c, call 7).
+AHEAD_WINDOW = 16
+AHEAD_MIN_CYCLES = 8
+# Token ids gathered as float32 are exact below 2**24 (see _issue_drafting).
+FLOAT32_EXACT_IDS = 1 << 24
 
 
 @dataclass
@@ -163,7 +175,7 @@ class SpecBatchDecoder(RowBatch):
         self._head = None  # the head whose history _hcache holds
         self._ahead: _Ahead | None = None  # a depth-0 cycle queued before the last one was read
         self._spec_ahead: _Drafting | None = None  # a drafting cycle queued before the last one was read
-        self.drafting_s: float | None = None  # running mean of a steady drafting cycle's wall time
+        self._drafting_times: deque = deque(maxlen=AHEAD_WINDOW)  # steady drafting cycles' wall times
         self.last_depth = 0
         self.last_positions = 0  # the last cycle's forward: rows x (depth + 1) positions
         # Whether the last cycle was a transition (DecodeStep.transition): the first at its
@@ -459,8 +471,15 @@ class SpecBatchDecoder(RowBatch):
         for s in steps.values():
             s.cycle_s = dt
         if self.last_depth > 0 and not self.last_transition:  # a steady drafting cycle (_builds_ahead)
-            self.drafting_s = dt if self.drafting_s is None else self.drafting_s + FULL_RATE_ALPHA * (dt - self.drafting_s)
+            self._drafting_times.append(dt)
         return steps
+
+    @property
+    def drafting_s(self) -> float | None:
+        """A steady drafting cycle's wall time (the median of the last AHEAD_WINDOW), once
+        AHEAD_MIN_CYCLES have run; None before."""
+        times = self._drafting_times
+        return statistics.median(times) if len(times) >= AHEAD_MIN_CYCLES else None
 
     # ------------------------------------------------------------------ depth 0, issued ahead
     # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
@@ -578,7 +597,8 @@ class SpecBatchDecoder(RowBatch):
         are shorter the host is the bottleneck anyway and rows joining and leaving undo cycles
         built ahead: a council of the bundled model on an H100 (3-6 ms cycles) decoded at
         0.85x with them, its first round far slower (bench/results/h100_2026-12-07c, call 6);
-        the 27B shape's 20-35 ms cycles gained 1.19-1.24x (call 5)."""
+        the 27B shape's 20-35 ms cycles gained 1.19-1.24x (call 5). (``drafting_s``: after
+        AHEAD_MIN_CYCLES steady ones.)"""
         rows = self._rows
         if not (self.spec_ahead and head is not None and k > 0 and len(rows) >= 2):
             return False
@@ -610,7 +630,13 @@ class SpecBatchDecoder(RowBatch):
         if K > 1:
             for c in self._hcache:
                 c.trim(K - 1)  # the head's speculative slots
-        bonus = mx.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]  # the next primary
+        # The next primary. Gathered as float32 where that is exact: MLX-on-CUDA compiles a
+        # module per (values, indices) dtype pair at its first use (2.5-8 s on a fresh machine)
+        # and the prebuild compiled float32's before ready (jit/prebuild_recipes.py), not uint32's.
+        if self.lm.text_args.vocab_size < FLOAT32_EXACT_IDS:
+            bonus = mx.take_along_axis(picks.astype(mx.float32), accepted[:, None], axis=1)[:, 0].astype(mx.uint32)
+        else:
+            bonus = mx.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]
         host = mx.concatenate([picks.reshape(-1).astype(mx.int32), accepted.astype(mx.int32)])
         mx.async_eval([host, hid, bonus] + [c.state for c in self._cache + self._hcache])
         return _Drafting([r.row_id for r in rows], K, hid, picks, accepted, bonus, host, mark)
