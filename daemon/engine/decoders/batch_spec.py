@@ -57,7 +57,6 @@ trim on the host) take the cycles built one at a time.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -81,11 +80,13 @@ from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .speculative import (FLUSH_PENDING, PIPELINE_MIN_CYCLE_S, draft_token, greedy_accepted, prefill_with_hidden,
                           rejection_sample, resolve_pipeline, sampled_accepted)
 
-# Whether drafting cycles are long enough to build ahead is the median of the last
+# Whether drafting cycles are long enough to build ahead is the shortest of the last
 # AHEAD_WINDOW steady ones, decided once AHEAD_MIN_CYCLES are in: a fresh machine's first
-# cycles compile kernels and cost several times a steady one, and a running mean seeded with
-# them let a council of the bundled model on an H100 (3-6 ms cycles) build ahead in its
-# first round (bench/results/h100_2026-12-07c, call 7).
+# cycles trace and compile and cost several times a steady one (a cycle is never cheaper
+# than its work, so the shortest is the cycle's own cost). A running mean seeded with them
+# (call 7) and then their median (call 8) let a council of the bundled model on an H100
+# (3-6 ms cycles) build cycles ahead in its first round, every one of them undone as rows
+# left (bench/results/h100_2026-12-07c).
 AHEAD_WINDOW = 16
 AHEAD_MIN_CYCLES = 8
 # Token ids gathered as float32 are exact below 2**24 (see _issue_drafting).
@@ -476,10 +477,10 @@ class SpecBatchDecoder(RowBatch):
 
     @property
     def drafting_s(self) -> float | None:
-        """A steady drafting cycle's wall time (the median of the last AHEAD_WINDOW), once
+        """A steady drafting cycle's wall time (the shortest of the last AHEAD_WINDOW), once
         AHEAD_MIN_CYCLES have run; None before."""
         times = self._drafting_times
-        return statistics.median(times) if len(times) >= AHEAD_MIN_CYCLES else None
+        return min(times) if len(times) >= AHEAD_MIN_CYCLES else None
 
     # ------------------------------------------------------------------ depth 0, issued ahead
     # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
