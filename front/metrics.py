@@ -203,6 +203,18 @@ def _engine_step(step: dict, seats: dict):
                 c = CounterMetricFamily(f"{prefix}_{key}", doc)
                 c.add_metric([], (step.get(part) or {}).get(key, 0))
                 yield c
+        cycles = step.get("batch_cycles")
+        if cycles:
+            c = CounterMetricFamily("councild_batch_cycles", "the speculating batch's cycles")
+            c.add_metric([], cycles.get("cycles", 0))
+            yield c
+            c = CounterMetricFamily("councild_batch_cycles_ahead", "the speculating batch's cycles queued before the "
+                                    "host read the one before them (depth 0, or drafting), by outcome: run, or "
+                                    "undone as a row joined or left", labels=["depth", "outcome"])
+            for depth in ("depth0", "drafting"):
+                c.add_metric(["0" if depth == "depth0" else "drafting", "run"], cycles.get(f"{depth}_ahead", 0))
+                c.add_metric(["0" if depth == "depth0" else "drafting", "undone"], cycles.get(f"{depth}_undone", 0))
+            yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
         g.add_metric([], float(len(queue)))

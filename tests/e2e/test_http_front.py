@@ -288,7 +288,8 @@ def test_metrics_move_after_a_request(stack, oai):
                  "councild_memory_pressure_level", "councild_in_flight_requests", "councild_prefill_queue_requests",
                  "councild_prefill_queue_tokens", "councild_seat_waiting", "councild_seat_prefill_left",
                  "councild_step_decode_gap_bound", "councild_prefill_piece_tokens", "councild_step_paced_total",
-                 "councild_prefill_together_forwards_total", "councild_prefill_together_rows_total"):
+                 "councild_prefill_together_forwards_total", "councild_prefill_together_rows_total",
+                 "councild_batch_cycles_total", "councild_batch_cycles_ahead_total"):
         assert name in names, name
 
 
