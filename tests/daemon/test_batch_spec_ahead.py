@@ -13,7 +13,8 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from daemon.engine.decoders.batch_spec import AHEAD_MIN_CYCLES, SpecBatchDecoder  # noqa: E402
+from daemon.engine.decoders.batch_ahead import AHEAD_MIN_CYCLES  # noqa: E402
+from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.decoders.serial import serial_decode  # noqa: E402
 from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
