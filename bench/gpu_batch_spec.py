@@ -115,8 +115,11 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
         bd = BatchDecoder(lm, max_rows=len(prompts), exact_ok=False)
     else:
         k = int(arm.split(" ")[1][1:])
+        # The ahead arm builds ahead from its first cycle that can be (ahead_min_cycle_s 0): the
+        # mechanism, as calls 4-5 of bench/results/h100_2026-12-07c measured it. The daemon first
+        # times 8 drafting cycles and builds ahead only where they take 10 ms or more.
         bd = OracleSpecBatch(lm, lambda: head, lambda B, k=k: k, max_rows=len(prompts), exact_ok=False,
-                             spec_ahead=arm.endswith(" ahead"))
+                             spec_ahead=arm.endswith(" ahead"), ahead_min_cycle_s=0.0)
     for i, p in enumerate(prompts):
         bd.add(i, Sampler(SamplingParams()), p, exact=False)
     got = {i: 0 for i in range(len(prompts))}

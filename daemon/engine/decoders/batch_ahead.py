@@ -187,8 +187,8 @@ class CyclesAhead:
         rows = self._rows
         if not (self.spec_ahead and head is not None and k > 0 and len(rows) >= 2):
             return False
-        if self.drafting_s is None or self.drafting_s < self.ahead_min_cycle_s:
-            return False
+        if self.ahead_min_cycle_s > 0 and (self.drafting_s is None or self.drafting_s < self.ahead_min_cycle_s):
+            return False  # (a floor of 0: at once, what the tests and the benchmark's arm ask)
         if not all(r.plain and not r.sampler.wants_logprobs and (r.depth is None or int(r.depth()) >= k) for r in rows):
             return False
         attention = [c for c in self._cache + (self._hcache or []) if not isinstance(c, ArraysCache)]

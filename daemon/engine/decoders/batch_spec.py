@@ -133,7 +133,8 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         cycle to its end first (the benchmark's "before" arm). ``spec_ahead``: build drafting
         cycles ahead (the module's "Cycles built ahead"); None: on CUDA only
         (``speculative.resolve_pipeline``), never where ``pipeline`` is False, and only once
-        drafting cycles take ``ahead_min_cycle_s`` or more (``_builds_ahead``)."""
+        drafting cycles take ``ahead_min_cycle_s`` or more (``_builds_ahead``; 0: from the
+        first cycle that can be)."""
         super().__init__(max_rows)
         self.lm = lm
         self.pipeline = pipeline
