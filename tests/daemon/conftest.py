@@ -37,3 +37,19 @@ def tiny():
     from daemon.paths import BUNDLED_MODEL
 
     return load_model(BUNDLED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny):
+    """The bundled model's own MTP head, loaded onto ``tiny``."""
+    from daemon.engine.model.mtp_head import load_mtp_head
+
+    return load_mtp_head(tiny)
+
+
+@pytest.fixture(scope="module")
+def code_prompts(tiny):
+    """Five short code prompts (one a single token) in the bundled model's tokens."""
+    texts = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
+             "for i in range(10):\n    print(", "# utilities\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
+    return [tiny.tokenizer.encode(t) for t in texts]

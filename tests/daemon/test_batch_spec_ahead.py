@@ -17,23 +17,20 @@ from daemon.engine.decoders.batch_ahead import AHEAD_MIN_CYCLES  # noqa: E402
 from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
 from daemon.engine.decoders.serial import serial_decode  # noqa: E402
-from daemon.engine.model.mtp_head import load_mtp_head  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 
-TEXTS = ["def load(path):\n    with open(path) as f:", "import json\n\nclass Encoder:", "x",
-         "for i in range(10):\n    print(", "# utilities\n\n\ndef add(a, b):\n    return a + b\n\n\ndef sub(a, b):"]
 N = 24
 AHEAD = {"spec_ahead": True, "ahead_min_cycle_s": 0.0}
 
 
 @pytest.fixture(scope="module")
-def head(tiny):
-    return load_mtp_head(tiny)
+def head(tiny_head):
+    return tiny_head
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny):
-    return [tiny.tokenizer.encode(t) for t in TEXTS]
+def prompts(code_prompts):
+    return code_prompts
 
 
 @pytest.fixture(scope="module")
