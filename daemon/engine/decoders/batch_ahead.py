@@ -62,13 +62,6 @@ class CyclesAhead:
     ``spec_ahead``, ``ahead_min_cycle_s``, ``depth_for`` and ``last_*`` fields and calls its
     ``_feed``, ``_drafts``, ``_primaries`` and ``_end_cycle``."""
 
-    @property
-    def drafting_s(self) -> float | None:
-        """A steady drafting cycle's wall time (the shortest of the last AHEAD_WINDOW), once
-        AHEAD_MIN_CYCLES have run; None before."""
-        times = self._drafting_times
-        return min(times) if len(times) >= AHEAD_MIN_CYCLES else None
-
     # ------------------------------------------------------------------ depth 0, issued ahead
     # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
     # last cycle's token, still on the device (processors count it there too). So, as BatchDecoder does, the next cycle's forward
@@ -174,6 +167,13 @@ class CyclesAhead:
         return self._end_cycle(steps, t0)
 
     # ------------------------------------------------------------------ drafting cycles, built ahead
+    @property
+    def drafting_s(self) -> float | None:
+        """A steady drafting cycle's wall time (the shortest of the last AHEAD_WINDOW), once
+        AHEAD_MIN_CYCLES have run; None before."""
+        times = self._drafting_times
+        return min(times) if len(times) >= AHEAD_MIN_CYCLES else None
+
     def _builds_ahead(self, head, k: int) -> bool:
         """Whether a drafting cycle at depth k can be decided on the device (the module's
         "Cycles built ahead"), and whether that pays: plain greedy rows without logprobs, none
