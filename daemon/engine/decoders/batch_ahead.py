@@ -176,7 +176,7 @@ class CyclesAhead:
 
     def _builds_ahead(self, head, k: int) -> bool:
         """Whether a drafting cycle at depth k can be decided on the device (the module's
-        "Cycles built ahead"), and whether that pays: plain greedy rows without logprobs, none
+        docstring), and whether that pays: plain greedy rows without logprobs, none
         capped below k, two or more (ragged caches: a lone row's trim is the host's), no
         compaction due, and drafting cycles that take PIPELINE_MIN_CYCLE_S or more. Where they
         are shorter the host is the bottleneck anyway and rows joining and leaving undo cycles
