@@ -122,18 +122,36 @@ def test_evicted_head_undoes_the_cycle_ahead_and_rows_go_on(tiny, head, prompts,
 
 
 def test_rows_it_cannot_decide_on_the_device_take_cycles_one_at_a_time(tiny, head, prompts, refs):
-    """A row with logprobs (or processors, a grammar, a sampler), a row capped below the
-    batch's depth, or a lone row: no cycle is built ahead, and the tokens are serial's."""
-    for case in ("logprobs", "capped", "alone"):
+    """A row with logprobs (or processors, a grammar, a sampler), or a lone row: no cycle is
+    built ahead, and the tokens are serial's."""
+    for case in ("logprobs", "alone"):
         bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 2, **AHEAD)
         n_rows = 1 if case == "alone" else 2
         for i in range(n_rows):
             params = SamplingParams(logprobs=True) if case == "logprobs" and i == 1 else SamplingParams()
-            depth = (lambda: 1) if case == "capped" and i == 1 else None
-            bd.add(i, Sampler(params, prompt=prompts[i]), prompts[i], exact=True, depth=depth)
+            bd.add(i, Sampler(params, prompt=prompts[i]), prompts[i], exact=True)
         got = cycles(bd, N)
         assert all(flat(got[i])[:N] == refs[i][:N] for i in range(n_rows)), case
         assert bd.stats.spec_ahead_used == 0 and bd.stats.drafted > 0, case
+
+
+def test_rows_capped_below_the_batchs_depth_accept_at_most_their_cap(tiny, head, prompts, refs):
+    """Rows with their own ceilings (3, 1 and 0: a serial row) in a batch at depth 3: built
+    ahead, each row's cycles are what one at a time gives (no row accepts past its cap), and
+    serial's tokens."""
+    caps = (None, 1, 0)
+    runs = {}
+    for ahead in (False, True):
+        bd = SpecBatchDecoder(tiny, lambda: head, lambda B: 3, spec_ahead=ahead, ahead_min_cycle_s=0.0)
+        for i, cap in enumerate(caps):
+            bd.add(i, Sampler(SamplingParams()), prompts[i], exact=True, depth=None if cap is None else (lambda c=cap: c))
+        runs[ahead] = cycles(bd, N), bd.stats
+    (one, _), (built, st) = runs[False], runs[True]
+    n = min(len(v) for v in one.values())
+    assert {r: v[:n] for r, v in built.items()} == {r: v[:n] for r, v in one.items()}
+    assert all(flat(built[i])[:N] == refs[i][:N] for i in range(3))
+    assert st.spec_ahead_used > 0
+    assert max(a for _, a in built[1]) == 1 and max(a for _, a in built[2]) == 0 and max(a for _, a in built[0]) > 1
 
 
 def test_holes_are_compacted_between_cycles_built_ahead(tiny, head, prompts, refs, monkeypatch):

@@ -18,10 +18,11 @@ host reads this one after: the device never waits for Python to build a graph, w
 nothing is guessed: every cycle built ahead is the cycle the host would have built, so
 its tokens stand (the same tokens as cycles built one at a time; a test). A row joining,
 leaving or being taken out, or the head being replaced, undoes the cycle queued ahead
-(``ragged_cache.BatchMark``; its device work is lost). Rows with processors, logprobs,
-a grammar or a sampler, a row capped below the batch's depth, and a lone row (whose caches
-trim on the host) take the cycles built one at a time, as do drafting cycles shorter than
-10 ms (``_builds_ahead``: there the host is the bottleneck anyway and undone cycles cost).
+(``ragged_cache.BatchMark``; its device work is lost). A row capped below the batch's
+depth accepts at most its cap, as in a cycle built one at a time. Rows with processors,
+logprobs, a grammar or a sampler, and a lone row (whose caches trim on the host) take the
+cycles built one at a time, as do drafting cycles shorter than 10 ms (``_builds_ahead``:
+there the host is the bottleneck anyway and undone cycles cost).
 
 Either kind of cycle, once queued, is undone (``_discard_ahead``) before anything else touches
 the caches: a row joining, leaving or taken out, the head replaced, a cycle of another kind.
@@ -176,9 +177,10 @@ class CyclesAhead:
 
     def _builds_ahead(self, head, k: int) -> bool:
         """Whether a drafting cycle at depth k can be decided on the device (the module's
-        docstring), and whether that pays: plain greedy rows without logprobs, none
-        capped below k, two or more (ragged caches: a lone row's trim is the host's), no
-        compaction due, and drafting cycles that take PIPELINE_MIN_CYCLE_S or more. Where they
+        docstring), and whether that pays: plain greedy rows without logprobs (a row capped
+        below k accepts at most its cap, as in a cycle built one at a time), two or more
+        (ragged caches: a lone row's trim is the host's), no compaction due, and drafting
+        cycles that take PIPELINE_MIN_CYCLE_S or more. Where they
         are shorter the host is the bottleneck anyway and rows joining and leaving undo cycles
         built ahead: a council of the bundled model on an H100 (3-6 ms cycles) decoded at
         0.85x with them, its first round far slower (bench/results/h100_2026-12-07c, call 6);
@@ -189,28 +191,32 @@ class CyclesAhead:
             return False
         if self.ahead_min_cycle_s > 0 and (self.drafting_s is None or self.drafting_s < self.ahead_min_cycle_s):
             return False  # (a floor of 0: at once, what the tests and the benchmark's arm ask)
-        if not all(r.plain and not r.sampler.wants_logprobs and (r.depth is None or int(r.depth()) >= k) for r in rows):
+        if not all(r.plain and not r.sampler.wants_logprobs for r in rows):
             return False
         attention = [c for c in self._cache + (self._hcache or []) if not isinstance(c, ArraysCache)]
         return all(isinstance(c, RaggedKVCache) and not c.holes_due() for c in attention)
 
-    def _issue_drafting(self, head, K: int, prev: QueuedDrafting | None) -> QueuedDrafting:
-        """Build and queue one drafting cycle at depth K, acceptance and rollback included,
-        without reading anything: from the rows' pending pairs and primaries (``prev`` None),
-        or from ``prev``, the cycle queued before it and not yet read."""
-        rows, B, T = self._rows, len(self._rows), K + 1
+    def _issue_drafting(self, head, ks: list[int], prev: QueuedDrafting | None) -> QueuedDrafting:
+        """Build and queue one drafting cycle, row i drafting ks[i] (the batch drafts max(ks):
+        a row accepts at most its own), acceptance and rollback included, without reading
+        anything: from the rows' pending pairs and primaries (``prev`` None), or from
+        ``prev``, the cycle queued before it and not yet read."""
+        rows, B, K = self._rows, len(self._rows), max(ks)
+        T = K + 1
         mark = BatchMark(self._cache + self._hcache)
         if prev is None:
             g, primaries = self._feed(head), self._primaries()
         else:
             g, primaries = self._feed_lazy(head, prev), prev.bonus
-        drafts, _ = self._drafts(head, K, [K] * B, g)
+        drafts, _ = self._drafts(head, K, ks, g)
         tokens = mx.stack([primaries] + drafts, axis=1)  # [B, T]
         rec: list = []
         hid = capture_hidden(self.lm, tokens, self._cache, rec)
         picks = mx.argmax(_logprobs(self.lm.logits(hid)), axis=-1).astype(mx.uint32)  # [B, T], as step's plain rows
-        # greedy_accepted on the device: a row accepts while its draft equals the argmax before it.
-        accepted = mx.cumprod((tokens[:, 1:] == picks[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)  # [B]
+        # greedy_accepted on the device: a row accepts while its draft equals the argmax before
+        # it, up to its own depth.
+        matched = mx.cumprod((tokens[:, 1:] == picks[:, :-1]).astype(mx.int32), axis=1).sum(axis=1)  # [B]
+        accepted = mx.minimum(matched, mx.array(ks, dtype=mx.int32))
         keep_ragged(self._cache, rec, accepted + 1, T)
         if K > 1:
             for c in self._hcache:
@@ -224,7 +230,7 @@ class CyclesAhead:
             bonus = mx.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]
         host = mx.concatenate([picks.reshape(-1).astype(mx.int32), accepted.astype(mx.int32)])
         mx.async_eval([host, hid, bonus] + [c.state for c in self._cache + self._hcache])
-        return QueuedDrafting([r.row_id for r in rows], K, hid, picks, accepted, bonus, host, mark)
+        return QueuedDrafting([r.row_id for r in rows], list(ks), hid, picks, accepted, bonus, host, mark)
 
     def _feed_lazy(self, head, prev: QueuedDrafting) -> mx.array:
         """``_feed`` of ``prev``'s pairs before the host has read it: every row's K + 1 verify
@@ -242,15 +248,17 @@ class CyclesAhead:
         self.stats.spec_ahead_used += 1
         for r in self._rows:
             r.pending_h, r.pending_t, r.n_pending = [], [], 0
-        self.last_transition = cur.K != self.last_depth
-        self.last_depth, self.last_positions = cur.K, len(self._rows) * (cur.K + 1)
+        K = max(cur.ks)
+        self.last_transition = K != self.last_depth
+        self.last_depth, self.last_positions = K, len(self._rows) * (K + 1)
         return self._run_drafting(head, cur, t0)
 
     def _run_drafting(self, head, cur: QueuedDrafting, t0: float) -> dict[Hashable, DecodeStep]:
         """Queue the next drafting cycle behind ``cur`` where it can be decided on the device,
         then read ``cur`` (the read waits for ``cur`` only) and commit it."""
         k = max(0, int(self.depth_for(len(self._rows))))
-        nxt = self._issue_drafting(head, k, cur) if self._builds_ahead(head, k) else None
+        ks = [k if r.depth is None else max(0, min(k, int(r.depth()))) for r in self._rows]  # as _row_depth
+        nxt = self._issue_drafting(head, ks, cur) if self._builds_ahead(head, max(ks)) else None
         steps = self._settle_drafting(cur)
         self._spec_ahead = nxt
         if nxt is None:  # nothing queued on these caches: compact where holes are due
@@ -265,7 +273,7 @@ class CyclesAhead:
         t_read = time.perf_counter()
         vals = cur.host.tolist()
         self.stats.read_wait_s += time.perf_counter() - t_read
-        rows, B, K = self._rows, len(self._rows), cur.K
+        rows, B, K = self._rows, len(self._rows), max(cur.ks)
         T = K + 1
         steps, holes = {}, 0
         for i, r in enumerate(rows):
@@ -275,10 +283,11 @@ class CyclesAhead:
             r.sampler.commit(ids)
             r.primary = committed[-1]
             r.pending_h, r.pending_t, r.n_pending = [cur.hid[i : i + 1, : a + 1]], [ids], a + 1
-            steps[r.row_id] = DecodeStep(tokens=committed, depth=K, drafted=K, accepted=a,
-                                         accepted_mask=[True] * a + [False] * (K - a))
+            ki = cur.ks[i]
+            steps[r.row_id] = DecodeStep(tokens=committed, depth=ki, drafted=ki, accepted=a,
+                                         accepted_mask=[True] * a + [False] * (ki - a))
             holes += K - a
-            self.stats.drafted += K
+            self.stats.drafted += ki
             self.stats.accepted += a
             self.stats.tokens += a + 1
         # The verify's holes, and the same in the head's cache (the next feed punches them).
@@ -290,11 +299,12 @@ class CyclesAhead:
 
 @dataclass
 class QueuedDrafting:
-    """A drafting cycle built and queued, decided on the device: its rows (in order), depth,
+    """A drafting cycle built and queued, decided on the device: its rows (in order), each
+    row's depth,
     verify hiddens [B, K+1, H], argmaxes [B, K+1], accepted counts [B], the next primaries
     [B], what the host reads (argmaxes then counts, int32), and the caches before it."""
     row_ids: list
-    K: int
+    ks: list
     hid: mx.array
     picks: mx.array
     accepted: mx.array

@@ -353,8 +353,8 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         if K == 0 and self._pipelines():
             return self._step_ahead(head, k, t0, ride)
         self._discard_ahead()
-        if K and min(ks) == K and self._builds_ahead(head, K):
-            return self._run_drafting(head, self._issue_drafting(head, K, None), t0)
+        if K and self._builds_ahead(head, K):
+            return self._run_drafting(head, self._issue_drafting(head, ks, None), t0)
         if K:
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1
