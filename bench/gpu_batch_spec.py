@@ -14,7 +14,7 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 - spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle),
   each cycle built after the last one is read (``spec_ahead=False``);
 - spec dK ahead (``--ahead``): the same with drafting cycles built ahead, decided on the
-  device (batch_spec.py, "Cycles built ahead"; the daemon's default on CUDA).
+  device (batch_ahead.py; the daemon's default on CUDA).
 The oracle's first draft of a cycle follows each row's last committed token (``OracleSpecBatch``);
 before 2026-12-07 it read the head feed's last column, which for a row that kept fewer
 pairs than the longest is padding: at 4 rows most first drafts missed (1.65 tokens a row a

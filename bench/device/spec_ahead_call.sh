@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (after staging MLX): batched speculation with drafting cycles built ahead
-# (batch_spec.py, "Cycles built ahead") against cycles built one at a time, arms alternated
+# (batch_ahead.py) against cycles built one at a time, arms alternated
 # round by round: the 27B shape at 4 bits (the compiled step and the daemon's kernels), then
 # the small random shape in bf16, whose cycles are short and bound by the host.
 # Results under $OUT/spec_ahead (one tarball).

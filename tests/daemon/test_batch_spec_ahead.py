@@ -1,4 +1,4 @@
-"""SpecBatchDecoder's drafting cycles built ahead (batch_spec.py, "Cycles built ahead"): the
+"""SpecBatchDecoder's drafting cycles built ahead (batch_ahead.py): the
 next cycle is built and queued from the last one's device-side acceptance before the host
 reads it. Every test forces it on (``spec_ahead=True``; on the CPU it is off by default) at
 any cycle time (``AHEAD``: the daemon's floor of 10 ms would make the tests depend on this

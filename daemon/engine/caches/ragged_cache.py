@@ -82,7 +82,7 @@ class RaggedKVCache(BatchKVCache):
     def punch_lazy(self, keep: mx.array, written: int) -> None:
         """``punch`` with each row's count still on the device ([B] ints): the host reads
         nothing, so the next cycle can be built on this one before its acceptance is known
-        (batch_spec.py, "Cycles built ahead"). The holes are not counted here: the host adds
+        (batch_ahead.py). The holes are not counted here: the host adds
         them to ``n_holes`` once it reads the counts, and compacts only then (``holes_due``)."""
         B = keep.shape[0]
         kept = mx.arange(written)[None, :] < keep.reshape(B, 1)

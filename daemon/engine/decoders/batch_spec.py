@@ -130,7 +130,7 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
                  ahead_min_cycle_s: float = PIPELINE_MIN_CYCLE_S):
         """``pipeline``: queue a depth-0 cycle ahead (see ``_step_ahead``); False runs every
         cycle to its end first (the benchmark's "before" arm). ``spec_ahead``: build drafting
-        cycles ahead (batch_ahead.py, "Cycles built ahead"); None: on CUDA only
+        cycles ahead (batch_ahead.py); None: on CUDA only
         (``speculative.resolve_pipeline``), never where ``pipeline`` is False, and only once
         drafting cycles take ``ahead_min_cycle_s`` or more (``_builds_ahead``; 0: from the
         first cycle that can be)."""
