@@ -211,9 +211,9 @@ def _engine_step(step: dict, seats: dict):
             c = CounterMetricFamily("councild_batch_cycles_ahead", "the speculating batch's cycles queued before the "
                                     "host read the one before them (depth 0, or drafting), by outcome: run, or "
                                     "undone as a row joined or left", labels=["depth", "outcome"])
-            for depth in ("depth0", "drafting"):
-                c.add_metric(["0" if depth == "depth0" else "drafting", "run"], cycles.get(f"{depth}_ahead", 0))
-                c.add_metric(["0" if depth == "depth0" else "drafting", "undone"], cycles.get(f"{depth}_undone", 0))
+            for label, key in (("0", "depth0"), ("drafting", "drafting")):
+                c.add_metric([label, "run"], cycles.get(f"{key}_ahead", 0))
+                c.add_metric([label, "undone"], cycles.get(f"{key}_undone", 0))
             yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")

@@ -176,12 +176,11 @@ class EngineStatus:
 
     def batch_cycles(self) -> dict | None:
         """The speculating batch's cycles since start: all, those queued ahead of the host's
-        read of the one before (depth 0; drafting, engine/decoders/batch_spec.py) and those
+        read of the one before (depth 0; drafting, engine/decoders/batch_ahead.py) and those
         undone (a row joined or left before they were read). None: no speculating batch."""
-        batch = self.engine.batch if self.engine is not None else None
-        st = getattr(batch, "stats", None)
-        if st is None or not hasattr(st, "spec_ahead_used"):
+        if self.engine is None or not self.engine.batch_speculates:
             return None
+        st = self.engine.batch.stats
         return {"cycles": st.cycles, "depth0_ahead": st.ahead_used, "depth0_undone": st.ahead_undone,
                 "drafting_ahead": st.spec_ahead_used, "drafting_undone": st.spec_ahead_undone}
 

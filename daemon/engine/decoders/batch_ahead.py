@@ -61,7 +61,7 @@ class CyclesAhead:
     """Queues a cycle before the host reads the one before it. Mixed into SpecBatchDecoder:
     it reads the decoder's ``_rows``, ``_cache``, ``_hcache``, ``lm``, ``stats``, ``pipeline``,
     ``spec_ahead``, ``ahead_min_cycle_s``, ``depth_for`` and ``last_*`` fields and calls its
-    ``_feed``, ``_drafts``, ``_primaries`` and ``_end_cycle``."""
+    ``_feed``, ``_drafts``, ``_primaries``, ``_row_cap`` and ``_end_cycle``."""
 
     # ------------------------------------------------------------------ depth 0, issued ahead
     # A depth-0 cycle of rows without a grammar needs nothing from the host: its input is the
@@ -230,7 +230,7 @@ class CyclesAhead:
             bonus = mx.take_along_axis(picks, accepted[:, None], axis=1)[:, 0]
         host = mx.concatenate([picks.reshape(-1).astype(mx.int32), accepted.astype(mx.int32)])
         mx.async_eval([host, hid, bonus] + [c.state for c in self._cache + self._hcache])
-        return QueuedDrafting([r.row_id for r in rows], list(ks), hid, picks, accepted, bonus, host, mark)
+        return QueuedDrafting(list(ks), hid, picks, accepted, bonus, host, mark)
 
     def _feed_lazy(self, head, prev: QueuedDrafting) -> mx.array:
         """``_feed`` of ``prev``'s pairs before the host has read it: every row's K + 1 verify
@@ -257,7 +257,7 @@ class CyclesAhead:
         """Queue the next drafting cycle behind ``cur`` where it can be decided on the device,
         then read ``cur`` (the read waits for ``cur`` only) and commit it."""
         k = max(0, int(self.depth_for(len(self._rows))))
-        ks = [k if r.depth is None else max(0, min(k, int(r.depth()))) for r in self._rows]  # as _row_depth
+        ks = [self._row_cap(r, k) for r in self._rows]  # every row has cur's pairs to draft from
         nxt = self._issue_drafting(head, ks, cur) if self._builds_ahead(head, max(ks)) else None
         steps = self._settle_drafting(cur)
         self._spec_ahead = nxt
@@ -299,11 +299,9 @@ class CyclesAhead:
 
 @dataclass
 class QueuedDrafting:
-    """A drafting cycle built and queued, decided on the device: its rows (in order), each
-    row's depth,
-    verify hiddens [B, K+1, H], argmaxes [B, K+1], accepted counts [B], the next primaries
-    [B], what the host reads (argmaxes then counts, int32), and the caches before it."""
-    row_ids: list
+    """A drafting cycle built and queued, decided on the device: each row's depth, the verify
+    hiddens [B, K+1, H], argmaxes [B, K+1], accepted counts [B], the next primaries [B], what
+    the host reads (argmaxes then counts, int32), and the caches before it."""
     ks: list
     hid: mx.array
     picks: mx.array

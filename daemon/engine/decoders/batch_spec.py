@@ -245,8 +245,12 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
     def _row_depth(self, row: SpecRow, k: int) -> int:
         if row.n_pending == 0:
             return 0  # nothing to draft from yet: this cycle's verify makes the pair
-        cap = row.depth() if row.depth is not None else k
-        return max(0, min(k, int(cap)))
+        return self._row_cap(row, k)
+
+    @staticmethod
+    def _row_cap(row: SpecRow, k: int) -> int:
+        """The depth row drafts at in a batch at depth k: k, or the row's own ceiling below it."""
+        return k if row.depth is None else max(0, min(k, int(row.depth())))
 
     def _feed(self, head) -> mx.array:
         """Every row's pending pairs through the head (committed slots), padded to the
