@@ -95,17 +95,22 @@ def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
     """``speculation.build_ahead = true`` (what CUDA gets by default): the speculating batch
     builds each drafting cycle before the host reads the one before, and a council's
     concurrent exact requests still get the text each gets alone; the status view counts the
-    cycles built ahead, and the ones undone as rows left."""
+    cycles built ahead, and the ones undone as rows left. Raw prompts and chat messages (a
+    council's usual request) alike."""
     d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbuild_ahead = true\n")
+    chats = [[{"role": "system", "content": "You write short Python."},
+              {"role": "user", "content": f"Write a function that {what}."}]
+             for what in ("adds two numbers", "reverses a list")]
+    asks = [{"prompt": p} for p in PROMPTS] + [{"messages": m} for m in chats]
     try:
         with Client(d.endpoint, seat="council", timeout_s=120) as c:
-            alone = {p: c.complete(p, max_tokens=TOKENS, speculation="off").text for p in PROMPTS}
+            alone = [c.complete(**a, max_tokens=TOKENS, speculation="off").text for a in asks]
             assert c.governor("pin_depth", 2).ok
-            streams = [c.generate(p, max_tokens=TOKENS + 6 * i, speculation="exact") for i, p in enumerate(PROMPTS)]
+            streams = [c.generate(**a, max_tokens=TOKENS + 6 * i, speculation="exact") for i, a in enumerate(asks)]
             dones = [s.result() for s in streams]
             cycles = c.status().detail["step"]["batch_cycles"]
-        for p, done in zip(PROMPTS, dones):
-            assert done.text.startswith(alone[p]), p  # rows leave at different times: max_tokens differ
+        for a, want, done in zip(asks, alone, dones):
+            assert done.text.startswith(want), a  # rows leave at different times: max_tokens differ
             assert done.speculation.drafted > 0
         assert cycles["drafting_ahead"] > 0 and cycles["drafting_undone"] > 0, cycles
     finally:
