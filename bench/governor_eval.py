@@ -224,6 +224,47 @@ def _h200_27b_batch() -> tuple[list[float], dict[int, list[float]]]:
     return cost.pop(1), cost
 
 
+# Measured on an H100 (27B shape, 4-bit, the daemon's kernels, compiled; bench/gpu_batch_spec.py
+# with oracle drafts at the seed profile): whole cycles, the batch's drafting cycles built ahead.
+H100_27B_DIR = RESULTS / "h100_2026-12-07c"
+# B = 8 was not measured there: a B = 8 cycle is priced as B = 4's at the same depth times the
+# 8-layer stack's B = 8 / B = 4 step on the H200 (issue 49: 18.3 / 13.8 ms, MLX's path). Derived.
+H100_B8_OVER_B4 = 18.3 / 13.8
+
+
+def _cycle_ms(path: Path) -> dict[tuple[int, str], float]:
+    """(height, arm) -> ms a cycle: rows x tokens a row a cycle / tokens a second (medians)."""
+    out = {}
+    for r in json.loads(path.read_text())["results"]:
+        arm = r["arm"].split(" ", 1)[1]  # drop the kernels' name: "batch d0", "spec d2 ahead"
+        out[(r["height"], arm)] = 1e3 * r["height"] * r["tokens_per_row_step"] / r["median_tokens_per_s"]
+    return out
+
+
+def _h100_27b_ahead() -> tuple[float, list[float], dict[int, list[float]], str]:
+    """Step seconds, solo cycle ratios, batched cycle costs (in one-row steps) and the sources
+    line. Depths 0-2 measured at 2 and 4 rows (built ahead), 0 and 2 at one row (the batch
+    decoder's one row: not built ahead); depth 1 at one row and depths 3-4 everywhere derived."""
+    base = _cycle_ms(H100_27B_DIR / "spec27_baseline_call3.json")
+    ahead = _cycle_ms(H100_27B_DIR / "spec_ahead_27b_call5.json")
+    step = base[(1, "batch d0")]
+
+    def extend(row: list[float]) -> list[float]:  # d3, d4: d2 plus d2 - d1 a depth
+        return row + [row[2] + (row[2] - row[1]) * j for j in (1, 2)]
+
+    batch = {n: extend([ahead[(n, "batch d0")] / step, ahead[(n, "spec d1 ahead")] / step,
+                        ahead[(n, "spec d2 ahead")] / step]) for n in (2, 4)}  # fmt: skip
+    batch[8] = [x * H100_B8_OVER_B4 for x in batch[4]]
+    d2 = base[(1, "spec d2")] / step
+    b2 = batch[2]
+    d1 = 1.0 + (d2 - 1.0) * (b2[1] - b2[0]) / (b2[2] - b2[0])  # where d1 sits between d0 and d2 at two rows
+    source = (f"measured on an H100 (h100_2026-12-07c, calls 3 and 5): one row d0 {step:.2f} ms, d2 "
+              f"{base[(1, 'spec d2')]:.2f} ms (the batch decoder's one row); two and four rows d0-d2 with drafting "
+              "cycles built ahead; one row's d1 placed between d0 and d2 as at two rows, d3-d4 extended by d2 - d1 "
+              f"a depth, eight rows = four rows x {H100_B8_OVER_B4:.2f} (issue 49's 8-layer B=8/B=4 step): derived")
+    return step / 1e3, extend([1.0, d1, d2]), batch, source
+
+
 def _cpu_spec_batch() -> dict[int, list[float]]:
     """B = 4 measured; B = 2, 8 scaled by batch_cpu.json's batched serial step ratio to B = 4.
     Drafting a position in a batch of n costs the solo estimate times the n-row forward's
@@ -306,6 +347,9 @@ def load_profiles() -> list[Profile]:
         f"{H200_27B_FORWARD}; B=2 interpolated (linear in B between 1 and 4), T=5 extrapolated, drafting "
         f"{DRAFT_27B[0]}/position + {DRAFT_27B[1]}/cycle (assumed); auto starts from these solo costs as a tune",
     ))  # fmt: skip
+    step, solo, batch, source = _h100_27b_ahead()
+    profiles.append(Profile("H100 27B 4-bit (cycles built ahead)", step, solo, batch, "gpu",
+                            source + "; auto starts from these solo costs as a tune"))
     # Apple Silicon (derived from published numbers, DESIGN.md): MTPLX, Qwen3.6-27B 4-bit on an
     # M5 Max, depth 3: 28 -> 63 tok/s (2.24x) with acceptance 0.976 / 0.952 / 0.881 (taken as
     # conditional): E(3) = 1 + .976 + .976*.952 + .976*.952*.881 = 3.71 tokens per cycle, so
