@@ -149,12 +149,13 @@ class _RecentMedian:
 class _Bucket:
     """One bucket of batch heights: per-row cycle cost by depth, on its own decode clock."""
 
-    __slots__ = ("cost", "decode_s", "cycles")
+    __slots__ = ("cost", "decode_s", "cycles", "kept")
 
     def __init__(self, max_depth: int, window: int) -> None:
         self.cost = [_RecentMedian(window) for _ in range(max_depth + 1)]
         self.decode_s = 0.0
         self.cycles = 0
+        self.kept: dict[int, float] = {}  # as CostModel._kept, per row
 
 
 class CostModel:
@@ -162,6 +163,11 @@ class CostModel:
         self.cfg = cfg or GovernorConfig()
         k = self.cfg.max_depth
         self._cost = [_RecentMedian(self.cfg.cost_window) for _ in range(k + 1)]
+        # The last trusted cost of each depth whose window a staleness reset replaced
+        # (``measured`` only): the learned profile keeps it until the new window is trusted.
+        # Without it a CPU load that moved at the end of a run (a CI box's other tests) left
+        # the saved profile with no costs at all, and the next start back at the priors.
+        self._kept: dict[int, float] = {}
         # Batched cycles, per bucket of batch height (index b - 1 for bucket b >= 1).
         self._buckets = [_Bucket(k, self.cfg.cost_window) for _ in range(N_BUCKETS - 1)]
         self._profile_batch: dict[int, dict[int, float]] = {}
@@ -214,8 +220,9 @@ class CostModel:
 
     def measured(self) -> dict[str, Any]:
         """What this model measured itself, never its priors, in the profile's format: each
-        cost with ``trust_samples`` cycles or more behind it (the median of its window), the
-        acceptance of each position up to the first with fewer samples. A later start on the
+        cost with ``trust_samples`` cycles or more behind it (the median of its window, or of
+        the last such window before a staleness reset), the acceptance of each position up
+        to the first with fewer samples. A later start on the
         same machine seeds a model with it (the daemon's learned profile), so it starts where
         this one ended instead of from the config's priors."""
         trust = self.cfg.trust_samples
@@ -226,11 +233,25 @@ class CostModel:
             acceptance.append(round(e.value, 4))
         batch = {}
         for b, bk in enumerate(self._buckets, start=1):
-            by_depth = {str(k): e.value for k, e in enumerate(bk.cost) if e.n >= trust and e.value > 0}
+            by_depth = self._trusted(bk.cost, bk.kept)
             if by_depth:
                 batch[str(bucket_top(b))] = by_depth
-        return {"cost_s": {str(k): e.value for k, e in enumerate(self._cost) if e.n >= trust and e.value > 0},
-                "acceptance": acceptance, "batch_cost_s": batch}
+        return {"cost_s": self._trusted(self._cost, self._kept), "acceptance": acceptance, "batch_cost_s": batch}
+
+    def _trusted(self, windows: list[_RecentMedian], kept: dict[int, float]) -> dict[str, float]:
+        """Each depth's cost with ``trust_samples`` cycles behind it: its window's median, else
+        the one a staleness reset replaced (measured under another load or long ago in decode
+        time, but on this machine and model: a better start than the config's prior)."""
+        out = {}
+        for k, e in enumerate(windows):
+            value = e.value if e.n >= self.cfg.trust_samples and e.value > 0 else kept.get(k)
+            if value:
+                out[str(k)] = value
+        return out
+
+    def _keep(self, kept: dict[int, float], k: int, window: _RecentMedian) -> None:
+        if window.n >= self.cfg.trust_samples and window.value > 0:
+            kept[k] = window.value
 
     def record(self, t: CycleTelemetry, now: float, load: float | None = None) -> None:
         k = min(max(t.depth, 0), self.cfg.max_depth)
@@ -260,6 +281,7 @@ class CostModel:
             if self._cost[k].n and self.stale(k, now, load):
                 # Measured long ago (in decode time) or under another load: that history
                 # describes another machine state, so the new samples start a fresh average.
+                self._keep(self._kept, k, self._cost[k])
                 self._cost[k] = _RecentMedian(self.cfg.cost_window)
             self.decode_s += t.cycle_s
             self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load, decode_at=self.decode_s)
@@ -277,6 +299,7 @@ class CostModel:
             bk.decode_s += max(t.cycle_s, 0.0)
         elif t.cycle_s > 0:
             if bk.cost[k].n and self.batch_stale(b, k, load):
+                self._keep(bk.kept, k, bk.cost[k])
                 bk.cost[k] = _RecentMedian(self.cfg.cost_window)
             bk.decode_s += t.cycle_s
             bk.cost[k].add(t.cycle_s / t.batch, self.cfg.cost_alpha, now, load, decode_at=bk.decode_s)

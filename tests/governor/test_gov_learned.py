@@ -56,6 +56,33 @@ def test_measured_keeps_only_what_enough_cycles_stand_behind():
     assert again.batch_estimate(bucket_of(4), 0, 0.0).cost_s == pytest.approx(0.03 / 4)
 
 
+def test_a_load_change_at_the_end_of_a_run_does_not_lose_what_was_learned():
+    """A staleness reset (the CPU load moved more than stale_load_delta) starts a new window
+    for the policy; the saved profile keeps the last trusted cost until the new window has
+    trust_samples cycles, then takes the new one."""
+    cfg = GovernorConfig()
+    m = CostModel(cfg)
+    for i in range(10):
+        m.record(CycleTelemetry(depth=1, cycle_s=0.04, drafted=1, accepted=1, emitted=2), float(i), load=0.2)
+        m.record(CycleTelemetry(depth=0, cycle_s=0.02, emitted=2, batch=2), float(i), load=0.2)
+    loaded = 0.2 + 2 * cfg.stale_load_delta
+    for i in range(3):  # the load moved: a new window, short of trust_samples
+        m.record(CycleTelemetry(depth=1, cycle_s=0.09, drafted=1, accepted=1, emitted=2), 10.0 + i, load=loaded)
+        m.record(CycleTelemetry(depth=0, cycle_s=0.05, emitted=2, batch=2), 10.0 + i, load=loaded)
+    assert m.estimate(1, 13.0, loaded).samples == 3  # the policy sees the new window only
+    got = m.measured()
+    assert got["cost_s"] == {"1": pytest.approx(0.04)}
+    assert got["batch_cost_s"] == {"2": {"0": pytest.approx(0.01)}}
+    for i in range(cfg.trust_samples):  # the new window trusted: it wins
+        m.record(CycleTelemetry(depth=1, cycle_s=0.09, drafted=1, accepted=1, emitted=2), 13.0 + i, load=loaded)
+    assert m.measured()["cost_s"] == {"1": pytest.approx(0.09)}
+    # A window that never reached trust_samples before its reset leaves nothing behind.
+    fresh = CostModel(cfg)
+    for i, load in enumerate([0.2, 0.2, 0.2, loaded, loaded]):
+        fresh.record(CycleTelemetry(depth=0, cycle_s=0.02, emitted=1), float(i), load=load)
+    assert fresh.measured()["cost_s"] == {}
+
+
 def test_a_restart_starts_where_the_last_run_left_each_height_and_does_not_explore_again():
     first, clock, eng, _ = make()
     eng.run(90.0, clock)
