@@ -2,7 +2,7 @@
 
     python3 bench/gpu_batch_spec.py [--shape 27b|tiny] [--dtype 4bit|bf16] [--heights 4]
         [--depths 1 2] [--profile seed_0.83] [--tokens 32] [--rounds 3] [--out DIR]
-        [--kernels mlx,gdn+qmm] [--compiled]
+        [--kernels mlx,gdn+qmm] [--compiled] [--ahead off|on|ab] [--solo]
 
 A random-weight qwen3_5 with the shape of Qwen3.5-27B, decisive weights (bench/gpu_bench.py
 ``build_model``: the greedy next token of t is inv[t]), 4-bit by default. The MTP head is the
@@ -14,7 +14,10 @@ rows: this model's matmuls are not invariant on CUDA, so exact rows do not batch
 - spec dK: SpecBatchDecoder at depth K (batched drafting, one B x (K+1) verify per cycle),
   each cycle built after the last one is read (``spec_ahead=False``);
 - spec dK ahead (``--ahead``): the same with drafting cycles built ahead, decided on the
-  device (batch_ahead.py; the daemon's default on CUDA).
+  device (batch_ahead.py; the daemon's default on CUDA);
+- solo d0 / solo dK (``--solo``, one row only): what the daemon runs for a lone request,
+  serial_decode and speculative_decode (fast mode, its own pipeline: the next cycle built on
+  the guess that every draft lands, on by default on CUDA), with the same oracle head.
 The oracle's first draft of a cycle follows each row's last committed token (``OracleSpecBatch``);
 before 2026-12-07 it read the head feed's last column, which for a row that kept fewer
 pairs than the longest is padding: at 4 rows most first drafts missed (1.65 tokens a row a
@@ -49,6 +52,8 @@ import mlx.core as mx  # noqa: E402
 from daemon.engine.decoders.batch import BatchDecoder  # noqa: E402
 from daemon.engine.decoders.batch_spec import SpecBatchDecoder  # noqa: E402
 from daemon.engine.decoders.sampling import Sampler  # noqa: E402
+from daemon.engine.decoders.serial import serial_decode  # noqa: E402
+from daemon.engine.decoders.speculative import speculative_decode  # noqa: E402
 from daemon.engine.types import SamplingParams  # noqa: E402
 from step_split import apply_launches, set_arm  # noqa: E402
 from gpu_bench import PROFILES, QWEN35_27B, TINY, OracleHead, build_model, log, quantize_4bit  # noqa: E402
@@ -111,6 +116,8 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
     two differed by 1-4%: one row's 77 tok/s over 24 tokens against 98 over 48 (2026-12-07)
     was the host's speed from call to call (the step is bound by graph building), not the
     prefill (bench/results/h100_2026-12-07b)."""
+    if arm.startswith("solo "):
+        return run_solo(lm, head, int(arm.split(" ")[1][1:]), prompts, tokens)
     if arm == "batch d0":
         bd = BatchDecoder(lm, max_rows=len(prompts), exact_ok=False)
     else:
@@ -143,6 +150,28 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
     return total / (t_end - t0), total / (steps * len(prompts)), decode_rate
 
 
+def run_solo(lm, head, k: int, prompts: list[list[int]], tokens: int) -> tuple[float, float, float]:
+    """run_arm's triple for a lone request as the daemon decodes it: serial_decode at depth 0,
+    else speculative_decode in fast mode with its pipeline as resolved for this device."""
+    (prompt,) = prompts
+    sampler = Sampler(SamplingParams())
+    gen = serial_decode(lm, prompt, sampler) if k == 0 else speculative_decode(lm, head, prompt, sampler, k, exact=False)
+    got = cycles = 0
+    t0 = time.perf_counter()
+    t_first = first_tokens = None
+    for step in gen:
+        got += len(step.tokens)
+        cycles += 1
+        if t_first is None:
+            t_first, first_tokens = time.perf_counter(), got
+        if got >= tokens:
+            break
+    t_end = time.perf_counter()
+    gen.close()
+    decode_rate = (got - first_tokens) / (t_end - t_first) if t_end > t_first else float("nan")
+    return got / (t_end - t0), got / cycles, decode_rate
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("27b", "tiny"), default="27b")
@@ -159,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting rounds after this many seconds")
     ap.add_argument("--ahead", choices=("off", "on", "ab"), default="off",
                     help="speculation arms with drafting cycles built ahead: off, on (only), ab (both, alternated)")
+    ap.add_argument("--solo", action="store_true",
+                    help="at height 1 also the daemon's lone-request paths: solo d0 (serial) and solo dK (speculative)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = QWEN35_27B if args.shape == "27b" else TINY
@@ -175,7 +206,12 @@ def main(argv=None) -> int:
         models[ks] = (lm, BatchOracleHead(head, inv, PROFILES[args.profile], cfg["vocab_size"]))
         log(f"built {lm.path.name} {args.dtype} for {ks}: active memory {mx.get_active_memory() / 1e9:.1f} GB")
     ahead = {"off": [""], "on": [" ahead"], "ab": ["", " ahead"]}[args.ahead]
-    arms = [f"{ks} {a}" for ks in kernel_sets for a in ["batch d0"] + [f"spec d{k}{x}" for k in args.depths for x in ahead]]
+    solo = [f"solo d{k}" for k in [0, *args.depths]] if args.solo else []
+
+    def arms_at(B: int) -> list[str]:
+        return [f"{ks} {a}" for ks in kernel_sets
+                for a in ["batch d0"] + [f"spec d{k}{x}" for k in args.depths for x in ahead] + (solo if B == 1 else [])]
+
     rng = random.Random(7)
     results = []
     paths = {}
@@ -184,6 +220,8 @@ def main(argv=None) -> int:
         paths[ks] = set_arm(lm, ks, args.compiled)
 
     for B in args.heights:
+        arms = arms_at(B)
+
         def new_prompts() -> list[list[int]]:  # each round its own (the arms of a round share them)
             return [[rng.randrange(cfg["vocab_size"]) for _ in range(args.context)] for _ in range(B)]
 
