@@ -147,6 +147,49 @@ def test_building_cycles_ahead_commits_what_building_them_after_does(lm, copy_he
     assert counts["built"] > counts["undone"] > 0
 
 
+class _ScriptedClock:
+    """``time`` for speculative.py: each loop iteration reads perf_counter twice (its start,
+    then its end), so an iteration's cycle_s is the script's next value (the last repeats)."""
+
+    def __init__(self, cycle_s: list[float]):
+        self.script, self.now, self.reads = list(cycle_s), 0.0, 0
+
+    def perf_counter(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:  # an iteration's end
+            self.now += self.script.pop(0) if len(self.script) > 1 else self.script[0]
+        return self.now
+
+
+@pytest.mark.parametrize("first_steady_s, then_s, most_builds", [(1.0, 0.001, 1), (0.02, 0.02, None)])
+def test_a_slow_first_cycle_does_not_keep_building_ahead_where_cycles_are_short(
+        lm, copy_head, monkeypatch, first_steady_s, then_s, most_builds):
+    """Building ahead follows the shortest of a request's recent steady cycles against
+    PIPELINE_MIN_CYCLE_S (10 ms): one slow cycle (a first use) opens it for a cycle at most,
+    where a running mean kept it open for dozens; cycles at 20 ms keep it open."""
+    import daemon.engine.decoders.speculative as speculative
+
+    monkeypatch.setattr(speculative, "PIPELINE_MIN_FULL", 0.0)  # the cycle time alone decides
+    counts = {"built": 0}
+
+    class CountingMark(speculative.CacheMark):
+        def __init__(self, caches):
+            counts["built"] += 1
+            super().__init__(caches)
+
+    monkeypatch.setattr(speculative, "CacheMark", CountingMark)
+    # The first cycle is a transition (not booked), the second the first steady one.
+    monkeypatch.setattr(speculative, "time", _ScriptedClock([0.5, first_steady_s, then_s]))
+    prompt = lm.tokenizer.encode(PROMPTS[0])
+    got, steps = spec(lm, copy_head, prompt, 48, 2, pipeline=True)
+    assert got == serial(lm, prompt, 48)
+    assert len(steps) > 12
+    if most_builds is not None:
+        assert counts["built"] <= most_builds
+    else:
+        assert counts["built"] >= len(steps) - 3  # every cycle after the first steady one
+
+
 def test_exact_guard_absorbs_kernel_rounding_fast_does_not(lm, copy_head):
     """logit_jitter stands in for M=1 vs M>=2 rounding differences in the verify."""
     exact_guarded = 0

@@ -75,8 +75,9 @@ committed. The next cycle's depth is read when it is built (the cycle boundary b
 the current one is decided), so a depth change lands one cycle later. Not built ahead:
 after a lookup block, when the loop guard is armed, when the draft stopper would read a
 draft's confidence (depth above its base), while fewer than PIPELINE_MIN_FULL of cycles
-accept everything, or while cycles are shorter than PIPELINE_MIN_CYCLE_S (the host is the
-bottleneck then, and a build thrown away is pure loss). ``pipeline=None`` (the default)
+accept everything, or while the shortest of the request's recent steady cycles is shorter
+than PIPELINE_MIN_CYCLE_S (the host is the bottleneck then, and a build thrown away is pure
+loss; PIPELINE_WINDOW). ``pipeline=None`` (the default)
 builds ahead on CUDA only (``resolve_pipeline``).
 
 The tokens of one DecodeStep may run past an EOS; the caller cuts at the first one. In a
@@ -87,6 +88,7 @@ were not judged); ``guarded`` says so.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -128,6 +130,13 @@ FULL_RATE_ALPHA = 0.1
 # device time to hide it behind: the bundled model on the H200 (3.6-6 ms cycles) lost
 # 5-20% with it, the 27B shape (40-120 ms cycles) gained up to 20% at 4-bit.
 PIPELINE_MIN_CYCLE_S = 0.010
+# A request's cycle time, against that floor, is the shortest of its last PIPELINE_WINDOW
+# steady head cycles: a cycle is never cheaper than its work, while first uses (a new cache
+# length's shapes, a kernel's first launch) only lengthen cycles. A running mean let such
+# cycles open the speculating batch's build-ahead in a fresh council's first round on an H100,
+# every cycle built then undone (bench/results/h100_2026-12-07c, calls 6-8); a request decides
+# from its first steady cycle (a short answer keeps its pipelining) and a faster one closes it.
+PIPELINE_WINDOW = 16
 
 
 def resolve_pipeline(pipeline: bool | None) -> bool:
@@ -420,7 +429,7 @@ def speculative_decode(
         mark, rollback record) or None where no such cycle is built."""
         if not pipeline or cyc.source != "head" or full_rate < PIPELINE_MIN_FULL:
             return None
-        if cycle_s_mean is None or cycle_s_mean < PIPELINE_MIN_CYCLE_S:
+        if not steady_s or min(steady_s) < PIPELINE_MIN_CYCLE_S:
             return None
         if head is None or getattr(head, "unloaded", False) or (loops is not None and loops.armed):
             return None
@@ -448,17 +457,14 @@ def speculative_decode(
     # of cycles that accept everything (when it is low, building ahead wastes host time).
     pending: _Cycle | None = None
     full_rate = 1.0
-    cycle_s_mean: float | None = None  # running mean of a head cycle's wall time
+    steady_s: deque = deque(maxlen=PIPELINE_WINDOW)  # the last steady head cycles' wall times
     prev_k: int | None = None  # the last cycle's depth: a cycle at another one is a transition
 
     def head_cycle_done(cycle_s: float, transition: bool) -> None:
         # A transition cycle (the first at its depth: a catch-up feed, first-use costs on a
-        # GPU) would seed the mean far above a steady cycle and turn building ahead on where
-        # it loses (the bundled model on the H200: 3.6-6 ms cycles).
-        nonlocal cycle_s_mean
-        if transition:
-            return
-        cycle_s_mean = cycle_s if cycle_s_mean is None else cycle_s_mean + FULL_RATE_ALPHA * (cycle_s - cycle_s_mean)
+        # GPU) is not the depth's cost (PIPELINE_WINDOW).
+        if not transition:
+            steady_s.append(cycle_s)
 
     while True:
         if handoff is not None and pending is None and handoff():
