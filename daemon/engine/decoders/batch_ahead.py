@@ -42,7 +42,7 @@ from ..model.capture import capture_hidden
 from ..prefill.mixed_forward import Ride, hidden_with
 from ..types import DecodeStep
 from .sampling import logprob_entries, logprobs as _logprobs
-from .speculative import FLUSH_PENDING
+from .speculative import FLUSH_PENDING, PIPELINE_WINDOW
 
 # Whether drafting cycles are long enough to build ahead is the shortest of the last
 # AHEAD_WINDOW steady ones, decided once AHEAD_MIN_CYCLES are in: a fresh machine's first
@@ -50,8 +50,8 @@ from .speculative import FLUSH_PENDING
 # than its work, so the shortest is the cycle's own cost). A running mean seeded with them
 # (call 7) and then their median (call 8) let a council of the bundled model on an H100
 # (3-6 ms cycles) build cycles ahead in its first round, every one of them undone as rows
-# left (bench/results/h100_2026-12-07c).
-AHEAD_WINDOW = 16
+# left (bench/results/h100_2026-12-07c). Solo speculation reads its cycles the same way.
+AHEAD_WINDOW = PIPELINE_WINDOW
 AHEAD_MIN_CYCLES = 8
 # Token ids gathered as float32 are exact below 2**24 (see _issue_drafting).
 FLOAT32_EXACT_IDS = 1 << 24
