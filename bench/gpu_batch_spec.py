@@ -152,7 +152,9 @@ def run_arm(lm, head, arm: str, prompts: list[list[int]], tokens: int) -> tuple[
 
 def run_solo(lm, head, k: int, prompts: list[list[int]], tokens: int) -> tuple[float, float, float]:
     """run_arm's triple for a lone request as the daemon decodes it: serial_decode at depth 0,
-    else speculative_decode in fast mode with its pipeline as resolved for this device."""
+    else speculative_decode in fast mode with its pipeline as resolved for this device.
+    (Not spec_bench.run_arm, which loops the same way but counts the tokens asked for: here
+    the tokens got, as run_arm above counts the batch's, so the arms of one table compare.)"""
     (prompt,) = prompts
     sampler = Sampler(SamplingParams())
     gen = serial_decode(lm, prompt, sampler) if k == 0 else speculative_decode(lm, head, prompt, sampler, k, exact=False)

@@ -70,13 +70,9 @@ class RaggedKVCache(BatchKVCache):
         dropped = [written - k for k in keep]
         if not any(dropped):
             return
-        B = len(keep)
-        kept = mx.arange(written)[None, :] < mx.array(keep).reshape(B, 1)  # [B, written]
-        valid = self.valid if self.valid is not None else mx.ones((B, self._idx - written), dtype=mx.bool_)
-        self.valid = mx.concatenate([valid[:, : self._idx - written], kept], axis=1)
-        self.offset = self.offset - mx.array(dropped).astype(self.offset.dtype)
+        self.punch_lazy(mx.array(keep), written)
         self.n_holes += sum(dropped)
-        if self.n_holes > COMPACT_SHARE * B * self._idx:
+        if self.holes_due():
             self.compact()
 
     def punch_lazy(self, keep: mx.array, written: int) -> None:
@@ -85,7 +81,7 @@ class RaggedKVCache(BatchKVCache):
         (batch_ahead.py). The holes are not counted here: the host adds
         them to ``n_holes`` once it reads the counts, and compacts only then (``holes_due``)."""
         B = keep.shape[0]
-        kept = mx.arange(written)[None, :] < keep.reshape(B, 1)
+        kept = mx.arange(written)[None, :] < keep.reshape(B, 1)  # [B, written]
         valid = self.valid if self.valid is not None else mx.ones((B, self._idx - written), dtype=mx.bool_)
         self.valid = mx.concatenate([valid[:, : self._idx - written], kept], axis=1)
         self.offset = self.offset - (written - keep).astype(self.offset.dtype)

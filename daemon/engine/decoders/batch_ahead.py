@@ -201,7 +201,7 @@ class CyclesAhead:
         a row accepts at most its own), acceptance and rollback included, without reading
         anything: from the rows' pending pairs and primaries (``prev`` None), or from
         ``prev``, the cycle queued before it and not yet read."""
-        rows, B, K = self._rows, len(self._rows), max(ks)
+        K = max(ks)
         T = K + 1
         mark = BatchMark(self._cache + self._hcache)
         if prev is None:
