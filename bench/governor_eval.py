@@ -230,14 +230,20 @@ H100_27B_DIR = RESULTS / "h100_2026-12-07c"
 # B = 8 was not measured there: a B = 8 cycle is priced as B = 4's at the same depth times the
 # 8-layer stack's B = 8 / B = 4 step on the H200 (issue 49: 18.3 / 13.8 ms, MLX's path). Derived.
 H100_B8_OVER_B4 = 18.3 / 13.8
+# A later H100 (h100_2026-12-07d): one row's own paths (serial_decode, speculative_decode with its
+# pipeline: what the daemon runs for a lone request) at depths 0-5, four and eight rows at 0-3.
+H100_27B_SOLO_DIR = RESULTS / "h100_2026-12-07d"
 
 
-def _cycle_ms(path: Path) -> dict[tuple[int, str], float]:
-    """(height, arm) -> ms a cycle: rows x tokens a row a cycle / tokens a second (medians)."""
+def _cycle_ms(path: Path, decode_only: bool = False) -> dict[tuple[int, str], float]:
+    """(height, arm) -> ms a cycle: rows x tokens a row a cycle / tokens a second (medians).
+    ``decode_only``: the rate after each arm's first step (the solo arms prefill their context
+    in their first step, the batch arms before it)."""
     out = {}
     for r in json.loads(path.read_text())["results"]:
         arm = r["arm"].split(" ", 1)[1]  # drop the kernels' name: "batch d0", "spec d2 ahead"
-        out[(r["height"], arm)] = 1e3 * r["height"] * r["tokens_per_row_step"] / r["median_tokens_per_s"]
+        rate = r["median_decode_tokens_per_s"] if decode_only else r["median_tokens_per_s"]
+        out[(r["height"], arm)] = 1e3 * r["height"] * r["tokens_per_row_step"] / rate
     return out
 
 
@@ -263,6 +269,28 @@ def _h100_27b_ahead() -> tuple[float, list[float], dict[int, list[float]], str]:
               "cycles built ahead; one row's d1 placed between d0 and d2 as at two rows, d3-d4 extended by d2 - d1 "
               f"a depth, eight rows = four rows x {H100_B8_OVER_B4:.2f} (issue 49's 8-layer B=8/B=4 step): derived")
     return step / 1e3, extend([1.0, d1, d2]), batch, source
+
+
+def _h100_27b_solo() -> tuple[float, list[float], dict[int, list[float]], str]:
+    """As ``_h100_27b_ahead`` from h100_2026-12-07d: one row's solo paths measured at depths 0-3
+    (call 2) and 4 (call 4, against that run's own solo d0), four and eight rows at depths 0-3
+    built ahead (call 2, in that run's one-row step); depth 4 in a batch extended by d3 - d2, two
+    rows from h100_2026-12-07c's call 5 (another machine, in its own one-row step). Decode-only
+    rates throughout (after each arm's first step)."""
+    main = _cycle_ms(H100_27B_SOLO_DIR / "spec_ahead_27b_call2.json", decode_only=True)
+    deep = _cycle_ms(H100_27B_SOLO_DIR / "spec_solo_27b_call4.json", decode_only=True)
+    step = main[(1, "solo d0")]
+    solo = [main[(1, f"solo d{k}")] / step for k in range(4)] + [deep[(1, "solo d4")] / deep[(1, "solo d0")]]
+    batch = {}
+    for n in (4, 8):
+        row = [main[(n, "batch d0")] / step] + [main[(n, f"spec d{k} ahead")] / step for k in (1, 2, 3)]
+        batch[n] = row + [row[3] + (row[3] - row[2])]
+    _, _, earlier, _ = _h100_27b_ahead()
+    batch[2] = earlier[2]
+    source = (f"measured on an H100 (h100_2026-12-07d, calls 2 and 4; decode-only rates): one row's solo paths d0 "
+              f"{step:.2f} ms, d1-d4 {', '.join(f'{x:.2f}' for x in solo[1:])} steps; four and eight rows d0-d3 built "
+              "ahead; a batch's d4 extended by d3 - d2; two rows from h100_2026-12-07c call 5 (another machine)")
+    return step / 1e3, solo, batch, source
 
 
 def _cpu_spec_batch() -> dict[int, list[float]]:
@@ -349,6 +377,9 @@ def load_profiles() -> list[Profile]:
     ))  # fmt: skip
     step, solo, batch, source = _h100_27b_ahead()
     profiles.append(Profile("H100 27B 4-bit (cycles built ahead)", step, solo, batch, "gpu",
+                            source + "; auto starts from these solo costs as a tune"))
+    step, solo, batch, source = _h100_27b_solo()
+    profiles.append(Profile("H100 solo paths, 27B 4-bit (eight rows measured)", step, solo, batch, "gpu",
                             source + "; auto starts from these solo costs as a tune"))
     # Apple Silicon (derived from published numbers, DESIGN.md): MTPLX, Qwen3.6-27B 4-bit on an
     # M5 Max, depth 3: 28 -> 63 tok/s (2.24x) with acceptance 0.976 / 0.952 / 0.881 (taken as

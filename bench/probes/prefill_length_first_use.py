@@ -1,0 +1,154 @@
+"""What a prompt piece of a token count never seen before costs, against the same count again.
+
+A council's prompts end where they end: every request's last prefill forward (and every
+prompts-together forward) has a token count of its own. If MLX's backend pays a per-shape
+cost at first use (a matmul plan, a CUDA graph's capture and instantiation, a kernel variant),
+every request pays it, and a benchmark whose later rounds repeat the first round's lengths
+hides it there. This measures it on the bundled model with the daemon's own loader and
+prefill forward (engine/model: chunked GatedDeltaNet prefill and fused kernels where the
+platform uses them), each arm in a fresh process (MLX reads its switches once):
+
+  daemon     the switches the daemon sets (backend_env.configure: cuDNN attention off, ...)
+  no-graphs  the same with MLX_USE_CUDA_GRAPHS=0 (is the cost the graphs'?)
+
+In each: a warm-up (lengths 256, 100, 17, 3 on a cache 256 tokens deep: MLX's modules are
+compiled by op graph, not size, so this leaves only per-size costs), then for each of --new
+token counts never run before: a forward of that many tokens on a fresh cache holding 256
+tokens (the daemon's second chunk), timed synced ("new"), then the same count again ("warm");
+then one bf16 matmul at the model's MLP shape with M = each count, new and again (the plan
+cost alone). Medians, ms.
+
+    PYTHONPATH=$PWD python3 bench/probes/prefill_length_first_use.py --json $OUT/prefill_length_first_use.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+ARMS = ("daemon", "no-graphs")
+WARM_LENGTHS = (256, 100, 17, 3)
+DEPTH = 256  # tokens already in the cache: the piece is a prompt's second chunk
+
+
+def _child(args) -> dict:
+    import mlx.core as mx
+
+    from daemon.engine.model.loading import load_model
+    from daemon.paths import BUNDLED_MODEL
+
+    lm = load_model(BUNDLED_MODEL)
+    vocab = 1000
+
+    def primed_cache():
+        cache = lm.make_cache()
+        lm.prefill_hidden(mx.arange(5, 5 + DEPTH, dtype=mx.uint32)[None] % vocab, cache)
+        mx.eval([c.state for c in cache])
+        mx.synchronize()
+        return cache
+
+    def forward_ms(n: int) -> float:
+        cache = primed_cache()
+        ids = (mx.arange(n, dtype=mx.uint32)[None] * 7 + 11) % vocab
+        t = time.perf_counter()
+        h = lm.prefill_hidden(ids, cache)
+        mx.eval(h, [c.state for c in cache])
+        mx.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    def matmul_ms(m: int, w: mx.array) -> float:
+        x = mx.random.normal((m, w.shape[0])).astype(mx.bfloat16)
+        mx.eval(x)
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(x @ w)
+        mx.synchronize()
+        return (time.perf_counter() - t) * 1e3
+
+    for n in WARM_LENGTHS:
+        forward_ms(n)
+        forward_ms(n)
+    rng = random.Random(args.seed)
+    seen = set(WARM_LENGTHS)
+    counts = []
+    while len(counts) < args.new:
+        n = rng.randint(4, 255)
+        if n not in seen:
+            seen.add(n)
+            counts.append(n)
+    rows = [{"tokens": n, "new_ms": forward_ms(n), "warm_ms": forward_ms(n)} for n in counts]
+    config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())
+    w = mx.random.normal((config["hidden_size"], config["intermediate_size"])).astype(mx.bfloat16)
+    mx.eval(w)
+    matmul_ms(256, w), matmul_ms(256, w)
+    mm_counts = [n + 300 for n in counts]  # M values no forward above used
+    mm = [{"m": m, "new_ms": matmul_ms(m, w), "warm_ms": matmul_ms(m, w)} for m in mm_counts]
+    return {"device": str(mx.default_device()), "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
+            "forwards": rows, "matmuls": mm}
+
+
+def _env(arm: str) -> dict:
+    from daemon.engine.jit import backend_env
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k == backend_env.PTX_CACHE_DIR}
+    backend_env.configure(False, None, env)
+    if arm == "no-graphs":
+        env["MLX_USE_CUDA_GRAPHS"] = "0"
+    return env
+
+
+def _summary(rows: list[dict]) -> dict:
+    new = [r["new_ms"] for r in rows]
+    warm = [r["warm_ms"] for r in rows]
+    return {"new_median_ms": statistics.median(new), "warm_median_ms": statistics.median(warm),
+            "new_over_warm": statistics.median(n / w for n, w in zip(new, warm)),
+            "new_range_ms": [min(new), max(new)], "warm_range_ms": [min(warm), max(warm)]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--new", type=int, default=16, help="token counts never run before, per arm")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return
+    results = {}
+    print("| arm | what | new: median ms (range) | again: median ms (range) | new / again (median of pairs) |")
+    print("|---|---|---|---|---|")
+    for i, arm in enumerate(args.arms.split(",")):
+        cmd = [sys.executable, __file__, "--child", "--new", str(args.new), "--seed", str(args.seed + i)]
+        p = subprocess.run(cmd, env=_env(arm), capture_output=True, text=True, cwd=REPO)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if p.returncode or not lines:
+            results[arm] = {"error": (p.stderr or p.stdout)[-2000:], "returncode": p.returncode}
+            print(f"| {arm} | failed rc={p.returncode} | | | |\n{(p.stderr or p.stdout)[-1500:]}", flush=True)
+            continue
+        r = json.loads(lines[-1][len("RESULT "):])
+        r["summary"] = {"forwards": _summary(r["forwards"]),
+                        "matmuls": _summary([{"new_ms": m["new_ms"], "warm_ms": m["warm_ms"]} for m in r["matmuls"]])}
+        results[arm] = r
+        for what, s in r["summary"].items():
+            print(f"| {arm} | {what} | {s['new_median_ms']:.2f} ({s['new_range_ms'][0]:.2f}-{s['new_range_ms'][1]:.2f}) "
+                  f"| {s['warm_median_ms']:.2f} ({s['warm_range_ms'][0]:.2f}-{s['warm_range_ms'][1]:.2f}) "
+                  f"| {s['new_over_warm']:.2f}x |", flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "arms": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
