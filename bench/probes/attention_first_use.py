@@ -30,13 +30,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from bench.probe_child import run_child  # noqa: E402
 
 CASES = {  # name: (B, T, mask kind)
     "step": (1, 1, None),
@@ -140,15 +141,11 @@ def main() -> None:
         return
     results = {}
     for arm in args.arms.split(","):
-        cmd = [sys.executable, __file__, "--child", "--new", str(args.new), "--thrash", str(args.thrash),
-               "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--dim", str(args.dim)]
-        p = subprocess.run(cmd, env=_env(arm), capture_output=True, text=True, cwd=REPO)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not lines:
-            results[arm] = {"error": (p.stderr or p.stdout)[-2000:], "returncode": p.returncode}
-            print(f"{arm}: failed rc={p.returncode}\n{p.stderr[-2000:]}", flush=True)
-            continue
-        results[arm] = json.loads(lines[-1][len("RESULT "):])
+        argv = ["--new", str(args.new), "--thrash", str(args.thrash), "--heads", str(args.heads),
+                "--kv-heads", str(args.kv_heads), "--dim", str(args.dim)]
+        r = run_child(__file__, argv, _env(arm))
+        if "error" not in r:
+            results[arm] = r
     print(f"\n{'case':10} " + " ".join(f"{a + ' first/warm ms':>28}" for a in results) + "   invariant ms")
     for name in CASES:
         cells = []

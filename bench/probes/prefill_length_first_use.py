@@ -28,13 +28,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+
+from bench.probe_child import run_child  # noqa: E402
 
 ARMS = ("daemon", "no-graphs")
 WARM_LENGTHS = (256, 100, 17, 3)
@@ -130,17 +131,11 @@ def main() -> None:
     print("| arm | what | new: median ms (range) | again: median ms (range) | new / again (median of pairs) |")
     print("|---|---|---|---|---|")
     for i, arm in enumerate(args.arms.split(",")):
-        cmd = [sys.executable, __file__, "--child", "--new", str(args.new), "--seed", str(args.seed + i)]
-        p = subprocess.run(cmd, env=_env(arm), capture_output=True, text=True, cwd=REPO)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-        if p.returncode or not lines:
-            results[arm] = {"error": (p.stderr or p.stdout)[-2000:], "returncode": p.returncode}
-            print(f"| {arm} | failed rc={p.returncode} | | | |\n{(p.stderr or p.stdout)[-1500:]}", flush=True)
+        r = results[arm] = run_child(__file__, ["--new", str(args.new), "--seed", str(args.seed + i)], _env(arm))
+        if "error" in r:
             continue
-        r = json.loads(lines[-1][len("RESULT "):])
         r["summary"] = {"forwards": _summary(r["forwards"]),
                         "matmuls": _summary([{"new_ms": m["new_ms"], "warm_ms": m["warm_ms"]} for m in r["matmuls"]])}
-        results[arm] = r
         for what, s in r["summary"].items():
             print(f"| {arm} | {what} | {s['new_median_ms']:.2f} ({s['new_range_ms'][0]:.2f}-{s['new_range_ms'][1]:.2f}) "
                   f"| {s['warm_median_ms']:.2f} ({s['warm_range_ms'][0]:.2f}-{s['warm_range_ms'][1]:.2f}) "
