@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import random
-import statistics
 import time
 
 import mlx.core as mx
@@ -44,6 +43,7 @@ from ..caches.batch_rows import DEFAULT_MAX_ROWS, extract_layer
 from ..kernels.forward import cache_arrays
 from ..model.model import LoadedModel
 from ..pieces import pause
+from .cost_pairs import paired_median
 from .prefill import ChunkedPrefill
 
 # Piece lengths the probe forwards; a piece of chunked_prefill.MIN_T is added where the
@@ -146,7 +146,10 @@ def max_prefill_diff(lm: LoadedModel, heights=(2, 3, 4), pieces=PROBE_PIECES, se
     """Per batch height, the largest |together - alone| over every piece's hidden states and
     every cache array after it. Rows hold different cache lengths (PROBE_PREFIXES) and
     forward different tokens; each height runs ``pieces`` one after another, the together
-    rows continuing their together caches, the lone rows theirs."""
+    rows continuing their together caches, the lone rows theirs. A pause after every forward
+    (engine/pieces.py): a request that arrives mid-check waits for one forward, not a height's
+    B + 1 (its pieces reached 163-173 ms on this CPU at 8 rows; on an H100 a council's first
+    prompts waited for an 84 ms piece of this part, bench/results/h100_2026-12-07d)."""
     V = lm.text_args.vocab_size
     out = {}
     for B in heights:
@@ -158,19 +161,24 @@ def max_prefill_diff(lm: LoadedModel, heights=(2, 3, 4), pieces=PROBE_PIECES, se
             if prefix:
                 lm.prefill_hidden(mx.array([[rng.randrange(V) for _ in range(prefix)]], dtype=mx.uint32), cache)
                 mx.eval([c.state for c in cache])
+                pause()
             solo.append(cache)
         together = [copy.deepcopy(c) for c in solo]
         worst = 0.0
         for L in pieces:
             tokens = mx.array([[rng.randrange(V) for _ in range(L)] for _ in range(B)], dtype=mx.uint32)
-            h_solo = [lm.prefill_hidden(tokens[i : i + 1], solo[i]) for i in range(B)]
+            h_solo = []
+            for i in range(B):
+                h_solo.append(lm.prefill_hidden(tokens[i : i + 1], solo[i]))
+                mx.eval(h_solo[-1], [c.state for c in solo[i]])
+                pause()
             h_together = forward_rows(lm, together, tokens)
-            mx.eval(h_solo, h_together, [c.state for cache in solo + together for c in cache])
-            pause()
+            mx.eval(h_together, [c.state for cache in together for c in cache])
             diffs = [_diff(h_solo[i][0], h_together[i]) for i in range(B)]
             for a, b in zip(solo, together):
                 diffs += [_diff(x, y) for x, y in zip(cache_arrays(a), cache_arrays(b), strict=True)]
-            worst = max(worst, *diffs)
+            worst = max(worst, mx.max(mx.stack(diffs)).item())  # one wait for the device, not one a diff
+            pause()
         out[B] = worst
     return out
 
@@ -208,13 +216,7 @@ def together_cost_ratio(lm: LoadedModel, rows: int, piece: int = 16, reps: int =
         mx.eval(h, [c.state for cache in caches for c in cache])
         return time.perf_counter() - t0
 
-    seconds(1), seconds(rows)
-    pause()  # between timed pairs, never inside one (engine/pieces.py)
-    ratios = []
-    for _ in range(reps):
-        ratios.append(seconds(rows) / seconds(1))
-        pause()
-    return statistics.median(ratios)
+    return paired_median(lambda: seconds(rows), lambda: seconds(1), reps)
 
 
 def together_pays(ratio: float, rows: int) -> bool:
@@ -226,7 +228,8 @@ def together_pays(ratio: float, rows: int) -> bool:
     return ratio < (rows + 1) / 2
 
 
-def _diff(a: mx.array, b: mx.array) -> float:
+def _diff(a: mx.array, b: mx.array) -> mx.array:
+    """The largest |a - b| as a float32 scalar, not read yet (inf where the shapes differ)."""
     if a.shape != b.shape:
-        return float("inf")
-    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+        return mx.array(float("inf"), dtype=mx.float32)
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()

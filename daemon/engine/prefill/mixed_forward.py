@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import random
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask, scaled_do
 
 from ..kernels.forward import attention_projections, backbone_layers, gdn_mix, gdn_projections
 from ..pieces import pause
+from .cost_pairs import paired_median
 from .prefill import prefill
 
 
@@ -141,6 +141,7 @@ def _decoding_rows(lm, rows: int, lengths: tuple[int, ...], rng: random.Random) 
     for _ in range(rows):
         c = lm.make_cache()
         states.append((c, prefill(lm, [rng.randrange(V) for _ in range(rng.choice(lengths))], c)))
+        pause()
     batch = [type(layer[0]).merge(list(layer)) for layer in zip(*[c for c, _ in states])]
     return mx.concatenate([last for _, last in states])[:, None], batch
 
@@ -161,18 +162,24 @@ def mixed_matches_alone(lm, rows: int = 3, pieces=(1, 6), seed: int = 0) -> bool
             c = lm.make_cache()
             if prefix:
                 prefill(lm, [rng.randrange(V) for _ in range(prefix + 1)], c)
+                pause()
             groups.append((mx.array([[rng.randrange(V) for _ in range(L)]], dtype=mx.uint32), c))
         mx.eval([g[0] for g in groups], [cache_states(c) for _, c in groups])
         mixed = [(tokens, copy.deepcopy(cache)) for tokens, cache in groups]
-        alone = [lm.hidden(tokens, cache) for tokens, cache in groups]
+        alone = []
+        for tokens, cache in groups:  # a forward a piece: a request arriving mid-check waits for one
+            alone.append(lm.hidden(tokens, cache))
+            mx.eval(alone[-1], cache_states(cache))
+            pause()
         together = mixed_hidden(lm, mixed)
-        mx.eval(alone, together, [cache_states(c) for _, c in groups + mixed])
-        pause()
-        if not all(mx.array_equal(a, b).item() for a, b in zip(alone, together)):
-            return False
+        mx.eval(together, [cache_states(c) for _, c in mixed])
+        same = [mx.array_equal(a, b) for a, b in zip(alone, together)]
         for (_, a), (_, b) in zip(groups, mixed):
-            if not all(mx.array_equal(x, y).item() for x, y in zip(cache_states(a), cache_states(b))):
-                return False
+            same += [mx.array_equal(x, y) for x, y in zip(cache_states(a), cache_states(b))]
+        equal = mx.all(mx.stack(same)).item()  # one wait for the device, not one an array
+        pause()
+        if not equal:
+            return False
     return True
 
 
@@ -204,13 +211,7 @@ def mixed_cost_ratio(lm, rows: int, piece: int = 8, reps: int = 3, seed: int = 0
             mx.eval(logits, hp, cache_states(b + pc))
         return time.perf_counter() - t0
 
-    seconds(False), seconds(True)
-    pause()  # between timed pairs, never inside one (engine/pieces.py)
-    ratios = []
-    for _ in range(reps):
-        ratios.append(seconds(True) / seconds(False))
-        pause()
-    return statistics.median(ratios)
+    return paired_median(lambda: seconds(True), lambda: seconds(False), reps)
 
 
 def mixed_pays(ratio: float) -> bool:
