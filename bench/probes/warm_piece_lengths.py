@@ -3,18 +3,27 @@ mid-probe waits for at most. Runs the prompts-together check, its cost probe and
 steps' check on the bundled model under PiecewiseRun, as the daemon's warming parts run them
 (rows 8: the batch's ceiling; the cost probe at the start height 4; the mixed check with a
 256-token chunk), and prints each one's pieces, busy time and longest piece, twice.
+``--daemon``: instead, a real ``councild serve`` on a new cache folder, left idle until
+``engine.warmed``, and every part's ``engine.warm`` event (pieces, busy, longest piece, verdict).
 
-    PYTHONPATH=$PWD .venv/bin/python bench/probes/warm_piece_lengths.py
+    PYTHONPATH=$PWD .venv/bin/python bench/probes/warm_piece_lengths.py [--daemon]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 
 from daemon.engine.model.loading import load_model  # noqa: E402
 from daemon.engine.pieces import PiecewiseRun  # noqa: E402
@@ -36,7 +45,31 @@ def run(name: str, fn) -> None:
           f"longest {lens[-1]:.0f} ms, median {statistics.median(lens):.0f} ms", flush=True)
 
 
+def daemon_parts(timeout_s: float = 120.0) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, COUNCILD_CACHE_DIR=f"{d}/cache")
+        log = Path(d) / "daemon.log"
+        with log.open("w") as err:
+            p = subprocess.Popen([sys.executable, "-m", "daemon.cli", "serve", "--endpoint", f"ipc://{d}/s",
+                                  "--log-format", "json"], stderr=err, env=env, cwd=REPO)
+            end = time.monotonic() + timeout_s
+            while time.monotonic() < end and "engine.warmed" not in log.read_text():
+                time.sleep(0.5)
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=60)
+        for line in log.read_text().splitlines():
+            e = json.loads(line) if line.startswith("{") else {}
+            if e.get("event") == "engine.warm":
+                print(f"{e['part']}: pieces {e.get('pieces')} busy {e.get('busy_ms')} ms longest "
+                      f"{e.get('longest_piece_ms')} ms, switched in {e.get('switched_in')}: {e.get('reason')}", flush=True)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--daemon", action="store_true", help="a fresh daemon's engine.warm events instead")
+    if ap.parse_args().daemon:
+        daemon_parts()
+        return
     lm = load_model(BUNDLED_MODEL)
     for _ in range(2):
         lm.__dict__.pop("_prefill_together_matches_solo", None)  # the check caches its verdict
