@@ -4,9 +4,11 @@ the probe script itself with ``--child``; it prints one line ``RESULT <json>``."
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,3 +23,15 @@ def run_child(script: str, argv: list[str], env: dict) -> dict:
         print(f"child failed rc={p.returncode}\n{tail}", flush=True)
         return {"error": tail, "returncode": p.returncode}
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def parse_or_answer(ap: argparse.ArgumentParser, child: Callable[[argparse.Namespace], dict]) -> argparse.Namespace | None:
+    """The probe's arguments, with ``--json`` and the hidden ``--child`` added; in the child,
+    print ``child(args)``'s RESULT line and return None (the caller then returns)."""
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child(args)), flush=True)
+        return None
+    return args

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.probe_child import run_child  # noqa: E402
+from bench.probe_child import parse_or_answer, run_child  # noqa: E402
 
 CASES = {  # name: (B, T, mask kind)
     "step": (1, 1, None),
@@ -133,11 +133,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+    args = parse_or_answer(ap, _child)
+    if args is None:
         return
     results = {}
     for arm in args.arms.split(","):

@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bench.probe_child import run_child  # noqa: E402
+from bench.probe_child import parse_or_answer, run_child  # noqa: E402
 
 ARMS = ("daemon", "no-graphs")
 WARM_LENGTHS = (256, 100, 17, 3)
@@ -121,11 +121,8 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--new", type=int, default=16, help="token counts never run before, per arm")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+    args = parse_or_answer(ap, _child)
+    if args is None:
         return
     results = {}
     print("| arm | what | new: median ms (range) | again: median ms (range) | new / again (median of pairs) |")
