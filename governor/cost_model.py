@@ -249,9 +249,11 @@ class CostModel:
                 out[str(k)] = value
         return out
 
-    def _keep(self, kept: dict[int, float], k: int, window: _RecentMedian) -> None:
-        if window.n >= self.cfg.trust_samples and window.value > 0:
-            kept[k] = window.value
+    def _restart(self, windows: list[_RecentMedian], kept: dict[int, float], k: int) -> None:
+        """A staleness reset of depth k's window: a trusted median moves to ``kept`` first."""
+        if windows[k].n >= self.cfg.trust_samples and windows[k].value > 0:
+            kept[k] = windows[k].value
+        windows[k] = _RecentMedian(self.cfg.cost_window)
 
     def record(self, t: CycleTelemetry, now: float, load: float | None = None) -> None:
         k = min(max(t.depth, 0), self.cfg.max_depth)
@@ -281,8 +283,7 @@ class CostModel:
             if self._cost[k].n and self.stale(k, now, load):
                 # Measured long ago (in decode time) or under another load: that history
                 # describes another machine state, so the new samples start a fresh average.
-                self._keep(self._kept, k, self._cost[k])
-                self._cost[k] = _RecentMedian(self.cfg.cost_window)
+                self._restart(self._cost, self._kept, k)
             self.decode_s += t.cycle_s
             self._cost[k].add(t.cycle_s, self.cfg.cost_alpha, now, load, decode_at=self.decode_s)
         self._emitted[k].add(float(t.emitted), self.cfg.cost_alpha, now)
@@ -299,8 +300,7 @@ class CostModel:
             bk.decode_s += max(t.cycle_s, 0.0)
         elif t.cycle_s > 0:
             if bk.cost[k].n and self.batch_stale(b, k, load):
-                self._keep(bk.kept, k, bk.cost[k])
-                bk.cost[k] = _RecentMedian(self.cfg.cost_window)
+                self._restart(bk.cost, bk.kept, k)
             bk.decode_s += t.cycle_s
             bk.cost[k].add(t.cycle_s / t.batch, self.cfg.cost_alpha, now, load, decode_at=bk.decode_s)
         for m in t.row_accepted or ():
