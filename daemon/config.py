@@ -324,6 +324,14 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "auto": "full" on a GPU, "light" on the CPU (nothing is compiled per shape there; one
     # pass of each path, which also pays the one-time allocations); "off": none.
     warmup: Literal["auto", "full", "light", "off"] = "auto"
+    # After the other start-up parts, between requests at idle (a twentieth of a busy engine's
+    # time), forward a prompt piece of every token count 1..scheduler.prefill_chunk once, a
+    # count a piece (engine_thread/warmup.py). On CUDA a forward of a count never run before
+    # costs 1.71x the same count again (cuBLASLt picks each matmul's algorithm per size, a new
+    # CUDA graph; bench/probes/prefill_length_first_use.py), and nearly every request's last
+    # prompt piece has a count of its own. "auto": where warmup resolves to "full" (a GPU);
+    # "on" / "off" whatever the device. Not in a tensor-parallel group.
+    warm_prefill_lengths: Literal["auto", "on", "off"] = "auto"
     # Serve first, improve after (daemon/engine_thread/warming.py): the daemon is ready once the
     # weights and head are loaded and one eager step ran; the compiled step's self-checks, the
     # exactness and cost probes and the warm-up then run on the engine thread between requests,
@@ -369,10 +377,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # by (1 + 2**-6), so their start-up probe must fail and refuse them (engine_thread/kernel_choice.py).
     debug_perturb_invariant_batch: bool = False
     # Test-only, empty unless set: start-up parts (warming.py: "compiled_step", "verify",
-    # "splits", "batch", "prefill_together", "mixed_steps", "warmup") whose check is taken as
-    # failed, so its path is never switched in and its engine.warm event says why.
+    # "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_lengths") whose
+    # check is taken as failed, so its path is never switched in and its engine.warm event says why.
     debug_fail_warm: list[Literal["compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps",
-                                 "warmup"]] = []
+                                 "warmup", "prefill_lengths"]] = []
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)

@@ -16,7 +16,11 @@ compiled by op graph, not size, so this leaves only per-size costs), then for ea
 token counts never run before: a forward of that many tokens on a fresh cache holding 256
 tokens (the daemon's second chunk), timed synced ("new"), then the same count again ("warm");
 then one bf16 matmul at the model's MLP shape with M = each count, new and again (the plan
-cost alone). Medians, ms.
+cost alone); then ("prewarmed") --new more counts, each first forwarded once on an empty cache
+by the daemon's prefill_lengths part (engine_thread/warmup.prefill_each_length), then at depth
+256 and again: what of the first-use cost that part takes away; then ("new_depth") the first
+counts, warm, at a cache depth never run and again: the attention's per-depth share, which
+no warm-up covers. Medians, ms.
 
     PYTHONPATH=$PWD python3 bench/probes/prefill_length_first_use.py --json $OUT/prefill_length_first_use.json
 """
@@ -46,20 +50,21 @@ def _child(args) -> dict:
     import mlx.core as mx
 
     from daemon.engine.model.loading import load_model
+    from daemon.engine_thread import warmup
     from daemon.paths import BUNDLED_MODEL
 
     lm = load_model(BUNDLED_MODEL)
     vocab = 1000
 
-    def primed_cache():
+    def primed_cache(depth: int):
         cache = lm.make_cache()
-        lm.prefill_hidden(mx.arange(5, 5 + DEPTH, dtype=mx.uint32)[None] % vocab, cache)
+        lm.prefill_hidden(mx.arange(5, 5 + depth, dtype=mx.uint32)[None] % vocab, cache)
         mx.eval([c.state for c in cache])
         mx.synchronize()
         return cache
 
-    def forward_ms(n: int) -> float:
-        cache = primed_cache()
+    def forward_ms(n: int, depth: int = DEPTH) -> float:
+        cache = primed_cache(depth)
         ids = (mx.arange(n, dtype=mx.uint32)[None] * 7 + 11) % vocab
         t = time.perf_counter()
         h = lm.prefill_hidden(ids, cache)
@@ -88,6 +93,23 @@ def _child(args) -> dict:
             seen.add(n)
             counts.append(n)
     rows = [{"tokens": n, "new_ms": forward_ms(n), "warm_ms": forward_ms(n)} for n in counts]
+    # The daemon's remedy (the prefill_lengths part): each count forwarded once on an empty
+    # cache, by the function the part runs; then the count at depth DEPTH, new there, and again.
+    counts2 = []
+    while len(counts2) < args.new:
+        n = rng.randint(4, 255)
+        if n not in seen:
+            seen.add(n)
+            counts2.append(n)
+    prewarmed = []
+    for n in counts2:
+        warmup.prefill_each_length(lm, [n], chunk=256, head=None)
+        mx.synchronize()
+        prewarmed.append({"tokens": n, "new_ms": forward_ms(n), "warm_ms": forward_ms(n)})
+    # A count already warm at a cache depth never run: attention's per-depth share.
+    depths = rng.sample(range(DEPTH + 1, 4 * DEPTH), len(counts))
+    new_depth = [{"tokens": n, "depth": d, "new_ms": forward_ms(n, d), "warm_ms": forward_ms(n, d)}
+                 for n, d in zip(counts, depths)]
     config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())
     w = mx.random.normal((config["hidden_size"], config["intermediate_size"])).astype(mx.bfloat16)
     mx.eval(w)
@@ -95,7 +117,7 @@ def _child(args) -> dict:
     mm_counts = [n + 300 for n in counts]  # M values no forward above used
     mm = [{"m": m, "new_ms": matmul_ms(m, w), "warm_ms": matmul_ms(m, w)} for m in mm_counts]
     return {"device": str(mx.default_device()), "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
-            "forwards": rows, "matmuls": mm}
+            "forwards": rows, "matmuls": mm, "prewarmed": prewarmed, "new_depth": new_depth}
 
 
 def _env(arm: str) -> dict:
@@ -131,8 +153,7 @@ def main() -> None:
         r = results[arm] = run_child(__file__, ["--new", str(args.new), "--seed", str(args.seed + i)], _env(arm))
         if "error" in r:
             continue
-        r["summary"] = {"forwards": _summary(r["forwards"]),
-                        "matmuls": _summary([{"new_ms": m["new_ms"], "warm_ms": m["warm_ms"]} for m in r["matmuls"]])}
+        r["summary"] = {what: _summary(r[what]) for what in ("forwards", "matmuls", "prewarmed", "new_depth")}
         for what, s in r["summary"].items():
             print(f"| {arm} | {what} | {s['new_median_ms']:.2f} ({s['new_range_ms'][0]:.2f}-{s['new_range_ms'][1]:.2f}) "
                   f"| {s['warm_median_ms']:.2f} ({s['warm_range_ms'][0]:.2f}-{s['warm_range_ms'][1]:.2f}) "

@@ -227,6 +227,8 @@ class EngineStartup:
             parts.append(WarmPart("prefill_together", self._prefill_together, waited_by="none"))
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
             parts.append(WarmPart("mixed_steps", self._mixed_steps, waited_by="none"))
+        if self.group is None and self._warms_prefill_lengths():  # last: the longest, and serving warms counts too
+            parts.append(WarmPart("prefill_lengths", self._prefill_lengths_part, waited_by="none"))
         return parts
 
     def _publish_warming(self, warming: dict) -> None:
@@ -393,6 +395,22 @@ class EngineStartup:
         self.warm_up(level)
         return Outcome(level != "off", f"warm-up {level}: each served shape ran once" if level != "off"
                        else "warmup = \"off\"", None, {"mode": level})
+
+    def _warms_prefill_lengths(self) -> bool:
+        setting = self.cfg.warm_prefill_lengths
+        return setting == "on" or (setting == "auto" and self.warmup_mode() == "full")
+
+    def _prefill_lengths_part(self):
+        """Every prompt piece's token count forwarded once (warmup.prefill_each_length)."""
+        from . import warmup
+        from .warming import Outcome
+
+        chunk = self.cfg.scheduler.prefill_chunk
+        lengths = warmup.remaining_lengths(chunk, self.warmup_mode())
+        head = self.engine.slot.head if self.engine.slot.resident else None
+        warmup.prefill_each_length(self.engine.lm, lengths, chunk=chunk, head=head)
+        return Outcome(True, f"each prompt piece's token count 1..{chunk} forwarded once", None,
+                       {"lengths": len(lengths), "chunk": chunk, "head": head is not None})
 
     def _measured_choice(self, probe: str, mode: str, variant: str, *, cost_variant: str, cost: Callable[[], float],
                          pays: Callable[[float], bool], why_not: Callable[[float], str], exact: Callable[[], bool],

@@ -88,6 +88,30 @@ def prefill_lengths(level: str, chunk: int) -> list[int]:
     return [s + 1 for s in sorted({chunk, max(1, chunk // 2 + 1), min(chunk, 17), 1}, reverse=True)]
 
 
+def remaining_lengths(chunk: int, level: str) -> list[int]:
+    """Every token count a lone prompt's forward can have (1..``chunk``: a remainder, a
+    prefix-cache hit's tail, a paced piece) that ``level``'s prefill stage did not run."""
+    ran = {n - 1 for n in prefill_lengths(level, chunk)} if level != "off" else set()
+    return [n for n in range(1, chunk + 1) if n not in ran]
+
+
+def prefill_each_length(lm, lengths: list[int], *, chunk: int, head) -> None:
+    """Forward a prompt piece of each of ``lengths`` tokens once, each on an empty cache of
+    its own, a length a piece (the ``prefill_lengths`` start-up part). Why: on CUDA a forward
+    of a token count never run before pays per-shape costs (cuBLASLt picks each projection's
+    algorithm per problem size; a new CUDA graph), 1.71x the same count again on an H100
+    (bench/probes/prefill_length_first_use.py), and nearly every request's last prompt piece
+    has a count of its own. ``head``: the resident MTP head (its history's forwards have the
+    same counts), or None."""
+    for i, n in enumerate(lengths):
+        pause()
+        history = HeadHistory(head) if head is not None else None
+        p = ChunkedPrefill(lm, _tokens(lm, n + 1, 100 + i), max(chunk, n), lm.make_cache(), history)
+        while not p.done:
+            p.step()
+    mx.synchronize()
+
+
 def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows: int,
         emit: Callable[..., None], spec_options: dict | None = None) -> dict[str, float]:
     """Run the stages of ``level`` ("full" or "light"); return each stage's seconds. ``head``:

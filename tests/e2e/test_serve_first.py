@@ -19,11 +19,12 @@ from protocol.client import Client
 
 from daemon.paths import BUNDLED_MODEL
 
-# A small chunk keeps the chunk-split probe cheap (it prefills 2 * chunk + 9 tokens 3 times).
-CONFIG = "[scheduler]\nprefill_chunk = 32\nmax_active = 4\n"
+# A small chunk keeps the chunk-split probe cheap (it prefills 2 * chunk + 9 tokens 3 times)
+# and prefill_lengths' 31 forwards ("auto" leaves that part to GPUs; "on" runs it here).
+CONFIG = "warm_prefill_lengths = \"on\"\n[scheduler]\nprefill_chunk = 32\nmax_active = 4\n"
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n", "class Council:\n    def __init__(self):\n",
            "for i in range(10):\n"]
-PARTS = ("compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps", "warmup")
+PARTS = ("compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_lengths")
 
 
 def _pending(c: Client) -> list[str]:
@@ -63,6 +64,8 @@ def test_exact_requests_during_warm_up_match_a_slow_start_which_reads_the_same_v
     fast = _warm_events(d)
     assert set(fast) == set(PARTS)
     assert all(e["longest_piece_ms"] < 5000 for e in fast.values())  # pieces, not one block
+    # 1..31 but light's 16: a count a piece (and the empty one before the first)
+    assert fast["prefill_lengths"]["lengths"] == 31 and fast["prefill_lengths"]["pieces"] == 32
     assert {p: e.get("verdict") for p, e in fast.items() if "verdict" in e} == \
         {p: "probed" for p, e in fast.items() if "verdict" in e}
 
