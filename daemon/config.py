@@ -324,8 +324,8 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # "auto": "full" on a GPU, "light" on the CPU (nothing is compiled per shape there; one
     # pass of each path, which also pays the one-time allocations); "off": none.
     warmup: Literal["auto", "full", "light", "off"] = "auto"
-    # After the other start-up parts, between requests at idle (a twentieth of a busy engine's
-    # time), forward a prompt piece of every token count 1..scheduler.prefill_chunk once, a
+    # After the other start-up parts, only while the engine idles (serving warms the counts it
+    # meets itself), forward a prompt piece of every token count 1..scheduler.prefill_chunk once, a
     # count a piece (engine_thread/warmup.py). On CUDA a forward of a count never run before
     # costs 1.71x the same count again (cuBLASLt picks each matmul's algorithm per size, a new
     # CUDA graph; bench/probes/prefill_length_first_use.py), and nearly every request's last

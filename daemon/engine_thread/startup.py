@@ -228,7 +228,7 @@ class EngineStartup:
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
             parts.append(WarmPart("mixed_steps", self._mixed_steps, waited_by="none"))
         if self.group is None and self._warms_prefill_lengths():  # last: the longest, and serving warms counts too
-            parts.append(WarmPart("prefill_lengths", self._prefill_lengths_part, waited_by="none"))
+            parts.append(WarmPart("prefill_lengths", self._prefill_lengths_part, waited_by="idle"))
         return parts
 
     def _publish_warming(self, warming: dict) -> None:

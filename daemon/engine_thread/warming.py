@@ -57,7 +57,9 @@ class WarmPart:
     # "every" request (the compiled step, the shapes' warm-up); "exact" greedy requests only
     # (verify, batch, splits: fast ones speculate, batch and reuse snapshots anywhere without
     # them); "none" (the cost probes prefill_together and mixed_steps: each decides an
-    # optional speed-up, and the path every request takes meanwhile is the one they test).
+    # optional speed-up, and the path every request takes meanwhile is the one they test);
+    # "idle": runs only while the engine idles (prefill_lengths: a warm-up that serving does
+    # as it goes; under a council's load it would only take the council's time).
     waited_by: str = "every"
 
 

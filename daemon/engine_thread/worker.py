@@ -58,7 +58,8 @@ OUT_ENDPOINT = "inproc://councild-engine-out"
 #   only: on a fresh CPU start, a council's second turn re-prefilled ~180 tokens a seat
 #   because the split verdict came at a fifth (bench/results/first_round_pacing_cpu_2026-12-05);
 # - nobody (an optional speed-up's cost probe, or an exact part while no exact request is in
-#   the engine): a twentieth, so a first round pays little for what it does not use.
+#   the engine): a twentieth, so a first round pays little for what it does not use;
+# - "idle" (prefill_lengths, whose warming serving does itself): nothing; it waits for idle.
 WARM_SHARE_WHEN_BUSY = 0.2
 WARM_SHARE_EXACT_WAITING = 0.5
 WARM_SHARE_NONE_WAITING = 0.05
@@ -237,6 +238,8 @@ class EngineWorker(threading.Thread):
     def _busy_warm_share(self) -> float:
         """The part under way's share of a busy engine, by who waits for it (the constants)."""
         waited_by = self.warming.waited_by
+        if waited_by == "idle":
+            return 0.0
         if waited_by == "every":
             return WARM_SHARE_WHEN_BUSY
         if waited_by == "exact" and self._exact_greedy_in_engine():

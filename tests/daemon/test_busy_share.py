@@ -102,7 +102,7 @@ def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
             "from daemon.config import Config\n"
             "from daemon.engine_thread.worker import EngineWorker\n"
             "from daemon.paths import BUNDLED_MODEL\n"
-            "w = EngineWorker(Config(), zmq.Context.instance(), str(BUNDLED_MODEL))\n"
+            "w = EngineWorker(Config(warm_prefill_lengths='on'), zmq.Context.instance(), str(BUNDLED_MODEL))\n"
             "w._load()\n"
             "from protocol import messages as m\n"
             "from daemon.request_text.requests import Job\n"
@@ -136,5 +136,6 @@ def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
         assert share[name] == [none, none, exact], name
     for name in ("prefill_together", "mixed_steps"):
         assert share[name] == [none] * 3, name
+    assert names[-1] == "prefill_lengths" and share["prefill_lengths"] == [0.0] * 3  # only while idle
     assert after_all == "none"
 
