@@ -6,9 +6,9 @@
 # (bench/probes/prefill_length_first_use.py, results/h100_2026-12-07e), while the decode steps
 # measured earlier moved within their spread. Runs alternate on / off, PAIRS times: a 4-seat
 # council over HTTP (default and fast arms, 2 rounds after round 0; one cache folder for all, so
-# only the first run compiles MLX's modules), then bench/new_length_ttft.py once with graphs
-# off (its graphs-on run is the call before's). Results under $OUT/graphs_ab.
-#   PAIRS=2 bash bench/device/graphs_ab_call.sh
+# only the first run compiles MLX's modules), then bench/new_length_ttft.py with graphs off
+# (NL_GRAPHS="1 0": on, then off; PAIRS=0: no council). Results under $OUT/graphs_ab.
+#   PAIRS=2 NL_GRAPHS= bash bench/device/graphs_ab_call.sh; PAIRS=0 NL_GRAPHS="1 0" bash bench/device/graphs_ab_call.sh
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/graphs_ab
 mkdir -p "$o"
@@ -39,6 +39,8 @@ for arm, key in sorted({(a, k) for a, k, _ in rows}):
         print(f"| {arm} | {key} | {[round(x, 3) for x in on]} | {[round(x, 3) for x in off]} | "
               f"{statistics.median(off) / statistics.median(on):.2f}x |")
 PY
-MLX_USE_CUDA_GRAPHS=0 timeout 240 python3 bench/new_length_ttft.py --requests 24 --json "$o/new_length_ttft_graphs0.json" \
-  --markdown "$o/new_length_ttft_graphs0.md" > "$o/new_length_ttft_graphs0.log" 2>&1
-echo "new_length_ttft graphs=0 rc $?"; tail -5 "$o/new_length_ttft_graphs0.md"
+for g in ${NL_GRAPHS-0}; do
+  MLX_USE_CUDA_GRAPHS=$g timeout 240 python3 bench/new_length_ttft.py --requests 24 --json "$o/new_length_ttft_graphs$g.json" \
+    --markdown "$o/new_length_ttft_graphs$g.md" > "$o/new_length_ttft_graphs$g.log" 2>&1
+  echo "new_length_ttft graphs=$g rc $?"; tail -5 "$o/new_length_ttft_graphs$g.md"
+done
