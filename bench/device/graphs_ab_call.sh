@@ -26,7 +26,7 @@ python3 - "$o" <<'PY'
 import glob, json, statistics, sys
 rows = {}
 for f in sorted(glob.glob(f"{sys.argv[1]}/council-graphs*-pair*.json")):
-    g = f.split("graphs")[1][0]
+    g = f.rsplit("council-graphs", 1)[1][0]
     d = json.load(open(f))
     for arm, r in d.get("arms", {}).items():
         for key in ("tok_s", "ttft_p50", "ttft_p95"):
