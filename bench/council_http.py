@@ -5,7 +5,10 @@ tokens; each seat runs ``--turns`` turns one after another, all seats at once; a
 the chat so far (system, the seat's earlier user messages and the replies it got) plus a new
 user message of ~``--message-tokens`` tokens to ``/v1/chat/completions``, streaming, greedy,
 ``--max-tokens`` out, with the official ``openai`` client. Each (round, arm) salts the system
-prompt, so every arm starts cold and reuses only what its own workload built.
+prompt, so every arm starts cold and reuses only what its own workload built, and moves the
+system prompt's length by up to 10% and each message's by up to 25% (fixed by the salt; every
+arm of a round gets the same lengths), so later rounds do not repeat round 0's token counts
+(``--same-lengths``: the lengths of runs before 2026-12-07e).
 
 Arms (one councild daemon + its HTTP front; mlx_lm.server beside them), rotated each round:
 - ``default``: no speculation field (the daemon's configured mode, exact unless configured);
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,14 +61,26 @@ from daemon.measure.bench_io import spread, write_results  # noqa: E402
 USER_LINE = "seat {s} turn {t}: consider clause {i} of the motion.\n"
 
 
+def varied(n: int, salt: str, spread_fraction: float, same: bool) -> int:
+    """n moved by up to +-spread_fraction, fixed by salt (a round, arm, seat, turn): each round's
+    prompts end at lengths of their own, as real ones do. With the same lengths every round,
+    the later rounds repeat round 0's token counts and a per-count first-use cost (on CUDA:
+    bench/probes/prefill_length_first_use.py) is paid in round 0 only."""
+    if same or n < 4:
+        return n
+    span = max(1, int(n * spread_fraction))
+    return n - span + zlib.crc32(salt.encode()) % (2 * span + 1)
+
+
 async def workload(client, model: str, extra: dict, args, tok, salt: str) -> dict:
-    system = f"[{salt}]\n" + text_of_tokens(tok, SYSTEM_LINE, args.system_tokens)
+    system = f"[{salt}]\n" + text_of_tokens(tok, SYSTEM_LINE, varied(args.system_tokens, salt, 0.1, args.same_lengths))
     records: list[dict] = []
 
     async def seat(s: int) -> None:
         chat = [{"role": "system", "content": system}]
         for t in range(args.turns):
-            chat.append({"role": "user", "content": text_of_tokens(tok, USER_LINE, args.message_tokens, s=s, t=t)})
+            n = varied(args.message_tokens, f"{salt} seat {s} turn {t}", 0.25, args.same_lengths)
+            chat.append({"role": "user", "content": text_of_tokens(tok, USER_LINE, n, s=s, t=t)})
             t0 = time.perf_counter()
             first = None
             text, usage = [], None
@@ -207,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="default,fast,off,mlx_lm.server",
                     help="comma-separated: default, fast, off, exact, mlx_lm.server")
     ap.add_argument("--config-extra", default="", help="TOML appended to the daemon's config")
+    ap.add_argument("--same-lengths", action="store_true",
+                    help="every round's prompts the same lengths (before 2026-12-07e: the system prompt and "
+                         "each message vary by up to 10%% / 25%% per round and arm, fixed by the salt)")
     ap.add_argument("--max-active", default="",
                     help='comma-separated scheduler.max_active values ("auto" or ints): one councild daemon each, '
                          'its arms named "ARM max_active=V" and rotated with the others (default: one daemon at '
