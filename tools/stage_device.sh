@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Stage MLX-on-CUDA for the lent GPU machine, which has no package index and takes at most
-# 64 MiB a call, this repo's tracked tree (~44 MB) included: the mlx-cuda-13 wheel (~90 MB) goes
-# in ignored folders of <= 18 MiB each (.part1-.part5; 23 MB parts stopped fitting beside the
-# tree on 2026-12-06, 18 MiB ones fit on 2026-12-07), every other wheel the daemon, the front
+# 64 MiB a call, this repo's tracked tree (~47 MB) included: the mlx-cuda-13 wheel (~90 MB) goes
+# in ignored folders of <= 14 MiB each (.part1-.part7; 23 MB parts stopped fitting beside the
+# tree on 2026-12-06, 18 MiB ones on 2026-12-07e with a 47 MB tree), every other wheel the daemon, the front
 # and the benchmarks need in .whl5 (its own call: with the last part it would not fit).
 # Then device calls back to back (the machine stays warm ~30 s between calls):
 #   carry [".part1"]:          mkdir -p /root/stage && cp .part1/* /root/stage/
@@ -18,7 +18,7 @@
 set -euo pipefail
 MLX=${MLX_VERSION:-0.32.4}
 MLXLM=${MLX_LM_VERSION:-0.32.2}
-PART=${PART_BYTES:-18M}
+PART=${PART_BYTES:-14M}
 cd "$(git rev-parse --show-toplevel)"
 exclude() { grep -qx "/$1/" .git/info/exclude 2>/dev/null || echo "/$1/" >> .git/info/exclude; }
 rm -rf .part[0-9]* .whl[0-9]*
