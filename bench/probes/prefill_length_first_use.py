@@ -86,23 +86,22 @@ def _child(args) -> dict:
         forward_ms(n)
     rng = random.Random(args.seed)
     seen = set(WARM_LENGTHS)
-    counts = []
-    while len(counts) < args.new:
-        n = rng.randint(4, 255)
-        if n not in seen:
-            seen.add(n)
-            counts.append(n)
+
+    def unseen_counts() -> list[int]:
+        out = []
+        while len(out) < args.new:
+            n = rng.randint(4, 255)
+            if n not in seen:
+                seen.add(n)
+                out.append(n)
+        return out
+
+    counts = unseen_counts()
     rows = [{"tokens": n, "new_ms": forward_ms(n), "warm_ms": forward_ms(n)} for n in counts]
     # The daemon's remedy (the prefill_lengths part): each count forwarded once on an empty
     # cache, by the function the part runs; then the count at depth DEPTH, new there, and again.
-    counts2 = []
-    while len(counts2) < args.new:
-        n = rng.randint(4, 255)
-        if n not in seen:
-            seen.add(n)
-            counts2.append(n)
     prewarmed = []
-    for n in counts2:
+    for n in unseen_counts():
         warmup.prefill_each_length(lm, [n], chunk=256, head=None)
         mx.synchronize()
         prewarmed.append({"tokens": n, "new_ms": forward_ms(n), "warm_ms": forward_ms(n)})
