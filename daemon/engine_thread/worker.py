@@ -229,7 +229,10 @@ class EngineWorker(threading.Thread):
             self.warming.step()
             share.idle()
             return
-        share.set_share(self._busy_warm_share())
+        busy_share = self._busy_warm_share()
+        if busy_share == 0.0:  # an "idle" part: not even credit a part before it left over
+            return
+        share.set_share(busy_share)
         while share.earn() > 0 and self._warming_left():
             t0 = time.monotonic()
             self.warming.step()

@@ -111,6 +111,7 @@ def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
             "               priority='normal', weight=1.0, deadline=None, received_at=0.0)\n"
             "fast, exact = job(0, speculation='fast'), job(1)\n"
             "shares = {}\n"
+            "every_part = list(w.warming.parts)\n"
             "while w.warming.parts:\n"
             "    row = []\n"
             "    for active in ([], [fast], [fast, exact]):\n"
@@ -119,10 +120,19 @@ def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
             "    shares[w.warming.parts[0].name] = row\n"
             "    w.warming.parts.pop(0)\n"
             "w.scheduler.active[:] = []\n"
-            "print(json.dumps([[p, shares[p]] for p in shares] + [w.warming.waited_by]))\n")
+            "after_all = w.warming.waited_by\n"
+            "# The idle part under load, with credit a part before it left over: no piece runs.\n"
+            "w.warming.parts[:] = [p for p in every_part if p.name == 'prefill_lengths']\n"
+            "pieces = []\n"
+            "w.warming.step = lambda: pieces.append(1) or True\n"
+            "w._warm_share.credit, w._warm_share._mark = 0.25, None\n"
+            "w.scheduler.active[:] = [fast]\n"
+            "w._warm_piece(idle=False)\n"
+            "w.scheduler.active[:] = []\n"
+            "print(json.dumps([[p, shares[p]] for p in shares] + [after_all, len(pieces)]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, COUNCILD_CACHE_DIR=str(tmp_path)), check=True)
-    *parts, after_all = json.loads(out.stdout.strip().splitlines()[-1])
+    *parts, after_all, idle_pieces_under_load = json.loads(out.stdout.strip().splitlines()[-1])
     names = [name for name, _ in parts]
     share = dict(parts)
     assert names[0] == "compiled_step"  # the other verdicts are keyed by the decode path it decides
@@ -137,5 +147,6 @@ def test_each_part_is_paced_by_who_waits_for_it(tmp_path):
     for name in ("prefill_together", "mixed_steps"):
         assert share[name] == [none] * 3, name
     assert names[-1] == "prefill_lengths" and share["prefill_lengths"] == [0.0] * 3  # only while idle
+    assert idle_pieces_under_load == 0
     assert after_all == "none"
 
