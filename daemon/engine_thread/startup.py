@@ -406,7 +406,7 @@ class EngineStartup:
         from .warming import Outcome
 
         chunk = self.cfg.scheduler.prefill_chunk
-        lengths = warmup.remaining_lengths(chunk, self.warmup_mode())
+        lengths = warmup.remaining_lengths(self.warmup_mode(), chunk)
         head = self.engine.slot.head if self.engine.slot.resident else None
         warmup.prefill_each_length(self.engine.lm, lengths, chunk=chunk, head=head)
         return Outcome(True, f"each prompt piece's token count 1..{chunk} forwarded once", None,

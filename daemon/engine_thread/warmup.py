@@ -88,7 +88,16 @@ def prefill_lengths(level: str, chunk: int) -> list[int]:
     return [s + 1 for s in sorted({chunk, max(1, chunk // 2 + 1), min(chunk, 17), 1}, reverse=True)]
 
 
-def remaining_lengths(chunk: int, level: str) -> list[int]:
+def prefill_prompt(lm, prompt: list[int], chunk: int, head) -> None:
+    """Prefill ``prompt`` on an empty cache of its own, with the head's history where a head
+    is given (the speculative prefill's extra work), to its end."""
+    history = HeadHistory(head) if head is not None else None
+    p = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), history)
+    while not p.done:
+        p.step()
+
+
+def remaining_lengths(level: str, chunk: int) -> list[int]:
     """Every token count a lone prompt's forward can have (1..``chunk``: a remainder, a
     prefix-cache hit's tail, a paced piece) that ``level``'s prefill stage did not run."""
     ran = {n - 1 for n in prefill_lengths(level, chunk)} if level != "off" else set()
@@ -105,10 +114,7 @@ def prefill_each_length(lm, lengths: list[int], *, chunk: int, head) -> None:
     same counts), or None."""
     for i, n in enumerate(lengths):
         pause()
-        history = HeadHistory(head) if head is not None else None
-        p = ChunkedPrefill(lm, _tokens(lm, n + 1, 100 + i), max(chunk, n), lm.make_cache(), history)
-        while not p.done:
-            p.step()
+        prefill_prompt(lm, _tokens(lm, n + 1, 100 + i), max(chunk, n), head)
     mx.synchronize()
 
 
@@ -136,10 +142,7 @@ def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows:
 
     def prefill() -> None:
         for i, n in enumerate(lengths):
-            history = HeadHistory(head) if head is not None else None
-            p = ChunkedPrefill(lm, _tokens(lm, n, i), chunk, lm.make_cache(), history)
-            while not p.done:
-                p.step()
+            prefill_prompt(lm, _tokens(lm, n, i), chunk, head)
             pause()  # a prefill a piece: each holds its own cache
 
     emit("warmup.prefill", mode=level, seconds=timed("prefill", prefill), tokens=[n - 1 for n in lengths],

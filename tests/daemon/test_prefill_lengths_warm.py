@@ -15,10 +15,10 @@ pytestmark = pytest.mark.quick
 
 def test_the_counts_left_are_those_the_prefill_stage_did_not_run():
     # full's prefill stage forwards the whole chunk, chunk // 2 + 1, min(chunk, 17) and 1 token(s)
-    assert warmup.remaining_lengths(8, "full") == [2, 3, 4, 6, 7]
-    assert warmup.remaining_lengths(40, "full") == [n for n in range(1, 41) if n not in (1, 17, 21, 40)]
-    assert warmup.remaining_lengths(8, "light") == [1, 2, 3, 4, 5, 6, 7]  # light's one prefill: the chunk, cut at 16
-    assert warmup.remaining_lengths(4, "off") == [1, 2, 3, 4]
+    assert warmup.remaining_lengths("full", 8) == [2, 3, 4, 6, 7]
+    assert warmup.remaining_lengths("full", 40) == [n for n in range(1, 41) if n not in (1, 17, 21, 40)]
+    assert warmup.remaining_lengths("light", 8) == [1, 2, 3, 4, 5, 6, 7]  # light's one prefill: the chunk, cut at 16
+    assert warmup.remaining_lengths("off", 4) == [1, 2, 3, 4]
 
 
 def test_each_count_is_one_forward_a_piece_on_a_cache_of_its_own(tiny, monkeypatch):
