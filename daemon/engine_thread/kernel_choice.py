@@ -156,4 +156,5 @@ def _routed_choice(lm, group, reason: str, verdicts: ProbeVerdicts, probes: dict
 
 def log_choice(choice: KernelChoice, backend: str | None) -> None:
     log.info("engine.kernels", kernels=choice.kernels, backend=backend or "cpu", reason=choice.reason,
-             probes=choice.probes, compile_check=choice.compile_check)
+             probes=choice.probes, compile_check=choice.compile_check,
+             dense_rows=dict(invariant.DENSE_ROWS) if choice.kernels == "invariant" and invariant.DENSE_ROWS else None)

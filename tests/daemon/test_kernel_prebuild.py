@@ -166,7 +166,7 @@ def test_custom_kernel_recipes_carry_the_model_s_head_shapes_and_stored_dtypes(t
 
     config = json.loads((Path(BUNDLED_MODEL) / "config.json").read_text())
     assert custom_recipes(Path(BUNDLED_MODEL), config, "bfloat16") == (
-        "custom invariant_matmul bfloat16", "custom invariant_sdpa bfloat16 64",
+        "custom invariant_matmul bfloat16", "custom gemv_rows bfloat16", "custom invariant_sdpa bfloat16 64",
         *(f"custom gdn_conv {v} bfloat16 bfloat16 bfloat16 bfloat16 64 64 4 4 4" for v in ("plain", "mask", "all")))
     # A_log kept in float32, as many checkpoints store it; the dtype is the header's, per tensor.
     _safetensors(tmp_path / "model-00001.safetensors", {"model.layers.0.linear_attn.A_log": "F32",
@@ -189,7 +189,7 @@ def test_a_custom_kernel_recipe_runs_in_its_own_worker(tmp_path):
                                                    "linear_num_key_heads": 4, "linear_num_value_heads": 4,
                                                    "linear_conv_kernel_dim": 4}, "bfloat16")
     report = prebuild.KernelPrebuild(tmp_path / "ptx", "bfloat16", 2, recipes=recipes).start().wait(240)
-    assert report["state"] == "done" and report["failed"] == {} and report["ran"] == len(recipes) == 5, report
+    assert report["state"] == "done" and report["failed"] == {} and report["ran"] == len(recipes) == 6, report
     assert prebuild.read_manifest(tmp_path / "ptx") == {r: [] for r in recipes}
 
 
@@ -247,5 +247,5 @@ def test_an_unreadable_weights_header_drops_only_the_recurrence_recipes(tmp_path
     (tmp_path / "model.safetensors").write_bytes((40).to_bytes(8, "little") + b"{not json" + b" " * 31)
     config = {"num_attention_heads": 4, "hidden_size": 256, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
               "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4}
-    assert custom_recipes(tmp_path, config, "bfloat16") == ("custom invariant_matmul bfloat16",
+    assert custom_recipes(tmp_path, config, "bfloat16") == ("custom invariant_matmul bfloat16", "custom gemv_rows bfloat16",
                                                             "custom invariant_sdpa bfloat16 64")

@@ -93,12 +93,12 @@ def _stored_dtypes(model_path: Path, suffixes: tuple[str, ...]) -> dict[str, str
 def custom_recipes(model_path: Path, config: dict, float_dtype: str) -> tuple[str, ...]:
     """The daemon's own kernels a start meets for this model (run by prebuild_custom.py): the
     folded-conv recurrence (plain, masked, every state) where the model has GatedDeltaNet
-    layers, the fixed-order matmul and attention. A quantized model's fixed-order matmuls are
-    not among them (a launch per layer shape and row count): each compiles at its first use
-    and is then kept on disk. A shape or dtype read wrong here names a module the daemon never
+    layers, the fixed-order matmul, the gemv-matched rows (``gemv_rows``) and attention. A
+    quantized model's fixed-order matmuls are not among them (a launch per layer shape and row
+    count): each compiles at its first use and is then kept on disk. A shape or dtype read wrong here names a module the daemon never
     asks for: it then compiles its own at first use, as without the recipe."""
     text = config.get("text_config") or config
-    out = [f"custom invariant_matmul {float_dtype}"]
+    out = [f"custom invariant_matmul {float_dtype}", f"custom gemv_rows {float_dtype}"]
     heads = text.get("num_attention_heads")
     head_dim = text.get("head_dim") or (text.get("hidden_size", 0) // heads if heads else 0)
     if head_dim:

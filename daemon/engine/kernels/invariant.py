@@ -50,8 +50,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
-from . import invariant_quant
-from .invariant_kernels import (CHUNK, MATMUL_TILE, backend, invariant_matmul, invariant_sdpa,  # noqa: F401 (re-exported)
+from . import invariant_kernels, invariant_quant
+from .invariant_kernels import (CHUNK, MATMUL_TILE, backend, gemv_key, invariant_matmul, invariant_sdpa,  # noqa: F401 (re-exported)
                                 reference_sdpa, visible_keys)
 from .merged_linears import MergedAttention
 
@@ -200,7 +200,31 @@ def install(text_module, max_rows: int = MAX_ROWS, *, quantized_only: bool = Fal
                 continue
         m.__class__ = cls
         n += 1
+    if backend() == "cuda":
+        verify_dense_rows(text_module)
     return n
+
+
+# What the last ``verify_dense_rows`` found: {"matched": shapes, "mismatched": {shape: why}, "error": ...}.
+DENSE_ROWS: dict = {}
+
+
+def verify_dense_rows(text_module) -> dict:
+    """Check ``gemv_rows`` (engine/kernels/invariant_kernels.py) against MLX's gemv for every swapped dense layer's
+    weight (its shape and dtype; outside any compiled trace): the shapes that match take it
+    from two rows on and MLX's gemv for one, the others keep the fixed-order kernel. A kernel
+    that does not compile here leaves every shape on the fixed-order one (``error`` says why)."""
+    weights = [m.weight for _, m in text_module.named_modules() if type(m) in (InvariantLinear, InvariantEmbedding)]
+    DENSE_ROWS.clear()
+    try:
+        invariant_kernels.verify_gemv_rows(weights)
+    except Exception as exc:  # noqa: BLE001 - the fixed-order kernel serves; the probes decide as before
+        DENSE_ROWS["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    shapes = {gemv_key(w) for w in weights}
+    DENSE_ROWS["matched"] = sorted(f"{n}x{k} {d}" for n, k, d in shapes & invariant_kernels.GEMV_MATCHED)
+    DENSE_ROWS["mismatched"] = {f"{n}x{k} {d}": why for (n, k, d), why in invariant_kernels.GEMV_MISMATCHED.items()
+                                if (n, k, d) in shapes}
+    return DENSE_ROWS
 
 
 def restore_classes(text_module, back: dict) -> None:

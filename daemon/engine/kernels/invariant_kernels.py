@@ -1,6 +1,7 @@
 """The fixed-order kernels of engine/kernels/invariant.py (its docstring says what they
 promise and why): ``invariant_matmul`` and ``invariant_sdpa`` with their CUDA and Metal texts,
-and ``reference_sdpa``, their arithmetic in plain ops. A module of their own because they
+``reference_sdpa``, their arithmetic in plain ops, and on CUDA ``gemv_rows``, the dense rows
+with MLX's own gemv's bits (the section at the end says why). A module of their own because they
 import only mlx: the kernel prebuild's worker (prebuild_custom.py) compiles them without
 invariant.py's mlx-lm import (seconds a process).
 """
@@ -261,10 +262,16 @@ def _get_matmul_kernel():
 
 
 def invariant_matmul(x: mx.array, w: mx.array) -> mx.array:
-    """x [..., K] @ w[N, K].T with every output summed in an order fixed by K alone."""
+    """x [..., K] @ w[N, K].T with every output summed in an order fixed by K alone: on CUDA,
+    for a weight ``verify_gemv_rows`` passed, MLX's gemv's order (one row on MLX's
+    gemv itself, more on ``gemv_rows``), else this module's fixed-order kernel."""
     K = x.shape[-1]
     if backend() is None:
         return x @ w.T
+    if backend() == "cuda" and gemv_matched(w, x.dtype):
+        # One row on MLX's own gemv (its launch costs the host less than a custom one), more on
+        # the kernel that computes each row as that gemv does: the same bits either way.
+        return x @ w.T if x.size == K else gemv_rows(x, w)
     if K % 8:
         raise ValueError(f"invariant matmul needs an input dimension divisible by 8, got {K}")
     lead = x.shape[:-1]
@@ -347,3 +354,167 @@ def reference_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: f
     s = mx.where(valid, s, -mx.inf)
     p = mx.softmax(s, axis=-1)
     return (p @ v).astype(queries.dtype)
+
+
+# ---- Dense rows with MLX's gemv's bits (CUDA) ----
+#
+# A dense matmul of M rows on CUDA whose every row has the bits MLX's own one-row gemv gives it.
+#
+# Why: exact rows must not change bits with the rows beside them, so the invariant set
+# (engine/kernels/invariant.py) put every decode-sized dense matmul, one row included, on a
+# fixed-order kernel of its own, whose one-row launch costs the host more than MLX's gemv
+# (H100, bundled model's projections: 5.8-11.7 us against 4.4-4.9 on two machines; MLX's
+# matmul from two rows on goes to cuBLASLt at 14-18 us: bench/results/h100_2026-12-07f). This kernel does for M rows exactly what MLX's CUDA gemv
+# (``mlx/backend/cuda/gemms/gemv.cu``, ``gemv_impl``) does for one: one warp per output column;
+# lane l sums, in float, ``w[n, c + j] * x[c + j]`` for c = NPT * l, NPT * l + 32 * NPT, ... and
+# j = 0..NPT-1 in that order (``sum += a * b``, contracted to an FMA by the compiler as MLX's
+# is), then ``cooperative_groups::reduce`` over the warp with ``plus<float>``, rounded once to
+# the output type. NPT is MLX's choice: 4 where K % 128 == 0 and both the weight and the
+# activations are 4-element aligned, 2 where K % 64 == 0 and 2-element aligned, else 1. Each
+# weight vector is loaded once for a tile of MT rows, each row keeping its own sum.
+#
+# So one row alone can stay on MLX's gemv (its cheaper launch) and two or more rows take this
+# kernel, with the same bits either way: the invariant set keeps its promise at gemv's cost.
+# That rests on MLX's gemv being what this section mirrors (MLX 0.32: gemv.cu unchanged since
+# 2026-08-06), so nothing trusts it unchecked: ``verify_gemv_rows`` compares, on the device, each row of
+# this kernel against MLX's matmul of that row alone for a layer's own weight, bit for bit, and
+# only shapes that pass (``gemv_matched``) are routed here; any other takes the fixed-order kernel
+# as before, and the start-up exactness probes check the whole forward either way.
+# CUDA only: Metal's gemv is another kernel (the fixed-order one serves there).
+
+GEMV_ROWS_TILE = 8  # rows whose sums a warp carries through one pass over the weight row
+GEMV_WARPS = 8  # MLX's gemv: rows_per_block = 8 warps of 32
+
+_CUDA_GEMV_ROWS_HEADER = """
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
+namespace gemv_rows_cg = cooperative_groups;
+
+template <typename T, int NPT>
+struct alignas(sizeof(T) * NPT) gemv_rows_vec { T v[NPT]; };  // MLX's AlignedVector
+
+// MLX's gemv_impl for one weight row n, MT activation rows at a time: the same loads, the
+// same per-lane order of fused multiply-adds, the same warp reduction, per row.
+template <typename T, int NPT, int MT>
+__device__ __forceinline__ void gemv_rows_impl(const T* x, const T* w, T* y, int M, int K, int N, int n,
+                                               const gemv_rows_cg::thread_block_tile<32>& warp) {
+    typedef gemv_rows_vec<T, NPT> V;
+    const T* wr = w + (size_t)n * K;
+    for (int m0 = 0; m0 < M; m0 += MT) {
+        float sum[MT];
+#pragma unroll
+        for (int r = 0; r < MT; ++r) sum[r] = 0.0f;
+        for (int col = NPT * warp.thread_rank(); col < K; col += 32 * NPT) {
+            const V wv = *reinterpret_cast<const V*>(wr + col);
+#pragma unroll
+            for (int r = 0; r < MT; ++r) {
+                if (m0 + r < M) {
+                    const V xv = *reinterpret_cast<const V*>(x + (size_t)(m0 + r) * K + col);
+#pragma unroll
+                    for (int j = 0; j < NPT; ++j) {
+                        sum[r] += static_cast<float>(wv.v[j]) * static_cast<float>(xv.v[j]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MT; ++r) {
+            const float s = gemv_rows_cg::reduce(warp, sum[r], gemv_rows_cg::plus<float>());
+            if (warp.thread_rank() == 0 && m0 + r < M) y[(size_t)(m0 + r) * N + n] = static_cast<T>(s);
+        }
+    }
+}
+"""
+
+_CUDA_GEMV_ROWS = """
+    auto block = gemv_rows_cg::this_thread_block();
+    auto warp = gemv_rows_cg::tiled_partition<32>(block);
+    const int M = x_shape[0], K = x_shape[1], N = w_shape[0];
+    const int n = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const size_t wa = reinterpret_cast<size_t>(w), xa = reinterpret_cast<size_t>(x);
+    if (K % 128 == 0 && wa % (4 * sizeof(T)) == 0 && xa % (4 * sizeof(T)) == 0) {
+        gemv_rows_impl<T, 4, MT>(x, w, y, M, K, N, n, warp);
+    } else if (K % 64 == 0 && wa % (2 * sizeof(T)) == 0 && xa % (2 * sizeof(T)) == 0) {
+        gemv_rows_impl<T, 2, MT>(x, w, y, M, K, N, n, warp);
+    } else {
+        gemv_rows_impl<T, 1, MT>(x, w, y, M, K, N, n, warp);
+    }
+"""
+
+_gemv_rows_kernel: Any = None
+
+# (N, K, dtype name) of weights ``verify`` found this kernel matching MLX's gemv for, row by row.
+GEMV_MATCHED: set[tuple[int, int, str]] = set()
+# The same for shapes that did not match, with what differed (for the log and status).
+GEMV_MISMATCHED: dict[tuple[int, int, str], str] = {}
+
+
+def _get_gemv_rows_kernel():
+    global _gemv_rows_kernel
+    if _gemv_rows_kernel is None:
+        _gemv_rows_kernel = custom_kernel_cache.cuda_kernel(name="councild_gemv_rows", input_names=["x", "w"],
+                                                  output_names=["y"], source=_CUDA_GEMV_ROWS, header=_CUDA_GEMV_ROWS_HEADER)
+    return _gemv_rows_kernel
+
+
+def gemv_rows(x: mx.array, w: mx.array) -> mx.array:
+    """x [..., K] @ w[N, K].T on this kernel (CUDA): each row as MLX's gemv computes it alone."""
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    N = w.shape[0]
+    blocks = (N + GEMV_WARPS - 1) // GEMV_WARPS
+    (y,) = _get_gemv_rows_kernel()(
+        inputs=[x2, w],
+        template=[("T", x.dtype), ("MT", GEMV_ROWS_TILE)],
+        grid=(32 * GEMV_WARPS * blocks, 1, 1),
+        threadgroup=(32 * GEMV_WARPS, 1, 1),
+        output_shapes=[(x2.shape[0], N)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(*lead, N)
+
+
+def gemv_key(w: mx.array) -> tuple[int, int, str]:
+    return (w.shape[0], w.shape[1], str(w.dtype).rsplit(".", 1)[-1])
+
+
+def gemv_matched(w: mx.array, dtype) -> bool:
+    """Whether rows of ``dtype`` against ``w`` may take this kernel (``verify`` passed for it)."""
+    return dtype == w.dtype and gemv_key(w) in GEMV_MATCHED
+
+
+# Row counts the check runs: two, a full tile, a tile and one more (a second pass), a verify's.
+GEMV_CHECK_ROWS = (2, GEMV_ROWS_TILE, GEMV_ROWS_TILE + 1, 36)
+
+
+def verify_gemv_rows(weights: list[mx.array], seed: int = 0) -> dict[tuple[int, int, str], str | None]:
+    """For each distinct (N, K, dtype) among ``weights`` not yet decided: rows of random
+    activations through this kernel against each row alone through MLX's matmul (its gemv),
+    bit for bit, at every count of GEMV_CHECK_ROWS; records the answer in GEMV_MATCHED or GEMV_MISMATCHED.
+    Returns {shape: None where it matched, else what differed}. Must not run inside a
+    compiled trace (it evaluates); raises what the kernel raises (a compile error)."""
+    out: dict[tuple[int, int, str], str | None] = {}
+    key_ = mx.random.key(seed)
+    for w in weights:
+        k = gemv_key(w)
+        if k in GEMV_MATCHED or k in GEMV_MISMATCHED or k in out:
+            continue
+        why = None
+        for m in GEMV_CHECK_ROWS:
+            key_, sub = mx.random.split(key_)
+            x = mx.random.normal((m, w.shape[1]), key=sub).astype(w.dtype)
+            rows = gemv_rows(x, w)
+            alone = mx.concatenate([x[i : i + 1] @ w.T for i in range(m)], axis=0)
+            differ = mx.sum(rows.view(mx.uint16 if w.dtype != mx.float32 else mx.uint32)
+                            != alone.view(mx.uint16 if w.dtype != mx.float32 else mx.uint32)).item()
+            if differ:
+                why = f"{differ} of {m * w.shape[0]} outputs differ from MLX's gemv at {m} rows"
+                break
+        out[k] = why
+        if why is None:
+            GEMV_MATCHED.add(k)
+        else:
+            GEMV_MISMATCHED[k] = why
+    return out
