@@ -215,8 +215,10 @@ def _sampler(lm: LoadedModel, params: SamplingParams, prompt: list[int], constra
 
 
 def _serial_tokens(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams = SamplingParams(),
-                   constraint: str = "") -> list[int]:
-    gen = serial_decode(lm, prompt, _sampler(lm, params, prompt, constraint))
+                   constraint: str = "", cache: list | None = None, context: list[int] | None = None) -> list[int]:
+    """Serial decode's first ``n`` tokens after ``prompt`` (one forward of it), or, with
+    ``cache`` holding ``context`` but its last token, after that token."""
+    gen = serial_decode(lm, prompt, _sampler(lm, params, context or prompt, constraint), cache=cache)
     return [t for s in itertools.islice(gen, n) for t in s.tokens]
 
 

@@ -5,7 +5,9 @@ bit (engine/caches/prefix_cache.py ``splits_agree``: on this CPU, at every chunk
 resume from snapshots at any token. These arms prove what that promises, with the engine's
 own pieces (``PrefixCache``, ``ChunkedPrefill`` with its snapshot stops, the head history a
 hit restores) and speculative decode in exact mode, against serial decode of the whole
-prompt from scratch (the gate's reference), token for token:
+prompt from scratch, token for token: a cold prefill of it in the same chunks then serial
+steps (what the request gets on a miss; on this CPU the same tokens as one forward of the
+whole prompt, on CUDA not where that forward is longer than the invariant kernels take):
 - "prompt end": prompt i is prefilled (a snapshot at its exact end, mid-chunk); a later
   prompt (prompt i then prompt i+1) resumes there;
 - "continuation": prompt i is decoded speculatively and its finished state (prompt plus
@@ -47,7 +49,7 @@ def run_prefix_arms(
     head,
     prompts: list[str] | list[list[int]],
     new_arm: Callable[..., object],
-    serial_tokens: Callable[[LoadedModel, list[int], int], list[int]],
+    serial_tokens: Callable[..., list[int]],
     chunk: int = 32,
     max_tokens: int = 48,
     depth: int = 2,
@@ -89,6 +91,16 @@ def run_prefix_arms(
                 pc.store(pre.prompt[: pre.pos], pre.cache, pre.history)
         return pre
 
+    def missed(tokens: list[int]) -> list[int]:
+        """The reference: what the same exact request gets on a miss (a cold prefill of the
+        whole prompt in ``chunk`` pieces, then serial steps). Not one forward of the whole
+        prompt: on CUDA a forward of more rows than the invariant kernels take runs MLX's,
+        whose rounding differs from the chunks' (a miss never runs that forward either)."""
+        pre = ChunkedPrefill(lm, tokens, chunk, lm.make_cache(), start=0)
+        while not pre.done:
+            pre.step(None)
+        return serial_tokens(lm, [pre.last_token], max_tokens, cache=pre.cache, context=tokens)
+
     def decode(pre: ChunkedPrefill, arm) -> list[int]:
         got: list[int] = []
         gen = speculative_decode(lm, head, [pre.last_token], Sampler(SamplingParams(), prompt=pre.prompt), depth,
@@ -123,12 +135,12 @@ def run_prefix_arms(
                 later = first + nxt
                 got = decode(prefill(opened(later), pieces=random.Random(pi)), arm)
                 arm.resumed_at.append(0)
-                arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
+                arm.compare(missed(later), got[:max_tokens], max_tokens, prompt=pi)
                 continue
             if kind == "prefilled together":
                 pair = [first + nxt, nxt + first]
                 for tokens, got in zip(pair, together(pair, arm, random.Random(pi))):
-                    arm.compare(serial_tokens(lm, tokens, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
+                    arm.compare(missed(tokens), got[:max_tokens], max_tokens, prompt=pi)
                 continue
             if kind == "prompt end":
                 prefill(opened(first))
@@ -139,7 +151,7 @@ def run_prefix_arms(
                 pc.store_final(first + said, pre.cache, pre.history, seat=f"seat-{pi}")
                 later = first + said + nxt
             got = decode(prefill(opened(later, arm)), arm)  # resumed from the snapshot just taken
-            arm.compare(serial_tokens(lm, later, max_tokens), got[:max_tokens], max_tokens, prompt=pi)
+            arm.compare(missed(later), got[:max_tokens], max_tokens, prompt=pi)
         arm.seconds = time.perf_counter() - t0
         arms.append(arm)
     return arms, True

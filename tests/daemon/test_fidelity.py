@@ -269,8 +269,8 @@ def test_prefix_arms_fail_on_a_divergence(lm, copy_head):
     arm records where."""
     from daemon.measure.fidelity_prefix import run_prefix_arms
 
-    def shifted(lm_, prompt, n, params=SamplingParams()):
-        return [t + 1 for t in _serial_tokens(lm_, prompt, n, params)]
+    def shifted(lm_, prompt, n, params=SamplingParams(), **kw):
+        return [t + 1 for t in _serial_tokens(lm_, prompt, n, params, **kw)]
 
     arms, _ = run_prefix_arms(lm, copy_head, load_prompts()[:2], ArmResult, shifted, chunk=8, max_tokens=6)
     assert all(a.identical == 0 and a.flips == a.prompts and a.first_divergence["token"] == 0 for a in arms)
