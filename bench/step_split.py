@@ -12,7 +12,10 @@ step: ~15 GB at ~3.4 TB/s, ~4.5 ms). On the H200 it takes ~25 ms. This splits ea
 so a step whose total is about build + encode is bound by the host, not by the GPU or the
 matmul kernel. Arms: kernels "mlx" (MLX's everywhere), "qmm" (the quantized linears on
 engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py),
-"conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "merge" (projections
+"conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "lin" (the bf16 linears and the tied head on the invariant set's dense
+matmul: MLX's gemv at one row, ``invariant_kernels.gemv_rows`` from two, not MLX's
+cuBLASLt), "inv" (engine/kernels/invariant.py's whole set), "fixed" (with "lin" or "inv": the
+dense matmul on the fixed-order kernel at every row count, as before ``gemv_rows``), "merge" (projections
 that read one input as one matmul, engine/kernels/merged_linears.py; with "noattn": the
 attention's q, k and v left separate, as before 2026-12-06) or a
 "+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
@@ -46,9 +49,11 @@ for p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from daemon.engine.kernels import forward, gdn_fused, gdn_layer, invariant, merged_linears, quant_mma  # noqa: E402
+from daemon.engine.kernels import (forward, gdn_fused, gdn_layer, invariant, invariant_kernels,  # noqa: E402
+                                   merged_linears, quant_mma)
 from daemon.engine.model import compiled as compiled_step  # noqa: E402
 from daemon.engine.model.compiled import enable_compiled_decode  # noqa: E402
 from daemon.engine.model.loading import load_model  # noqa: E402
@@ -216,6 +221,16 @@ def set_arm(lm, kernels: str, compiled: bool) -> str:
         merged_linears.install(lm.text_module, attention="noattn" not in parts)
     if "qmm" in parts:
         invariant.install(lm.text_module, max_rows=72, quantized_only=True)
+    if "inv" in parts:  # the whole invariant set: linears, head, attention, quantized linears
+        invariant.install(lm.text_module, max_rows=72)
+    if "lin" in parts:  # the bf16 linears and the tied head alone on the custom matmul (one launch, no cuBLASLt)
+        invariant.MAX_ROWS = max(invariant.MAX_ROWS, 72)
+        invariant.restore_classes(lm.text_module, {nn.Linear: invariant.InvariantLinear,
+                                                   nn.Embedding: invariant.InvariantEmbedding})
+        if invariant.backend() == "cuda":
+            invariant.verify_dense_rows(lm.text_module)
+    if "fixed" in parts:  # the dense rows on the fixed-order kernel, as before gemv_rows (one row too)
+        invariant_kernels.GEMV_MATCHED.clear()
     quant_mma.forget_tiled()
     if "t1" in parts:  # after the merge: the merged layers' arrays are the ones the kernel reads
         quant_mma.tile_layers(lm.text_module)
@@ -318,7 +333,7 @@ def main(argv=None) -> int:
     log(f"{label} ready in {time.perf_counter() - t:.0f}s")
     arms = [(k, p) for k in args.arms.split(",") for p in args.paths.split(",")]
     if invariant.backend() != "cuda":  # the arms this backend has the kernels of
-        arms = [(k, p) for k, p in arms if not {"gdn", "conv", "qmm", "old", "rs"} & set(k.split("+"))]
+        arms = [(k, p) for k, p in arms if not {"gdn", "conv", "qmm", "old", "rs", "lin", "inv"} & set(k.split("+"))]
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows: dict[str, list] = {}
     paths: dict[str, str] = {}
