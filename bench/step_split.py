@@ -12,13 +12,13 @@ step: ~15 GB at ~3.4 TB/s, ~4.5 ms). On the H200 it takes ~25 ms. This splits ea
 so a step whose total is about build + encode is bound by the host, not by the GPU or the
 matmul kernel. Arms: kernels "mlx" (MLX's everywhere), "qmm" (the quantized linears on
 engine/kernels/quant_mma.py), "gdn" (the GatedDeltaNet recurrence on engine/kernels/gdn_fused.py),
-"conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "lin" (the bf16 linears and the tied head on the invariant set's dense
-matmul: MLX's gemv at one row, ``invariant_kernels.gemv_rows`` from two, not MLX's
-cuBLASLt), "inv" (engine/kernels/invariant.py's whole set), "fixed" (with "lin" or "inv": the
-dense matmul on the fixed-order kernel at every row count, as before ``gemv_rows``), "merge" (projections
-that read one input as one matmul, engine/kernels/merged_linears.py; with "noattn": the
-attention's q, k and v left separate, as before 2026-12-06) or a
-"+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
+"conv" (with "gdn": the conv, SiLU and q/k norm folded into that kernel), "lin" (the bf16
+linears and the tied head on the invariant set's dense matmul: MLX's gemv at one row,
+``invariant_kernels.gemv_rows`` from two, not MLX's cuBLASLt), "inv" (engine/kernels/invariant.py's
+whole set), "fixed" (with "lin" or "inv": the dense matmul on the fixed-order kernel at every
+row count, as before ``gemv_rows``), "merge" (projections that read one input as one matmul,
+engine/kernels/merged_linears.py; with "noattn": the attention's q, k and v left separate, as
+before 2026-12-06) or a "+" of them, each eager and compiled (model/compiled.py's CompiledDecode,
 switched in only when its self-check passes, as the daemon does). Arms alternate within each
 round, the prompt changes between rounds, the first round is reported apart.
 

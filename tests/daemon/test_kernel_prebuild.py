@@ -247,5 +247,5 @@ def test_an_unreadable_weights_header_drops_only_the_recurrence_recipes(tmp_path
     (tmp_path / "model.safetensors").write_bytes((40).to_bytes(8, "little") + b"{not json" + b" " * 31)
     config = {"num_attention_heads": 4, "hidden_size": 256, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
               "linear_num_key_heads": 4, "linear_num_value_heads": 4, "linear_conv_kernel_dim": 4}
-    assert custom_recipes(tmp_path, config, "bfloat16") == ("custom invariant_matmul bfloat16", "custom gemv_rows bfloat16",
-                                                            "custom invariant_sdpa bfloat16 64")
+    assert custom_recipes(tmp_path, config, "bfloat16") == (
+        "custom invariant_matmul bfloat16", "custom gemv_rows bfloat16", "custom invariant_sdpa bfloat16 64")

@@ -31,7 +31,9 @@ def _custom(args: list[str]) -> list[mx.array]:
     if which == "invariant_matmul":
         return [invariant_kernels.invariant_matmul(mx.ones((1, 8), dtype=F), mx.ones((16, 8), dtype=F))]
     if which == "gemv_rows":  # CUDA's only (it mirrors MLX's CUDA gemv): elsewhere none to keep
-        return [] if invariant_kernels.backend() != "cuda" else [invariant_kernels.gemv_rows(mx.ones((2, 128), dtype=F), mx.ones((16, 128), dtype=F))]
+        if invariant_kernels.backend() != "cuda":
+            return []
+        return [invariant_kernels.gemv_rows(mx.ones((2, 128), dtype=F), mx.ones((16, 128), dtype=F))]
     if which == "invariant_sdpa":
         D = int(args[2])
         q, kv = mx.ones((1, 1, 1, D), dtype=F), mx.ones((1, 1, 2, D), dtype=F)

@@ -95,8 +95,9 @@ def custom_recipes(model_path: Path, config: dict, float_dtype: str) -> tuple[st
     folded-conv recurrence (plain, masked, every state) where the model has GatedDeltaNet
     layers, the fixed-order matmul, the gemv-matched rows (``gemv_rows``) and attention. A
     quantized model's fixed-order matmuls are not among them (a launch per layer shape and row
-    count): each compiles at its first use and is then kept on disk. A shape or dtype read wrong here names a module the daemon never
-    asks for: it then compiles its own at first use, as without the recipe."""
+    count): each compiles at its first use and is then kept on disk. A shape or dtype read
+    wrong here names a module the daemon never asks for: it then compiles its own at first
+    use, as without the recipe."""
     text = config.get("text_config") or config
     out = [f"custom invariant_matmul {float_dtype}", f"custom gemv_rows {float_dtype}"]
     heads = text.get("num_attention_heads")

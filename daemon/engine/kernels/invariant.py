@@ -51,8 +51,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 
 from . import invariant_kernels, invariant_quant
-from .invariant_kernels import (CHUNK, MATMUL_TILE, backend, gemv_key, invariant_matmul, invariant_sdpa,  # noqa: F401 (re-exported)
-                                reference_sdpa, visible_keys)
+from .invariant_kernels import (CHUNK, MATMUL_TILE, backend, gemv_key, invariant_matmul,  # noqa: F401 (re-exported)
+                                invariant_sdpa, reference_sdpa, visible_keys)
 from .merged_linears import MergedAttention
 
 # Forwards of more rows (batch rows x positions) than this take MLX's own matmul and
@@ -210,8 +210,8 @@ DENSE_ROWS: dict = {}
 
 
 def verify_dense_rows(text_module) -> dict:
-    """Check ``gemv_rows`` (engine/kernels/invariant_kernels.py) against MLX's gemv for every swapped dense layer's
-    weight (its shape and dtype; outside any compiled trace): the shapes that match take it
+    """Check ``gemv_rows`` (engine/kernels/invariant_kernels.py) against MLX's gemv for every
+    swapped dense layer's weight (its shape and dtype; outside any compiled trace): the shapes that match take it
     from two rows on and MLX's gemv for one, the others keep the fixed-order kernel. A kernel
     that does not compile here leaves every shape on the fixed-order one (``error`` says why)."""
     weights = [m.weight for _, m in text_module.named_modules() if type(m) in (InvariantLinear, InvariantEmbedding)]

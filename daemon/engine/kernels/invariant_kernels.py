@@ -266,9 +266,10 @@ def invariant_matmul(x: mx.array, w: mx.array) -> mx.array:
     for a weight ``verify_gemv_rows`` passed, MLX's gemv's order (one row on MLX's
     gemv itself, more on ``gemv_rows``), else this module's fixed-order kernel."""
     K = x.shape[-1]
-    if backend() is None:
+    where = backend()
+    if where is None:
         return x @ w.T
-    if backend() == "cuda" and gemv_matched(w, x.dtype):
+    if where == "cuda" and gemv_matched(w, x.dtype):
         # One row on MLX's own gemv (its launch costs the host less than a custom one), more on
         # the kernel that computes each row as that gemv does: the same bits either way.
         return x @ w.T if x.size == K else gemv_rows(x, w)
@@ -364,8 +365,9 @@ def reference_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 # (engine/kernels/invariant.py) put every decode-sized dense matmul, one row included, on a
 # fixed-order kernel of its own, whose one-row launch costs the host more than MLX's gemv
 # (H100, bundled model's projections: 5.8-11.7 us against 4.4-4.9 on two machines; MLX's
-# matmul from two rows on goes to cuBLASLt at 14-18 us: bench/results/h100_2026-12-07f). This kernel does for M rows exactly what MLX's CUDA gemv
-# (``mlx/backend/cuda/gemms/gemv.cu``, ``gemv_impl``) does for one: one warp per output column;
+# matmul from two rows on goes to cuBLASLt at 14-18 us: bench/results/h100_2026-12-07f).
+# This kernel does for M rows exactly what MLX's CUDA gemv (``mlx/backend/cuda/gemms/gemv.cu``,
+# ``gemv_impl``) does for one: one warp per output column;
 # lane l sums, in float, ``w[n, c + j] * x[c + j]`` for c = NPT * l, NPT * l + 32 * NPT, ... and
 # j = 0..NPT-1 in that order (``sum += a * b``, contracted to an FMA by the compiler as MLX's
 # is), then ``cooperative_groups::reduce`` over the warp with ``plus<float>``, rounded once to
@@ -376,10 +378,11 @@ def reference_sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: f
 # So one row alone can stay on MLX's gemv (its cheaper launch) and two or more rows take this
 # kernel, with the same bits either way: the invariant set keeps its promise at gemv's cost.
 # That rests on MLX's gemv being what this section mirrors (MLX 0.32: gemv.cu unchanged since
-# 2026-08-06), so nothing trusts it unchecked: ``verify_gemv_rows`` compares, on the device, each row of
-# this kernel against MLX's matmul of that row alone for a layer's own weight, bit for bit, and
-# only shapes that pass (``gemv_matched``) are routed here; any other takes the fixed-order kernel
-# as before, and the start-up exactness probes check the whole forward either way.
+# 2026-08-06), so nothing trusts it unchecked: ``verify_gemv_rows`` compares, on the device,
+# each row of this kernel against MLX's matmul of that row alone for a layer's own weight, bit
+# for bit, and only shapes that pass (``gemv_matched``) are routed here; any other takes the
+# fixed-order kernel as before, and the start-up exactness probes check the whole forward
+# either way.
 # CUDA only: Metal's gemv is another kernel (the fixed-order one serves there).
 
 GEMV_ROWS_TILE = 8  # rows whose sums a warp carries through one pass over the weight row
@@ -444,7 +447,7 @@ _CUDA_GEMV_ROWS = """
 
 _gemv_rows_kernel: Any = None
 
-# (N, K, dtype name) of weights ``verify`` found this kernel matching MLX's gemv for, row by row.
+# (N, K, dtype name) of weights ``verify_gemv_rows`` found this kernel matching MLX's gemv for, row by row.
 GEMV_MATCHED: set[tuple[int, int, str]] = set()
 # The same for shapes that did not match, with what differed (for the log and status).
 GEMV_MISMATCHED: dict[tuple[int, int, str], str] = {}
@@ -453,8 +456,9 @@ GEMV_MISMATCHED: dict[tuple[int, int, str], str] = {}
 def _get_gemv_rows_kernel():
     global _gemv_rows_kernel
     if _gemv_rows_kernel is None:
-        _gemv_rows_kernel = custom_kernel_cache.cuda_kernel(name="councild_gemv_rows", input_names=["x", "w"],
-                                                  output_names=["y"], source=_CUDA_GEMV_ROWS, header=_CUDA_GEMV_ROWS_HEADER)
+        _gemv_rows_kernel = custom_kernel_cache.cuda_kernel(
+            name="councild_gemv_rows", input_names=["x", "w"], output_names=["y"], source=_CUDA_GEMV_ROWS,
+            header=_CUDA_GEMV_ROWS_HEADER)
     return _gemv_rows_kernel
 
 
@@ -481,7 +485,7 @@ def gemv_key(w: mx.array) -> tuple[int, int, str]:
 
 
 def gemv_matched(w: mx.array, dtype) -> bool:
-    """Whether rows of ``dtype`` against ``w`` may take this kernel (``verify`` passed for it)."""
+    """Whether rows of ``dtype`` against ``w`` may take this kernel (``verify_gemv_rows`` passed for it)."""
     return dtype == w.dtype and gemv_key(w) in GEMV_MATCHED
 
 
@@ -492,12 +496,13 @@ GEMV_CHECK_ROWS = (2, GEMV_ROWS_TILE, GEMV_ROWS_TILE + 1, 36)
 def verify_gemv_rows(weights: list[mx.array], seed: int = 0) -> dict[tuple[int, int, str], str | None]:
     """For each distinct (N, K, dtype) among ``weights`` not yet decided: rows of random
     activations through this kernel against each row alone through MLX's matmul (its gemv),
-    bit for bit, at every count of GEMV_CHECK_ROWS; records the answer in GEMV_MATCHED or GEMV_MISMATCHED.
-    Returns {shape: None where it matched, else what differed}. Must not run inside a
+    bit for bit, at every count of GEMV_CHECK_ROWS; records the answer in GEMV_MATCHED or
+    GEMV_MISMATCHED. Returns {shape: None where it matched, else what differed}. Must not run inside a
     compiled trace (it evaluates); raises what the kernel raises (a compile error)."""
     out: dict[tuple[int, int, str], str | None] = {}
     key_ = mx.random.key(seed)
     for w in weights:
+        bits = mx.uint32 if w.dtype == mx.float32 else mx.uint16  # the outputs' bits, compared as integers
         k = gemv_key(w)
         if k in GEMV_MATCHED or k in GEMV_MISMATCHED or k in out:
             continue
@@ -507,8 +512,7 @@ def verify_gemv_rows(weights: list[mx.array], seed: int = 0) -> dict[tuple[int, 
             x = mx.random.normal((m, w.shape[1]), key=sub).astype(w.dtype)
             rows = gemv_rows(x, w)
             alone = mx.concatenate([x[i : i + 1] @ w.T for i in range(m)], axis=0)
-            differ = mx.sum(rows.view(mx.uint16 if w.dtype != mx.float32 else mx.uint32)
-                            != alone.view(mx.uint16 if w.dtype != mx.float32 else mx.uint32)).item()
+            differ = mx.sum(rows.view(bits) != alone.view(bits)).item()
             if differ:
                 why = f"{differ} of {m * w.shape[0]} outputs differ from MLX's gemv at {m} rows"
                 break
