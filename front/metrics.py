@@ -22,7 +22,8 @@ PREFIX_CACHE_COUNTERS = {"hits": "lookups that found a stored prefix", "misses":
                          "cached_tokens": "prompt tokens taken from the cache instead of computed",
                          "evicted": "snapshots evicted (LRU or memory pressure)",
                          "ram_hits": "lookups served from RAM", "disk_hits": "lookups served from the disk tier",
-                         "continuations": "finished requests' states kept for the seat's next turn"}
+                         "continuations": "finished requests' states kept for the seat's next turn",
+                         "promoted": "snapshots taken before the chunk-split verdict that it made exact"}
 PREFIX_DISK_COUNTERS = {"hits": "snapshot files read back at a hit", "corrupt": "files that did not check out (misses)",
                         "writes": "snapshot files written", "write_failures": "snapshot writes that failed",
                         "skipped": "snapshot writes skipped (disk full or too much pending)",

@@ -146,8 +146,9 @@ class DecodePaths:
             job.exact_chain = snap is None or snap.exact
             if snap is not None:
                 cache, history = pc.restore(snap, job.prompt[start], self.engine.slot.head if want_head else None)
+            # The prompt's exact end: exact where splits are, pending until the verdict is in.
             job.snapshot_at = pc.boundaries(len(job.prompt), start, job.segment_ends,
-                                            fine=pc.splits_exact or allow_inexact)
+                                            fine=pc.splits_exact or pc.splits_pending or allow_inexact)
         elif relook:
             return False
         # The pacer may cut this prompt's chunks anywhere where that leaves a cold run's state

@@ -232,7 +232,8 @@ class PrefillPhase:
         if job.prefill.pos in job.snapshot_at and pc is not None:
             pos = job.prefill.pos
             pc.store(job.prompt[:pos], job.prefill.cache, job.prefill.history,
-                     exact=pc.is_exact(pos, job.exact_chain), seat=job.seat)
+                     exact=pc.is_exact(pos, job.exact_chain), seat=job.seat,
+                     pending=pc.is_pending(pos, job.exact_chain))
         if job.prefill.done:
             self.paths.begin_decode(job)
         # One cycle, as a decode step is: the seat's solo decoders are picked by this share.

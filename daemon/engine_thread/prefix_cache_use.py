@@ -51,7 +51,8 @@ class PrefixCacheUse:
         """The prefix cache for this prefill chunk: whether off-grid splits are exact on this
         backend (``splits_verdict``), and its disk tier under this model's and settings' key.
         ``splits_pending``: not asked yet (a start that serves first, warming.py): snapshots
-        count as exact on the chunk grid only until ``set_splits`` has the verdict."""
+        count as exact on the chunk grid only until ``set_splits`` has the verdict, and those
+        that would be exact off it wait for it (prefix_cache.py, "Until the verdict")."""
         from ..engine.caches import prefix_disk
         from ..engine.caches.prefix_cache import PrefixCache
         from ..paths import cache_dir
@@ -76,7 +77,7 @@ class PrefixCacheUse:
         if old is not None and old.disk is not None:
             old.disk.close()
         self.engine.prefix_cache = PrefixCache(pc_cfg.max_bytes, chunk, make_cache=self.engine.lm.make_cache, disk=disk,
-                                        splits_exact=exact)
+                                        splits_exact=exact, splits_pending=splits_pending)
         if self.engine.governance is not None:
             self.engine.governance.prefix_cache = self.engine.prefix_cache
         if not splits_pending:
@@ -84,19 +85,23 @@ class PrefixCacheUse:
 
     def set_splits(self, chunk: int, probed: bool, verdict: str, probe_ms: float) -> bool:
         """The splits verdict arrived (warming.py): off-grid snapshots count as exact from
-        now on where it says so. False when the cache was reopened for another chunk since
-        (SIGHUP: that one asked for its own verdict)."""
+        now on where it says so, those taken while it was pending included. False when the
+        cache was reopened for another chunk since (SIGHUP: that one asked for its own verdict)."""
         pc = self.engine.prefix_cache
         if pc is None or pc.chunk != chunk:
             return False
-        pc.splits_exact = probed and not self.cfg.debug_inexact_splits
-        self._log_ready(probed, verdict, probe_ms)
+        pending = sum(s.pending for s in pc.entries.values())
+        promoted = pc.settle(probed and not self.cfg.debug_inexact_splits)
+        self._log_ready(probed, verdict, probe_ms, pending=pending, promoted=promoted)
         return True
 
-    def _log_ready(self, probed: bool, verdict: str, probe_ms: float) -> None:
+    def _log_ready(self, probed: bool, verdict: str, probe_ms: float, pending: int = 0, promoted: int = 0) -> None:
+        """``pending``: snapshots taken while the verdict was pending, ``promoted`` of them
+        made exact by it."""
         pc = self.engine.prefix_cache
         disk = pc.disk
         log.info("prefix_cache.ready", chunk=pc.chunk, splits_exact=pc.splits_exact, splits_bit_identical=probed,
+                 pending_snapshots=pending, promoted=promoted,
                  forced_inexact=self.cfg.debug_inexact_splits, exact_reuse=pc.exact_reuse,
                  inexact_reuse=self.cfg.prefix_cache.inexact_reuse,
                  verdict=verdict, probe_ms=probe_ms, disk=None if disk is None else str(disk.dir),
@@ -123,9 +128,10 @@ class PrefixCacheUse:
             log.info("prefix_cache.session_dropped", request_id=job.request_id, seat=job.seat, snapshots=n,
                      freed_bytes=freed)
             return
-        # Kept when a later request may use it (it is inexact unless splits are exact here),
-        # or when the client asked.
-        if not (session == "keep" or pc.splits_exact or self.cfg.prefix_cache.inexact_reuse) or not job.decoded:
+        # Kept when a later request may use it (it is inexact unless splits are exact here, or
+        # pending until the verdict says whether they are), or when the client asked.
+        if not (session == "keep" or pc.splits_exact or pc.splits_pending or self.cfg.prefix_cache.inexact_reuse) \
+                or not job.decoded:
             return
         try:
             cache, history = job.decode_cache, job.decode_history

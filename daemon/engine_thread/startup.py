@@ -220,7 +220,7 @@ class EngineStartup:
         if self.engine.batch is not None:  # after verify: a speculating batch's verdict needs its answer
             parts.append(WarmPart("batch", self._batch_part, waited_by="exact"))
         if self.engine.prefix_cache is not None:
-            parts.append(WarmPart("splits", self._splits_part, waited_by="exact"))
+            parts.append(WarmPart("splits", self._splits_part, waited_by="exact", refused=self._splits_refused))
         if self.group is None:  # the shapes' first uses, paid before the requests that bring them
             parts.append(WarmPart("warmup", self._warmup_part))
         if self.cfg.scheduler.prefill_together != "off" and self.group is None:
@@ -314,6 +314,11 @@ class EngineStartup:
                   if exact else f"off-grid splits are not bit-identical here (or forced): exact snapshots on the "
                                 f"{chunk}-token grid only")
         return Outcome(exact, reason, apply, {"verdict": verdict, "chunk": chunk})
+
+    def _splits_refused(self, reason: str) -> None:
+        """The probe raised (or was forced to fail): off-grid snapshots stay inexact, those
+        taken while it was pending too, and go to the disk tier as such."""
+        self.prefix_use.set_splits(self.engine.prefix_cache.chunk, False, "failed", 0.0)
 
     def _batch_part(self):
         """Whether exact greedy rows may share the batch's forwards: batched logits equal

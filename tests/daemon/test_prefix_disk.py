@@ -152,3 +152,70 @@ def test_the_fingerprint_changes_with_what_changes_the_states_bits(lm):
     assert prefix_disk.model_fingerprint(lm.path, dict(key)) == base
     for field in ("kernels", "engine_source", "recurrence", "linears", "prefill_chunk", "decode_path"):
         assert prefix_disk.model_fingerprint(lm.path, key | {field: f"{key[field]}+other"}) != base, field
+
+
+def _pending_cache(lm, root: Path) -> PrefixCache:
+    """A cache opened before the splits verdict (a start that serves first)."""
+    return PrefixCache(1 << 30, 16, make_cache=lm.make_cache, disk=_tier(root), splits_pending=True)
+
+
+def test_snapshots_that_wait_for_the_splits_verdict_are_made_exact_by_it_and_only_then_written(lm, tmp_path):
+    """Before the verdict: an exact request's continuation and a prompt's exact end are kept
+    pending: exact lookups pass them by (the grid point below serves), fast ones take them,
+    the disk has nothing of them; grid points are exact as always. A verdict that splits are
+    exact promotes them (the next turn resumes at its seat's exact end, and the file is written
+    as exact); one that says not leaves them inexact."""
+    prompt = _prompt(7)
+    pc = _pending_cache(lm, tmp_path)
+    assert "until the splits verdict" in pc.exact_reuse
+    assert pc.boundaries(len(prompt), 0, fine=True) == {69, 64, 48}  # no message ends: no cuts
+    assert pc.is_pending(69) and not pc.is_pending(64) and not pc.is_pending(69, from_exact=False)
+    assert pc.store(prompt[:64], prefilled(lm, prompt[:64], 16), None).exact  # on the grid: exact now
+    end = pc.store(prompt[:69], prefilled(lm, prompt[:69], 16), None, exact=False, pending=True)
+    assert end.pending and not end.exact
+    cont = pc.store_final(prompt + [3, 4], prefilled(lm, prompt + [3], 16), None, seat="s")
+    assert cont.pending and not cont.exact
+    lost = pc.store_final(prompt[:40] + [5, 6], prefilled(lm, prompt[:40] + [5], 16), None, seat="t", exact=False)
+    assert not lost.pending and not lost.exact  # its decode left no cold state: never exact
+    nxt = prompt + [3, 4, 9, 9]
+    assert pc.lookup(nxt, want_head=False)[1] == 64
+    assert pc.lookup(nxt, want_head=False, allow_inexact=True)[1] == 71
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 2  # the grid point and the inexact continuation
+    assert pc.stats()["pending"] == 2 and pc.stats()["splits_pending"]
+
+    assert pc.settle(True) == 2
+    assert cont.exact and end.exact and not lost.exact and pc.splits_exact and not pc.splits_pending
+    snap, n = pc.lookup(nxt, want_head=False)
+    assert n == 71 and snap is cont
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 4
+    fresh = PrefixCache(1 << 30, 16, make_cache=lm.make_cache, disk=_tier(tmp_path), splits_exact=True)
+    snap, n = fresh.lookup(nxt, want_head=False)  # a restarted daemon: from the file, exact
+    assert n == 71 and snap.exact and fresh.disk_hits == 1
+    assert mx.array_equal(next_logits(lm, fresh.restore(snap, 9, head=None)[0], 9),
+                          next_logits(lm, prefilled(lm, nxt[:71], 16), 9)).item()
+
+    no = _pending_cache(lm, tmp_path / "no")
+    held = no.store_final(prompt + [3, 4], prefilled(lm, prompt + [3], 16), None, seat="s")
+    assert no.settle(False) == 0
+    assert not held.exact and not held.pending and no.stats()["promoted"] == 0
+    assert no.lookup(nxt, want_head=False)[1] == 0
+    assert no.lookup(nxt, want_head=False, allow_inexact=True)[1] == 71
+
+
+def test_a_pending_snapshot_that_leaves_ram_before_the_verdict_is_written_as_inexact(lm, tmp_path):
+    prompt = _prompt(8)
+    pc = _pending_cache(lm, tmp_path)
+    snap = pc.store_final(prompt + [3, 4], prefilled(lm, prompt + [3], 16), None)
+    assert snap.pending
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 0
+    assert pc.evict_oldest()[1] == 71
+    pc.disk.flush()
+    assert pc.disk.stats()["files"] == 1
+    (entry,) = pc.disk.index.values()
+    assert entry.tokens == 71 and not entry.exact
+    assert pc.settle(True) == 0  # gone from RAM: the file stays what it was written as
+    assert pc.lookup(prompt + [3, 4, 9], want_head=False)[1] == 0
+    assert pc.lookup(prompt + [3, 4, 9], want_head=False, allow_inexact=True)[1] == 71

@@ -185,3 +185,51 @@ def test_a_prompt_served_before_the_verify_verdict_leaves_snapshots_that_specula
     full = done[0]["prompt_tokens"] + done[0]["completion_tokens"]
     assert done[0]["completion_tokens"] == 4 and kept["head"] is True
     assert kept["tokens"] == full if done[0]["speculation"] is None else full - 1 <= kept["tokens"] <= full
+
+
+def test_a_turn_before_the_splits_verdict_leaves_a_continuation_the_verdict_makes_exact(tmp_path):
+    """A fresh council's first turn comes before the chunk-split verdict: its continuation is
+    kept pending, and when the verdict says splits are exact (this CPU) it is promoted, so the
+    seat's next exact turn resumes at its exact end (not a grid point up to a chunk before it)
+    and gives the tokens a cold prefill gives (a daemon with no prefix cache to resume from)."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}  # empty: every check runs
+    first = [(7 * i) % 3000 + 5 for i in range(75)]  # two 32-token chunks and then some
+    more = [(11 * i) % 3000 + 5 for i in range(20)]
+    (tmp_path / "fresh").mkdir()
+    d = start_daemon(tmp_path / "fresh", BUNDLED_MODEL, env=cache, config=CONFIG, warmed=False)
+    try:
+        with Client(d.endpoint, seat="s", timeout_s=120) as c:
+            one = c.generate(prompt_tokens=first, max_tokens=6, speculation="exact", temperature=0.0)
+            one.result()
+            waiting = c.status().detail["prefix_cache"]
+            while _pending(c):
+                time.sleep(0.2)
+            after = c.status().detail["prefix_cache"]
+            two = c.generate(prompt_tokens=first + list(one.token_ids) + more, max_tokens=8, speculation="exact",
+                             temperature=0.0)
+            two.result()
+    finally:
+        assert d.stop() == 0
+    events = d.events()
+    names = [(e["event"], e.get("part")) for e in events]
+    # The premise: the first turn ended before the splits verdict (it comes after the compiled
+    # step's, verify's and batch's checks, seconds after ready here).
+    assert names.index(("request.done", None)) < names.index(("engine.warm", "splits")), names
+    assert waiting["splits_pending"] and waiting["pending"] >= 1, waiting
+    (ready,) = [e for e in events if e["event"] == "prefix_cache.ready"]
+    assert ready["splits_exact"] and ready["promoted"] == ready["pending_snapshots"] >= 1
+    assert after["pending"] == 0 and after["promoted"] == ready["promoted"] and not after["splits_pending"]
+    done = [e for e in events if e["event"] == "request.done"]
+    held = len(first) + len(one.token_ids) - 1  # the decoder's cache holds all but its last token
+    assert done[1]["cached_tokens"] >= held > 64, done[1]  # its exact end, past the grid point (64)
+
+    (tmp_path / "cold").mkdir()
+    cold = start_daemon(tmp_path / "cold", BUNDLED_MODEL, env=cache, config=CONFIG + "[prefix_cache]\nenabled = false\n")
+    try:
+        with Client(cold.endpoint, seat="s", timeout_s=120) as c:
+            ref = c.generate(prompt_tokens=first + list(one.token_ids) + more, max_tokens=8, speculation="exact",
+                             temperature=0.0)
+            ref.result()
+    finally:
+        assert cold.stop() == 0
+    assert list(ref.token_ids) == list(two.token_ids)

@@ -35,6 +35,15 @@ near-tie. Requests in speculation mode "fast" (which already accept near-tie fli
 them; exact and serial requests use them only when the operator sets
 ``prefix_cache.inexact_reuse`` (config.py), and otherwise reuse on the chunk grid only.
 
+Until the verdict. A daemon that serves first (warming.py) answers before ``splits_agree``
+has run. Meanwhile a prefill cuts its chunks on the grid only, and a snapshot that is exact
+exactly where splits are (a prompt's exact end, the last chunk ending there anyway; an exact
+request's continuation) is kept *pending*: inexact for now, so exact requests pass it by,
+and promoted to exact when the verdict says splits are exact (to inexact when it says not).
+Why: a fresh council's first round arrives before the verdict, and without them its seats'
+next turns re-prefilled up to a chunk plus their whole last answer each. A pending snapshot
+goes to the disk tier only once settled (a file's exactness is part of its name).
+
 Snapshot points (``boundaries``). An exact end serves its own continuation (the seat's
 next turn); a grid point inside the prompt serves every other prompt that shares that
 much: another seat's prompt that differs in its last lines, a raw prompt (which has no
@@ -220,8 +229,14 @@ class Snapshot:
     nbytes: int
     exact: bool = True
     seat: str | None = None
+    pending: bool = False  # exact if the splits verdict, not in yet, says splits are exact
     created_at: float = field(default_factory=time.monotonic)
     hits: int = 0
+
+
+def _as_good(old: Snapshot, exact: bool, pending: bool) -> bool:
+    """Does a snapshot held already promise at least what a new one would?"""
+    return old.exact or (not exact and (old.pending or not pending))
 
 
 def _digests(prompt: list[int], lengths: list[int]) -> dict[int, str]:
@@ -237,7 +252,7 @@ def _digests(prompt: list[int], lengths: list[int]) -> dict[int, str]:
 
 class PrefixCache:
     def __init__(self, max_bytes: int, chunk: int, make_cache=None, disk: prefix_disk.DiskTier | None = None,
-                 splits_exact: bool = False):
+                 splits_exact: bool = False, splits_pending: bool = False):
         self.max_bytes = max_bytes
         # The governor's cap under memory pressure (None: none); the budget is the lower.
         self.limit: int | None = None
@@ -245,6 +260,8 @@ class PrefixCache:
         self.make_cache = make_cache  # builds an empty model cache (a disk hit fills one)
         self.disk = disk
         self.splits_exact = splits_exact
+        # The splits verdict is not in yet (a start that serves first): see "Until the verdict".
+        self.splits_pending = splits_pending
         self.entries: OrderedDict[tuple[int, str], Snapshot] = OrderedDict()  # LRU: oldest first
         self.pinned: dict[str, tuple[int, str]] = {}  # seat -> its latest continuation's key
         self.seat_continuations: dict[str, set[tuple[int, str]]] = {}  # for a session "drop"
@@ -257,12 +274,18 @@ class PrefixCache:
         self.cached_tokens = 0
         self.evicted = 0
         self.continuations = 0
+        self.promoted = 0  # pending snapshots the verdict made exact
 
     def is_exact(self, p: int, from_exact: bool = True) -> bool:
         """Would a snapshot at ``p``, taken by a prefill that started from an exact state,
         give a cold run's state? (Never after an inexact one: even where splits are exact, a
         continuation whose decode rounded unlike serial steps is inexact, store_final.)"""
         return from_exact and (self.splits_exact or p % self.chunk == 0)
+
+    def is_pending(self, p: int, from_exact: bool = True) -> bool:
+        """Would a snapshot at ``p`` be exact if the splits verdict, not in yet, says splits
+        are? (Off the grid, from an exact state, while the verdict is pending.)"""
+        return from_exact and self.splits_pending and not self.is_exact(p)
 
     # ------------------------------------------------------------------ lookup
     def boundaries(self, prompt_len: int, start: int, segment_ends: list[int] = (), fine: bool = False) -> set[int]:
@@ -392,17 +415,21 @@ class PrefixCache:
         return cache, history
 
     # ------------------------------------------------------------------ storing
-    def store(self, tokens: list[int], cache: list, history, exact: bool = True, seat: str | None = None) -> Snapshot | None:
+    def store(self, tokens: list[int], cache: list, history, exact: bool = True, seat: str | None = None,
+              pending: bool = False) -> Snapshot | None:
         """Keep a copy of the state after ``tokens``, with the head's history when there is
         one (exactly one pair pending: the last position's hidden). ``exact``: the state is
         a cold run's (the caller knows how it was reached); refused (None) when claimed
-        off the chunk grid on a backend where splits change the numbers."""
+        off the chunk grid on a backend where splits change the numbers. ``pending``
+        (with ``exact`` False): it is a cold run's if the splits verdict says splits are
+        exact (``is_pending``); kept as inexact until ``settle``."""
         p = len(tokens)
         if p == 0 or (exact and not self.is_exact(p)):
             return None
+        pending = pending and not exact and self.splits_pending
         key = (p, prefix_disk.token_digest(tokens))
         old = self.entries.get(key)
-        if old is not None and (old.head is not None or history is None) and (old.exact or not exact):
+        if old is not None and (old.head is not None or history is None) and _as_good(old, exact, pending):
             self.entries.move_to_end(key)
             return old  # already held (with at least as much)
         head = hidden = None
@@ -412,10 +439,10 @@ class PrefixCache:
             mx.eval(hidden)
         base = clone_cache(cache)
         nbytes = _nbytes(base) + (_nbytes(head) + hidden.nbytes if head is not None else 0)
-        snap = Snapshot(tuple(tokens), base, head, hidden, nbytes, exact=exact, seat=seat)
+        snap = Snapshot(tuple(tokens), base, head, hidden, nbytes, exact=exact, seat=seat, pending=pending)
         if old is not None:
             self._drop(key)
-        return self._insert(key, snap, to_disk=True)
+        return self._insert(key, snap, to_disk=not pending)
 
     def store_final(self, known: list[int], cache: list, history, seat: str | None = None,
                     exact: bool = True) -> Snapshot | None:
@@ -439,7 +466,8 @@ class PrefixCache:
                 h, t = history.last_fed
                 history.h, history.t, history.n = [h], [t], 1
                 hist = history
-        snap = self.store(list(known[:p]), cache, hist, exact=self.splits_exact and exact, seat=seat)
+        snap = self.store(list(known[:p]), cache, hist, exact=self.splits_exact and exact, seat=seat,
+                          pending=exact)
         if snap is not None:
             self.continuations += 1
             if seat is not None:
@@ -448,9 +476,22 @@ class PrefixCache:
                 self.seat_continuations.setdefault(seat, set()).add(key)
         return snap
 
+    def settle(self, splits_exact: bool) -> int:
+        """The splits verdict is in: every pending snapshot becomes exact where splits are,
+        inexact where not, and goes to the disk tier. Returns how many became exact."""
+        self.splits_exact, self.splits_pending = splits_exact, False
+        promoted = 0
+        for key, snap in self.entries.items():
+            if snap.pending:
+                snap.exact, snap.pending = splits_exact, False
+                promoted += splits_exact
+                self._spill(key, snap, to_disk=True)
+        self.promoted += promoted
+        return promoted
+
     def _insert(self, key, snap: Snapshot, to_disk: bool) -> Snapshot | None:
         if snap.nbytes > self.budget:
-            self._spill(key, snap, to_disk)
+            self._spill(key, snap, to_disk and not snap.pending)
             return None
         self.entries[key] = snap
         self.generation += 1  # requests that looked before it may look again (relookup)
@@ -502,6 +543,10 @@ class PrefixCache:
         pinned = set(self.pinned.values())
         key = next((k for k in self.entries if k not in pinned), next(iter(self.entries)))
         self.evicted += 1
+        snap = self.entries[key]
+        if snap.pending:  # never written yet: the disk keeps it as what it is now, inexact
+            snap.pending = False
+            self._spill(key, snap, to_disk=True)
         return self._drop(key), key[0]
 
     def forget_seat(self, seat: str) -> tuple[int, int]:
@@ -535,6 +580,9 @@ class PrefixCache:
         exact here, else the chunk grid only."""
         if self.splits_exact:
             return "any token (off-grid splits are bit-identical here)"
+        if self.splits_pending:
+            return (f"chunk grid ({self.chunk} tokens) until the splits verdict is in; "
+                    "snapshots off it wait for it (pending)")
         return f"chunk grid ({self.chunk} tokens): off-grid splits are not bit-identical here"
 
     def stats(self) -> dict:
@@ -542,7 +590,9 @@ class PrefixCache:
                "hits": self.hits, "ram_hits": self.hits - self.disk_hits, "disk_hits": self.disk_hits,
                "misses": self.misses, "cached_tokens": self.cached_tokens, "evicted": self.evicted,
                "continuations": self.continuations, "pinned_seats": len(self.pinned),
-               "splits_exact": self.splits_exact, "exact_reuse": self.exact_reuse}
+               "splits_exact": self.splits_exact, "splits_pending": self.splits_pending,
+               "pending": sum(s.pending for s in self.entries.values()), "promoted": self.promoted,
+               "exact_reuse": self.exact_reuse}
         if self.disk is not None:
             out["disk"] = self.disk.stats()
         return out
