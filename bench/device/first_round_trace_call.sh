@@ -7,13 +7,16 @@
 # the later rounds'; each run's PTX files are listed with their times (a module compiled
 # during round 0 shows there). Results under $OUT/first_round_trace.
 #   bash bench/device/first_round_trace_call.sh          (ARMS="default fast": other runs)
+# EXTRA: more TOML for the daemons' config (top-level keys), e.g. EXTRA='warm_in_background = false'
+# (every start-up part before ready: what round 0 gains when nothing is left to warm).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/first_round_trace
 mkdir -p "$o"
 for arm in ${ARMS:-default fast default}; do
   d=/tmp/first-round-$arm-$RANDOM; rm -rf "$d"; n=$(basename "$d")
   timeout 150 python3 bench/council_http.py --seats 4 --turns 3 --system-tokens 1000 --max-tokens 64 --rounds 2 --arms $arm \
-    --cache-dir "$d" --config-extra 'log_slow_iteration_s = 0.015' --json "$o/$n.json" --markdown "$o/$n.md" \
+    --cache-dir "$d" --config-extra "log_slow_iteration_s = 0.015${EXTRA:+
+$EXTRA}" --json "$o/$n.json" --markdown "$o/$n.md" \
     --logs "$o/logs-$n" > "$o/$n.log" 2>&1
   echo "$n rc $?"; tail -3 "$o/$n.md"
   find "$d" -path '*mlx-ptx*' -type f -printf '%TT %s %f\n' | sort > "$o/ptx-$n.txt"
