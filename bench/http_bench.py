@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--streams", default="1,4", help="concurrent streams per batch, comma-separated")
     ap.add_argument("--mlx-server", action="store_true", help="add mlx_lm.server on the same model as an arm")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
+                    help="another councild daemon and front, TOML appended to its config (e.g. "
+                         "'nolookup=[speculation]\\nbatch_lookup = false'): an arm \"http NAME\" rotated with the "
+                         "others and paired against \"http\"; repeatable")
     ap.add_argument("--json", default="bench/out/http.json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -159,6 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         daemon, front = procs
         arms = {"http": (f"http://127.0.0.1:{port}/v1/completions", "councild")}
         pids = {"daemon": daemon.pid, "front": front.pid}
+        for spec in args.variant:
+            name, _, toml = spec.partition("=")
+            home = tmp / f"variant-{len(procs)}"
+            home.mkdir()
+            vprocs, _, vport = start_councild_http(args.model, home, dict(env, COUNCILD_RUNTIME_DIR=str(home / "run")),
+                                                   max_active=8, config_extra=toml.replace("\\n", "\n"), timeout_s=180)
+            procs += vprocs
+            arms[f"http {name}"] = (f"http://127.0.0.1:{vport}/v1/completions", "councild")
+            pids[f"daemon {name}"] = vprocs[0].pid
         if args.mlx_server:
             mlx, mport = start_mlx_lm_server(args.model, tmp, env, timeout_s=120)
             procs.append(mlx)
@@ -198,6 +211,18 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {arm} | {conc} | {agg['median']:.3f} ({agg['min']:.3f}-{agg['max']:.3f}) | "
                          f"{dec['median']:.3f} | {ttft['median'] * 1e3:+.1f} ({ttft['min'] * 1e3:+.1f}-"
                          f"{ttft['max'] * 1e3:+.1f}) |")
+    variants = [a for a in samples if a.startswith("http ")]
+    if variants:
+        lines += ["", "| variant vs http (paired by round) | streams | aggregate tok/s ratio (min-max) | TTFT ratio |",
+                  "|---|---|---|---|"]
+    for arm in variants:
+        for conc in args.streams:
+            a_rows, b_rows = samples["http"][conc], samples[arm][conc]
+            agg = spread([b["aggregate_tok_s"] / a["aggregate_tok_s"] for a, b in zip(a_rows, b_rows)])
+            ttft = spread([b["ttft_s"] / a["ttft_s"] for a, b in zip(a_rows, b_rows) if a["ttft_s"]])
+            out["paired"][arm][f"{conc}_vs_http"] = {"aggregate_ratio": agg, "ttft_ratio": ttft}
+            lines.append(f"| {arm} | {conc} | {agg['median']:.3f} ({agg['min']:.3f}-{agg['max']:.3f}) | "
+                         f"{ttft['median']:.3f} |")
     lines += ["", "| arm | streams | CPU s per 1,000 tokens: daemon | front | mlx_lm.server | this client |",
               "|---|---|---|---|---|---|"]
     for arm, by in out["arms"].items():

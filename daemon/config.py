@@ -154,6 +154,11 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # forward), backing off when blocks miss. Runs at depth 0 too. Up to this many tokens.
     prompt_lookup: bool = True
     lookup_max_draft: Annotated[int, Meta(ge=1, le=32)] = 8
+    # Rows of the continuous batch draft lookup blocks too (greedy rows without a grammar;
+    # engine/decoders/batch_spec.py), up to min(lookup_max_draft, 8) tokens: a cycle where any row
+    # has one verifies every row's block (the others' head drafts) in one forward.
+    # false: only a request decoding alone drafts them.
+    batch_lookup: bool = True
     # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
     # drafts' confidence times the request's running acceptance is below this (serial steps
     # one more position costs); 0 never stops early.

@@ -216,6 +216,11 @@ def _engine_step(step: dict, seats: dict):
                 c.add_metric([label, "run"], cycles.get(f"{key}_ahead", 0))
                 c.add_metric([label, "undone"], cycles.get(f"{key}_undone", 0))
             yield c
+            c = CounterMetricFamily("councild_batch_lookup", "the speculating batch's prompt-lookup cycles, and the "
+                                    "blocks' tokens drafted and accepted", labels=["count"])
+            for label in ("cycles", "drafted", "accepted"):
+                c.add_metric([label], cycles.get("lookup" if label == "cycles" else f"lookup_{label}", 0))
+            yield c
         queue = step.get("prefill_queue", [])
         g = GaugeMetricFamily("councild_prefill_queue_requests", "prompts being prefilled")
         g.add_metric([], float(len(queue)))

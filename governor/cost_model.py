@@ -262,6 +262,14 @@ class CostModel:
             # accepted prefixes to the one acceptance table.
             self.batched_cycles += 1
             self.decode_s += max(t.cycle_s, 0.0)
+            if t.source == "lookup":
+                # Rows' prompt-lookup blocks (batch_spec.py): a verify as wide as the longest
+                # block and no head forward, so neither a depth's cost at this height nor the
+                # head's acceptance.
+                self.lookup_cycles += 1
+                self.lookup_drafted += max(t.drafted, 0)
+                self.lookup_accepted += max(t.accepted, 0)
+                return
             self._record_batched(t, k, now, load)
             return
         if t.source == "lookup":

@@ -4,13 +4,15 @@
 # every round (issue 49's goal: 4 streams >= 2.5x one stream). The daemon's log comes back
 # too, with its governor decisions (depth and height by load) pulled out beside it.
 #   bash bench/device/streams_call.sh            (ROUNDS, TOKENS, STREAMS, CALL_LIMIT: env)
+# VARIANT='NAME=TOML' adds a second daemon with that config as an arm "http NAME" (e.g.
+# VARIANT='nolookup=[speculation]\nbatch_lookup = false'); MLX=" " leaves mlx_lm.server out.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/streams
 mkdir -p "$o"
 s=$(date +%s)
 before=$(ls -d /tmp/http-bench-* 2>/dev/null)
 timeout ${CALL_LIMIT:-400} python3 bench/http_bench.py --streams ${STREAMS:-1,4,8} --tokens ${TOKENS:-64} \
-    --rounds ${ROUNDS:-6} --mlx-server --json "$o/http_streams.json" --markdown "$o/http_streams.md" > "$o/http.log" 2>&1
+    --rounds ${ROUNDS:-6} ${VARIANT:+--variant "$VARIANT"} ${MLX:---mlx-server} --json "$o/http_streams.json" --markdown "$o/http_streams.md" > "$o/http.log" 2>&1
 echo "http_bench rc $? ($(( $(date +%s) - s )) s)"
 cat "$o/http_streams.md" 2>/dev/null
 for d in $(ls -d /tmp/http-bench-* 2>/dev/null); do

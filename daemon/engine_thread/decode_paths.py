@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Callable
 
 from protocol import messages as m
 
+from ..engine.decoders.lookup import LookupConfig
 from ..engine.decoders.sampling import GREEDY_BELOW
 from ..request_text.detokenize import CommittedText
 from ..logs import get_logger
 from ..request_text.requests import Job
+from .kernel_choice import MAX_VERIFY_POSITIONS
 
 if TYPE_CHECKING:
     from .loaded_engine import LoadedEngine
@@ -215,7 +217,8 @@ class DecodePaths:
             if self.engine.batch_speculates:
                 history = primed if mode != "off" else None  # a serial row drafts nothing
                 self.engine.batch.add(job.key, sampler, last, cache=pre.cache, history=history, exact=job.exact,
-                               depth=self._row_depth(job))
+                               depth=self._row_depth(job), lookup=self._row_lookup(job, drafting),
+                               context=job.prompt[:-1])
                 job.batched = True
                 self._hand_solo_to_batch()
             else:
@@ -266,12 +269,27 @@ class DecodePaths:
         request_depth = self._request_depth(job)
         return None if request_depth == self.engine.slot.current_depth else request_depth
 
+    def _row_lookup(self, job: Job, drafting: dict) -> LookupConfig | None:
+        """A batched row's prompt-lookup blocks (engine/decoders/batch_spec.py): where its
+        mode speculates and the options have lookup, its blocks capped so that a verify of
+        every row stays within the forward the invariant kernels and probes cover."""
+        cfg = drafting.get("lookup")
+        if job.mode == "off" or cfg is None or not self.cfg.speculation.batch_lookup:
+            return None
+        return LookupConfig(cfg.min_ngram, cfg.max_ngram, min(cfg.max_draft, MAX_VERIFY_POSITIONS - 1), cfg.max_skip)
+
+    @staticmethod
+    def _so_far(job: Job) -> list[int]:
+        """The tokens before a rejoining row's primary (its last committed token)."""
+        return (list(job.prompt) + list(job.token_ids))[:-1]
+
     def _rejoin_batch(self, job: Job, state: tuple) -> None:
         """A parked batch row comes back with the state ``extract`` gave it."""
         if self.engine.batch_speculates:
             cache, primary, history = state
             self.engine.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
-                           depth=self._row_depth(job))
+                           depth=self._row_depth(job), lookup=self._row_lookup(job, self._drafting_options()),
+                           context=self._so_far(job))
         else:
             cache, next_token = state
             self.engine.batch.add(job.key, job.sampler, cache=cache, next_token=next_token, exact=job.exact)
@@ -292,7 +310,8 @@ class DecodePaths:
                 job.solo_spec = False
                 cache, primary, history = done.value
                 self.engine.batch.add(job.key, job.sampler, [primary], cache=cache, history=history, exact=job.exact,
-                               depth=self._row_depth(job))
+                               depth=self._row_depth(job), lookup=self._row_lookup(job, self._drafting_options()),
+                               context=self._so_far(job))
                 job.batched = True
                 job.generator = self.engine.batch.handle(job.key)
                 log.info("batch.joined", request_id=job.request_id, seat=job.seat, rows=len(self.engine.batch),

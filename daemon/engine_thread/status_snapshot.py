@@ -176,13 +176,15 @@ class EngineStatus:
 
     def batch_cycles(self) -> dict | None:
         """The speculating batch's cycles since start: all, those queued ahead of the host's
-        read of the one before (depth 0; drafting, engine/decoders/batch_ahead.py) and those
-        undone (a row joined or left before they were read). None: no speculating batch."""
+        read of the one before (depth 0; drafting, engine/decoders/batch_ahead.py), those
+        undone (a row joined or left before they were read, or a lookup cycle came), and the
+        lookup cycles with the blocks' tokens drafted and accepted. None: no speculating batch."""
         if self.engine is None or not self.engine.batch_speculates:
             return None
         st = self.engine.batch.stats
         return {"cycles": st.cycles, "depth0_ahead": st.ahead_used, "depth0_undone": st.ahead_undone,
-                "drafting_ahead": st.spec_ahead_used, "drafting_undone": st.spec_ahead_undone}
+                "drafting_ahead": st.spec_ahead_used, "drafting_undone": st.spec_ahead_undone,
+                "lookup": st.lookup_cycles, "lookup_drafted": st.lookup_drafted, "lookup_accepted": st.lookup_accepted}
 
     def rows_status(self) -> dict:
         """How many requests decode at once: ``limit`` (the scheduler's, now), ``mode``

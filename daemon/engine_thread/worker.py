@@ -394,6 +394,7 @@ class EngineWorker(threading.Thread):
                 tokens=[t for s in rows for t in s.tokens], depth=getattr(self.engine.batch, "last_depth", 0),
                 drafted=sum(s.drafted for s in rows), accepted=sum(s.accepted for s in rows),
                 accepted_mask=[ok for s in rows for ok in s.accepted_mask], cycle_s=dt,
+                draft_source=getattr(self.engine.batch, "last_source", "head"),
                 transition=getattr(self.engine.batch, "last_transition", False)), batch=len(rows))
         for key, step in steps.items():
             job = self.jobs.get(key)

@@ -97,7 +97,9 @@ def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
     concurrent exact requests still get the text each gets alone; the status view counts the
     cycles built ahead, and the ones undone as rows left. Raw prompts and chat messages (a
     council's usual request) alike."""
-    d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbuild_ahead = true\n")
+    # Prompt lookup off: these prompts' answers repeat their text, and lookup cycles (which
+    # are never built ahead) would take nearly every cycle from the head's drafting.
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbuild_ahead = true\nprompt_lookup = false\n")
     chats = [[{"role": "system", "content": "You write short Python."},
               {"role": "user", "content": f"Write a function that {what}."}]
              for what in ("adds two numbers", "reverses a list")]
@@ -115,3 +117,33 @@ def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
         assert cycles["drafting_ahead"] > 0 and cycles["drafting_undone"] > 0, cycles
     finally:
         assert d.stop() == 0
+
+
+def test_concurrent_requests_that_repeat_their_context_verify_lookup_blocks_in_the_batch(council_daemon):
+    """Four concurrent exact requests whose text repeats what they hold (code a council copies),
+    at depth 0 (where the governor keeps a busy batch of the bundled model): they decode as
+    rows of the batch, which verifies their prompt-lookup blocks in its forwards, and each
+    request's text is still the one it decodes alone."""
+    d = council_daemon
+    asks = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
+            "| x | y |\n| 1 | 2 |\n| 3 | 4 |\n| 1 | 2 |\n| 3 |",
+            "import os\nimport sys\nimport os\nimport sys\nimport",
+            "for i in range(3):\n    print(i)\nfor i in range(3):\n    print("]
+    with Client(d.endpoint, seat="council", timeout_s=120) as c:
+        alone = {p: c.complete(p, max_tokens=64, speculation="off").text for p in asks}
+        before = c.status().detail["step"]["batch_cycles"]
+        assert c.governor("pin_depth", 0).ok
+        try:
+            streams = [c.generate(p, max_tokens=64 + 8 * i, speculation="exact") for i, p in enumerate(asks)]
+            dones = [s.result() for s in streams]
+            after = c.status().detail["step"]["batch_cycles"]
+        finally:
+            assert c.governor("auto").ok
+    for p, done in zip(asks, dones):
+        assert done.text.startswith(alone[p]), p
+    ids = {s.request_id for s in streams}
+    ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
+    batched = [e for e in ended if e["batched"]]
+    assert len(batched) >= 3, ended
+    assert sum(e["speculation"]["lookup_accepted"] for e in batched) > 0, batched
+    assert after["lookup"] > before["lookup"] and after["lookup_accepted"] > before["lookup_accepted"], (before, after)

@@ -246,3 +246,22 @@ def test_cycle_telemetry_from_step_carries_the_draft_source():
 
     t = C.from_step(Step())
     assert t.source == "lookup" and t.accepted_prefix() == 2
+
+
+def test_batched_lookup_cycles_teach_no_height_its_cost_or_acceptance():
+    """A batch's lookup cycle (rows verifying prompt-lookup blocks, batch_spec.py) is as wide as
+    its longest block and runs no head: booked at that depth it would price the height's
+    depths and the head's acceptance with it. It is counted apart; the decode clock runs."""
+    m = CostModel(CFG)
+    for i in range(12):
+        m.record(C(depth=2, drafted=8, accepted=6, accepted_by_position=(True, True) * 3 + (False, False),
+                   emitted=10, cycle_s=0.004, batch=4), now=float(i))
+    before = m.snapshot(12.0)
+    for i in range(6):
+        m.record(C(depth=8, drafted=16, accepted=15, emitted=19, cycle_s=0.006, batch=4, source="lookup"),
+                 now=12.0 + i)
+    after = m.snapshot(18.0)
+    for key in ("heights", "depths", "acceptance", "acceptance_samples"):
+        assert after[key] == before[key], key
+    assert (m.lookup_cycles, m.lookup_drafted, m.lookup_accepted) == (6, 96, 90)
+    assert m.batched_cycles == 18 and m.decode_s == pytest.approx(12 * 0.004 + 6 * 0.006)

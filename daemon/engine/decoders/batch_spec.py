@@ -33,9 +33,21 @@ steps) and ``exactness.ragged_verify_matches_serial`` (rows verified together, k
 ragged prefixes, then verified through the holes) together, probed once; elsewhere ``admits`` refuses exact greedy rows (they
 decode alone). Constrained rows (constraint.py) draw each draft under their grammar's mask
 (the matcher takes every draft, a host read per draft), verify under the same masks and
-settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the batch (solo speculation
-has them): prompt lookup, the draft stopper, the loop guard. A depth-0 cycle is queued
+settle the matcher on the committed tokens. There is no near-tie guard here. Not done in the
+batch (solo speculation has them): the draft stopper, the loop guard. A depth-0 cycle is queued
 ahead, as BatchDecoder's step is, unless a row has a grammar (``_step_ahead``).
+
+Prompt lookup (lookup.py), for greedy rows without a grammar that were added with
+``lookup``: where a row's committed tail recurs in its prompt and output, a cycle verifies the
+block that followed it (no head forward: a lookup cycle). When any row has a block, that
+cycle is a lookup cycle (a cycle queued ahead is undone first): rows with a block verify it,
+the others their head's drafts at the batch's depth (at depth 0 their primary alone), all in
+one forward; each row commits what a verify of its own would (greedy: the verify's argmaxes,
+so tokens are the same whatever was drafted). Why: a council's seats copy code and tables from their context, and a lone request
+drafted such blocks while the same request in the batch decoded a token a cycle (on an H100,
+four HTTP streams of 256 tokens gave 0.91x one stream: bench/results/h100_2026-12-07g). A
+block is at most ``LookupConfig.max_draft`` tokens: the caller caps it so a verify stays
+within the rows the exactness probes and the invariant kernels cover.
 
 Cycles queued ahead of the host's read (depth 0, and drafting cycles decided on the device)
 are batch_ahead.py's (``CyclesAhead``, which this decoder inherits).
@@ -63,6 +75,7 @@ from .batch import batch_matches_serial
 from .batch_ahead import AHEAD_WINDOW, CyclesAhead, QueuedDepthZero, QueuedDrafting
 from .constraint import ConstraintError, ConstraintViolation
 from .exactness import ragged_verify_matches_serial, verify_matches_serial
+from .lookup import LookupConfig, PromptLookup
 from .sampling import Sampler, logprob_entries, logprobs as _logprobs
 from .speculative import (FLUSH_PENDING, PIPELINE_MIN_CYCLE_S, draft_token, greedy_accepted, prefill_with_hidden,
                           rejection_sample, resolve_pipeline, sampled_accepted)
@@ -78,6 +91,7 @@ class SpecRow:
     pending_h: list = field(default_factory=list)  # [1, n, H] base hiddens
     pending_t: list = field(default_factory=list)  # [n] uint32 next tokens
     n_pending: int = 0
+    lookup: PromptLookup | None = None  # over every token up to and including primary
 
     @property
     def plain(self) -> bool:
@@ -104,6 +118,9 @@ class SpecBatchStats:
     spec_ahead_used: int = 0  # drafting cycles built ahead of the previous one's read, and run
     spec_ahead_undone: int = 0  # drafting cycles built ahead and undone (a row joined or left)
     read_wait_s: float = 0.0  # the host's time in drafting cycles' one read: waiting for the device
+    lookup_cycles: int = 0  # cycles that verified prompt-lookup blocks
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
 
 
 class SpecBatchDecoder(CyclesAhead, RowBatch):
@@ -159,6 +176,7 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         # depth, or one whose head feed caught up on pairs queued at a lower depth or by a
         # joining row. Its cost is not its depth's steady cost (governor/cost_model.py).
         self.last_transition = False
+        self.last_source = "head"  # "lookup": the last cycle verified prompt-lookup blocks
 
     # ------------------------------------------------------------------ the head
     def _live_head(self):
@@ -184,11 +202,15 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         return not (exact and sampler.greedy) or self.exact_ok
 
     def add(self, row_id: Hashable, sampler: Sampler, prompt: list[int], *, cache: list | None = None,
-            history: HeadHistory | None = None, exact: bool = False, depth: Callable[[], int] | None = None) -> None:
+            history: HeadHistory | None = None, exact: bool = False, depth: Callable[[], int] | None = None,
+            lookup: LookupConfig | None = None, context: list[int] = ()) -> None:
         """Admit a row at a cycle boundary. ``cache`` holds everything before ``prompt``;
         all of ``prompt`` but its last token is prefilled here (as speculative_decode's
         prefill), the last is the row's primary. ``history``: the row's head history (its
-        KV and pending pairs, from a prefill or ``extract``)."""
+        KV and pending pairs, from a prefill or ``extract``). ``lookup``: draft prompt-lookup
+        blocks for this row (a greedy row without a grammar) from ``context`` (the tokens
+        before ``prompt``: the rest of the prompt, and what the row generated before it
+        joined) and what it commits."""
         self._check_join(row_id, sampler, exact)
         if not prompt:
             raise ValueError("a stream needs at least one prompt token")
@@ -199,6 +221,8 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
             history = HeadHistory(head)
         primary = int(prefill_with_hidden(self.lm, prompt, cache, history, self.prefill_chunk).item())
         row = SpecRow(row_id, sampler, exact, primary, depth)
+        if lookup is not None and sampler.greedy and sampler.constraint is None:
+            row.lookup = PromptLookup(list(context) + list(prompt), lookup)
         if head is not None:
             row.pending_h, row.pending_t, row.n_pending = list(history.h), list(history.t), history.n
         hcache = history.cache
@@ -340,12 +364,30 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         carries one: its verify's positions are the rows' own)."""
         if not self._rows:
             return {}
+        rows = list(self._rows)
+        steps = self._cycle(ride)
+        for r in rows:  # each row's lookup reads every token it committed
+            if r.lookup is not None and r.row_id in steps:
+                r.lookup.extend(steps[r.row_id].tokens)
+        return steps
+
+    def _lookup_blocks(self) -> list[list[int]] | None:
+        """Each row's prompt-lookup block for this cycle ([] for none), or None where no row
+        has one. Asked once a cycle (a row's lookup counts its backing off in cycles)."""
+        blocks = [r.lookup.propose() if r.lookup is not None else [] for r in self._rows]
+        return blocks if any(blocks) else None
+
+    def _cycle(self, ride: Ride | None) -> dict[Hashable, DecodeStep]:
         t0 = time.perf_counter()
         rows, B = self._rows, len(self._rows)
         head = self._live_head()  # a replaced head undoes a cycle queued ahead
+        self.last_source = "head"
         if self._spec_ahead is not None:
             return self._adopt_drafting(head, t0)
         k = max(0, int(self.depth_for(B))) if head is not None else 0
+        blocks = self._lookup_blocks()
+        if blocks is not None:
+            return self._lookup_cycle(head, blocks, k, t0)
         ks = [self._row_depth(r, k) for r in rows]
         K = max(ks)
         # The depth this cycle's forward verified (rows may cap below the batch's k): what the
@@ -366,6 +408,47 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
             drafts, logq, spec_slots = [], [[] for _ in rows], 0
             if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
                 self._feed(head)  # keep the head's history whole while nobody drafts
+        return self._verify(head, ks, drafts, logq, spec_slots, t0, ride)
+
+    def _lookup_cycle(self, head, blocks: list[list[int]], k: int, t0: float) -> dict[Hashable, DecodeStep]:
+        """Verify every row's lookup block, and the others' head drafts at the batch's depth
+        ``k`` (none at depth 0), in one forward."""
+        self._discard_ahead()  # its input was the last token read: this cycle starts there
+        rows = self._rows
+        heads = [0 if b else self._row_depth(r, k) for b, r in zip(blocks, rows)]  # rows the head drafts for
+        Kh = max(heads)
+        ks = [len(b) or kh for b, kh in zip(blocks, heads)]
+        K = max(ks)
+        self.last_transition = K != self.last_depth or self.last_source != "lookup"
+        self.last_depth, self.last_positions, self.last_source = K, len(rows) * (K + 1), "lookup"
+        if Kh:
+            drafts, logq = self._drafts(head, Kh, heads)
+        else:
+            drafts, logq = [], [[] for _ in rows]
+            if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
+                self._feed(head)  # keep the head's history whole while it drafts nothing
+        from_block = mx.array([bool(b) for b in blocks])
+        block = mx.array([b + [0] * (K - len(b)) for b in blocks], dtype=mx.uint32)  # [B, K]; pads are never judged
+        cols = [mx.where(from_block, block[:, j], drafts[j] if j < Kh else block[:, j]) for j in range(K)]
+        steps = self._verify(head, ks, cols, logq, max(Kh - 1, 0), t0, None)
+        self.stats.lookup_cycles += 1
+        for r, b in zip(rows, blocks):
+            if b:
+                s = steps[r.row_id]
+                s.draft_source = "lookup"
+                r.lookup.record(len(b), s.accepted)
+                self.stats.lookup_drafted += len(b)
+                self.stats.lookup_accepted += s.accepted
+                self.stats.drafted -= len(b)  # drafted / accepted count the head's drafts
+                self.stats.accepted -= s.accepted
+        return steps
+
+    def _verify(self, head, ks: list[int], drafts: list[mx.array], logq: list[list], spec_slots: int, t0: float,
+                ride: Ride | None) -> dict[Hashable, DecodeStep]:
+        """Verify every row's primary and its ``ks[i]`` drafts (``drafts``: K [B] token
+        arrays) in one forward, accept and commit per row; ``spec_slots``: the head's
+        speculative slots to drop after."""
+        rows, B, K = self._rows, len(self._rows), max(ks)
         tokens = mx.stack([self._primaries()] + drafts, axis=1)  # [B, K+1]
         T = K + 1
 
@@ -451,8 +534,8 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         dt = time.perf_counter() - t0
         for s in steps.values():
             s.cycle_s = dt
-        if self.last_depth > 0 and not self.last_transition:  # a steady drafting cycle (_builds_ahead)
-            self._drafting_times.append(dt)
+        if self.last_depth > 0 and not self.last_transition and self.last_source == "head":
+            self._drafting_times.append(dt)  # a steady drafting cycle (_builds_ahead); a lookup cycle is not one
         return steps
 
     def _primaries(self) -> mx.array:
