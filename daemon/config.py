@@ -156,9 +156,10 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     lookup_max_draft: Annotated[int, Meta(ge=1, le=32)] = 8
     # Rows of the continuous batch draft lookup blocks too (greedy rows without a grammar;
     # engine/decoders/batch_spec.py), up to min(lookup_max_draft, 8) tokens: a cycle where any row
-    # has one verifies every row's block (the others' head drafts) in one forward.
-    # false: only a request decoding alone drafts them.
-    batch_lookup: bool = True
+    # has one verifies every row's block (the others' head drafts) in one forward. "auto": on
+    # CUDA, where a verify's cost is nearly flat in positions; not on the CPU, where four
+    # streams ran 0.59x with it (each position a row of work), nor on Metal (not measured).
+    batch_lookup: Literal["auto"] | bool = "auto"
     # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
     # drafts' confidence times the request's running acceptance is below this (serial steps
     # one more position costs); 0 never stops early.

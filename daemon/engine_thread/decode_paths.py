@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 
 from protocol import messages as m
 
+from ..engine.decoders.batch_spec import resolve_batch_lookup
 from ..engine.decoders.lookup import LookupConfig
 from ..engine.decoders.sampling import GREEDY_BELOW
 from ..request_text.detokenize import CommittedText
@@ -273,8 +274,8 @@ class DecodePaths:
         """A batched row's prompt-lookup blocks (engine/decoders/batch_spec.py): where its
         mode speculates and the options have lookup, its blocks capped so that a verify of
         every row stays within the forward the invariant kernels and probes cover."""
-        cfg = drafting.get("lookup")
-        if job.mode == "off" or cfg is None or not self.cfg.speculation.batch_lookup:
+        cfg, setting = drafting.get("lookup"), self.cfg.speculation.batch_lookup
+        if job.mode == "off" or cfg is None or not resolve_batch_lookup(None if setting == "auto" else setting):
             return None
         return LookupConfig(cfg.min_ngram, cfg.max_ngram, min(cfg.max_draft, MAX_VERIFY_POSITIONS - 1), cfg.max_skip)
 

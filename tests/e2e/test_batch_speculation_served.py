@@ -81,6 +81,7 @@ def test_concurrent_requests_at_depth_zero_batch_and_stay_serial(council_daemon)
         try:
             streams = [c.generate(p, max_tokens=TOKENS + 8 * i, speculation="exact") for i, p in enumerate(PROMPTS)]
             dones = [s.result() for s in streams]
+            cycles = c.status().detail["step"]["batch_cycles"]
         finally:
             assert c.governor("auto").ok
     for p, done in zip(PROMPTS, dones):
@@ -89,6 +90,9 @@ def test_concurrent_requests_at_depth_zero_batch_and_stay_serial(council_daemon)
     ids = {s.request_id for s in streams}
     ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
     assert len(ended) == 4 and sum(e["batched"] for e in ended) >= 3, ended
+    # speculation.batch_lookup = "auto": rows draft no lookup blocks on the CPU (a wider verify
+    # costs its positions here); requests alone still do.
+    assert cycles["cycles"] > 0 and cycles["lookup"] == 0, cycles
 
 
 def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
@@ -119,12 +123,13 @@ def test_drafting_cycles_built_ahead_keep_each_request_exact(tmp_path):
         assert d.stop() == 0
 
 
-def test_concurrent_requests_that_repeat_their_context_verify_lookup_blocks_in_the_batch(council_daemon):
+def test_concurrent_requests_that_repeat_their_context_verify_lookup_blocks_in_the_batch(tmp_path):
     """Four concurrent exact requests whose text repeats what they hold (code a council copies),
     at depth 0 (where the governor keeps a busy batch of the bundled model): they decode as
     rows of the batch, which verifies their prompt-lookup blocks in its forwards, and each
-    request's text is still the one it decodes alone."""
-    d = council_daemon
+    request's text is still the one it decodes alone. (``batch_lookup = true``: "auto" leaves
+    it to CUDA, test_concurrent_requests_at_depth_zero_batch_and_stay_serial checks that.)"""
+    d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbatch_lookup = true\n")
     asks = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
             "| x | y |\n| 1 | 2 |\n| 3 | 4 |\n| 1 | 2 |\n| 3 |",
             "import os\nimport sys\nimport os\nimport sys\nimport",
@@ -143,6 +148,7 @@ def test_concurrent_requests_that_repeat_their_context_verify_lookup_blocks_in_t
         assert done.text.startswith(alone[p]), p
     ids = {s.request_id for s in streams}
     ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
+    assert d.stop() == 0
     batched = [e for e in ended if e["batched"]]
     assert len(batched) >= 3, ended
     assert sum(e["speculation"]["lookup_accepted"] for e in batched) > 0, batched

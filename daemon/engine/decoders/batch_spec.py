@@ -123,6 +123,16 @@ class SpecBatchStats:
     lookup_accepted: int = 0
 
 
+def resolve_batch_lookup(setting: bool | None) -> bool:
+    """None ("auto"): rows draft lookup blocks on CUDA, where a verify of a few positions a
+    row costs about what one does (bench/results/h100_2026-12-07f). Not on the CPU, where each
+    position is a row of work: four HTTP streams of repetitive output ran 0.59x with it
+    (bench/results/batch_lookup_cpu_2026-12-07); not on Metal until it is measured there."""
+    if setting is not None:
+        return setting
+    return mx.default_device() == mx.gpu and not mx.metal.is_available()
+
+
 class SpecBatchDecoder(CyclesAhead, RowBatch):
     """Drive from one thread, at cycle boundaries: ``add`` / ``remove`` / ``extract`` /
     ``step``. ``head`` returns the resident MTP head (or None); ``depth_for(B)`` the batch's
