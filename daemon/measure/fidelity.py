@@ -588,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
         report.arms += run_batched_arms(
             lm, head, prompts, ArmResult, _serial_tokens, PROCESSORS if args.processors else None,
             heights=[int(b) for b in args.batched.split(",")], max_tokens=args.tokens, modes=modes,
-            depth=max(int(d) for d in args.depths.split(",")), riding=not args.no_riding)
+            depth=max(int(d) for d in args.depths.split(",")), riding=not args.no_riding,
+            lookup=LookupConfig(max_draft=8))
     if args.batched_only:
         print(format_report(report))
         if args.json:

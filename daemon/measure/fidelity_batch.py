@@ -5,7 +5,9 @@ lengths) and mixed per-row depth ceilings decode together in one ``SpecBatchDeco
 rows join mid-stream (the batch starts half full and a new row is admitted whenever one
 leaves or there is room), leave when they have their tokens, and one row per arm is
 taken out and put back (``extract`` / ``add``, as parking does). With ``mixed_processors``
-every third row carries the gate's logit processors. Each row's tokens are compared with
+every third row carries the gate's logit processors. With ``lookup``, every other row drafts
+prompt-lookup blocks too (batch_spec.py's lookup cycles: those rows verify their blocks, the
+others their head's drafts, in one forward). Each row's tokens are compared with
 the same prompt decoded alone by serial_decode under the same sampling parameters: an exact
 row must be identical (the gate fails otherwise); fast rows count flips.
 
@@ -32,6 +34,7 @@ import time
 from collections.abc import Callable
 
 from ..engine.decoders.batch_spec import SpecBatchDecoder
+from ..engine.decoders.lookup import LookupConfig
 from ..engine.prefill.mixed_forward import Ride, mixed_matches_alone
 from ..engine.model.model import LoadedModel
 from ..engine.prefill.prefill import ChunkedPrefill
@@ -57,9 +60,10 @@ def run_batched_arms(
     depth: int = 4,
     rows_per_arm: int | None = None,
     riding: bool = False,
+    lookup: LookupConfig | None = None,
 ) -> list:
     """One arm per (mode, height), and with ``riding`` a "pieces riding" arm per (mode, height);
-    ``processors`` (None: none) go on every third row."""
+    ``processors`` (None: none) go on every third row, ``lookup`` (None: none) on every other."""
     encoded = [p if isinstance(p, list) else lm.encode_prompt(p, None, None) for p in prompts]
     plain = SamplingParams()
     procs = SamplingParams(**processors) if processors else plain
@@ -84,8 +88,8 @@ def run_batched_arms(
         n_rows = rows_per_arm or 2 * B
         # Row r: prompt r mod len, processors on every third row, its own depth ceiling.
         plan = [(r % len(encoded), mixed_processors and r % 3 == 2, ROW_DEPTHS[r % len(ROW_DEPTHS)]) for r in range(n_rows)]
-        arm = new_arm(mode=mode, depth=depth, drafting=f"batch x{B}" + (", pieces riding" if rides else ""),
-                      processors=mixed_processors, batch_rows=B)
+        arm = new_arm(mode=mode, depth=depth, drafting=f"batch x{B}" + (", pieces riding" if rides else "")
+                      + (", lookup" if lookup is not None else ""), processors=mixed_processors, batch_rows=B)
         t0 = time.perf_counter()
         cycle = [0]
         depth_for = (lambda height: depth if (cycle[0] // 4) % 2 else 0) if rides else (lambda height: depth)
@@ -103,7 +107,8 @@ def run_batched_arms(
         def admit(r: int) -> None:
             pi, with_procs, ceiling = plan[r]
             samplers[r] = Sampler(procs if with_procs else plain, prompt=encoded[pi])
-            bd.add(r, samplers[r], encoded[pi], exact=exact, depth=lambda c=ceiling: c)
+            bd.add(r, samplers[r], encoded[pi], exact=exact, depth=lambda c=ceiling: c,
+                   lookup=lookup if r % 2 else None)
             got[r] = []
 
         while next_row < max(1, B // 2):
@@ -114,6 +119,11 @@ def run_batched_arms(
             for r, step in bd.step(ride).items():
                 got[r] += step.tokens
                 arm.cycles += 1
+                if step.draft_source == "lookup":
+                    arm.lookup_cycles += 1
+                    arm.lookup_drafted += step.drafted
+                    arm.lookup_accepted += step.accepted
+                    continue
                 arm.drafted += step.drafted
                 arm.accepted += step.accepted
             if riders is not None:
@@ -125,7 +135,8 @@ def run_batched_arms(
                 r = bd.row_ids[0]  # out and back in, as a parked row is
                 cache, primary, hist = bd.extract(r)
                 bd.add(r, samplers[r], [primary], cache=cache, history=hist, exact=exact,
-                       depth=lambda c=plan[r][2]: c)
+                       depth=lambda c=plan[r][2]: c, lookup=lookup if r % 2 else None,
+                       context=encoded[plan[r][0]] + got[r][:-1])
                 parked_once = True
             if next_row < n_rows and len(bd) < B:
                 admit(next_row)

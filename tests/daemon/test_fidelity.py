@@ -129,7 +129,8 @@ def test_cli_batched_arms(random_model_path, tmp_path):
     data = json.loads(out.read_text())
     arms = data["arms"]
     assert [(a["mode"], a["batch_rows"], a["drafting"]) for a in arms] == [
-        (mode, B, f"batch x{B}" + riding) for mode in ("exact", "fast") for B in (2, 3) for riding in ("", ", pieces riding")]
+        (mode, B, f"batch x{B}" + riding + ", lookup")  # every other row drafts lookup blocks too
+        for mode in ("exact", "fast") for B in (2, 3) for riding in ("", ", pieces riding")]
     plain = [a for a in arms if "riding" not in a["drafting"]]
     assert all(a["identical"] == a["prompts"] == 2 * a["batch_rows"] for a in plain) and data["passed"]
     # The riding twins: the same rows, plus the riders decoded from the caches their pieces built.
