@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mlx-server", action="store_true", help="add mlx_lm.server on the same model as an arm")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
                     help="another councild daemon and front, TOML appended to its config (e.g. "
-                         "'nolookup=[speculation]\\nbatch_lookup = false'): an arm \"http NAME\" rotated with the "
+                         "'lookup=[speculation]\\nbatch_lookup = true'): an arm \"http NAME\" rotated with the "
                          "others and paired against \"http\"; repeatable")
     ap.add_argument("--json", default="bench/out/http.json")
     ap.add_argument("--markdown")

@@ -158,8 +158,9 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     # engine/decoders/batch_spec.py), up to min(lookup_max_draft, 8) tokens: a cycle where any row
     # has one verifies every row's block (the others' head drafts) in one forward. "auto": on
     # CUDA, where a verify's cost is nearly flat in positions; not on the CPU, where four
-    # streams ran 0.59x with it (each position a row of work), nor on Metal (not measured).
-    batch_lookup: Literal["auto"] | bool = "auto"
+    # streams ran 0.59x with it (each position a row of work), nor on Metal. Off by default
+    # until it is measured on a GPU (the device was not lent when it was built).
+    batch_lookup: Literal["auto"] | bool = False
     # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
     # drafts' confidence times the request's running acceptance is below this (serial steps
     # one more position costs); 0 never stops early.

@@ -5,7 +5,7 @@
 # too, with its governor decisions (depth and height by load) pulled out beside it.
 #   bash bench/device/streams_call.sh            (ROUNDS, TOKENS, STREAMS, CALL_LIMIT: env)
 # VARIANT='NAME=TOML' adds a second daemon with that config as an arm "http NAME" (e.g.
-# VARIANT='nolookup=[speculation]\nbatch_lookup = false'); MLX=" " leaves mlx_lm.server out.
+# VARIANT='lookup=[speculation]\nbatch_lookup = true'); MLX=" " leaves mlx_lm.server out.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 o=${OUT:-/tmp/out}/streams
 mkdir -p "$o"

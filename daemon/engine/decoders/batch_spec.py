@@ -125,8 +125,9 @@ class SpecBatchStats:
 
 def resolve_batch_lookup(setting: bool | None) -> bool:
     """None ("auto"): rows draft lookup blocks on CUDA, where a verify of a few positions a
-    row costs about what one does (bench/results/h100_2026-12-07f). Not on the CPU, where each
-    position is a row of work: four HTTP streams of repetitive output ran 0.59x with it
+    row costs about what one does (bench/results/h100_2026-12-07f; the whole effect is not
+    measured there yet, so the config's default is off). Not on the CPU, where each position
+    is a row of work: four HTTP streams of repetitive output ran 0.59x with it
     (bench/results/batch_lookup_cpu_2026-12-07); not on Metal until it is measured there."""
     if setting is not None:
         return setting
