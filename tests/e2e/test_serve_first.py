@@ -233,3 +233,26 @@ def test_a_turn_before_the_splits_verdict_leaves_a_continuation_the_verdict_make
     finally:
         assert cold.stop() == 0
     assert list(ref.token_ids) == list(two.token_ids)
+
+
+def test_a_splits_probe_that_fails_leaves_pending_snapshots_inexact(tmp_path):
+    """The chunk-split check forced to fail in the background: the cache stops waiting
+    (nothing pending), nothing is promoted, snapshots off the grid stay inexact, and the
+    event says the verdict failed."""
+    cache = {"COUNCILD_CACHE_DIR": str(tmp_path / "cache")}
+    d = start_daemon(tmp_path, BUNDLED_MODEL, env=cache, config='debug_fail_warm = ["splits"]\n' + CONFIG,
+                     warmed=False)
+    try:
+        with Client(d.endpoint, seat="s", timeout_s=120) as c:
+            c.generate(prompt_tokens=[(7 * i) % 3000 + 5 for i in range(75)], max_tokens=6, speculation="exact",
+                       temperature=0.0).result()
+            while _pending(c):
+                time.sleep(0.2)
+            pc = c.status().detail["prefix_cache"]
+    finally:
+        assert d.stop() == 0
+    assert not pc["splits_pending"] and not pc["splits_exact"] and pc["pending"] == 0 and pc["promoted"] == 0, pc
+    assert "chunk grid" in pc["exact_reuse"] and "until" not in pc["exact_reuse"]
+    (ready,) = [e for e in d.events() if e["event"] == "prefix_cache.ready"]
+    assert ready["verdict"] == "failed" and not ready["splits_exact"] and ready["promoted"] == 0
+    assert _warm_events(d)["splits"]["switched_in"] is False
