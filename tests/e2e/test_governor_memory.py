@@ -187,7 +187,9 @@ def test_real_memory_pressure_evicts_sheds_and_restores(tmp_path):
             # 2. Real memory pressure from another process, in steps, until past critical.
             helper = Helper(["hold", "--step-mb", "128", "--max-mb", str(MAX_HOLD_MB), "--step-pause-s", "0.02",
                              "--until-memavail-below", str(int(crit_at - OVERSHOOT))])
-            held = [rec for rec in helper.lines(timeout_s=60)]
+            # 180 s: the helper touches 128 MiB a step; beside the full suite on two busy cores
+            # one run took 60 s for 18 steps (2026-12-07), where a quiet box takes a second or two.
+            held = [rec for rec in helper.lines(timeout_s=180)]
             assert held and "holding" in held[-1], f"helper did not reach its target: {held[-3:]}"
             assert held[-1]["memavailable"] < crit_at, (
                 f"MemAvailable {held[-1]['memavailable'] >> 20} MiB not below critical {crit_at >> 20} MiB "
