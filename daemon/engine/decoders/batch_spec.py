@@ -441,24 +441,15 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         from_block = mx.array([bool(b) for b in blocks])
         block = mx.array([b + [0] * (K - len(b)) for b in blocks], dtype=mx.uint32)  # [B, K]; pads are never judged
         cols = [mx.where(from_block, block[:, j], drafts[j] if j < Kh else block[:, j]) for j in range(K)]
-        steps = self._verify(head, ks, cols, logq, max(Kh - 1, 0), t0, None)
         self.stats.lookup_cycles += 1
-        for r, b in zip(rows, blocks):
-            if b:
-                s = steps[r.row_id]
-                s.draft_source = "lookup"
-                r.lookup.record(len(b), s.accepted)
-                self.stats.lookup_drafted += len(b)
-                self.stats.lookup_accepted += s.accepted
-                self.stats.drafted -= len(b)  # drafted / accepted count the head's drafts
-                self.stats.accepted -= s.accepted
-        return steps
+        return self._verify(head, ks, cols, logq, max(Kh - 1, 0), t0, None, from_blocks=[bool(b) for b in blocks])
 
     def _verify(self, head, ks: list[int], drafts: list[mx.array], logq: list[list], spec_slots: int, t0: float,
-                ride: Ride | None) -> dict[Hashable, DecodeStep]:
+                ride: Ride | None, from_blocks: list[bool] | None = None) -> dict[Hashable, DecodeStep]:
         """Verify every row's primary and its ``ks[i]`` drafts (``drafts``: K [B] token
         arrays) in one forward, accept and commit per row; ``spec_slots``: the head's
-        speculative slots to drop after."""
+        speculative slots to drop after; ``from_blocks[i]``: row i's drafts are its lookup
+        block (its lookup learns the outcome, and they count apart from the head's)."""
         rows, B, K = self._rows, len(self._rows), max(ks)
         tokens = mx.stack([self._primaries()] + drafts, axis=1)  # [B, K+1]
         T = K + 1
@@ -521,10 +512,17 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
                 r.pending_h.append(hid[i : i + 1, : a + 1])
                 r.pending_t.append(ids)
                 r.n_pending += a + 1
+            block = bool(from_blocks and from_blocks[i])
             steps[r.row_id] = DecodeStep(tokens=committed, depth=ki, drafted=ki, accepted=a,
-                                         accepted_mask=[True] * a + [False] * (ki - a), logprobs=lp_entries)
-            self.stats.drafted += ki
-            self.stats.accepted += a
+                                         accepted_mask=[True] * a + [False] * (ki - a), logprobs=lp_entries,
+                                         draft_source="lookup" if block else "head")
+            if block:
+                r.lookup.record(ki, a)
+                self.stats.lookup_drafted += ki
+                self.stats.lookup_accepted += a
+            else:
+                self.stats.drafted += ki
+                self.stats.accepted += a
             self.stats.tokens += a + 1
 
         # 4. every row keeps its own prefix of the verify; the head drops its speculative slots.
