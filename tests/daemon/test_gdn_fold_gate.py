@@ -43,7 +43,8 @@ def test_the_speculating_exact_gate_passes_with_the_conv_folded(folded_on_cpu, c
     prompts = tmp_path / "prompts.json"  # four of the suite's (the reference recurrence is slow here)
     prompts.write_text(json.dumps(load_prompts()[:4]))
     rc = fidelity.main(["--model", str(BUNDLED_MODEL), "--depths", "3", "--modes", "exact", "--tokens", "24",
-                        "--drafting", "mtp", "--draws", "0", "--no-deviation", "--prompts", str(prompts)])
+                        "--drafting", "mtp", "--draws", "0", "--no-deviation", "--prompts", str(prompts),
+                        "--batched", ""])  # the batched arms are the test above's
     seen = capsys.readouterr()
     out = seen.out + seen.err
     assert "GatedDeltaNet recurrence: fused;" in out, out[:2000]
