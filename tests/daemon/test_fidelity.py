@@ -112,8 +112,9 @@ def test_cli_writes_json_and_exit_codes(random_model_path, tmp_path, capsys):
     assert whats[-1].startswith("verify-vs-serial logit deviation")
     assert re.fullmatch(r"\[fidelity done\] 17 steps in .+: 22 speculative decodes, 0 flips, PASS", lines[-1]), lines[-1]
     assert "[fidelity" not in captured.out  # the report on stdout stays clean
+    # The exit code of a failing gate: the solo exact arm alone fails with jittered logits.
     rc = main(common + ["--depths", "2", "--tokens", "24", "--modes", "exact", "--guard", "0", "--logit-jitter", "0.5",
-                        "--no-deviation"])
+                        "--no-deviation", "--no-processors", "--batched", "", "--prefix-chunk", "0"])
     assert rc == 1
 
 
