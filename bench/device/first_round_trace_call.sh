@@ -7,6 +7,8 @@
 # the later rounds'; each run's PTX files are listed with their times (a module compiled
 # during round 0 shows there). Results under $OUT/first_round_trace.
 #   bash bench/device/first_round_trace_call.sh          (ARMS="default fast": other runs)
+# Everything comes back as one archive, $OUT/first_round_trace.tar.gz (a call returns at most 8
+# files; the runs' logs and PTX lists were more).
 # EXTRA: more TOML for the daemons' config (top-level keys), e.g. EXTRA='warm_in_background = false'
 # (every start-up part before ready: what round 0 gains when nothing is left to warm).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -22,3 +24,5 @@ $EXTRA}" --json "$o/$n.json" --markdown "$o/$n.md" \
   find "$d" -path '*mlx-ptx*' -type f -printf '%TT %s %f\n' | sort > "$o/ptx-$n.txt"
   python3 bench/daemon_timeline.py "$o/logs-$n/daemon.log" --until 30 > "$o/timeline-$n.txt" 2>&1
 done
+find "$o" -name daemon.log -exec gzip -f {} \;
+tar czf "$o.tar.gz" -C "$(dirname "$o")" "$(basename "$o")" && rm -rf "$o"

@@ -4,6 +4,8 @@
 # every round (issue 49's goal: 4 streams >= 2.5x one stream). The daemon's log comes back
 # too, with its governor decisions (depth and height by load) pulled out beside it.
 #   bash bench/device/streams_call.sh            (ROUNDS, TOKENS, STREAMS, CALL_LIMIT: env)
+# Everything comes back as one archive, $OUT/streams.tar.gz (a call returns at most 8 files; a
+# second run in the same call with its own OUT=$OUT/NAME makes its own).
 # VARIANT='NAME=TOML' adds a second daemon with that config as an arm "http NAME" (e.g.
 # VARIANT='lookup=[speculation]\nbatch_lookup = true'); MLX=" " leaves mlx_lm.server out.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -21,3 +23,5 @@ for d in $(ls -d /tmp/http-bench-* 2>/dev/null); do
   grep '"governor.decision"' "$d/daemon.log" | tail -40 > "$o/governor_decisions.jsonl"
 done
 wc -l "$o"/governor_decisions.jsonl 2>/dev/null
+gzip -f "$o/daemon.log" 2>/dev/null
+tar czf "$o.tar.gz" -C "$(dirname "$o")" "$(basename "$o")" && rm -rf "$o"

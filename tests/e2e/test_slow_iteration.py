@@ -20,5 +20,7 @@ def test_every_iteration_over_the_threshold_is_logged_with_its_phases_and_shape(
     assert events
     assert all(e["seconds"] >= 0 and {"decode", "prefill"} <= set(e["phases"]) and "start" in e["phases"] for e in events)
     assert any(e["prefilled"] > 0 for e in events)  # the prompt's iterations
+    # MLX's allocator after the iteration: the model's weights are in use, whatever the pool holds
+    assert all(e["active_bytes"] > 0 and e["cache_bytes"] >= 0 for e in events)
     decoding = [e for e in events if e["decode"] is not None]
     assert decoding and all(e["rows"] >= 1 and e["positions"] >= 1 for e in decoding)
