@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    max_active=8, config_extra=toml.replace("\\n", "\n"), timeout_s=180)
             procs += vprocs
             arms[f"http {name}"] = (f"http://127.0.0.1:{vport}/v1/completions", "councild")
-            pids[f"daemon {name}"] = vprocs[0].pid
+            pids[f"daemon {name}"], pids[f"front {name}"] = vprocs[0].pid, vprocs[1].pid
         if args.mlx_server:
             mlx, mport = start_mlx_lm_server(args.model, tmp, env, timeout_s=120)
             procs.append(mlx)
@@ -226,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "| arm | streams | CPU s per 1,000 tokens: daemon | front | mlx_lm.server | this client |",
               "|---|---|---|---|---|---|"]
     for arm, by in out["arms"].items():
+        # a variant's arm is served by its own daemon and front ("daemon NAME", "front NAME")
+        own = f" {arm[len('http '):]}" if arm.startswith("http ") else ""
         for conc, s in by.items():
             cells = [f"{s[f'cpu_{k}_s_per_1k']['median']:.2f}" if f"cpu_{k}_s_per_1k" in s else "-"
-                     for k in ("daemon", "front", "mlx_lm.server", "client")]
+                     for k in (f"daemon{own}", f"front{own}", "mlx_lm.server", "client")]
             lines.append(f"| {arm} | {conc} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)

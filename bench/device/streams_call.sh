@@ -21,6 +21,7 @@ for d in $(ls -d /tmp/http-bench-* 2>/dev/null); do
   case " $before " in *" $d "*) continue;; esac
   cp "$d/daemon.log" "$o/daemon.log" 2>/dev/null
   grep '"governor.decision"' "$d/daemon.log" | tail -40 > "$o/governor_decisions.jsonl"
+  for v in "$d"/variant-*; do [ -f "$v/daemon.log" ] && gzip -c "$v/daemon.log" > "$o/daemon-$(basename "$v").log.gz"; done
 done
 wc -l "$o"/governor_decisions.jsonl 2>/dev/null
 gzip -f "$o/daemon.log" 2>/dev/null
