@@ -156,11 +156,12 @@ class SpeculationConfig(Struct, forbid_unknown_fields=True, frozen=True):
     lookup_max_draft: Annotated[int, Meta(ge=1, le=32)] = 8
     # Rows of the continuous batch draft lookup blocks too (greedy rows without a grammar;
     # engine/decoders/batch_spec.py), up to min(lookup_max_draft, 8) tokens: a cycle where any row
-    # has one verifies every row's block (the others' head drafts) in one forward. "auto": on
-    # CUDA, where a verify's cost is nearly flat in positions; not on the CPU, where four
-    # streams ran 0.59x with it (each position a row of work), nor on Metal. Off by default
-    # until it is measured on a GPU (the device was not lent when it was built).
-    batch_lookup: Literal["auto"] | bool = False
+    # has one verifies every row's block (the others' head drafts) in one forward. "auto" (the
+    # default): on CUDA, where a verify's cost is nearly flat in positions (an H100, four HTTP
+    # streams of 256 tokens: 1.40x and 1.50x the batch without it, bench/results/h100_2026-12-07h);
+    # not on the CPU, where four streams ran 0.59x with it (each position a row of work), nor on
+    # Metal (not measured).
+    batch_lookup: Literal["auto"] | bool = "auto"
     # Per-request depth: below the governor's depth, stop a cycle's head drafting once the
     # drafts' confidence times the request's running acceptance is below this (serial steps
     # one more position costs); 0 never stops early.

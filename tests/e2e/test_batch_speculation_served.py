@@ -90,8 +90,8 @@ def test_concurrent_requests_at_depth_zero_batch_and_stay_serial(council_daemon)
     ids = {s.request_id for s in streams}
     ended = [e for e in d.events() if e.get("event") == "request.done" and e["request_id"] in ids]
     assert len(ended) == 4 and sum(e["batched"] for e in ended) >= 3, ended
-    # speculation.batch_lookup is off by default ("auto" would leave it off on the CPU too: a
-    # wider verify costs its positions here); requests alone still draft lookup blocks.
+    # speculation.batch_lookup is "auto" by default, which is off on the CPU (a wider verify
+    # costs its positions here); requests alone still draft lookup blocks.
     assert cycles["cycles"] > 0 and cycles["lookup"] == 0, cycles
 
 
@@ -127,8 +127,8 @@ def test_concurrent_requests_that_repeat_their_context_verify_lookup_blocks_in_t
     """Four concurrent exact requests whose text repeats what they hold (code a council copies),
     at depth 0 (where the governor keeps a busy batch of the bundled model): they decode as
     rows of the batch, which verifies their prompt-lookup blocks in its forwards, and each
-    request's text is still the one it decodes alone. (``batch_lookup = true``: off by default,
-    and "auto" leaves it to CUDA.)"""
+    request's text is still the one it decodes alone. (``batch_lookup = true``: ``auto``, the
+    default, leaves it to CUDA.)"""
     d = start_daemon(tmp_path, BUNDLED_MODEL, config="[speculation]\nbatch_lookup = true\n")
     asks = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
             "| x | y |\n| 1 | 2 |\n| 3 | 4 |\n| 1 | 2 |\n| 3 |",

@@ -124,10 +124,11 @@ class SpecBatchStats:
 
 
 def resolve_batch_lookup(setting: bool | None) -> bool:
-    """None ("auto"): rows draft lookup blocks on CUDA, where a verify of a few positions a
-    row costs about what one does (bench/results/h100_2026-12-07f; the whole effect is not
-    measured there yet, so the config's default is off). Not on the CPU, where each position
-    is a row of work: four HTTP streams of repetitive output ran 0.59x with it
+    """None ("auto", the config's default): rows draft lookup blocks on CUDA, where a verify of
+    a few positions a row costs about what one does (bench/results/h100_2026-12-07f): four HTTP
+    streams of 256 tokens ran 1.40x and 1.50x the batch without it on an H100
+    (bench/results/h100_2026-12-07h). Not on the CPU, where each position is a row of work:
+    four HTTP streams of repetitive output ran 0.59x with it
     (bench/results/batch_lookup_cpu_2026-12-07); not on Metal until it is measured there."""
     if setting is not None:
         return setting
