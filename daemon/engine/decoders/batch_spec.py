@@ -417,10 +417,15 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
             drafts, logq = self._drafts(head, K, ks)
             spec_slots = K - 1
         else:
-            drafts, logq, spec_slots = [], [[] for _ in rows], 0
-            if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
-                self._feed(head)  # keep the head's history whole while nobody drafts
+            (drafts, logq), spec_slots = self._no_drafts(head), 0
         return self._verify(head, ks, drafts, logq, spec_slots, t0, ride)
+
+    def _no_drafts(self, head) -> tuple[list, list[list]]:
+        """A cycle where the head drafts for no row: no draft columns, and the head fed the
+        rows' pending positions once they pile up, to keep its history whole."""
+        if head is not None and max(r.n_pending for r in self._rows) >= FLUSH_PENDING:
+            self._feed(head)
+        return [], [[] for _ in self._rows]
 
     def _lookup_cycle(self, head, blocks: list[list[int]], k: int, t0: float) -> dict[Hashable, DecodeStep]:
         """Verify every row's lookup block, and the others' head drafts at the batch's depth
@@ -433,17 +438,13 @@ class SpecBatchDecoder(CyclesAhead, RowBatch):
         K = max(ks)
         self.last_transition = K != self.last_depth or self.last_source != "lookup"
         self.last_depth, self.last_positions, self.last_source = K, len(rows) * (K + 1), "lookup"
-        if Kh:
-            drafts, logq = self._drafts(head, Kh, heads)
-        else:
-            drafts, logq = [], [[] for _ in rows]
-            if head is not None and max(r.n_pending for r in rows) >= FLUSH_PENDING:
-                self._feed(head)  # keep the head's history whole while it drafts nothing
-        from_block = mx.array([bool(b) for b in blocks])
+        drafts, logq = self._drafts(head, Kh, heads) if Kh else self._no_drafts(head)
+        from_blocks = [bool(b) for b in blocks]
+        from_block = mx.array(from_blocks)
         block = mx.array([b + [0] * (K - len(b)) for b in blocks], dtype=mx.uint32)  # [B, K]; pads are never judged
         cols = [mx.where(from_block, block[:, j], drafts[j] if j < Kh else block[:, j]) for j in range(K)]
         self.stats.lookup_cycles += 1
-        return self._verify(head, ks, cols, logq, max(Kh - 1, 0), t0, None, from_blocks=[bool(b) for b in blocks])
+        return self._verify(head, ks, cols, logq, max(Kh - 1, 0), t0, None, from_blocks=from_blocks)
 
     def _verify(self, head, ks: list[int], drafts: list[mx.array], logq: list[list], spec_slots: int, t0: float,
                 ride: Ride | None, from_blocks: list[bool] | None = None) -> dict[Hashable, DecodeStep]:
