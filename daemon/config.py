@@ -340,6 +340,13 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # prompt piece has a count of its own. "auto": where warmup resolves to "full" (a GPU);
     # "on" / "off" whatever the device. Not in a tensor-parallel group.
     warm_prefill_lengths: Literal["auto", "on", "off"] = "auto"
+    # After the other start-up parts, only while the engine idles: prefill one prompt of 16 whole
+    # chunks (4,096 tokens at the default chunk), a chunk a piece, on a cache of its own
+    # (engine_thread/warmup.prefill_depths): the other warm-ups forward at depth 0 only, and a
+    # fresh H100's first council round ran a cold prompt's chunks at depths 256-1,024 at about
+    # twice their later cost. "auto": where warmup resolves to "full" (a GPU); "on" / "off"
+    # whatever the device. Not in a tensor-parallel group.
+    warm_prefill_depths: Literal["auto", "on", "off"] = "auto"
     # Serve first, improve after (daemon/engine_thread/warming.py): the daemon is ready once the
     # weights and head are loaded and one eager step ran; the compiled step's self-checks, the
     # exactness and cost probes and the warm-up then run on the engine thread between requests,
@@ -385,10 +392,10 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # by (1 + 2**-6), so their start-up probe must fail and refuse them (engine_thread/kernel_choice.py).
     debug_perturb_invariant_batch: bool = False
     # Test-only, empty unless set: start-up parts (warming.py: "compiled_step", "verify",
-    # "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_lengths") whose
+    # "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_depths", "prefill_lengths") whose
     # check is taken as failed, so its path is never switched in and its engine.warm event says why.
     debug_fail_warm: list[Literal["compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps",
-                                 "warmup", "prefill_lengths"]] = []
+                                 "warmup", "prefill_depths", "prefill_lengths"]] = []
 
     def seat(self, name: str) -> SeatConfig:
         return self.scheduler.seats.get(name, self.scheduler.default_seat)

@@ -7,12 +7,12 @@
 # the later rounds'; each run's PTX files are listed with their times (a module compiled
 # during round 0 shows there). Results under $OUT/first_round_trace.
 #   bash bench/device/first_round_trace_call.sh          (ARMS="default fast": other runs)
-# Everything comes back as one archive, $OUT/first_round_trace.tar.gz (a call returns at most 8
-# files; the runs' logs and PTX lists were more).
+# Everything comes back as one archive, $OUT/$NAME.tar.gz (NAME: first_round_trace unless set;
+# a call returns at most 8 files, and the runs' logs and PTX lists were more).
 # EXTRA: more TOML for the daemons' config (top-level keys), e.g. EXTRA='warm_in_background = false'
 # (every start-up part before ready: what round 0 gains when nothing is left to warm).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-o=${OUT:-/tmp/out}/first_round_trace
+o=${OUT:-/tmp/out}/${NAME:-first_round_trace}
 mkdir -p "$o"
 for arm in ${ARMS:-default fast default}; do
   d=/tmp/first-round-$arm-$RANDOM; rm -rf "$d"; n=$(basename "$d")

@@ -227,7 +227,9 @@ class EngineStartup:
             parts.append(WarmPart("prefill_together", self._prefill_together, waited_by="none"))
         if self.engine.batch is not None and self.cfg.scheduler.mixed_steps != "off" and self.group is None:
             parts.append(WarmPart("mixed_steps", self._mixed_steps, waited_by="none"))
-        if self.group is None and self._warms_prefill_lengths():  # last: the longest, and serving warms counts too
+        if self.group is None and self._warms("warm_prefill_depths"):
+            parts.append(WarmPart("prefill_depths", self._prefill_depths_part, waited_by="idle"))
+        if self.group is None and self._warms("warm_prefill_lengths"):  # last: the longest, and serving warms counts too
             parts.append(WarmPart("prefill_lengths", self._prefill_lengths_part, waited_by="idle"))
         return parts
 
@@ -401,9 +403,22 @@ class EngineStartup:
         return Outcome(level != "off", f"warm-up {level}: each served shape ran once" if level != "off"
                        else "warmup = \"off\"", None, {"mode": level})
 
-    def _warms_prefill_lengths(self) -> bool:
-        setting = self.cfg.warm_prefill_lengths
+    def _warms(self, key: str) -> bool:
+        """Whether an idle warm-up part runs: its setting ``key`` "on", or "auto" where the
+        warm-up resolves to "full" (a GPU)."""
+        setting = getattr(self.cfg, key)
         return setting == "on" or (setting == "auto" and self.warmup_mode() == "full")
+
+    def _prefill_depths_part(self):
+        """One long prompt prefilled a chunk a piece (warmup.prefill_depths)."""
+        from . import warmup
+        from .warming import Outcome
+
+        chunk = self.cfg.scheduler.prefill_chunk
+        head = self.engine.slot.head if self.engine.slot.resident else None
+        tokens = warmup.prefill_depths(self.engine.lm, warmup.DEPTH_CHUNKS, chunk=chunk, head=head)
+        return Outcome(True, f"a {tokens}-token prompt prefilled, a {chunk}-token chunk a piece", None,
+                       {"tokens": tokens, "chunk": chunk, "head": head is not None})
 
     def _prefill_lengths_part(self):
         """Every prompt piece's token count forwarded once (warmup.prefill_each_length)."""

@@ -118,6 +118,29 @@ def prefill_each_length(lm, lengths: list[int], *, chunk: int, head) -> None:
     mx.synchronize()
 
 
+# Whole chunks of the ``prefill_depths`` part's prompt: 4,096 tokens at the default chunk of 256,
+# the depth a council's shared system prompt and first turns reach.
+DEPTH_CHUNKS = 16
+
+
+def prefill_depths(lm, chunks: int, *, chunk: int, head) -> int:
+    """Prefill one prompt of ``chunks`` whole chunks on an empty cache of its own, a chunk a
+    piece (the ``prefill_depths`` start-up part); return the tokens forwarded. Why: the other
+    warm-ups forward at depth 0 only, and a fresh H100's first council round ran a cold
+    prompt's 256-token chunks at depths 256-1,024 in 41-54 ms against 17-22 ms for the same
+    chunks in the rounds after it (bench/results/h100_2026-12-08), as if what grows with depth
+    (the cache's buffers, attention's key lengths) were first met there. ``head``: the resident MTP
+    head (its history grows with the prompt), or None."""
+    prompt = _tokens(lm, chunks * chunk + 1, 300)
+    history = HeadHistory(head) if head is not None else None
+    p = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), history)
+    while not p.done:
+        pause()
+        p.step()
+    mx.synchronize()
+    return p.pos
+
+
 def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows: int,
         emit: Callable[..., None], spec_options: dict | None = None) -> dict[str, float]:
     """Run the stages of ``level`` ("full" or "light"); return each stage's seconds. ``head``:

@@ -20,11 +20,13 @@ from protocol.client import Client
 from daemon.paths import BUNDLED_MODEL
 
 # A small chunk keeps the chunk-split probe cheap (it prefills 2 * chunk + 9 tokens 3 times)
-# and prefill_lengths' 31 forwards ("auto" leaves that part to GPUs; "on" runs it here).
-CONFIG = "warm_prefill_lengths = \"on\"\n[scheduler]\nprefill_chunk = 32\nmax_active = 4\n"
+# and prefill_lengths' 31 forwards and prefill_depths' 16 chunks ("auto" leaves those parts to
+# GPUs; "on" runs them here).
+CONFIG = "warm_prefill_lengths = \"on\"\nwarm_prefill_depths = \"on\"\n[scheduler]\nprefill_chunk = 32\nmax_active = 4\n"
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main(argv):\n", "class Council:\n    def __init__(self):\n",
            "for i in range(10):\n"]
-PARTS = ("compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_lengths")
+PARTS = ("compiled_step", "verify", "splits", "batch", "prefill_together", "mixed_steps", "warmup", "prefill_depths",
+         "prefill_lengths")
 
 
 def _pending(c: Client) -> list[str]:
@@ -69,6 +71,8 @@ def test_exact_requests_during_warm_up_match_a_slow_start_which_reads_the_same_v
     assert all(e["longest_piece_ms"] < 5000 for e in fast.values())  # pieces, not one block
     # 1..31 but light's 16: a count a piece (and the empty one before the first)
     assert fast["prefill_lengths"]["lengths"] == 31 and fast["prefill_lengths"]["pieces"] == 32
+    # one prompt 16 chunks deep, a chunk a piece (and the empty one before the first)
+    assert fast["prefill_depths"]["tokens"] == 16 * 32 and fast["prefill_depths"]["pieces"] == 17
     assert {p: e.get("verdict") for p, e in fast.items() if "verdict" in e} == \
         {p: "probed" for p, e in fast.items() if "verdict" in e}
 
