@@ -344,8 +344,9 @@ class Config(Struct, forbid_unknown_fields=True, kw_only=True):
     # chunks (4,096 tokens at the default chunk), a chunk a piece, on a cache of its own
     # (engine_thread/warmup.prefill_depths): the other warm-ups forward at depth 0 only, and a
     # fresh H100's first council round ran a cold prompt's chunks at depths 256-1,024 at about
-    # twice their later cost. "auto": where warmup resolves to "full" (a GPU); "on" / "off"
-    # whatever the device. Not in a tensor-parallel group.
+    # twice their later cost (what the part gains that round is not measured yet). "auto": where
+    # warmup resolves to "full" (a GPU); "on" / "off" whatever the device. Not in a
+    # tensor-parallel group.
     warm_prefill_depths: Literal["auto", "on", "off"] = "auto"
     # Serve first, improve after (daemon/engine_thread/warming.py): the daemon is ready once the
     # weights and head are loaded and one eager step ran; the compiled step's self-checks, the
