@@ -122,8 +122,13 @@ def councild_status(endpoint: str) -> dict:
 
     with Client(endpoint, seat="bench-status", timeout_s=30) as c:
         detail = c.status().detail
+    step = detail.get("step") or {}
+    # The pacer's fit and the shared forwards' counts: how prompts were prefilled beside the
+    # decoding rows (an H100's council of 8 in fast mode prefilled ~300-token tails in 24-54
+    # forwards each, bench/results/h100_2026-12-08).
     return {"rows": detail.get("rows", {}), "governor": detail.get("governor", {}), "speculation": detail.get("speculation", {}),
-            "batch": detail.get("batch", {}), "batch_cycles": (detail.get("step") or {}).get("batch_cycles"),
+            "batch": detail.get("batch", {}), "batch_cycles": step.get("batch_cycles"),
+            "prefill": {k: step.get(k) for k in ("pacing", "together", "mixed")},
             "stats": {k: v for k, v in detail.get("stats", {}).items() if k in ("drafted", "accepted")}}
 
 
