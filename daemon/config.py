@@ -86,7 +86,8 @@ class SchedulerConfig(Struct, forbid_unknown_fields=True, frozen=True):
     step_token_budget: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
     # While others decode, an iteration (their decode phase, then a prompt's prefill) takes
     # at most this many times an iteration that prefills nothing: the prefill phase gets the
-    # tokens that fit, measured (engine_thread/prefill_pacer.py), at least 4. So the decoding
+    # tokens that fit, measured (engine_thread/prefill_pacer.py), at least 4 and at least a
+    # forward's fixed part in tokens where it stands out of the fit's error. So the decoding
     # streams' gap during a long prompt stays near this multiple of their quiet gap, and the
     # long prompt's first token comes later (more iterations). Where off-grid splits change
     # the numbers, exact requests keep whole chunks (OPERATIONS.md, "The engine step").

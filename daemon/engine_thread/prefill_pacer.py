@@ -14,7 +14,9 @@ gaps ~20x. The pacer keeps an iteration within ``bound`` quiet iterations
 
 and gives the prefill phase the n for which ``c + b * n`` stays within ``bound`` quiet
 iterations, less two standard deviations of the fit's error (so most iterations, not the
-average one, keep the bound), at least ``MIN_PIECE`` and at most a chunk. Whole iterations
+average one, keep the bound), at least ``MIN_PIECE`` and the forward's fixed part in tokens
+(``fixed_piece``: where a forward costs mostly its fixed part, as on a GPU, a smaller piece
+buys the rows nothing) and at most a chunk. Whole iterations
 are timed, not the phases: the decode phase's forward is issued ahead and runs while the
 prefill's is evaluated (MLX evaluates lazily, one stream after another), so a phase's own
 clock would hand the decode's cost to the prefill. With nobody decoding, prompts prefill
@@ -108,10 +110,28 @@ class PrefillPacer:
             quiet = self.quiet_s if self.quiet_s is not None else c
             room = self.bound * quiet - c - MARGIN_SD * math.sqrt(self._err or 0.0)
             piece = int(room / b + 1e-6) if room > 0 else 0  # 47.99999 from float sums is 48
+            piece = max(piece, self.fixed_piece(c, b, quiet, math.sqrt(self._err or 0.0)))
         piece = max(min(self.min_piece, chunk), min(piece, chunk))
         self.last_piece = piece
         self.paced_iterations += 1
         return piece
+
+    @staticmethod
+    def fixed_piece(c: float, b: float, quiet: float, error: float) -> int:
+        """The tokens whose cost equals a prefill forward's fixed part (``c`` less the quiet
+        iteration: what the forward costs before its first token), the smallest piece worth
+        cutting to, where that part stands out of the fit's error (``error``, seconds: more
+        than MARGIN_SD of it; a scattered fit's intercept is no measure of it); else 0. A
+        smaller piece spends most of the decoding rows' wait on the fixed part: the rows wait
+        about as long an iteration and the prompt takes more of them. On this project's CPU
+        it is 2-3 tokens (a fixed ~10 ms against ~4.6 ms a token, within an error of ~30 ms):
+        no floor; on a GPU a forward's fixed part is most of its cost, and an H100's council
+        of 8 prefilled ~300-token tails in 24-54 forwards of a few tokens
+        (bench/results/h100_2026-12-08)."""
+        fixed = c - quiet
+        if fixed <= MARGIN_SD * error or b <= 0:
+            return 0
+        return int(fixed / b)
 
     def to_dict(self) -> dict:
         cost = self.cost()

@@ -61,9 +61,36 @@ def test_whole_chunks_when_nobody_decodes_or_off_and_a_small_first_piece():
 
 def test_a_piece_never_goes_below_the_floor():
     p = PrefillPacer(bound=1.5)
-    _iterations(p, (256, 16) * 10, fixed=0.030)  # half a quiet iteration is less than a forward's fixed 30 ms
+    _iterations(p, (256, 16) * 10, fixed=0.001)  # half a quiet iteration (10 ms) leaves 4.5 ms: 2 tokens
     assert p.allowance(decoding=True, chunk=256) == MIN_PIECE
     assert p.allowance(decoding=True, chunk=2) == 2  # a chunk below the floor: the chunk
+
+
+def test_a_piece_holds_at_least_the_forwards_fixed_part_in_tokens():
+    # A forward's fixed 30 ms is more than the bound leaves (half a quiet iteration): no piece
+    # keeps it, and a 4-token piece would cost the rows 58 ms an iteration for 64 iterations a
+    # chunk. The piece whose tokens cost what the fixed part does: 30 / 2 = 15 tokens.
+    p = PrefillPacer(bound=1.5)
+    _iterations(p, (256, 16) * 10, fixed=0.030)
+    assert PrefillPacer.fixed_piece(*p.cost(), p.quiet_s, 0.0) == 15
+    assert p.allowance(decoding=True, chunk=256) == 15
+    assert p.allowance(decoding=True, chunk=8) == 8  # never more than a chunk
+    # A GPU-like forward (fixed 8 ms, 0.03 ms a token, quiet 10 ms) within twice a quiet
+    # iteration: no piece keeps it (the fixed part alone is 0.8 of a quiet iteration, less the
+    # margin); the piece is the fixed part's ~200-270 tokens, not 4.
+    gpu = PrefillPacer(bound=2.0)
+    _iterations(gpu, (4, 40, 12) * 16, quiet=0.010, fixed=0.008, per_token=0.00003,
+                scatter=lambda i: 1.0 + 0.05 * (i % 4 - 1.5))
+    c, b = gpu.cost()
+    assert 2.0 * gpu.quiet_s - c - 2 * gpu.to_dict()["error_ms"] / 1e3 < 0  # no room
+    assert 200 <= gpu.allowance(decoding=True, chunk=256) <= 256
+    # A fixed part within the fit's scatter is no measure of it: the room's piece alone.
+    assert PrefillPacer.fixed_piece(0.030, 0.002, 0.020, 0.006) == 0
+    # Pieces of one size: the fit cannot part the fixed cost from the tokens', no such floor.
+    one = PrefillPacer(bound=1.5)
+    _iterations(one, (16,) * 10, fixed=0.030)
+    assert PrefillPacer.fixed_piece(*one.cost(), one.quiet_s, 0.0) == 0
+    assert one.allowance(decoding=True, chunk=256) == MIN_PIECE
 
 
 def test_a_scattered_cost_leaves_a_margin():
