@@ -23,6 +23,7 @@ $EXTRA}" --json "$o/$n.json" --markdown "$o/$n.md" \
   echo "$n rc $?"; tail -3 "$o/$n.md"
   find "$d" -path '*mlx-ptx*' -type f -printf '%TT %s %f\n' | sort > "$o/ptx-$n.txt"
   python3 bench/daemon_timeline.py "$o/logs-$n/daemon.log" --until 30 > "$o/timeline-$n.txt" 2>&1
+  python3 bench/daemon_timeline.py "$o/logs-$n/daemon.log" --per-round 12 | tee "$o/rounds-$n.txt"  # 4 seats x 3 turns
 done
 find "$o" -name daemon.log -exec gzip -f {} \;
 tar czf "$o.tar.gz" -C "$(dirname "$o")" "$(basename "$o")" && rm -rf "$o"
