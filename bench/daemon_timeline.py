@@ -104,7 +104,7 @@ def rounds(path: Path, per_round: int) -> list[str]:
         elif e.get("rows") and not e.get("prefilled"):
             row["decode_s"].append(e.get("seconds") or 0.0)
     out = [f"| round | requests | TTFT p50 / p95 / max ms | prompt tokens prefilled | forwards | "
-           f"slow {chunk}-token prefills: n, median ms | slow decode-only: n, median ms |", "|---|---|---|---|---|---|---|"]
+           f"slow {f'{chunk}-token' if chunk else 'whole-chunk'} prefills: n, median ms | slow decode-only: n, median ms |", "|---|---|---|---|---|---|---|"]
     for i, row in enumerate(rows):
         t = sorted(row["ttft"])
         p95 = t[min(len(t) - 1, int(len(t) * 0.95))] if t else None
