@@ -139,4 +139,6 @@ class PrefillPacer:
                 "iteration_ms": None if cost is None else round(cost[0] * 1e3, 3),
                 "prefill_token_ms": None if cost is None else round(cost[1] * 1e3, 4),
                 "error_ms": None if self._err is None else round(math.sqrt(self._err) * 1e3, 3),
-                "last_piece": self.last_piece, "paced_iterations": self.paced_iterations}
+                "last_piece": self.last_piece, "paced_iterations": self.paced_iterations,
+                "fixed_piece": None if cost is None else self.fixed_piece(*cost, self.quiet_s or cost[0],
+                                                                          math.sqrt(self._err or 0.0))}

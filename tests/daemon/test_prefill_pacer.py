@@ -73,7 +73,7 @@ def test_a_piece_holds_at_least_the_forwards_fixed_part_in_tokens():
     p = PrefillPacer(bound=1.5)
     _iterations(p, (256, 16) * 10, fixed=0.030)
     assert PrefillPacer.fixed_piece(*p.cost(), p.quiet_s, 0.0) == 15
-    assert p.allowance(decoding=True, chunk=256) == 15
+    assert p.allowance(decoding=True, chunk=256) == 15 and p.to_dict()["fixed_piece"] == 15
     assert p.allowance(decoding=True, chunk=8) == 8  # never more than a chunk
     # A GPU-like forward (fixed 8 ms, 0.03 ms a token, quiet 10 ms) within twice a quiet
     # iteration: no piece keeps it (the fixed part alone is 0.8 of a quiet iteration, less the
@@ -90,7 +90,7 @@ def test_a_piece_holds_at_least_the_forwards_fixed_part_in_tokens():
     one = PrefillPacer(bound=1.5)
     _iterations(one, (16,) * 10, fixed=0.030)
     assert PrefillPacer.fixed_piece(*one.cost(), one.quiet_s, 0.0) == 0
-    assert one.allowance(decoding=True, chunk=256) == MIN_PIECE
+    assert one.allowance(decoding=True, chunk=256) == MIN_PIECE and one.to_dict()["fixed_piece"] == 0
 
 
 def test_a_scattered_cost_leaves_a_margin():
