@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from datetime import datetime
 from pathlib import Path
 
@@ -66,8 +67,7 @@ def lines(path: Path, until: float | None = None) -> list[str]:
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+    return statistics.median(xs) if xs else None
 
 
 def _ms(x: float | None) -> str:

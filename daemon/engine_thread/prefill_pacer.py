@@ -107,14 +107,18 @@ class PrefillPacer:
             piece = self.min_piece  # nothing fitted yet: a small piece measures
         else:
             c, b = cost
-            quiet = self.quiet_s if self.quiet_s is not None else c
-            room = self.bound * quiet - c - MARGIN_SD * math.sqrt(self._err or 0.0)
+            quiet, error = self._quiet(c), math.sqrt(self._err or 0.0)
+            room = self.bound * quiet - c - MARGIN_SD * error
             piece = int(room / b + 1e-6) if room > 0 else 0  # 47.99999 from float sums is 48
-            piece = max(piece, self.fixed_piece(c, b, quiet, math.sqrt(self._err or 0.0)))
+            piece = max(piece, self.fixed_piece(c, b, quiet, error))
         piece = max(min(self.min_piece, chunk), min(piece, chunk))
         self.last_piece = piece
         self.paced_iterations += 1
         return piece
+
+    def _quiet(self, c: float) -> float:
+        """The quiet iteration, or the fit's intercept before one was seen."""
+        return self.quiet_s if self.quiet_s is not None else c
 
     @staticmethod
     def fixed_piece(c: float, b: float, quiet: float, error: float) -> int:
@@ -140,5 +144,5 @@ class PrefillPacer:
                 "prefill_token_ms": None if cost is None else round(cost[1] * 1e3, 4),
                 "error_ms": None if self._err is None else round(math.sqrt(self._err) * 1e3, 3),
                 "last_piece": self.last_piece, "paced_iterations": self.paced_iterations,
-                "fixed_piece": None if cost is None else self.fixed_piece(*cost, self.quiet_s or cost[0],
+                "fixed_piece": None if cost is None else self.fixed_piece(*cost, self._quiet(cost[0]),
                                                                           math.sqrt(self._err or 0.0))}

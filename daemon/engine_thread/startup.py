@@ -409,13 +409,17 @@ class EngineStartup:
         setting = getattr(self.cfg, key)
         return setting == "on" or (setting == "auto" and self.warmup_mode() == "full")
 
+    def _resident_head(self):
+        """The MTP head where it is resident (warm-ups prime its history too), else None."""
+        return self.engine.slot.head if self.engine.slot.resident else None
+
     def _prefill_depths_part(self):
         """One long prompt prefilled a chunk a piece (warmup.prefill_depths)."""
         from . import warmup
         from .warming import Outcome
 
         chunk = self.cfg.scheduler.prefill_chunk
-        head = self.engine.slot.head if self.engine.slot.resident else None
+        head = self._resident_head()
         tokens = warmup.prefill_depths(self.engine.lm, warmup.DEPTH_CHUNKS, chunk=chunk, head=head)
         return Outcome(True, f"a {tokens}-token prompt prefilled, a {chunk}-token chunk a piece", None,
                        {"tokens": tokens, "chunk": chunk, "head": head is not None})
@@ -427,7 +431,7 @@ class EngineStartup:
 
         chunk = self.cfg.scheduler.prefill_chunk
         lengths = warmup.remaining_lengths(self.warmup_mode(), chunk)
-        head = self.engine.slot.head if self.engine.slot.resident else None
+        head = self._resident_head()
         warmup.prefill_each_length(self.engine.lm, lengths, chunk=chunk, head=head)
         return Outcome(True, f"each prompt piece's token count 1..{chunk} forwarded once", None,
                        {"lengths": len(lengths), "chunk": chunk, "head": head is not None})
@@ -511,7 +515,7 @@ class EngineStartup:
         t0 = time.perf_counter()
         stages = warmup.run(
             level, self.engine.lm, chunk=self.cfg.scheduler.prefill_chunk,
-            head=self.engine.slot.head if self.engine.slot.resident else None,
+            head=self._resident_head(),
             depths=list(range(1, max_depth + 1)),
             batch=self.engine.batch, max_rows=self.cfg.scheduler.batch_rows,
             emit=lambda event, **fields: log.info(event, **fields),

@@ -88,13 +88,17 @@ def prefill_lengths(level: str, chunk: int) -> list[int]:
     return [s + 1 for s in sorted({chunk, max(1, chunk // 2 + 1), min(chunk, 17), 1}, reverse=True)]
 
 
-def prefill_prompt(lm, prompt: list[int], chunk: int, head) -> None:
+def prefill_prompt(lm, prompt: list[int], chunk: int, head, pause_each: bool = False) -> int:
     """Prefill ``prompt`` on an empty cache of its own, with the head's history where a head
-    is given (the speculative prefill's extra work), to its end."""
+    is given (the speculative prefill's extra work), to its end, a chunk a piece where
+    ``pause_each``; return the tokens forwarded."""
     history = HeadHistory(head) if head is not None else None
     p = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), history)
     while not p.done:
+        if pause_each:
+            pause()
         p.step()
+    return p.pos
 
 
 def remaining_lengths(level: str, chunk: int) -> list[int]:
@@ -131,14 +135,9 @@ def prefill_depths(lm, chunks: int, *, chunk: int, head) -> int:
     chunks in the rounds after it (bench/results/h100_2026-12-08), as if what grows with depth
     (the cache's buffers, attention's key lengths) were first met there. ``head``: the resident MTP
     head (its history grows with the prompt), or None."""
-    prompt = _tokens(lm, chunks * chunk + 1, 300)
-    history = HeadHistory(head) if head is not None else None
-    p = ChunkedPrefill(lm, prompt, chunk, lm.make_cache(), history)
-    while not p.done:
-        pause()
-        p.step()
+    tokens = prefill_prompt(lm, _tokens(lm, chunks * chunk + 1, 300), chunk, head, pause_each=True)
     mx.synchronize()
-    return p.pos
+    return tokens
 
 
 def run(level: str, lm, *, chunk: int, head, depths: list[int], batch, max_rows: int,
